@@ -1,0 +1,1 @@
+"""datamove dataflow stage: spec -> SDFG -> operator graph -> training graph -> fused graph."""

@@ -1,0 +1,1 @@
+"""datamove kernels stage: Triton tile kernels, contraction variants, benchmark harness, tuning database."""

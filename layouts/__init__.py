@@ -1,0 +1,1 @@
+"""datamove layouts stage: layout spaces, the layout graph and configuration selection."""
