@@ -1,0 +1,270 @@
+"""Layer specs: a NumPy function with named-dim annotations, loaded with its dims.
+
+A spec file declares its size dims with ``dims(B=8, L=512, ...)`` (symbols with defaults), maps
+each index letter to a dim in ``INDEX`` (``{"b": B, "j": L, "k": L, ...}``), and defines one layer
+function whose every argument is annotated ``Tensor("ibj")`` (stored in that letter order) or
+``Dropout("hbjk", p)`` (a mask of 0 or 1/(1-p) that datamove regenerates).  ``OPTIONS`` may list
+choices for module constants (first value the default), set with ``--set NAME=VALUE``.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import dace
+
+
+class SpecError(Exception):
+    """A problem in the user's spec or dims; its message is meant to be printed as is."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """Annotation of a layer argument: a tensor stored in the order of ``letters``."""
+
+    letters: str
+    requires_grad: bool = True
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """Annotation of a dropout mask argument over ``letters`` with drop probability ``p``."""
+
+    letters: str
+    p: float = 0.1
+
+
+def dims(**defaults: int) -> tuple[dace.symbol, ...]:
+    """Declare size dims with their default values; returns one symbol per dim, in order."""
+    symbols = []
+    for name, value in defaults.items():
+        symbol = dace.symbol(name)
+        symbol.default = value
+        symbols.append(symbol)
+    return tuple(symbols)
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One layer argument: ``letters`` name its axes in storage order."""
+
+    name: str
+    letters: str
+    kind: str  # "tensor" | "dropout"
+    requires_grad: bool
+    p: float = 0.0
+
+
+@dataclass
+class LayerSpec:
+    """A loaded spec: the layer function, its arguments, letter->dim map and dim values."""
+
+    path: Path
+    function: types.FunctionType
+    arguments: list[Argument]
+    letter_dims: dict[str, str]  # index letter -> dim name
+    dim_values: dict[str, int]  # dim name -> size
+    options: dict[str, str]
+    output_names: list[str]
+
+    @property
+    def module_prefix(self) -> str:
+        """DaCe prefixes arrays of inlined helper functions with the module name."""
+        return self.function.__module__
+
+    @property
+    def name(self) -> str:
+        return self.function.__name__
+
+    def letter_sizes(self) -> dict[str, int]:
+        return {letter: self.dim_values[dim] for letter, dim in self.letter_dims.items()}
+
+
+# NumPy constructs that DaCe turns into Python callbacks or refuses, with the supported form.
+UNSUPPORTED_CALLS = {
+    "var": "write the variance out: np.sum((x - mean[...]) * (x - mean[...]), axis=a) / np.float32(n)",
+    "std": "write np.sqrt of the explicit variance (see np.var)",
+    "mean": "write np.sum(x, axis=a) / np.float32(n)",
+    "random": "declare a Dropout(letters, p) argument and multiply by it",
+    "dot": "use np.einsum with named index letters",
+    "matmul": "use np.einsum with named index letters",
+    "softmax": "write the softmax out with np.max, np.exp, np.sum",
+}
+UNSUPPORTED_KEYWORDS = {
+    "keepdims": "drop keepdims= and broadcast the result explicitly, e.g. m[:, :, None]",
+    "out": "assign the result to a name instead of out=",
+    "where": "drop where= (masks are multiplications by a mask tensor)",
+}
+
+
+def _check_source(path: Path, source: str) -> ast.Module:
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as err:
+        raise SpecError(f"{path}:{err.lineno}: syntax error: {err.msg}") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            chain = []
+            while isinstance(func, ast.Attribute):
+                chain.append(func.attr)
+                func = func.value
+            if isinstance(func, ast.Name) and func.id in ("np", "numpy"):
+                for attr in chain:
+                    if attr in UNSUPPORTED_CALLS:
+                        raise SpecError(f"{path}:{node.lineno}: np.{'.'.join(reversed(chain))} is not supported: "
+                                        f"{UNSUPPORTED_CALLS[attr]}")
+            for keyword in node.keywords:
+                if keyword.arg in UNSUPPORTED_KEYWORDS:
+                    raise SpecError(f"{path}:{node.lineno}: keyword {keyword.arg}= is not supported: "
+                                    f"{UNSUPPORTED_KEYWORDS[keyword.arg]}")
+        if isinstance(node, (ast.For, ast.While)):
+            raise SpecError(f"{path}:{node.lineno}: loops are not supported in a layer spec: "
+                            "write the computation with whole-array NumPy expressions and np.einsum")
+    return tree
+
+
+def _import(path: Path, source: str) -> types.ModuleType:
+    module_name = f"datamove_spec_{path.stem}_{abs(hash(path.resolve())) % 10**8}"
+    module = types.ModuleType(module_name)
+    module.__file__ = str(path)
+    sys.modules[module_name] = module  # dace's parser looks functions' globals up through their module
+    try:
+        exec(compile(source, str(path), "exec", dont_inherit=True), module.__dict__)
+    except SpecError:
+        raise
+    except Exception as err:  # the user's module-level code failed: say where
+        tb = err.__traceback__
+        lineno = None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == str(path):
+                lineno = tb.tb_lineno
+            tb = tb.tb_next
+        where = f"{path}:{lineno}" if lineno else str(path)
+        raise SpecError(f"{where}: error while loading the spec: {type(err).__name__}: {err}") from None
+    return module
+
+
+def _layer_function(path: Path, module: types.ModuleType) -> types.FunctionType:
+    candidates = []
+    for value in vars(module).values():
+        if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
+            params = inspect.signature(value).parameters.values()
+            if params and all(isinstance(p.annotation, (Tensor, Dropout)) for p in params):
+                candidates.append(value)
+    chosen = getattr(module, "LAYER", None)
+    if isinstance(chosen, types.FunctionType):
+        return chosen
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise SpecError(f"{path}: no layer function found: looked for a function whose arguments are all "
+                        "annotated Tensor(\"letters\") or Dropout(\"letters\", p)")
+    names = ", ".join(f.__name__ for f in candidates)
+    raise SpecError(f"{path}: several layer functions ({names}): set LAYER = <one of them>")
+
+
+def parse_assignments(text: str, what: str) -> dict[str, str]:
+    """``"B=8,L=512"`` -> ``{"B": "8", "L": "512"}``; a name given twice with two values is an error."""
+    result: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise SpecError(f"{what}: expected NAME=VALUE, got {item!r}")
+        name, value = name.strip(), value.strip()
+        if name in result and result[name] != value:
+            raise SpecError(f"{what}: contradictory values for {name}: {result[name]} and {value}")
+        result[name] = value
+    return result
+
+
+def _resolve_dims(path: Path, module, overrides: dict[str, int]) -> tuple[dict[str, str], dict[str, int]]:
+    index = getattr(module, "INDEX", None)
+    if not isinstance(index, dict) or not index:
+        raise SpecError(f"{path}: missing INDEX = {{letter: dim, ...}} mapping each index letter to a dim")
+    letter_dims = {}
+    for letter, dim in index.items():
+        if not (isinstance(letter, str) and len(letter) == 1 and letter.isalpha()):
+            raise SpecError(f"{path}: INDEX key {letter!r} is not a single letter")
+        letter_dims[letter] = str(dim)
+    declared = {name: getattr(value, "default", None) for name, value in vars(module).items()
+                if isinstance(value, dace.symbol)}
+    values = {name: value for name, value in declared.items() if value is not None}
+    unknown = sorted(set(overrides) - set(declared))
+    if unknown:
+        raise SpecError(f"--dims: unknown dims {', '.join(unknown)}; the spec declares {', '.join(sorted(declared))}")
+    values.update(overrides)
+    needed = sorted(set(letter_dims.values()))
+    missing = [dim for dim in needed if dim not in values]
+    bad = [f"{dim}={values[dim]}" for dim in needed if dim in values and not (isinstance(values[dim], int) and values[dim] > 0)]
+    problems = []
+    if missing:
+        problems.append(f"missing dims: {', '.join(missing)} (give them with --dims {missing[0]}=...)")
+    if bad:
+        problems.append(f"dims must be positive integers: {', '.join(bad)}")
+    if problems:
+        raise SpecError(f"{path}: " + "; ".join(problems))
+    return letter_dims, {dim: values[dim] for dim in needed}
+
+
+def _return_names(path: Path, tree: ast.Module, function: types.FunctionType) -> list[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == function.__name__:
+            returns = [n for n in ast.walk(node) if isinstance(n, ast.Return)]
+            if len(returns) != 1 or returns[0].value is None:
+                raise SpecError(f"{path}:{node.lineno}: the layer function must end with one return of its outputs")
+            value = returns[0].value
+            items = value.elts if isinstance(value, ast.Tuple) else [value]
+            return [item.id if isinstance(item, ast.Name) else f"out{n}" for n, item in enumerate(items)]
+    raise SpecError(f"{path}: cannot find the source of {function.__name__}")
+
+
+def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
+              options: dict[str, str] | None = None) -> LayerSpec:
+    """Load a spec file; ``dim_overrides`` replace its dim defaults, ``options`` its module constants."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such spec file")
+    source = path.read_text()
+    tree = _check_source(path, source)
+    module = _import(path, source)
+    chosen = _apply_options(path, module, options or {})
+    function = _layer_function(path, module)
+    letter_dims, dim_values = _resolve_dims(path, module, dim_overrides or {})
+    arguments = []
+    for param in inspect.signature(function).parameters.values():
+        ann = param.annotation
+        unknown = sorted(set(ann.letters) - set(letter_dims))
+        if unknown:
+            raise SpecError(f"{path}: argument {param.name}: letters {', '.join(unknown)} are not in INDEX")
+        if len(set(ann.letters)) != len(ann.letters):
+            raise SpecError(f"{path}: argument {param.name}: repeated letter in {ann.letters!r}")
+        if isinstance(ann, Dropout):
+            if not 0.0 <= ann.p < 1.0:
+                raise SpecError(f"{path}: argument {param.name}: dropout p={ann.p} must be in [0, 1)")
+            arguments.append(Argument(param.name, ann.letters, "dropout", False, float(ann.p)))
+        else:
+            arguments.append(Argument(param.name, ann.letters, "tensor", ann.requires_grad))
+    return LayerSpec(path, function, arguments, letter_dims, dim_values, chosen,
+                     _return_names(path, tree, function))
+
+
+def _apply_options(path: Path, module, options: dict[str, str]) -> dict[str, str]:
+    declared = getattr(module, "OPTIONS", {}) or {}
+    chosen = {}
+    for name, choices in declared.items():
+        value = options.get(name.lower(), choices[0])
+        if value not in choices:
+            raise SpecError(f"--set {name}={value}: choose one of {', '.join(choices)}")
+        setattr(module, name.upper(), value)
+        chosen[name] = value
+    unknown = sorted(set(options) - {n.lower() for n in declared})
+    if unknown:
+        raise SpecError(f"--set: unknown options {', '.join(unknown)}; the spec offers "
+                        f"{', '.join(declared) or 'none'}")
+    return chosen
