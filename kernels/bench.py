@@ -1,0 +1,320 @@
+"""Benchmark harness: CUDA-event timing with L2 flushes, and a resumable sweep over kernel variants.
+
+``time_cuda`` times a callable on the GPU.  ``Sweep`` takes a list of ``Variant``s and, for each
+one not yet in the tuning DB, builds it, checks it against its reference and times it, recording
+'failed' / 'wrong' / 'ok' as it goes (each record committed on its own, so a sweep that is killed,
+interrupted or out of time resumes where it stopped).  Without a GPU nothing is timed: variants are
+built and checked through the Triton interpreter and recorded as 'checked', with no time.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, runtime_checkable
+
+from kernels.device import DeviceFacts, NoDevice, query_device, versions
+from kernels.tuning_db import Key, Record, TuningDB
+
+# Calls whose GPU time is under this are replayed from a CUDA graph when ``cuda_graph=None``: the
+# host's launch work (several microseconds per Triton launch, more for a callable that launches
+# several kernels) would otherwise be of the order of the kernel time and could leave gaps inside
+# the timed interval.
+GRAPH_BELOW_MS = 0.1
+# Without an L2 flush, one graph replay holds enough back-to-back calls to last about this long,
+# and the time per call is the replay's time over that count.
+GRAPH_MIN_REPLAY_MS = 0.5
+FLUSH_L2_FACTOR = 4  # the flush writes a buffer of 4x the L2 size between repetitions
+MIN_REPS, MAX_REPS = 10, 10_000
+REASON_CHARS = 4000  # failure reasons (Triton compile errors can be long) are kept up to this length
+
+CPU_DEVICE = "cpu (triton interpreter)"  # the device column of records made without a GPU
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call GPU time of a callable in ms: median and 20%/80% quantiles over ``n`` repetitions."""
+
+    median_ms: float
+    q20_ms: float
+    q80_ms: float
+    n: int
+    cuda_graph: bool  # True: each repetition replayed a captured CUDA graph
+
+
+@functools.cache
+def _device_facts(index: int) -> DeviceFacts | NoDevice:
+    return query_device(index)
+
+
+@functools.cache
+def _flush_buffer(index: int, nbytes: int):
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.int8, device=torch.device("cuda", index))
+
+
+def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0, flush_l2: bool = True,
+              cuda_graph: bool | None = None) -> Timing:
+    """Time ``fn`` (which launches work on the current CUDA stream) with device events.
+
+    ``fn`` runs once (compilation, loading), then for about ``warmup_ms`` untimed, then for about
+    ``rep_ms`` timed repetitions (between ``MIN_REPS`` and ``MAX_REPS``), each between its own pair
+    of events and, with ``flush_l2``, after writing a buffer of ``FLUSH_L2_FACTOR`` x the L2 size so
+    that no repetition finds its inputs in L2.  ``cuda_graph``: True captures ``fn`` in a CUDA graph
+    and times its replays; None does so when one call takes under ``GRAPH_BELOW_MS`` (falling back
+    to plain launches if ``fn`` cannot be captured).  Without a flush, a replay holds as many calls
+    as last ``GRAPH_MIN_REPLAY_MS`` and the time is divided among them.  Raises RuntimeError with
+    no GPU: an interpreter's time is not a GPU time.
+    """
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1: Triton kernels run on the CPU interpreter, nothing can be timed")
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    facts = _device_facts(index)
+    if isinstance(facts, NoDevice):
+        raise RuntimeError(f"no CUDA device, nothing can be timed: {facts.reason}")
+    flush_buffer = _flush_buffer(index, FLUSH_L2_FACTOR * facts.l2_bytes) if flush_l2 else None
+
+    def flush():
+        if flush_buffer is not None:
+            flush_buffer.zero_()
+
+    def elapsed_ms(call, repeats: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
+
+    fn()
+    torch.cuda.synchronize()
+    call_ms = elapsed_ms(fn, 5)
+    use_graph = call_ms < GRAPH_BELOW_MS if cuda_graph is None else cuda_graph
+    calls_per_rep = 1
+    call = fn
+    if use_graph:
+        if not flush_l2:
+            calls_per_rep = max(1, math.ceil(GRAPH_MIN_REPLAY_MS / max(call_ms, 1e-4)))
+        try:
+            call = _capture(fn, calls_per_rep)
+        except Exception:
+            if cuda_graph:
+                raise
+            use_graph, calls_per_rep, call = False, 1, fn
+
+    def rep():
+        flush()
+        call()
+
+    rep_cost_ms = max(elapsed_ms(rep, 3), 1e-4)
+    for _ in range(max(1, int(warmup_ms / rep_cost_ms))):
+        rep()
+    n = min(MAX_REPS, max(MIN_REPS, int(rep_ms / rep_cost_ms)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for start, end in zip(starts, ends):
+        flush()
+        start.record()
+        call()
+        end.record()
+    torch.cuda.synchronize()
+    times = torch.tensor([s.elapsed_time(e) / calls_per_rep for s, e in zip(starts, ends)], dtype=torch.float64)
+    q20, median, q80 = torch.quantile(times, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
+    return Timing(median_ms=median, q20_ms=q20, q80_ms=q80, n=n * calls_per_rep, cuda_graph=use_graph)
+
+
+def _capture(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    """Capture ``calls`` back-to-back calls of ``fn`` in a CUDA graph; return its replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graph capture requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+@runtime_checkable
+class Variant(Protocol):
+    """One kernel configuration to build, check and time.
+
+    Key fields (the tuning-DB key, with the device and software versions): ``op`` (operator
+    signature), ``dims`` (dim letter -> size), ``dtype``, ``layout`` (JSON value), ``knobs`` (JSON
+    dict of tuning parameters).  ``bytes`` / ``flop``: what one ``run()`` must move / compute (None
+    if not counted); stored with the time so that achieved rates can be read off the DB.
+    """
+
+    op: str
+    dims: dict
+    dtype: str
+    layout: object
+    knobs: dict
+    bytes: int | None
+    flop: int | None
+
+    def build(self) -> None:
+        """Allocate inputs and compile (e.g. one launch); may raise (compile error, out of resources)."""
+
+    def run(self) -> None:
+        """Launch the kernel once on the current stream (what is timed)."""
+
+    def check(self):
+        """Run and compare against the reference; return a verdict with ``.passed`` (``kernels.accuracy.Closeness``)."""
+
+
+@dataclass
+class SweepReport:
+    """What a sweep did.  ``measured`` False: no GPU, nothing was timed."""
+
+    device: str
+    measured: bool
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("ok", "checked", "failed", "wrong", "skipped"), 0))
+    remaining: int = 0
+    stopped: str | None = None  # None: all variants done; else why the sweep stopped early
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{n} {status}" for status, n in self.counts.items())
+        text = f"{self.device}: {counts}"
+        if not self.measured:
+            text += "; no GPU: nothing was measured (variants only built and checked, no times stored)"
+        if self.stopped:
+            text += f"; stopped ({self.stopped}), {self.remaining} variant(s) left for the next run"
+        return text
+
+
+class Sweep:
+    """Build, check and time ``variants`` into ``db``, skipping those already recorded.
+
+    For each variant not in the DB: ``build()`` -- any exception records 'failed' with the reason;
+    ``check()`` -- an exception records 'failed', a verdict that did not pass records 'wrong' (never
+    timed); then ``time_cuda(run)`` records 'ok' (or 'failed' if timing raised).  Without a GPU
+    (Triton interpreter) the last step is replaced by recording 'checked', with no time.  Stops
+    cleanly once ``budget_s`` seconds have passed or when the CUDA context is lost (rerun to go on);
+    on Ctrl-C, finished records stay in the DB and the interrupt is re-raised.
+    """
+
+    def __init__(self, db: TuningDB, variants: list, *, budget_s: float | None = None, warmup_ms: float = 25.0,
+                 rep_ms: float = 100.0, flush_l2: bool = True, cuda_graph: bool | None = None,
+                 progress: bool = True, console=None):
+        from rich.console import Console
+
+        self.db = db
+        self.variants = list(variants)
+        self.budget_s = budget_s
+        self.timing = {"warmup_ms": warmup_ms, "rep_ms": rep_ms, "flush_l2": flush_l2, "cuda_graph": cuda_graph}
+        self.progress = progress
+        self.console = console or Console(stderr=True)
+        facts = query_device()
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        self.measured = isinstance(facts, DeviceFacts) and not interpreted
+        if self.measured:
+            self.device = facts.name
+        elif interpreted:
+            self.device = CPU_DEVICE
+            self.no_gpu_reason = facts.reason if isinstance(facts, NoDevice) else "TRITON_INTERPRET=1"
+        else:
+            raise RuntimeError(f"no CUDA device ({facts.reason}) and TRITON_INTERPRET is not 1: "
+                               "variants can be neither timed nor run through the interpreter")
+
+    def key(self, variant) -> Key:
+        return Key(device=self.device, versions=versions(), op=variant.op, dims=variant.dims, dtype=variant.dtype,
+                   layout=variant.layout, knobs=variant.knobs)
+
+    def run(self) -> SweepReport:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        report = SweepReport(device=self.device, measured=self.measured)
+        if not self.measured:
+            self.console.print(f"[bold yellow]No GPU ({self.no_gpu_reason}): nothing will be timed.[/] "
+                               "Variants are built and checked through the Triton interpreter and recorded as 'checked'.", soft_wrap=True)
+        started = time.monotonic()
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[counts]}"),
+                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+        with Progress(*columns, console=self.console, disable=not self.progress) as bar:
+            task = bar.add_task("sweep", total=len(self.variants), counts="")
+            done = 0
+            try:
+                for variant in self.variants:
+                    if self.budget_s is not None and time.monotonic() - started > self.budget_s:
+                        report.stopped = f"time budget of {self.budget_s:g} s used"
+                        break
+                    key = self.key(variant)
+                    if self.db.lookup(key) is not None:
+                        status = "skipped"
+                    else:
+                        bar.update(task, description=f"{variant.op} {variant.knobs}")
+                        status = self._measure(key, variant)
+                    report.counts[status] += 1
+                    done += 1
+                    bar.update(task, advance=1, counts=" ".join(f"{s} {n}" for s, n in report.counts.items() if n))
+                    if status == "failed" and not _cuda_context_alive(self.measured):
+                        report.stopped = "CUDA context lost; rerun in a new process to continue"
+                        break
+            except KeyboardInterrupt:
+                report.stopped = "interrupted"
+                report.remaining = len(self.variants) - done
+                self.console.print(report.summary(), soft_wrap=True)
+                raise
+            bar.update(task, description="sweep")
+        report.remaining = len(self.variants) - done
+        self.console.print(report.summary(), soft_wrap=True)
+        return report
+
+    def _measure(self, key: Key, variant) -> str:
+        """Build, check and (on a GPU) time one variant; store and return its status."""
+        counts = {"bytes": getattr(variant, "bytes", None), "flop": getattr(variant, "flop", None)}
+        try:
+            variant.build()
+        except Exception as exc:  # compile errors, out of resources / shared memory, Triton errors, OOM
+            return self._failed(key, "build", exc, counts)
+        try:
+            verdict = variant.check()
+        except Exception as exc:
+            return self._failed(key, "check", exc, counts)
+        errors = {"rel_error": getattr(verdict, "error", None), "baseline_error": getattr(verdict, "baseline_error", None)}
+        if not verdict.passed:
+            self.db.put(Record(key, "wrong", detail=str(verdict), **errors, **counts))
+            return "wrong"
+        if not self.measured:
+            self.db.put(Record(key, "checked", detail=str(verdict), **errors, **counts))
+            return "checked"
+        try:
+            timing = time_cuda(variant.run, **self.timing)
+        except Exception as exc:
+            return self._failed(key, "time", exc, counts)
+        self.db.put(Record(key, "ok", median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
+                           n_reps=timing.n, cuda_graph=timing.cuda_graph, detail=str(verdict), **errors, **counts))
+        return "ok"
+
+    def _failed(self, key: Key, stage: str, exc: Exception, counts: dict) -> str:
+        reason = f"{stage}: {type(exc).__name__}: {exc}"[:REASON_CHARS]
+        self.db.put(Record(key, "failed", detail=reason, **counts))
+        return "failed"
+
+
+def _cuda_context_alive(measured: bool) -> bool:
+    """After a failure: False when the CUDA context is broken (e.g. an illegal address), so nothing more can run."""
+    if not measured:
+        return True
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # give back what a failed (e.g. out-of-memory) variant left
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,208 @@
+"""Device facts (through cuda-python) and the two measured ceilings every benchmark is judged against.
+
+``query_device()`` reads the CUDA device attributes with ``cuda.bindings.runtime`` and derives the
+theoretical peaks from them; with no driver or no GPU it returns a ``NoDevice`` that says why (the
+runtime answers with an error code, nothing crashes).  ``measure_ceilings(db)`` times a large
+device-to-device copy and a large bf16 GEMM once per device and keeps the result in the tuning DB.
+``versions()`` names the software a measurement was taken with (part of every tuning-DB key).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import asdict, dataclass
+
+from cuda.bindings import runtime as cudart
+
+# Dense (no sparsity) tensor-core rate, floating-point operations (one FMA = 2) per clock per SM,
+# by compute capability; fp32 accumulation.  Derived from NVIDIA's whitepaper peaks and clocks:
+#   cc 7.0  V100 SXM2: 125 TFLOP/s fp16 = 80 SMs x 1530 MHz x 1024      (Volta whitepaper; no bf16)
+#   cc 7.5  T4:         65 TFLOP/s fp16 = 40 SMs x 1590 MHz x 1024      (Turing whitepaper; no bf16)
+#   cc 8.0  A100 SXM:  312 TFLOP/s bf16/fp16 = 108 SMs x 1410 MHz x 2048 (A100 whitepaper)
+#   cc 8.6  RTX A6000: 154.8 TFLOP/s fp16 = 84 SMs x 1800 MHz x 1024    (GA102 whitepaper; GeForce
+#           parts run fp32-accumulating tensor ops at half this rate)
+#   cc 8.9  L40S:      362 TFLOP/s bf16/fp16 = 142 SMs x 2520 MHz x 1024 (Ada whitepaper / L40S datasheet)
+#   cc 9.0  H100 SXM5: 989.4 TFLOP/s bf16/fp16 = 132 SMs x 1830 MHz x 4096 (H100 whitepaper)
+# Other capabilities are unknown here and give no peak (None) rather than a guess.
+TENSOR_FLOP_PER_CLOCK_PER_SM: dict[tuple[int, int], dict[str, int]] = {
+    (7, 0): {"fp16": 1024},
+    (7, 5): {"fp16": 1024},
+    (8, 0): {"fp16": 2048, "bf16": 2048},
+    (8, 6): {"fp16": 1024, "bf16": 1024},
+    (8, 9): {"fp16": 1024, "bf16": 1024},
+    (9, 0): {"fp16": 4096, "bf16": 4096},
+}
+
+COPY_BYTES = 1 << 30  # ceiling copy: a 1 GiB source copied into a 1 GiB destination
+GEMM_N = 8192  # ceiling GEMM: (8192 x 8192) @ (8192 x 8192) in bf16, random normal data
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the CUDA runtime reports about one GPU, and the peaks derived from it.
+
+    Clocks in Hz, sizes in bytes, rates in bytes/s and flop/s.  ``peak_*`` use the maximum SM
+    clock the device reports (``cudaDevAttrClockRate``), so they are upper bounds: an H100 SXM
+    reports 1980 MHz, above the 1830 MHz of its 989 TFLOP/s datasheet figure.
+    """
+
+    index: int
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    l2_bytes: int
+    memory_bytes: int
+    shared_memory_per_block_optin: int
+    memory_clock_hz: int
+    memory_bus_bits: int
+    sm_clock_hz: int
+    peak_memory_bytes_per_s: float  # 2 (double data rate) x memory clock x bus width / 8
+    peak_fp16_flops: float | None  # dense tensor-core fp16, None where the table has no entry
+    peak_bf16_flops: float | None  # dense tensor-core bf16, None where unsupported or unknown
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class NoDevice:
+    """No usable CUDA GPU; ``reason`` is the runtime's own error text."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured ceilings of one device: copy bandwidth (bytes read + written per s) and bf16 GEMM flop/s."""
+
+    device: str
+    copy_bytes_per_s: float
+    gemm_flop_per_s: float
+    details: dict  # sizes, medians and quartiles in ms, the device facts
+    versions: dict
+    timestamp: float
+
+
+def _check(result, what: str):
+    """Unpack a cuda-python ``(err, value...)`` tuple; raise with the runtime's text on error."""
+    err, *values = result
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"{what}: {_error_text(err)}")
+    return values[0] if len(values) == 1 else values
+
+
+def _error_text(err) -> str:
+    _, text = cudart.cudaGetErrorString(err)
+    return f"{err.name}: {text.decode()}"
+
+
+def peak_tensor_flops(compute_capability: tuple[int, int], sm_count: int, sm_clock_hz: float, dtype: str) -> float | None:
+    """Dense tensor-core flop/s = SMs x clock x per-SM per-clock rate; None where the table has none."""
+    rate = TENSOR_FLOP_PER_CLOCK_PER_SM.get(tuple(compute_capability), {}).get(dtype)
+    return None if rate is None else float(sm_count) * sm_clock_hz * rate
+
+
+def query_device(index: int = 0) -> DeviceFacts | NoDevice:
+    """Facts about CUDA device ``index``, or ``NoDevice`` with the runtime's reason."""
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess:
+        return NoDevice(_error_text(err))
+    if index >= count:
+        return NoDevice(f"device {index} requested, {count} CUDA device(s) present")
+
+    def attr(name: str) -> int:
+        return _check(cudart.cudaDeviceGetAttribute(getattr(cudart.cudaDeviceAttr, name), index), name)
+
+    props = _check(cudart.cudaGetDeviceProperties(index), "cudaGetDeviceProperties")
+    name = props.name.split(b"\0", 1)[0].decode() if isinstance(props.name, bytes) else str(props.name)
+    cc = (attr("cudaDevAttrComputeCapabilityMajor"), attr("cudaDevAttrComputeCapabilityMinor"))
+    sm_count = attr("cudaDevAttrMultiProcessorCount")
+    memory_clock_hz = attr("cudaDevAttrMemoryClockRate") * 1000  # attribute is in kHz
+    bus_bits = attr("cudaDevAttrGlobalMemoryBusWidth")
+    sm_clock_hz = attr("cudaDevAttrClockRate") * 1000  # kHz, the maximum SM clock
+    return DeviceFacts(
+        index=index,
+        name=name,
+        compute_capability=cc,
+        sm_count=sm_count,
+        l2_bytes=attr("cudaDevAttrL2CacheSize"),
+        memory_bytes=int(props.totalGlobalMem),
+        shared_memory_per_block_optin=attr("cudaDevAttrMaxSharedMemoryPerBlockOptin"),
+        memory_clock_hz=memory_clock_hz,
+        memory_bus_bits=bus_bits,
+        sm_clock_hz=sm_clock_hz,
+        peak_memory_bytes_per_s=2.0 * memory_clock_hz * bus_bits / 8,
+        peak_fp16_flops=peak_tensor_flops(cc, sm_count, sm_clock_hz, "fp16"),
+        peak_bf16_flops=peak_tensor_flops(cc, sm_count, sm_clock_hz, "bf16"),
+    )
+
+
+def _cuda_version_text(version: int) -> str:
+    return "none" if version <= 0 else f"{version // 1000}.{version % 1000 // 10}"
+
+
+@functools.cache
+def versions() -> dict[str, str]:
+    """Software versions a measurement depends on: torch, triton, CUDA (torch's build, runtime, driver)."""
+    import torch
+    import triton
+
+    _, runtime_version = cudart.cudaRuntimeGetVersion()
+    _, driver_version = cudart.cudaDriverGetVersion()
+    return {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "torch_cuda": str(torch.version.cuda),
+        "cuda_runtime": _cuda_version_text(runtime_version or 0),
+        "cuda_driver": _cuda_version_text(driver_version or 0),
+    }
+
+
+def measure_ceilings(db, index: int = 0, force: bool = False) -> Ceilings:
+    """Copy bandwidth and bf16 GEMM rate of device ``index``, measured once and kept in ``db``.
+
+    A later call returns the stored ``Ceilings`` unless ``force``.  Copy: ``dst.copy_(src)`` of
+    ``COPY_BYTES`` (bytes read + written over the median time).  GEMM: ``GEMM_N``^3 bf16 ``torch.mm`` on
+    random normal data (2 N^3 flop over the median time).  Raises RuntimeError without a GPU.
+    """
+    facts = query_device(index)
+    if isinstance(facts, NoDevice):
+        raise RuntimeError(f"no CUDA device, no ceilings: {facts.reason}")
+    if not force:
+        stored = db.ceilings(facts.name)
+        if stored is not None:
+            return stored
+
+    import torch
+
+    from kernels.bench import time_cuda
+
+    dev = torch.device("cuda", index)
+    with torch.cuda.device(dev):
+        src = torch.randn(COPY_BYTES // 4, device=dev, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        copy = time_cuda(lambda: dst.copy_(src), warmup_ms=100, rep_ms=400, flush_l2=False, cuda_graph=False)
+        torch.testing.assert_close(dst, src, rtol=0, atol=0)
+        del src, dst
+        a = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
+        c = torch.empty(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
+        gemm = time_cuda(lambda: torch.mm(a, b, out=c), warmup_ms=300, rep_ms=600, flush_l2=False, cuda_graph=False)
+        del a, b, c
+        torch.cuda.empty_cache()
+    copy_bytes = 2 * COPY_BYTES
+    gemm_flop = 2 * GEMM_N**3
+    ceilings = Ceilings(
+        device=facts.name,
+        copy_bytes_per_s=copy_bytes / (copy.median_ms * 1e-3),
+        gemm_flop_per_s=gemm_flop / (gemm.median_ms * 1e-3),
+        details={
+            "copy": {"bytes_read_plus_written": copy_bytes, **asdict(copy)},
+            "gemm": {"size": GEMM_N, "dtype": "bfloat16", "flop": gemm_flop, **asdict(gemm)},
+            "facts": facts.to_dict(),
+        },
+        versions=versions(),
+        timestamp=time.time(),
+    )
+    db.store_ceilings(ceilings)
+    return ceilings
