@@ -1,0 +1,559 @@
+"""Fused multi-head attention (flash-attention manner) with Philox dropout, for any tensor layout.
+
+The operator found by the fusion pass, over named dims b (batch), h (head), j (query position),
+k (key position), p (head dim):
+
+    S[b,h,j,k] = scale * sum_p Q[b,h,j,p] K[b,h,k,p]
+    S          = -inf where masked (causal: k > j; key padding: key_padding_mask[b,k] is True)
+    P          = softmax_k(S)
+    P~         = P * keep[b,h,j,k] / (1 - dropout_p)
+    O[b,h,j,p] = sum_k P~[b,h,j,k] V[b,h,k,p]
+
+The forward pass streams K/V blocks through an online softmax; P never reaches memory. It saves
+the logsumexp ``lse[b,h,j] = log sum_k exp(S)`` (float32, natural log) for the backward pass,
+which recomputes P from Q, K and lse and regenerates the dropout mask from (seed, offset).
+
+Layouts: every tensor is addressed through one stride per named dim, so any permuted storage
+(``(b,h,j,p)``, BERT's ``(b,j,h,p)`` = ``[B, L, H*P]`` view, the paper's ``(p,h,b,j)``) works
+without copies. The launchers take torch tensors whose ``.shape`` is the logical order
+(b, h, j, p) / (b, h, k, p) (pass permuted views) and read ``.stride()``.
+
+Dropout convention (``kernels.philox`` / ``dataflow.dropout_mask``): the probability at logical
+position (b, h, j, k) has logical index ``n = b*sb + h*sh + j*sj + k*sk``, where (sb, sh, sj, sk)
+are the row-major strides of the probabilities' dims in their spec order (``dropout_strides_for``);
+it is kept iff ``tl.rand(seed, offset + n) > dropout_p``.
+
+Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
+
+Arithmetic: fp16/bf16 (or fp32, TF32 dots on GPU) operands, fp32 accumulation and statistics;
+the softmax runs in base 2 with log2(e) folded into the scale.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.philox import dropout_keep
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr,  # (b, h, j, p) any strides
+    k_ptr,  # (b, h, k, p) any strides
+    v_ptr,  # (b, h, k, p) any strides
+    o_ptr,  # (b, h, j, p) any strides
+    lse_ptr,  # (b, h, j) float32, contiguous
+    kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
+    stride_qb, stride_qh, stride_qj, stride_qp,
+    stride_kb, stride_kh, stride_kk, stride_kp,
+    stride_vb, stride_vh, stride_vk, stride_vp,
+    stride_ob, stride_oh, stride_oj, stride_op,
+    stride_mb, stride_mk,
+    drop_sb, drop_sh, drop_sj, drop_sk,  # logical strides of (b, h, j, k) for the dropout index
+    H, Lq, Lk,
+    qk_scale,  # scale * log2(e)
+    dropout_p, dropout_scale, seed, offset,
+    P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_p = tl.arange(0, P)
+    row_ok = offs_j < Lq
+
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp,
+                mask=row_ok[:, None], other=0.0)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    if HAS_DROPOUT:
+        if INDEX_64:
+            drop_row = b * drop_sb + h * drop_sh + offs_j.to(tl.int64) * drop_sj
+        else:
+            drop_row = b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + offs_j * drop_sj
+
+    m_i = tl.full([BLOCK_J], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_J], tl.float32)
+    acc = tl.zeros([BLOCK_J, P], tl.float32)
+    k_end = Lk
+    if CAUSAL:
+        k_end = tl.minimum(Lk, (pid_j + 1) * BLOCK_J)
+    for start_k in range(0, k_end, BLOCK_K):
+        offs_k = start_k + tl.arange(0, BLOCK_K)
+        col_ok = offs_k < Lk
+        kt = tl.load(k_base + offs_k[None, :] * stride_kk + offs_p[:, None] * stride_kp, mask=col_ok[None, :], other=0.0)
+        s = tl.dot(q, kt) * qk_scale  # (j, k), log2 units
+        valid = col_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_k[None, :] <= offs_j[:, None])
+        if HAS_KPM:
+            pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
+            valid = valid & (pad == 0)[None, :]
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = m_new
+        if HAS_KPM:  # a row whose keys so far are all padded keeps m = -inf; shift it by 0 instead
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            if INDEX_64:
+                drop_idx = drop_row[:, None] + offs_k.to(tl.int64)[None, :] * drop_sk
+            else:
+                drop_idx = drop_row[:, None] + offs_k[None, :] * drop_sk
+            p = tl.where(dropout_keep(seed, offset, drop_idx, dropout_p), p, 0.0)
+        v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0  # only for fully padded rows
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc * (dropout_scale / l_safe)[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_j[:, None] * stride_oj + offs_p[None, :] * stride_op,
+             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    o_ptr,  # (b, h, j, p) any strides
+    do_ptr,  # (b, h, j, p) any strides
+    delta_ptr,  # (b, h, j) float32, contiguous: rowsum(dO * O)
+    dq_acc_ptr,  # (b, h, j, p) float32, contiguous: zeroed here (unused unless ZERO_DQ)
+    stride_ob, stride_oh, stride_oj, stride_op,
+    stride_dob, stride_doh, stride_doj, stride_dop,
+    H, Lq,
+    P: tl.constexpr, BLOCK_J: tl.constexpr, ZERO_DQ: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_p = tl.arange(0, P)
+    row_ok = offs_j < Lq
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_j[:, None] * stride_oj + offs_p[None, :] * stride_op,
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
+                 mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_j, delta, mask=row_ok)
+    if ZERO_DQ:
+        dq_rows = dq_acc_ptr + (pid_bh.to(tl.int64) * Lq + offs_j[:, None]) * P + offs_p[None, :]
+        tl.store(dq_rows, tl.zeros([BLOCK_J, P], tl.float32), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr,  # (b, h, j, p) any strides
+    k_ptr,  # (b, h, k, p) any strides
+    v_ptr,  # (b, h, k, p) any strides
+    do_ptr,  # (b, h, j, p) any strides
+    lse_ptr,  # (b, h, j) float32, contiguous
+    delta_ptr,  # (b, h, j) float32, contiguous
+    dq_acc_ptr,  # (b, h, j, p) float32, contiguous, zeroed: dQ accumulated atomically (unused unless DQ_ATOMIC)
+    dk_ptr,  # (b, h, k, p) any strides
+    dv_ptr,  # (b, h, k, p) any strides
+    kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
+    stride_qb, stride_qh, stride_qj, stride_qp,
+    stride_kb, stride_kh, stride_kk, stride_kp,
+    stride_vb, stride_vh, stride_vk, stride_vp,
+    stride_dob, stride_doh, stride_doj, stride_dop,
+    stride_dkb, stride_dkh, stride_dkk, stride_dkp,
+    stride_dvb, stride_dvh, stride_dvk, stride_dvp,
+    stride_mb, stride_mk,
+    drop_sb, drop_sh, drop_sj, drop_sk,
+    H, Lq, Lk,
+    scale, qk_scale,  # scale, scale * log2(e)
+    dropout_p, dropout_scale, seed, offset,
+    P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+):
+    pid_k = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_p = tl.arange(0, P)
+    col_ok = offs_k < Lk
+    key_ok = col_ok
+    if HAS_KPM:
+        pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
+        key_ok = key_ok & (pad == 0)
+
+    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_k[:, None] * stride_kk + offs_p[None, :] * stride_kp,
+                mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp,
+                mask=col_ok[:, None], other=0.0)
+    q_base = q_ptr + b * stride_qb + h * stride_qh
+    do_base = do_ptr + b * stride_dob + h * stride_doh
+    stat_base = pid_bh.to(tl.int64) * Lq
+    if HAS_DROPOUT:
+        if INDEX_64:
+            drop_col = b * drop_sb + h * drop_sh + offs_k.to(tl.int64) * drop_sk
+        else:
+            drop_col = b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + offs_k * drop_sk
+
+    dk = tl.zeros([BLOCK_K, P], tl.float32)
+    dv = tl.zeros([BLOCK_K, P], tl.float32)
+    j_start = 0
+    if CAUSAL:  # rows j < k see none of this block's keys
+        j_start = (pid_k * BLOCK_K) // BLOCK_J * BLOCK_J
+    for start_j in range(j_start, Lq, BLOCK_J):
+        offs_j = start_j + tl.arange(0, BLOCK_J)
+        row_ok = offs_j < Lq
+        q = tl.load(q_base + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp, mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_base + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop, mask=row_ok[:, None], other=0.0)
+        lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
+        # transposed tiles: rows k, columns j
+        pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        valid = key_ok[:, None] & row_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_k[:, None] <= offs_j[None, :])
+        pt = tl.where(valid, pt, 0.0)
+        dpt = tl.dot(v, tl.trans(do))  # dL/dP~ (k, j)
+        if HAS_DROPOUT:
+            if INDEX_64:
+                drop_idx = drop_col[:, None] + offs_j.to(tl.int64)[None, :] * drop_sj
+            else:
+                drop_idx = drop_col[:, None] + offs_j[None, :] * drop_sj
+            keep = dropout_keep(seed, offset, drop_idx, dropout_p)
+            dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do)
+            dpt = tl.where(keep, dpt * dropout_scale, 0.0)
+        else:
+            dv += tl.dot(pt.to(do.dtype), do)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)  # dL/dS (k, j), without the scale
+        dk += tl.dot(dst, q)
+        if DQ_ATOMIC:
+            dq = tl.dot(tl.trans(dst), k) * scale
+            tl.atomic_add(dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :], dq,
+                          mask=row_ok[:, None], sem="relaxed")
+
+    tl.store(dk_ptr + b * stride_dkb + h * stride_dkh + offs_k[:, None] * stride_dkk + offs_p[None, :] * stride_dkp,
+             (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptr + b * stride_dvb + h * stride_dvh + offs_k[:, None] * stride_dvk + offs_p[None, :] * stride_dvp,
+             (dv * dropout_scale).to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr,  # (b, h, j, p) any strides
+    k_ptr,  # (b, h, k, p) any strides
+    v_ptr,  # (b, h, k, p) any strides
+    do_ptr,  # (b, h, j, p) any strides
+    lse_ptr,  # (b, h, j) float32, contiguous
+    delta_ptr,  # (b, h, j) float32, contiguous
+    dq_ptr,  # (b, h, j, p) any strides
+    kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
+    stride_qb, stride_qh, stride_qj, stride_qp,
+    stride_kb, stride_kh, stride_kk, stride_kp,
+    stride_vb, stride_vh, stride_vk, stride_vp,
+    stride_dob, stride_doh, stride_doj, stride_dop,
+    stride_dqb, stride_dqh, stride_dqj, stride_dqp,
+    stride_mb, stride_mk,
+    drop_sb, drop_sh, drop_sj, drop_sk,
+    H, Lq, Lk,
+    scale, qk_scale,
+    dropout_p, dropout_scale, seed, offset,
+    P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_p = tl.arange(0, P)
+    row_ok = offs_j < Lq
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp,
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
+                 mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    if HAS_DROPOUT:
+        if INDEX_64:
+            drop_row = b * drop_sb + h * drop_sh + offs_j.to(tl.int64) * drop_sj
+        else:
+            drop_row = b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + offs_j * drop_sj
+
+    dq = tl.zeros([BLOCK_J, P], tl.float32)
+    k_end = Lk
+    if CAUSAL:
+        k_end = tl.minimum(Lk, (pid_j + 1) * BLOCK_J)
+    for start_k in range(0, k_end, BLOCK_K):
+        offs_k = start_k + tl.arange(0, BLOCK_K)
+        col_ok = offs_k < Lk
+        k = tl.load(k_base + offs_k[:, None] * stride_kk + offs_p[None, :] * stride_kp, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        valid = col_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_k[None, :] <= offs_j[:, None])
+        if HAS_KPM:
+            pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
+            valid = valid & (pad == 0)[None, :]
+        p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
+        if HAS_DROPOUT:
+            if INDEX_64:
+                drop_idx = drop_row[:, None] + offs_k.to(tl.int64)[None, :] * drop_sk
+            else:
+                drop_idx = drop_row[:, None] + offs_k[None, :] * drop_sk
+            dp = tl.where(dropout_keep(seed, offset, drop_idx, dropout_p), dp * dropout_scale, 0.0)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq += tl.dot(ds, k)
+
+    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + offs_j[:, None] * stride_dqj + offs_p[None, :] * stride_dqp,
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# knobs
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _max_shared_memory() -> int:
+    device = torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+def attention_configs(head_dim: int, direction: str, *, interpret: bool | None = None) -> list[dict]:
+    """Valid knob configurations of the ``direction`` ("forward" or "backward") kernels.
+
+    Each is a dict of ``block_j``, ``block_k`` (rows of the j / k tiles), ``num_warps``,
+    ``num_stages`` and, for "backward", ``dq_mode`` ("atomic": one kernel over k-blocks that also
+    adds dQ with fp32 atomics; "split": a second kernel over j-blocks computes dQ). On a GPU the
+    list keeps tiles whose pipelined operand buffers fit the device's shared memory and whose fp32
+    accumulators fit the registers; in the Triton interpreter (no GPU) warps and stages mean
+    nothing and the list holds small tiles.
+    """
+    _check_head_dim(head_dim)
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', not {direction!r}")
+    interpret = _interpreting() if interpret is None else interpret
+    dq_modes = ("atomic", "split") if direction == "backward" else (None,)
+    if interpret:
+        tiles = [(bj, bk, 4, 1) for bj in (16, 32, 64) for bk in (16, 32, 64)]
+    else:
+        smem = _max_shared_memory()
+        tiles = []
+        for bj in (32, 64, 128):
+            for bk in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        threads = 32 * warps
+                        if direction == "forward":
+                            buffers = 2 * (bj * head_dim + stages * 2 * bk * head_dim)  # Q + staged K, V
+                            regs = (bj * head_dim + bj * bk) // threads  # O accumulator + score tile
+                            ok = bj >= 64 and regs <= 160
+                        else:
+                            buffers = 2 * (2 * bk * head_dim + stages * 2 * bj * head_dim)  # K, V + staged Q, dO
+                            regs = (2 * bk * head_dim + 2 * bj * bk) // threads  # dK, dV + two score tiles
+                            ok = regs <= 192
+                        if ok and buffers <= smem:
+                            tiles.append((bj, bk, warps, stages))
+    configs = []
+    for bj, bk, warps, stages in tiles:
+        for mode in dq_modes:
+            config = dict(block_j=bj, block_k=bk, num_warps=warps, num_stages=stages)
+            if mode is not None:
+                config["dq_mode"] = mode
+            configs.append(config)
+    return configs
+
+
+# Defaults: measured best on an H100 (benchmarks/results/attention.md), per head dim.
+_GPU_DEFAULTS = {
+    "forward": {64: dict(block_j=128, block_k=64, num_warps=4, num_stages=2),
+                128: dict(block_j=128, block_k=64, num_warps=8, num_stages=2)},
+    "backward": {64: dict(block_j=64, block_k=128, num_warps=8, num_stages=2, dq_mode="atomic"),
+                 128: dict(block_j=64, block_k=64, num_warps=8, num_stages=2, dq_mode="atomic")},
+}
+
+
+def default_config(head_dim: int, direction: str, *, interpret: bool | None = None) -> dict:
+    """The knob configuration the launchers use when none is given."""
+    _check_head_dim(head_dim)
+    interpret = _interpreting() if interpret is None else interpret
+    if interpret:
+        config = dict(block_j=16, block_k=16, num_warps=4, num_stages=1)
+        return dict(config, dq_mode="atomic") if direction == "backward" else config
+    table = _GPU_DEFAULTS[direction]
+    if head_dim in table:
+        return dict(table[head_dim])
+    return dict(table[64]) if head_dim < 64 else attention_configs(head_dim, direction)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head dim {head_dim} unsupported: must be a power of two in [16, 256]")
+
+
+def dropout_strides_for(order: str, B: int, H: int, Lq: int, Lk: int) -> tuple[int, int, int, int]:
+    """Logical strides (sb, sh, sj, sk) of probabilities whose spec order is ``order`` (e.g. "hbjk")."""
+    sizes = dict(b=B, h=H, j=Lq, k=Lk)
+    if sorted(order) != sorted("bhjk"):
+        raise ValueError(f"order {order!r} is not a permutation of 'bhjk'")
+    strides, running = {}, 1
+    for dim in reversed(order):
+        strides[dim] = running
+        running *= sizes[dim]
+    return strides["b"], strides["h"], strides["j"], strides["k"]
+
+
+def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be 4-D logical (b, h, j|k, p) views")
+    B, H, Lq, P = q.shape
+    Lk = k.shape[2]
+    if k.shape != (B, H, Lk, P) or v.shape != (B, H, Lk, P) or Lq == 0 or Lk == 0:
+        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError("q, k, v must share one dtype out of float16, bfloat16, float32")
+    _check_head_dim(P)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p {dropout_p} outside [0, 1)")
+    if key_padding_mask is None:
+        kpm, kpm_strides = q, (0, 0)  # placeholder pointer, never read
+    else:
+        if key_padding_mask.shape != (B, Lk) or key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"key_padding_mask must be bool of shape ({B}, {Lk})")
+        kpm = key_padding_mask.view(torch.uint8)
+        kpm_strides = kpm.stride()
+    drop = dropout_strides or dropout_strides_for("bhjk", B, H, Lq, Lk)
+    last = offset + sum((n - 1) * s for n, s in zip((B, H, Lq, Lk), drop))
+    return B, H, Lq, Lk, P, kpm, kpm_strides, tuple(drop), last >= 2**31
+
+
+def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                      causal: bool = False, key_padding_mask=None, dropout_strides=None, o=None,
+                      block_j=None, block_k=None, num_warps=None, num_stages=None):
+    """Forward pass. ``q``: (b, h, j, p), ``k``, ``v``: (b, h, k, p) logical views of any strides.
+
+    ``key_padding_mask``: bool (b, k), True = key excluded. ``dropout_strides``: logical strides
+    (sb, sh, sj, sk) of the probabilities' dropout index (default: (b, h, j, k) row-major).
+    ``o``: optional output (b, h, j, p) of any strides, else allocated like ``q``.
+    Returns ``(o, lse)``, lse float32 (b, h, j) contiguous, natural log.
+    """
+    B, H, Lq, Lk, P, kpm, kpm_strides, drop, index_64 = _prepare(q, k, v, dropout_p, offset,
+                                                                key_padding_mask, dropout_strides)
+    config = default_config(P, "forward")
+    block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
+    o = torch.empty_like(q) if o is None else o
+    lse = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(Lq, block_j), B * H)
+    _attn_fwd_kernel[grid](
+        q, k, v, o, lse, kpm,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *kpm_strides, *drop,
+        H, Lq, Lk, scale * LOG2E,
+        dropout_p, 1.0 / (1.0 - dropout_p), seed, offset,
+        P=P, BLOCK_J=block_j, BLOCK_K=block_k,
+        CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
+        num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
+    )
+    return o, lse
+
+
+def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 0.0, seed: int = 0,
+                       offset: int = 0, causal: bool = False, key_padding_mask=None, dropout_strides=None,
+                       dq=None, dk=None, dv=None, block_j=None, block_k=None, num_warps=None, num_stages=None,
+                       dq_mode=None):
+    """Backward pass: ``(dq, dk, dv)`` for upstream ``do`` (b, h, j, p) of any strides.
+
+    ``o``, ``lse`` come from ``attention_forward`` with the same arguments. ``dq``/``dk``/``dv``:
+    optional outputs of any strides, else allocated like ``q``/``k``/``v``. ``dq_mode``: "atomic"
+    (dQ added with fp32 atomics inside the dK/dV kernel, then cast) or "split" (own kernel).
+    """
+    B, H, Lq, Lk, P, kpm, kpm_strides, drop, index_64 = _prepare(q, k, v, dropout_p, offset,
+                                                                key_padding_mask, dropout_strides)
+    config = default_config(P, "backward")
+    block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
+    num_warps, num_stages = num_warps or config["num_warps"], num_stages or config["num_stages"]
+    dq_mode = dq_mode or config["dq_mode"]
+    if dq_mode not in ("atomic", "split"):
+        raise ValueError(f"dq_mode must be 'atomic' or 'split', not {dq_mode!r}")
+    atomic = dq_mode == "atomic"
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    delta = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
+    dq_acc = torch.empty((B, H, Lq, P), device=q.device, dtype=torch.float32) if atomic else delta
+    _attn_bwd_preprocess_kernel[(triton.cdiv(Lq, block_j), B * H)](
+        o, do, delta, dq_acc, *o.stride(), *do.stride(), H, Lq,
+        P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4,
+    )
+    flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
+                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, num_warps=num_warps, num_stages=num_stages)
+    scalars = (H, Lq, Lk, scale, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p), seed, offset)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
+        q, k, v, do, lse, delta, dq_acc, dk, dv, kpm,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *kpm_strides, *drop,
+        *scalars, DQ_ATOMIC=atomic, **flags,
+    )
+    if atomic:
+        dq.copy_(dq_acc)
+    else:
+        _attn_bwd_dq_kernel[(triton.cdiv(Lq, block_j), B * H)](
+            q, k, v, do, lse, delta, dq, kpm,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *kpm_strides, *drop,
+            *scalars, **flags,
+        )
+    return dq, dk, dv
+
+
+class FusedAttention(torch.autograd.Function):
+    """Autograd wrapper: ``FusedAttention.apply(q, k, v, scale, dropout_p, seed, offset, causal,
+    key_padding_mask, dropout_strides, forward_config, backward_config)`` -> o (b, h, j, p)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, dropout_p, seed, offset, causal, key_padding_mask, dropout_strides,
+                forward_config, backward_config):
+        o, lse = attention_forward(q, k, v, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset,
+                                   causal=causal, key_padding_mask=key_padding_mask,
+                                   dropout_strides=dropout_strides, **(forward_config or {}))
+        ctx.save_for_backward(q, k, v, o, lse, key_padding_mask)
+        ctx.args = dict(scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, causal=causal,
+                        dropout_strides=dropout_strides, **(backward_config or {}))
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, key_padding_mask = ctx.saved_tensors
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, key_padding_mask=key_padding_mask, **ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def fused_attention(q, k, v, *, scale: float | None = None, dropout_p: float = 0.0, seed: int | None = None,
+                    offset: int = 0, causal: bool = False, key_padding_mask=None, dropout_strides=None,
+                    forward_config: dict | None = None, backward_config: dict | None = None):
+    """Differentiable fused attention over logical (b, h, j, p) views; returns O (b, h, j, p).
+
+    ``scale`` defaults to 1/sqrt(p); ``seed`` defaults to a draw from torch's default generator.
+    ``forward_config``/``backward_config``: knob dicts as listed by ``attention_configs``.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    return FusedAttention.apply(q, k, v, scale, dropout_p, seed, offset, causal, key_padding_mask,
+                                dropout_strides, forward_config, backward_config)

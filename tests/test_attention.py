@@ -1,0 +1,251 @@
+"""Fused attention vs a float64 PyTorch reference that regenerates the dropout mask in NumPy.
+
+CPU (Triton interpreter): odd sizes B=2, H=3, Lq=37, Lk=29 with head dims 16 and 64; every test
+checks O and all three gradients. GPU (``gpu`` marker): BERT-large sizes in bf16 with dropout 0.1.
+"""
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from dataflow.dropout_mask import keep_mask
+from kernels.accuracy import assert_closer, relative_error
+from kernels.attention import (attention_configs, attention_forward, default_config, dropout_strides_for,
+                               fused_attention)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32 operands: exact products in the interpreter, TF32 dots on a GPU
+FP32_TOL = 3e-3 if DEVICE == "cuda" else 1e-5
+
+
+def stored_as(t: torch.Tensor, order: str) -> torch.Tensor:
+    """The logical (b, h, j, p) tensor ``t`` stored in dim order ``order``, returned as a logical view."""
+    perm = ["bhjp".index(d) for d in order]
+    stored = t.permute(perm).contiguous()
+    return stored.permute([order.index(d) for d in "bhjp"])
+
+
+@functools.lru_cache(maxsize=4)
+def probability_keep(seed, offset, p, B, H, Lq, Lk, order="bhjk"):
+    """Keep mask (b, h, j, k) built in the probabilities' spec order ``order``, then permuted."""
+    sizes = dict(b=B, h=H, j=Lq, k=Lk)
+    mask = keep_mask(seed, offset, tuple(sizes[d] for d in order), p)
+    return torch.from_numpy(mask).permute([order.index(d) for d in "bhjk"])
+
+
+def eager_attention(q, k, v, *, scale, dropout_p, seed, offset, causal=False, key_padding_mask=None, order="bhjk"):
+    """The unfused chain at the inputs' precision, with the kernel's dropout mask."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    s = torch.einsum("bhjp,bhkp->bhjk", q, k) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if key_padding_mask is not None:
+        s = s.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    a = torch.softmax(s, dim=-1)
+    if dropout_p > 0:
+        keep = probability_keep(seed, offset, dropout_p, B, H, Lq, Lk, order).to(q.device)
+        a = a * keep.to(a.dtype) / (1 - dropout_p)
+    return torch.einsum("bhjk,bhkp->bhjp", a, v)
+
+
+def make_inputs(B, H, Lq, Lk, P, dtype, layout="bhjp", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(B, H, Lq, P, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, H, Lk, P, generator=gen, dtype=torch.float64) for _ in range(2))
+    kernel_inputs = [stored_as(t.to(DEVICE, dtype), layout).requires_grad_() for t in (q, k, v)]
+    return (q, k, v), kernel_inputs, do
+
+
+def padding_mask(B, Lk, seed=1):
+    mask = torch.rand(B, Lk, generator=torch.Generator().manual_seed(seed)) < 0.3
+    mask[:, 0] = False  # every row keeps a key (a fully padded row is tested on its own)
+    return mask
+
+
+def run_both(ref_inputs, kernel_inputs, do, baseline_dtype=None, **kwargs):
+    """Kernel and float64 reference (and, with ``baseline_dtype``, the eager chain at that dtype):
+    lists [O, dQ, dK, dV] for each."""
+    forward_config = kwargs.pop("forward_config", None)
+    backward_config = kwargs.pop("backward_config", None)
+    order = kwargs.pop("order", "bhjk")
+    B, H, Lq, _ = ref_inputs[0].shape
+    strides = dropout_strides_for(order, B, H, Lq, ref_inputs[1].shape[2])
+    o = fused_attention(*kernel_inputs, dropout_strides=strides, forward_config=forward_config,
+                        backward_config=backward_config, **kwargs)
+    o.backward(stored_as(do.to(DEVICE, o.dtype), "pjhb"))  # dO in yet another layout
+    got = [o] + [t.grad for t in kernel_inputs]
+
+    def chain(dtype, device):
+        ins = [t.detach().to(device, dtype).requires_grad_() for t in ref_inputs]
+        kpm = kwargs.get("key_padding_mask")
+        args = dict(kwargs, key_padding_mask=None if kpm is None else kpm.to(device), order=order)
+        out = eager_attention(*ins, **args)
+        out.backward(do.to(device, dtype))
+        return [out] + [t.grad for t in ins]
+
+    reference = chain(torch.float64, DEVICE)
+    baseline = chain(baseline_dtype, DEVICE) if baseline_dtype is not None else None
+    return got, reference, baseline
+
+
+NAMES = ("O", "dQ", "dK", "dV")
+
+
+@pytest.fixture(autouse=True)
+def interpreter_bf16_as_on_gpu(monkeypatch):
+    """Two bf16 faults of Triton 3.9's interpreter, mended to match the GPU: dots multiply the
+    operands' raw uint16 bit patterns (widen them to fp32 first, exact, as the bf16 MMA with fp32
+    accumulation computes) and fp32 -> bf16 casts truncate (round to nearest even instead)."""
+    if DEVICE != "cpu":
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    create_dot, cast_impl = builder.create_dot, builder.cast_impl
+
+    def widen(x):
+        if x.dtype == tl.bfloat16:
+            return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return x
+
+    def dot_widened(self, a, b, d, *args):
+        return create_dot(self, widen(a), widen(b), d, *args)
+
+    def cast_rounded(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            return interpreter.TensorHandle(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16),
+                                            tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    monkeypatch.setattr(builder, "create_dot", dot_widened)
+    monkeypatch.setattr(builder, "cast_impl", cast_rounded)
+
+
+@pytest.mark.parametrize("layout", ["bhjp", "bjhp"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("mask", ["none", "causal", "padding"])
+def test_matches_float64(mask, dropout_p, layout):
+    B, H, Lq, Lk, P = 2, 3, 37, 29, 16
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, layout)
+    got, reference, _ = run_both(ref_inputs, kernel_inputs, do, scale=0.3, dropout_p=dropout_p, seed=1234,
+                                 offset=77, causal=mask == "causal",
+                                 key_padding_mask=padding_mask(B, Lk).to(DEVICE) if mask == "padding" else None)
+    for name, g, r in zip(NAMES, got, reference):
+        assert g.shape == r.shape
+        assert relative_error(g, r) < FP32_TOL, f"{name}: {relative_error(g, r):.2e}"
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+def test_split_dq_kernel_paper_layout(mask):
+    """dQ from its own kernel over j-blocks; tensors stored (p, h, b, j) as in the paper."""
+    B, H, Lq, Lk, P = 2, 3, 37, 29, 16
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, "phbj", seed=3)
+    got, reference, _ = run_both(ref_inputs, kernel_inputs, do, scale=0.25, dropout_p=0.2, seed=99, offset=0,
+                                 causal=mask == "causal",
+                                 key_padding_mask=padding_mask(B, Lk).to(DEVICE) if mask == "padding" else None,
+                                 backward_config=dict(dq_mode="split"))
+    for name, g, r in zip(NAMES, got, reference):
+        assert relative_error(g, r) < FP32_TOL, f"{name}: {relative_error(g, r):.2e}"
+
+
+def test_dropout_index_in_spec_order():
+    """Probabilities whose spec order is (h, b, j, k): the mask follows that logical index."""
+    B, H, Lq, Lk, P = 2, 3, 37, 29, 16
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, "bjhp", seed=4)
+    got, reference, _ = run_both(ref_inputs, kernel_inputs, do, scale=0.25, dropout_p=0.3, seed=2024, offset=5,
+                                 order="hbjk")
+    for name, g, r in zip(NAMES, got, reference):
+        assert relative_error(g, r) < FP32_TOL, f"{name}: {relative_error(g, r):.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("P,Lq,Lk,causal", [(16, 37, 29, False), (64, 23, 19, True)])
+def test_low_precision_acceptance(dtype, P, Lq, Lk, causal):
+    """bf16/fp16: no farther from float64 than PyTorch's eager chain at that precision (kernels.accuracy)."""
+    B, H = 2, 3
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, dtype, "bjhp", seed=5)
+    got, reference, baseline = run_both(ref_inputs, kernel_inputs, do, baseline_dtype=dtype, scale=P**-0.5,
+                                        dropout_p=0.1, seed=7, offset=11, causal=causal)
+    for name, g, r, base in zip(NAMES, got, reference, baseline):
+        assert g.dtype == dtype
+        assert_closer(g, base, r, what=name)
+
+
+def test_config_space_runs():
+    """Every interpreter configuration of both passes computes the same, right result."""
+    B, H, Lq, Lk, P = 1, 2, 37, 29, 16
+    forward, backward = attention_configs(P, "forward"), attention_configs(P, "backward")
+    assert default_config(P, "forward") in forward and default_config(P, "backward") in backward
+    assert {c["dq_mode"] for c in backward} == {"atomic", "split"}
+    # the defaults run in every other test; here every other tile, the dQ mode alternating
+    for i in range(1, len(forward), 2):
+        fwd, bwd = forward[i], backward[2 * i + i // 2 % 2]
+        ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, seed=6)
+        got, reference, _ = run_both(ref_inputs, kernel_inputs, do, scale=0.3, dropout_p=0.2, seed=5, offset=0,
+                                     causal=True, forward_config=fwd, backward_config=bwd)
+        for name, g, r in zip(NAMES, got, reference):
+            assert relative_error(g, r) < FP32_TOL, f"{name} {fwd} {bwd}: {relative_error(g, r):.2e}"
+
+
+def test_seeds_give_different_masks():
+    """V = identity makes O[b,h,j,k] = P~[b,h,j,k]: the mask is where O != 0."""
+    B, H, Lq, Lk, p = 2, 2, 48, 64, 0.25
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(B, H, Lq, Lk, generator=gen).to(DEVICE)
+    k = torch.randn(B, H, Lk, Lk, generator=gen).to(DEVICE)
+    v = torch.eye(Lk).expand(B, H, Lk, Lk).to(DEVICE)
+    masks = {}
+    for seed, offset in ((1, 0), (2, 0), (1, 1000)):
+        o, _ = attention_forward(q, k, v, scale=0.1, dropout_p=p, seed=seed, offset=offset)
+        masks[seed, offset] = (o != 0).cpu()
+        assert torch.equal(masks[seed, offset], probability_keep(seed, offset, p, B, H, Lq, Lk))
+        assert abs(masks[seed, offset].float().mean().item() - (1 - p)) < 0.02
+    assert not torch.equal(masks[1, 0], masks[2, 0])
+    assert not torch.equal(masks[1, 0], masks[1, 1000])
+    assert (masks[1, 0] != masks[2, 0]).float().mean() > 0.2
+
+
+def test_fully_padded_batch_gives_zeros():
+    B, H, Lq, Lk, P = 2, 3, 37, 29, 16
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, seed=9)
+    kpm = padding_mask(B, Lk)
+    kpm[1] = True
+    o = fused_attention(*kernel_inputs, scale=0.3, dropout_p=0.2, seed=3, key_padding_mask=kpm.to(DEVICE))
+    o.backward(do.to(DEVICE, torch.float32))
+    _, lse = attention_forward(*kernel_inputs, scale=0.3, key_padding_mask=kpm.to(DEVICE))
+    assert torch.isinf(lse[1]).all() and torch.isfinite(lse[0]).all()
+    for t in [o] + [t.grad for t in kernel_inputs]:
+        assert torch.isfinite(t).all() and not t[1].any()
+    ref = [t[:1].clone().requires_grad_() for t in ref_inputs]
+    out = eager_attention(*ref, scale=0.3, dropout_p=0.0, seed=0, offset=0, key_padding_mask=kpm[:1])
+    o_nodrop = fused_attention(*[t.detach() for t in kernel_inputs], scale=0.3, key_padding_mask=kpm.to(DEVICE))
+    assert relative_error(o_nodrop[:1], out) < FP32_TOL
+
+
+def test_rejects_bad_arguments():
+    q = torch.randn(1, 1, 5, 24)
+    with pytest.raises(ValueError, match="head dim"):
+        attention_forward(q, q, q, scale=1.0)
+    q = torch.randn(1, 1, 5, 16)
+    with pytest.raises(ValueError, match="dropout_p"):
+        attention_forward(q, q, q, scale=1.0, dropout_p=1.0)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        attention_forward(q, q, q, scale=1.0, key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,P,causal,dq_mode", [(16, 64, False, "atomic"), (16, 64, True, "split"),
+                                                (8, 128, False, "atomic"), (8, 128, False, "split")])
+def test_bert_large_gpu(H, P, causal, dq_mode):
+    """BERT-large sizes, bf16, dropout 0.1, BERT's (b, j, h, p) storage = the [B, L, H*P] view."""
+    B, L = 8, 512
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, L, L, P, torch.bfloat16, "bjhp", seed=10)
+    got, reference, baseline = run_both(ref_inputs, kernel_inputs, do, baseline_dtype=torch.bfloat16,
+                                        scale=P**-0.5, dropout_p=0.1, seed=0x5EED, offset=0, causal=causal,
+                                        backward_config=dict(default_config(P, "backward"), dq_mode=dq_mode))
+    for name, g, r, base in zip(NAMES, got, reference, baseline):
+        assert_closer(g, base, r, what=name)
