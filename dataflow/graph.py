@@ -259,16 +259,33 @@ def _read_state(sdfg, state, records: dict[str, EinsumRecord], raws: list[_RawPr
             raise SpecError(f"unsupported construct {node.label}: a call DaCe could not inline")
 
 
+def _returned_einsums(sdfg, records: list[EinsumRecord]) -> list[EinsumRecord]:
+    """Simplification renames an einsum returned directly to ``__return``: point its record there."""
+    missing = [r for r in records if r.output not in sdfg.arrays]
+    if not missing:
+        return records
+    written_by_library = []
+    for state in sdfg.states():
+        for node in state.data_nodes():
+            if node.data.startswith("__return") and node.data not in written_by_library and any(
+                    isinstance(e.src, nodes.LibraryNode) or (isinstance(e.src, nodes.AccessNode) and _is_view(sdfg, e.src.data))
+                    for e in state.in_edges(node)):
+                written_by_library.append(node.data)
+    if len(missing) != len(written_by_library):
+        raise SpecError("cannot find the result of einsum " + ", ".join(r.subscripts for r in missing)
+                        + ": assign it to a name before returning it")
+    renamed = dict(zip((r.output for r in missing), written_by_library))
+    return [replace(r, output=renamed.get(r.output, r.output)) for r in records]
+
+
 def _dims_of(sdfg, name: str) -> list[str]:
     return [str(s) for s in sdfg.arrays[name].shape]
 
 
 def walk_sdfg(spec: LayerSpec, sdfg: dace.SDFG, records: list[EinsumRecord]) -> PrimitiveGraph:
     """Read the SDFG of ``spec`` into a ``PrimitiveGraph`` with letters on every dim."""
+    records = _returned_einsums(sdfg, records)
     by_output = {record.output: record for record in records}
-    missing = [r.subscripts for r in records if r.output not in sdfg.arrays]
-    if missing:
-        raise SpecError(f"internal: einsum outputs vanished during simplification: {', '.join(missing)}")
     raws: list[_RawPrimitive] = []
     constants: dict[str, str] = {}
     aliases: dict[str, str] = {}

@@ -30,10 +30,16 @@ def _recording_einsums(records: list[EinsumRecord]):
     original = dace_einsum.create_einsum_sdfg
 
     def recorder(sdfg, state, einsum_string, *arrays, **kwargs):
-        output = original(sdfg, state, einsum_string, *arrays, **kwargs)
         subscripts = str(einsum_string).replace(" ", "")
         if "->" not in subscripts:
             raise SpecError(f"np.einsum({subscripts!r}): write the output letters explicitly ('...->out')")
+        sizes: dict[str, str] = {}
+        for term, name in zip(subscripts.split("->")[0].split(","), arrays):
+            for letter, size in zip(term, sdfg.arrays[name].shape):
+                if sizes.setdefault(letter, str(size)) != str(size):
+                    raise SpecError(f"contradictory dims: letter {letter} is {sizes[letter]} and {size} "
+                                    f"in np.einsum({subscripts!r})")
+        output = original(sdfg, state, einsum_string, *arrays, **kwargs)
         records.append(EinsumRecord(subscripts, tuple(arrays), output))
         return output
 
@@ -63,8 +69,8 @@ def build_sdfg(spec: LayerSpec) -> tuple[dace.SDFG, list[EinsumRecord]]:
     try:
         with _recording_einsums(records):
             sdfg = program.to_sdfg(simplify=True)
-    except SpecError:
-        raise
+    except SpecError as err:
+        raise SpecError(f"{spec.path}: {err}") from None
     except Exception as err:  # DaCe's parser refused something: point at the spec line if it says one
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecError(f"{spec.path}: DaCe could not parse {spec.name}: {type(err).__name__}: {message}") from None
