@@ -13,7 +13,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol
 
 from kernels.device import DeviceFacts, NoDevice, query_device, versions
 from kernels.tuning_db import Key, Record, TuningDB
@@ -148,7 +148,6 @@ def _capture(fn: Callable[[], object], calls: int) -> Callable[[], None]:
     return graph.replay
 
 
-@runtime_checkable
 class Variant(Protocol):
     """One kernel configuration to build, check and time.
 
