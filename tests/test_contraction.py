@@ -1,0 +1,380 @@
+"""Contraction variants: einsum -> GEMM mapping, the cuBLAS path and the Triton template with epilogues.
+
+CPU: small odd sizes, Triton through the interpreter, float64 references (float32 runs compared
+tightly, bf16 runs by ``kernels.accuracy``).  GPU (``-m gpu``): BERT-large sizes, bf16.
+"""
+import functools
+
+import pytest
+import torch
+
+from dataflow.dropout_mask import keep_mask
+from kernels.accuracy import assert_closer
+from kernels.contraction import (Epilogue, GemmPlan, NotAGemm, contract, empty_in_layout, enumerate_variants, layout_of,
+                                 map_layouts, parse, run_cublas, run_triton, stacked_projection, stacked_spec)
+from kernels.gemm import valid_configs
+
+SMALL = dict(p=5, h=3, i=37, b=2, j=29, k=23, w=5, u=41, s=3)
+# B=8, L=512, N=1024, H=16, P=64, U=4096
+BERT_LARGE = dict(p=64, w=64, h=16, i=1024, b=8, j=512, k=512, u=4096, s=3)
+
+# Forward and backward contractions of a BERT encoder layer (paper notation).
+EINSUMS = [
+    "phi,ibj->phbj",  # Q projection
+    "phbk,phbj->hbjk",  # QK^T (beta)
+    "whbk,hbjk->whbj",  # gamma = V x probabilities
+    "whi,whbj->ibj",  # output projection
+    "ui,ibj->ubj",  # linear1
+    "phbj,ibj->phi",  # dW of the Q projection
+    "phi,phbj->ibj",  # dX of the Q projection
+    "hbjk,phbj->phbk",  # d(keys) of QK^T
+    "sphi,ibj->sphbj",  # stacked QKV
+    "sphi,sphbj->ibj",  # stacked QKV dX
+    "sphbj,ibj->sphi",  # stacked QKV dW
+]
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _random(letters, layout, sizes, dtype=torch.float32, device=None, generator=None):
+    t = empty_in_layout(letters, layout, sizes, torch.float64, "cpu")
+    t.copy_(torch.randn(t.shape, dtype=torch.float64, generator=generator))
+    return empty_in_layout(letters, layout, sizes, dtype, device or _device()).copy_(t)
+
+
+def _poisoned(letters, layout, sizes, dtype, device=None):
+    return empty_in_layout(letters, layout, sizes, dtype, device or _device()).fill_(float("nan"))
+
+
+@functools.lru_cache(maxsize=None)
+def _variants(spec, sizes_items):
+    return enumerate_variants(spec, dict(sizes_items))
+
+
+def _picked(spec, sizes, count, blas_only=False):
+    """A deterministic spread of mappable plans: spec-order layouts if they map, one with two batch
+    dims and one without a unit-stride matrix dim where such exist, then evenly spaced others."""
+    plans = _variants(spec, tuple(sorted(sizes.items()))).plans
+    if blas_only:
+        plans = [p for p in plans if p.blas]
+    c = parse(spec)
+    chosen = [p for p in plans if p.layouts == (c.a, c.b, c.out)]
+    chosen += [p for p in plans if p.batch_dims == 2][:1] + [p for p in plans if not p.blas][:1]
+    chosen += plans[:: max(1, len(plans) // count)]
+    unique = list(dict.fromkeys(chosen))
+    return unique[:count]
+
+
+def _operands(plan, sizes, dtype, seed=0, device=None):
+    g = torch.Generator().manual_seed(seed)
+    c = plan.contraction
+    a = _random(c.a, plan.layouts[0], sizes, dtype, device, g)
+    b = _random(c.b, plan.layouts[1], sizes, dtype, device, g)
+    return a, b
+
+
+def _rel(x, ref):
+    return float((x.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm())
+
+
+# ---------------------------------------------------------------------------------------------
+# Mapping
+
+
+def test_groups_of_bert_einsums():
+    c = parse("phi,ibj->phbj")
+    assert (c.batch, c.m, c.n, c.k) == ((), ("p", "h"), ("b", "j"), ("i",))
+    c = parse("phbk,phbj->hbjk")
+    assert (c.batch, c.m, c.n, c.k) == (("h", "b"), ("k",), ("j",), ("p",))
+    c = parse("sphi,sphbj->ibj")
+    assert (c.batch, c.m, c.n, c.k) == ((), ("i",), ("b", "j"), ("s", "p", "h"))
+    with pytest.raises(ValueError, match="one operand only"):
+        parse("phi,ibj->phb")
+
+
+def test_variant_counts_and_reasons():
+    # A "phi": (p,h) adjacent in 4 of 6 orders; B "ibj": (b,j) adjacent in 4 of 6; the output then
+    # has the M and N runs in the orders A and B fix, M first or N first: 4 * 4 * 2 = 32 of 864.
+    variants = enumerate_variants("phi,ibj->phbj", SMALL)
+    assert (len(variants.plans), len(variants.unmappable), variants.total) == (32, 832, 864)
+    assert all(p.blas and p.batch_dims == 0 for p in variants.plans)
+    plan = map_layouts("phi,ibj->phbj", ("phi", "ibj", "phbj"), SMALL)
+    assert isinstance(plan, GemmPlan)
+    assert (plan.batch, plan.m, plan.n, plan.k) == ((1, 1), 15, 58, 37)
+    assert plan.a_strides[2:] == (37, 1) and plan.b_strides[2:] == (58, 1) and plan.c_strides[2:] == (58, 1)
+    assert (plan.a_transposed, plan.b_transposed, plan.c_transposed) == (False, False, False)
+    not_adjacent = map_layouts("phi,ibj->phbj", ("pih", "ibj", "phbj"), SMALL)
+    assert isinstance(not_adjacent, NotAGemm)
+    assert not_adjacent.reason == "M letters 'ph' not adjacent in A layout 'pih'"
+    wrong_order = map_layouts("phi,ibj->phbj", ("phi", "ibj", "hpbj"), SMALL)
+    assert wrong_order.reason == "M letters 'ph' in order 'hp' where another operand has 'ph' in output layout 'hpbj'"
+    # Batch letters h, b: any orders give at most two runs, so every combination maps; cuBLAS needs
+    # a unit-stride matrix dim, i.e. a non-batch letter innermost in every operand.
+    qk = enumerate_variants("phbk,phbj->hbjk", SMALL)
+    assert len(qk.unmappable) == 0 and len(qk.plans) == 24 ** 3
+    assert len(qk.blas_plans) == 12 ** 3
+    two = map_layouts("phbk,phbj->hbjk", ("hpbk", "phbj", "hbjk"), SMALL)
+    assert two.batch_letters == (("h",), ("b",)) and two.batch == (3, 2)
+    one = map_layouts("phbk,phbj->hbjk", ("hbpk", "hbpj", "hbjk"), SMALL)
+    assert one.batch_letters == (("h", "b"), ()) and one.batch == (6, 1) and one.a_transposed is True
+    sizes = dict(x=3, y=5, z=7, m=9, q=11, n=13)
+    three_runs = map_layouts("xyzmq,xyzqn->xyzmn", ("xmyqz", "xyzqn", "xyzmn"), sizes)
+    assert isinstance(three_runs, NotAGemm) and "batch letters 'xyz'" in three_runs.reason
+    two_runs = map_layouts("xyzmq,xyzqn->xyzmn", ("xymqz", "xyqnz", "xymnz"), sizes)
+    assert two_runs.batch_letters == (("x", "y"), ("z",)) and not two_runs.blas
+
+
+@pytest.mark.parametrize("spec", EINSUMS)
+def test_every_mappable_plan_computes_the_einsum(spec):
+    """Each plan's sizes and strides, applied to the operands' storage, give the einsum (float64).
+
+    All plans where there are up to 800, else 800 evenly spread ones (enumeration order)."""
+    plans = _variants(spec, tuple(sorted(SMALL.items()))).plans
+    plans = plans[:: max(1, len(plans) // 800)]
+    assert plans
+    c = parse(spec)
+    a_logical = torch.randn([SMALL[x] for x in c.a], dtype=torch.float64)
+    b_logical = torch.randn([SMALL[x] for x in c.b], dtype=torch.float64)
+    ref = torch.einsum(spec, a_logical, b_logical)
+    a_in, b_in = {}, {}
+    for plan in plans:
+        la, lb, lo = plan.layouts
+        a = a_in.setdefault(la, empty_in_layout(c.a, la, SMALL, torch.float64).copy_(a_logical))
+        b = b_in.setdefault(lb, empty_in_layout(c.b, lb, SMALL, torch.float64).copy_(b_logical))
+        out = _poisoned(c.out, lo, SMALL, torch.float64, "cpu")
+        (b0, b1), m, n, k = plan.batch, plan.m, plan.n, plan.k
+        product = a.as_strided((b0, b1, m, k), plan.a_strides) @ b.as_strided((b0, b1, k, n), plan.b_strides)
+        out.as_strided((b0, b1, m, n), plan.c_strides).copy_(product)
+        assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12), plan.describe()
+
+
+def test_layout_of_reads_strides():
+    t = empty_in_layout("ibj", "bji", SMALL)
+    assert t.shape == (37, 2, 29) and layout_of(t, "ibj") == "bji"
+    with pytest.raises(ValueError, match="not dense"):
+        layout_of(torch.empty(37, 2, 58)[:, :, ::2], "ibj")
+
+
+# ---------------------------------------------------------------------------------------------
+# cuBLAS path
+
+
+@pytest.mark.parametrize("spec", EINSUMS)
+def test_cublas_path(spec):
+    for plan in _picked(spec, SMALL, 4, blas_only=True):
+        a, b = _operands(plan, SMALL, torch.float64)
+        out = _poisoned(plan.contraction.out, plan.layouts[2], SMALL, torch.float64)
+        run_cublas(plan, a, b, out, alpha=0.7)
+        ref = 0.7 * torch.einsum(spec, a, b)
+        assert torch.allclose(out, ref, rtol=1e-10, atol=1e-10), plan.describe()
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        out16 = contract(spec, a16, b16, out_layout=plan.layouts[2])
+        assert layout_of(out16, plan.contraction.out) == plan.layouts[2]
+        assert_closer(out16, torch.einsum(spec, a16, b16), torch.einsum(spec, a16.double(), b16.double()), what=plan.describe())
+
+
+def test_cublas_rejects_batch_innermost_and_unmappable():
+    plan = map_layouts("phbk,phbj->hbjk", ("pkhb", "phbj", "hbjk"), SMALL)
+    assert plan.a_transposed is None and not plan.blas
+    a, b = _operands(plan, SMALL, torch.float32)
+    with pytest.raises(ValueError, match="unit-stride"):
+        run_cublas(plan, a, b, empty_in_layout("hbjk", "hbjk", SMALL, device=_device()))
+    a = _random("phi", "pih", SMALL)
+    b = _random("ibj", "ibj", SMALL)
+    for backend in ("cublas", "triton"):
+        with pytest.raises(ValueError, match="M letters 'ph' not adjacent in A layout 'pih'"):
+            contract("phi,ibj->phbj", a, b, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton template
+
+
+@pytest.mark.parametrize("spec", EINSUMS)
+def test_triton_path(spec):
+    configs = valid_configs()
+    for n, plan in enumerate(_picked(spec, SMALL, 3)):
+        a, b = _operands(plan, SMALL, torch.float32, seed=n)
+        out = _poisoned(plan.contraction.out, plan.layouts[2], SMALL, torch.float32)
+        run_triton(plan, a, b, out, config=configs[n % len(configs)])
+        ref = torch.einsum(spec, a.double(), b.double())
+        assert _rel(out, ref) < 1e-6, plan.describe()
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    out16 = contract(spec, a16, b16, out_layout=plan.layouts[2], backend="triton")
+    assert_closer(out16, torch.einsum(spec, a16, b16), torch.einsum(spec, a16.double(), b16.double()), what=plan.describe())
+
+
+def _broadcast(bias, bias_letters, out_letters):
+    """``bias`` (dims ``bias_letters``) viewed with the dims of ``out_letters``, size 1 where it lacks one."""
+    held = [x for x in out_letters if x in bias_letters]
+    bias = bias.permute([bias_letters.index(x) for x in held])
+    return bias.reshape([bias.shape[held.index(x)] if x in held else 1 for x in out_letters])
+
+
+def _epilogue_reference(spec, a, b, sizes, ep):
+    """float64 reference of an epilogue, on the operands' device: (out, pre-activation, pre-dropout)."""
+    c = parse(spec)
+    y = ep.alpha * torch.einsum(spec, a.double(), b.double())
+    if ep.bias is not None:
+        y = y + _broadcast(ep.bias.double(), ep.bias_letters, c.out)
+    pre_activation = y
+    if ep.activation == "relu":
+        y = torch.relu(y)
+    elif ep.activation == "gelu":
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    pre_dropout = y
+    if ep.dropout_p > 0:
+        keep = torch.from_numpy(keep_mask(ep.seed, ep.offset, tuple(sizes[x] for x in c.out), ep.dropout_p)).to(y.device)
+        y = torch.where(keep, y / (1 - ep.dropout_p), 0.0)
+    return y, pre_activation, pre_dropout
+
+
+EPILOGUE_CASES = [
+    # spec, layouts (A, B, out), bias letters, activation, dropout p, save
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), "u", "relu", 0.1, "pre_dropout"),
+    ("ui,ibj->ubj", ("iu", "jbi", "jbu"), "u", "gelu", 0.3, "pre_activation"),
+    ("phi,ibj->phbj", ("hpi", "ijb", "jbhp"), "ph", "none", 0.2, None),
+    ("whi,whbj->ibj", ("whi", "whbj", "bji"), "i", "relu", 0.0, "pre_activation"),
+    ("phbk,phbj->hbjk", ("hpbk", "phbj", "hbjk"), "", "none", 0.1, None),  # two batch dims, scale only
+    ("sphi,ibj->sphbj", ("sphi", "ibj", "sphbj"), "sph", "none", 0.1, None),
+]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # interpreter: sigmoid of large negatives
+@pytest.mark.parametrize("case", EPILOGUE_CASES, ids=lambda case: f"{case[0]}:{case[1][2]}")
+def test_triton_epilogue(case):
+    spec, layouts, bias_letters, activation, p, save = case
+    plan = map_layouts(spec, layouts, SMALL)
+    assert isinstance(plan, GemmPlan)
+    c = plan.contraction
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = _operands(plan, SMALL, dtype, seed=7)
+        bias = None
+        if bias_letters:  # stored in the order its letters have in the output layout
+            bias = _random(bias_letters, "".join(x for x in layouts[2] if x in bias_letters), SMALL, dtype)
+        ep = Epilogue(alpha=0.125 if not bias_letters else 1.0, bias=bias, bias_letters=bias_letters, activation=activation,
+                      dropout_p=p, seed=0xD00D + len(spec), offset=1001, save=save)
+        out = _poisoned(c.out, plan.layouts[2], SMALL, dtype)
+        result = run_triton(plan, a, b, out, ep)
+        ref, pre_activation, pre_dropout = _epilogue_reference(spec, a, b, SMALL, ep)
+        saved = None
+        if save:
+            out, saved = result
+            assert layout_of(saved, c.out) == plan.layouts[2]
+        if p > 0:
+            keep = torch.from_numpy(keep_mask(ep.seed, ep.offset, tuple(out.shape), p))
+            assert torch.all(out.cpu()[~keep] == 0)
+            keep = keep.to(out.device)
+            assert 0.5 < keep.double().mean() / (1 - p) < 1.5
+        saved_ref = pre_activation if save == "pre_activation" else pre_dropout
+        if dtype == torch.float32:
+            assert _rel(out, ref) < 1e-6
+            if save:
+                assert _rel(saved, saved_ref) < 1e-6
+        else:  # PyTorch's own bf16 eager version of the same epilogue is the baseline
+            y = ep.alpha * torch.einsum(spec, a, b)
+            if bias is not None:
+                y = y + _broadcast(bias, bias_letters, c.out)
+            base_pre = y
+            y = {"relu": torch.relu, "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+                 "none": lambda t: t}[activation](y)
+            base_saved = base_pre if save == "pre_activation" else y
+            if p > 0:
+                y = torch.where(keep, y / (1 - p), torch.zeros_like(y))
+            assert_closer(out, y, ref, what=f"{spec} bf16")
+            if save:
+                assert_closer(saved, base_saved, saved_ref, what=f"{spec} bf16 saved")
+
+
+def test_dropout_mask_independent_of_layout():
+    """The same seed gives the same logical mask whatever the output layout."""
+    spec, sizes = "ui,ibj->ubj", SMALL
+    masks = []
+    for b_layout, out_layout in (("ibj", "ubj"), ("ijb", "jbu"), ("bji", "bju")):
+        a = _random("ui", "ui", sizes, generator=torch.Generator().manual_seed(3))
+        b = _random("ibj", b_layout, sizes, generator=torch.Generator().manual_seed(4))
+        out = contract(spec, a, b, out_layout=out_layout, backend="triton",
+                       epilogue=Epilogue(dropout_p=0.5, seed=77, offset=5))
+        masks.append((out != 0).cpu())
+    assert torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
+    expected = torch.from_numpy(keep_mask(77, 5, (41, 2, 29), 0.5))
+    assert torch.equal(masks[0], expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacked (algebraic) contractions
+
+
+def test_stacked_specs():
+    assert stacked_spec("phi,ibj->phbj", [0]) == "sphi,ibj->sphbj"
+    assert stacked_spec("phi,phbj->ibj", [0, 1]) == "sphi,sphbj->ibj"
+    assert stacked_spec("phbj,ibj->phi", [0]) == "sphbj,ibj->sphi"
+    c = parse("sphi,ibj->sphbj")
+    assert c.m == ("s", "p", "h") and c.n == ("b", "j") and c.k == ("i",)
+
+
+@pytest.mark.parametrize("backend", ["cublas", "triton"])
+def test_stacked_qkv_equals_three_einsums(backend):
+    g = torch.Generator().manual_seed(11)
+    w = _random("sphi", "sphi", SMALL, generator=g)
+    x = _random("ibj", "bji", SMALL, generator=g)
+    grad = _random("sphbj", "bjsph", SMALL, generator=g)
+    q, k, v = stacked_projection("phi,ibj->phbj", w, x, out_layout="bjsph", backend=backend)
+    for s, projected in enumerate((q, k, v)):
+        assert _rel(projected, torch.einsum("phi,ibj->phbj", w[s].double(), x.double())) < 1e-6
+    dx = contract("sphi,sphbj->ibj", w, grad, out_layout="bji", backend=backend)
+    dx_ref = sum(torch.einsum("phi,phbj->ibj", w[s].double(), grad[s].double()) for s in range(3))
+    assert _rel(dx, dx_ref) < 1e-6
+    dw = contract("sphbj,ibj->sphi", grad, x, out_layout="sphi", backend=backend)
+    dw_ref = torch.stack([torch.einsum("phbj,ibj->phi", grad[s].double(), x.double()) for s in range(3)])
+    assert _rel(dw, dw_ref) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU, BERT-large, bf16
+
+
+GPU_EINSUMS = EINSUMS + ["iu,ubj->ibj", "ubj,ibj->ui", "whbj,hbjk->whbk"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", GPU_EINSUMS)
+def test_gpu_bert_large(spec):
+    sizes = BERT_LARGE
+    for n, plan in enumerate(_picked(spec, sizes, 2, blas_only=True)):
+        a, b = _operands(plan, sizes, torch.bfloat16, seed=n, device="cuda")
+        ref = torch.einsum(spec, a.double(), b.double())
+        baseline = torch.einsum(spec, a, b)
+        out = _poisoned(plan.contraction.out, plan.layouts[2], sizes, torch.bfloat16)
+        run_cublas(plan, a, b, out)  # warm-up: cuBLAS handle and workspace
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out.fill_(float("nan"))
+        run_cublas(plan, a, b, out)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() == before, f"{plan.describe()}: cuBLAS path allocated (a copy)"
+        assert_closer(out, baseline, ref, what=f"cuBLAS {plan.describe()}")
+        out.fill_(float("nan"))
+        run_triton(plan, a, b, out, config=valid_configs()[2])
+        assert_closer(out, baseline, ref, what=f"Triton {plan.describe()}")
+
+
+@pytest.mark.gpu
+def test_gpu_linear1_fused_epilogue():
+    sizes, spec = BERT_LARGE, "ui,ibj->ubj"
+    plan = map_layouts(spec, ("ui", "ibj", "ubj"), sizes)
+    a, b = _operands(plan, sizes, torch.bfloat16, seed=5, device="cuda")
+    bias = _random("u", "u", sizes, torch.bfloat16, "cuda")
+    ep = Epilogue(bias=bias, bias_letters="u", activation="relu", dropout_p=0.1, seed=1234, offset=0, save="pre_dropout")
+    out = _poisoned("ubj", "ubj", sizes, torch.bfloat16)
+    out, saved = run_triton(plan, a, b, out, ep)
+    ref, _, pre_dropout = _epilogue_reference(spec, a, b, sizes, ep)
+    keep = torch.from_numpy(keep_mask(1234, 0, tuple(out.shape), 0.1)).cuda()
+    y = torch.relu(torch.einsum(spec, a, b) + bias[:, None, None])
+    assert_closer(saved, y, pre_dropout, what="pre-dropout")
+    assert_closer(out, torch.where(keep, y / 0.9, torch.zeros_like(y)), ref, what="linear1 + bias + relu + dropout")
+    assert torch.all(out[~keep] == 0)
+    assert abs(keep.double().mean().item() - 0.9) < 1e-3
