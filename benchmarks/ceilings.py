@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/ceilings.py [--db tuning.db] [--out benchmarks/results] [--force]
 
-Ceilings are measured once per device and kept in the tuning DB (``kernels.device.measure_ceilings``);
+Ceilings are measured once per device and kept in the tuning DB (``kernels.bench.measure_ceilings``);
 ``--force`` measures again.  Without a GPU it says why and exits with status 1, writing nothing.
 """
 import argparse
@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from kernels.device import NoDevice, measure_ceilings, query_device, versions
+from kernels.bench import measure_ceilings
+from kernels.device import NoDevice, query_device, versions
 from kernels.tuning_db import TuningDB
 
 

@@ -12,11 +12,11 @@ import functools
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
 from kernels.device import DeviceFacts, NoDevice, query_device, versions
-from kernels.tuning_db import Key, Record, TuningDB
+from kernels.tuning_db import Ceilings, Key, Record, TuningDB
 
 # Calls whose GPU time is under this are replayed from a CUDA graph when ``cuda_graph=None``: the
 # host's launch work (several microseconds per Triton launch, more for a callable that launches
@@ -317,3 +317,55 @@ def _cuda_context_alive(measured: bool) -> bool:
         return True
     except Exception:
         return False
+
+
+COPY_BYTES = 1 << 30  # ceiling copy: a 1 GiB source copied into a 1 GiB destination
+GEMM_N = 8192  # ceiling GEMM: (8192 x 8192) @ (8192 x 8192) in bf16, random normal data
+
+
+def measure_ceilings(db, index: int = 0, force: bool = False) -> Ceilings:
+    """Copy bandwidth and bf16 GEMM rate of device ``index``, measured once and kept in ``db``.
+
+    A later call returns the stored ``Ceilings`` unless ``force``.  Copy: ``dst.copy_(src)`` of
+    ``COPY_BYTES`` (bytes read + written over the median time).  GEMM: ``GEMM_N``^3 bf16 ``torch.mm`` on
+    random normal data (2 N^3 flop over the median time).  Raises RuntimeError without a GPU.
+    """
+    facts = query_device(index)
+    if isinstance(facts, NoDevice):
+        raise RuntimeError(f"no CUDA device, no ceilings: {facts.reason}")
+    if not force:
+        stored = db.ceilings(facts.name)
+        if stored is not None:
+            return stored
+
+    import torch
+
+    dev = torch.device("cuda", index)
+    with torch.cuda.device(dev):
+        src = torch.randn(COPY_BYTES // 4, device=dev, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        copy = time_cuda(lambda: dst.copy_(src), warmup_ms=100, rep_ms=400, flush_l2=False, cuda_graph=False)
+        torch.testing.assert_close(dst, src, rtol=0, atol=0)
+        del src, dst
+        a = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
+        c = torch.empty(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
+        gemm = time_cuda(lambda: torch.mm(a, b, out=c), warmup_ms=300, rep_ms=600, flush_l2=False, cuda_graph=False)
+        del a, b, c
+        torch.cuda.empty_cache()
+    copy_bytes = 2 * COPY_BYTES
+    gemm_flop = 2 * GEMM_N**3
+    ceilings = Ceilings(
+        device=facts.name,
+        copy_bytes_per_s=copy_bytes / (copy.median_ms * 1e-3),
+        gemm_flop_per_s=gemm_flop / (gemm.median_ms * 1e-3),
+        details={
+            "copy": {"bytes_read_plus_written": copy_bytes, **asdict(copy)},
+            "gemm": {"size": GEMM_N, "dtype": "bfloat16", "flop": gemm_flop, **asdict(gemm)},
+            "facts": facts.to_dict(),
+        },
+        versions=versions(),
+        timestamp=time.time(),
+    )
+    db.store_ceilings(ceilings)
+    return ceilings

@@ -1,15 +1,14 @@
-"""Device facts (through cuda-python) and the two measured ceilings every benchmark is judged against.
+"""Device facts through cuda-python: what the GPU is and its theoretical peaks.
 
 ``query_device()`` reads the CUDA device attributes with ``cuda.bindings.runtime`` and derives the
 theoretical peaks from them; with no driver or no GPU it returns a ``NoDevice`` that says why (the
-runtime answers with an error code, nothing crashes).  ``measure_ceilings(db)`` times a large
-device-to-device copy and a large bf16 GEMM once per device and keeps the result in the tuning DB.
+runtime answers with an error code, nothing crashes).  The measured ceilings (a large copy and a
+large GEMM) are taken by ``kernels.bench.measure_ceilings`` and kept in the tuning DB.
 ``versions()`` names the software a measurement was taken with (part of every tuning-DB key).
 """
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import asdict, dataclass
 
 from cuda.bindings import runtime as cudart
@@ -33,8 +32,6 @@ TENSOR_FLOP_PER_CLOCK_PER_SM: dict[tuple[int, int], dict[str, int]] = {
     (9, 0): {"fp16": 4096, "bf16": 4096},
 }
 
-COPY_BYTES = 1 << 30  # ceiling copy: a 1 GiB source copied into a 1 GiB destination
-GEMM_N = 8192  # ceiling GEMM: (8192 x 8192) @ (8192 x 8192) in bf16, random normal data
 
 
 @dataclass(frozen=True)
@@ -69,18 +66,6 @@ class NoDevice:
     """No usable CUDA GPU; ``reason`` is the runtime's own error text."""
 
     reason: str
-
-
-@dataclass(frozen=True)
-class Ceilings:
-    """Measured ceilings of one device: copy bandwidth (bytes read + written per s) and bf16 GEMM flop/s."""
-
-    device: str
-    copy_bytes_per_s: float
-    gemm_flop_per_s: float
-    details: dict  # sizes, medians and quartiles in ms, the device facts
-    versions: dict
-    timestamp: float
 
 
 def _check(result, what: str):
@@ -156,53 +141,3 @@ def versions() -> dict[str, str]:
         "cuda_runtime": _cuda_version_text(runtime_version or 0),
         "cuda_driver": _cuda_version_text(driver_version or 0),
     }
-
-
-def measure_ceilings(db, index: int = 0, force: bool = False) -> Ceilings:
-    """Copy bandwidth and bf16 GEMM rate of device ``index``, measured once and kept in ``db``.
-
-    A later call returns the stored ``Ceilings`` unless ``force``.  Copy: ``dst.copy_(src)`` of
-    ``COPY_BYTES`` (bytes read + written over the median time).  GEMM: ``GEMM_N``^3 bf16 ``torch.mm`` on
-    random normal data (2 N^3 flop over the median time).  Raises RuntimeError without a GPU.
-    """
-    facts = query_device(index)
-    if isinstance(facts, NoDevice):
-        raise RuntimeError(f"no CUDA device, no ceilings: {facts.reason}")
-    if not force:
-        stored = db.ceilings(facts.name)
-        if stored is not None:
-            return stored
-
-    import torch
-
-    from kernels.bench import time_cuda
-
-    dev = torch.device("cuda", index)
-    with torch.cuda.device(dev):
-        src = torch.randn(COPY_BYTES // 4, device=dev, dtype=torch.float32)
-        dst = torch.empty_like(src)
-        copy = time_cuda(lambda: dst.copy_(src), warmup_ms=100, rep_ms=400, flush_l2=False, cuda_graph=False)
-        torch.testing.assert_close(dst, src, rtol=0, atol=0)
-        del src, dst
-        a = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
-        c = torch.empty(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
-        gemm = time_cuda(lambda: torch.mm(a, b, out=c), warmup_ms=300, rep_ms=600, flush_l2=False, cuda_graph=False)
-        del a, b, c
-        torch.cuda.empty_cache()
-    copy_bytes = 2 * COPY_BYTES
-    gemm_flop = 2 * GEMM_N**3
-    ceilings = Ceilings(
-        device=facts.name,
-        copy_bytes_per_s=copy_bytes / (copy.median_ms * 1e-3),
-        gemm_flop_per_s=gemm_flop / (gemm.median_ms * 1e-3),
-        details={
-            "copy": {"bytes_read_plus_written": copy_bytes, **asdict(copy)},
-            "gemm": {"size": GEMM_N, "dtype": "bfloat16", "flop": gemm_flop, **asdict(gemm)},
-            "facts": facts.to_dict(),
-        },
-        versions=versions(),
-        timestamp=time.time(),
-    )
-    db.store_ceilings(ceilings)
-    return ceilings

@@ -134,6 +134,18 @@ def _record_from_row(row: sqlite3.Row) -> Record:
     return Record(key=key, **values)
 
 
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured ceilings of one device: copy bandwidth (bytes read + written per s) and bf16 GEMM flop/s."""
+
+    device: str
+    copy_bytes_per_s: float
+    gemm_flop_per_s: float
+    details: dict  # sizes, medians and quartiles in ms, the device facts
+    versions: dict
+    timestamp: float
+
+
 class TuningDB:
     """The tuning database at ``path`` (created if missing).  One connection per object and thread."""
 
@@ -200,7 +212,7 @@ class TuningDB:
                           layout=layout)[:limit]
 
     def store_ceilings(self, ceilings) -> None:
-        """Store a ``kernels.device.Ceilings`` (replacing the device's earlier one)."""
+        """Store a ``Ceilings`` (replacing the device's earlier one)."""
         self._conn.execute(
             "INSERT OR REPLACE INTO ceilings (device, copy_bytes_per_s, gemm_flop_per_s, details, versions, timestamp)"
             " VALUES (?, ?, ?, ?, ?, ?)",
@@ -209,8 +221,7 @@ class TuningDB:
         )
 
     def ceilings(self, device: str):
-        """The stored ``kernels.device.Ceilings`` of ``device``, or None."""
-        from kernels.device import Ceilings
+        """The stored ``Ceilings`` of ``device``, or None."""
 
         row = self._conn.execute("SELECT * FROM ceilings WHERE device = ?", (device,)).fetchone()
         if row is None:

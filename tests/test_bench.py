@@ -15,7 +15,8 @@ import torch
 from rich.console import Console
 
 from kernels.bench import CPU_DEVICE, Sweep, time_cuda
-from kernels.device import measure_ceilings, query_device
+from kernels.bench import measure_ceilings
+from kernels.device import query_device
 from kernels.tuning_db import TuningDB
 from scale_variants import ScaleVariant, variants
 

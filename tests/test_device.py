@@ -4,7 +4,9 @@ import time
 import pytest
 import torch
 
-from kernels.device import Ceilings, DeviceFacts, NoDevice, measure_ceilings, peak_tensor_flops, query_device, versions
+from kernels.bench import measure_ceilings
+from kernels.device import DeviceFacts, NoDevice, peak_tensor_flops, query_device, versions
+from kernels.tuning_db import Ceilings
 from kernels.tuning_db import TuningDB
 
 
