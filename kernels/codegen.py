@@ -1,0 +1,502 @@
+"""One Triton code generator for every fused element-wise / normalization operator.
+
+Input: an operator (any group of "map" / "reduce" primitives of a ``PrimitiveGraph``, forward or
+backward, fused or not) and a ``layouts.space.Configuration``.  Output: readable Triton source
+(``generate_source``), written to a cache directory keyed by its hash, imported with importlib
+and compiled by Triton (``compile_operator``).  This module reads graphs by duck typing and never
+imports ``dataflow.graph`` (which needs DaCe).
+
+The generated kernel, over the operator's letters (``layouts.space.operator_letters``):
+- program ids over the independent letters, flattened (plus blocks of the column axis for an
+  element-wise operator); a 2-D tile [BLOCK_ROW, BLOCK_COL] whose axes flatten the letters of
+  ``layouts.space.tile_axes`` (the vector letter innermost on the column axis);
+- every tensor addressed as ``sum(idx_<letter> * stride_<tensor>_<letter>)`` with one stride
+  argument per letter per tensor (any layout), masks for ragged edges;
+- normalizations: mode "row" keeps whole reduction rows in the tile and runs the expression DAG
+  once; mode "loop" makes one pass over chunks of the reduction per level of chained reductions
+  (layernorm: mean, then variance, then the outputs; softmax: max, then sum, then outputs),
+  statistics between passes, outputs in the last pass;
+- fp32 arithmetic and statistics whatever the storage dtype, stores cast to each output's dtype;
+- dropout: a multiplication by a tensor of role "dropout" is not loaded but regenerated with
+  ``kernels.philox.dropout_keep(seed_<mask>, offset_<mask>, n, p)`` where ``n`` is the element's
+  row-major index over the mask's letters in spec order, scaled by 1/(1-p); knob
+  ``dropout="load"`` reads a stored mask (values 0 or 1/(1-p)) instead;
+- sizes as runtime int arguments ``size_<letter>``, dim names used in expressions (``N``,
+  ``sqrt(P)``) as float arguments ``dim_<name>``.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import os
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+from layouts.space import Configuration, OperatorLetters, operator_letters, tile_axes
+
+CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
+_FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
+              "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh"}
+_modules: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the source generator decided (also used by the launcher)."""
+
+    letters: OperatorLetters
+    grid: str  # letters with one index per program
+    rows: str  # letters flattened on the tile's row axis
+    cols: str  # letters flattened on the tile's column axis
+    reduce_axis: int | None  # 1: reduce along columns, 0: along rows, None: element-wise
+    loads: tuple  # external tensors read from memory
+    regenerated: tuple  # dropout masks regenerated from (seed, offset)
+    outputs: tuple
+    dim_names: tuple  # dim names used in expressions -> dim_<name> float args
+
+
+def _plan(graph, op, config: Configuration) -> _Plan:
+    letters = operator_letters(graph, op)
+    reduces = [p for p in op.primitives if p.kind == "reduce"]
+    for prim in reduces:
+        mine = "".join(letters.prim_letters[prim.name][l] for l in prim.reduced)
+        if set(mine) != set(letters.reduced):
+            raise NotImplementedError(f"{op.name}: reductions over different letter sets ({mine} vs "
+                                      f"{letters.reduced}) in one kernel")
+    knobs = config.knobs
+    if sorted(knobs["order"]) != sorted(letters.letters) or knobs["order"][-1] != knobs["vector"]:
+        raise ValueError(f"{op.name}: knob order {knobs['order']!r} must hold letters {letters.letters!r}, "
+                         f"vector {knobs['vector']!r} last")
+    grid, rows, cols = tile_axes(letters, knobs)
+    reduce_axis = None if not letters.reduced else (1 if knobs["vector"] in letters.reduced else 0)
+    regenerate = knobs.get("dropout", "regenerate") == "regenerate"
+    regenerated = tuple(t for t in op.inputs if graph.tensors[t].role == "dropout" and regenerate)
+    loads = tuple(t for t in op.inputs if t not in regenerated)
+    dim_names = set()
+    for prim in op.primitives:
+        if prim.kind == "map":
+            for node in ast.walk(ast.parse(prim.expr, mode="eval")):
+                if isinstance(node, ast.Name) and node.id in graph.dim_values:
+                    dim_names.add(node.id)
+    return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)))
+
+
+class _Expr(ast.NodeTransformer):
+    """Map expression -> Triton expression: inK -> value variables, dims -> dim_<name> args."""
+
+    def __init__(self, operands: list[str], dims):
+        self.operands, self.dims = operands, dims
+
+    def visit_Name(self, node):
+        if node.id.startswith("in") and node.id[2:].isdigit():
+            return ast.Name(self.operands[int(node.id[2:])], ast.Load())
+        if node.id in self.dims:
+            return ast.Name(f"dim_{node.id}", ast.Load())
+        raise ValueError(f"unknown name {node.id!r} in a map expression")
+
+    def visit_Constant(self, node):
+        return ast.Constant(float(node.value)) if isinstance(node.value, (int, float)) else node
+
+    def visit_Call(self, node):
+        node.args = [self.visit(arg) for arg in node.args]
+        if not (isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS):
+            raise ValueError(f"unsupported function in a map expression: {ast.unparse(node.func)}")
+        node.func = ast.parse(_FUNCTIONS[node.func.id], mode="eval").body
+        return node
+
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Pow):
+            raise ValueError("'**' is not supported in map expressions; write products")
+        return node
+
+
+class _Writer:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "", depth: int = 1):
+        self.lines.append("    " * depth + line if line else "")
+
+
+def _var(tensor: str) -> str:
+    return f"v_{tensor}"
+
+
+def generate_source(graph, op, config: Configuration, *, index64: bool = False) -> str:
+    """Triton source of ``op`` under ``config`` (the kernel ``<op>_kernel`` and nothing else).
+
+    ``index64``: compute indices in int64 (needed when an index can reach 2**31).
+    """
+    plan = _plan(graph, op, config)
+    L, knobs = plan.letters, config.knobs
+    axes = L.tensor_axes
+    red = set(L.reduced)
+    itype = "tl.int64" if index64 else "tl.int32"
+    producer = {p.output.tensor: p for p in op.primitives}
+    externals = list(plan.loads) + [t for t in plan.outputs]
+    name = "".join(c if c.isalnum() else "_" for c in op.name)
+
+    # --- signature ------------------------------------------------------------------------
+    sig = []
+    for t in plan.loads:
+        sig.append(f"{t}_ptr,  # {axes[t]} (spec order {graph.tensors[t].letters}), any strides: input")
+    for t in plan.outputs:
+        sig.append(f"{t}_ptr,  # {axes[t]} (spec order {graph.tensors[t].letters}), any strides: output")
+    for t in externals:
+        if axes[t]:
+            sig.append(", ".join(f"stride_{t}_{l}" for l in axes[t]) + ",")
+    sig.append(", ".join(f"size_{l}" for l in L.letters) + ",  # extents of " +
+               ", ".join(f"{l}={L.dims[l]}" for l in L.letters))
+    if plan.dim_names:
+        sig.append(", ".join(f"dim_{d}" for d in plan.dim_names) + ",  # dim values as floats")
+    for t in plan.regenerated:
+        sig.append(f"seed_{t}, offset_{t},  # Philox key and counter offset of dropout mask {t}")
+    sig.append("BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,")
+
+    w = _Writer()
+    def describe(prim) -> str:
+        own = L.prim_letters[prim.name]
+        names = {f"in{n}": f"{o.tensor}[{''.join(own[l] for l in o.letters)}]" for n, o in enumerate(prim.inputs)}
+        out = f"{prim.output.tensor}[{''.join(own[l] for l in prim.output.letters)}]"
+        if prim.kind == "reduce":
+            return f"{out} = {prim.expr} over {''.join(own[l] for l in prim.reduced)} of {names['in0']}"
+        tree = ast.parse(prim.expr, mode="eval")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in names:
+                node.id = names[node.id]
+        return f"{out} = {ast.unparse(tree)}"
+
+    prims_doc = "\n".join("    " + describe(p) for p in op.primitives)
+    header = f'''"""Generated by kernels.codegen: operator {op.name} ({op.cls}).
+
+{prims_doc}
+
+Letters: {", ".join(f"{l}={L.dims[l]}" for l in L.letters)}; reduced: {L.reduced or "-"}.
+Grid letters: {plan.grid or "-"}; tile rows: {plan.rows or "-"}; tile columns: {plan.cols or "-"}.
+Layouts: {config.layouts}
+Knobs: {knobs}
+"""
+import triton
+import triton.language as tl
+
+from kernels.philox import dropout_keep
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def {name}_kernel('''
+    body = [header] + ["    " + s for s in sig] + ["):"]
+
+    # --- program ids and index decomposition ------------------------------------------------
+    w("pid = tl.program_id(0)" + (".to(tl.int64)" if index64 else ""))
+
+    def decompose(flat: str, group: str, shape: str, depth: int = 1):
+        """idx_<l> for the letters of ``group`` flattened row-major in ``flat`` (shape suffix)."""
+        rem = flat
+        for pos, letter in enumerate(reversed(group)):
+            if pos == len(group) - 1:
+                w(f"idx_{letter} = {rem}{shape}", depth)
+            else:
+                w(f"idx_{letter} = ({rem} % size_{letter}){shape}", depth)
+                w(f"{flat}_rest{pos} = {rem} // size_{letter}", depth)
+                rem = f"{flat}_rest{pos}"
+
+    def extent(group: str) -> str:
+        return " * ".join(f"size_{l}" for l in group) if group else "1"
+
+    w(f"n_rows = {extent(plan.rows)}")
+    w(f"n_cols = {extent(plan.cols)}")
+    if plan.reduce_axis is None:
+        w("col_blocks = tl.cdiv(n_cols, BLOCK_COL)")
+        w("rows = (pid // col_blocks) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)")
+        w("cols = (pid % col_blocks) * BLOCK_COL + tl.arange(0, BLOCK_COL)")
+    elif plan.reduce_axis == 1:
+        w("rows = pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)")
+    else:
+        w("col_blocks = tl.cdiv(n_cols, BLOCK_COL)")
+        w("cols = (pid % col_blocks) * BLOCK_COL + tl.arange(0, BLOCK_COL)")
+        w("g = pid // col_blocks")
+        decompose("g", plan.grid, "")
+    if index64:
+        for axis in ("rows", "cols") if plan.reduce_axis is None else (("rows",) if plan.reduce_axis == 1 else ("cols",)):
+            w(f"{axis} = {axis}.to(tl.int64)")
+    if plan.reduce_axis != 0:
+        w("row_ok = (rows < n_rows)[:, None]")
+        decompose("rows", plan.rows, "[:, None]")
+    if plan.reduce_axis != 1:
+        w("col_ok = (cols < n_cols)[None, :]")
+        decompose("cols", plan.cols, "[None, :]")
+    for t in plan.regenerated:  # logical row-major strides over the mask's spec-order letters
+        spec_axes = axes[t]
+        for pos, letter in enumerate(spec_axes):
+            inner = spec_axes[pos + 1:]
+            w(f"lstride_{t}_{letter} = {' * '.join(f'size_{l}' for l in inner) if inner else '1'}")
+
+    reduced_axis_letters = plan.cols if plan.reduce_axis == 1 else plan.rows if plan.reduce_axis == 0 else ""
+
+    def on_reduced_axis(tensor_letters: str) -> bool:
+        return any(l in reduced_axis_letters for l in tensor_letters)
+
+    def mask_of(tensor_letters: str) -> str | None:
+        parts = [name for group, name in ((plan.rows, "row_ok"), (plan.cols, "col_ok"))
+                 if any(l in group for l in tensor_letters)]
+        return " & ".join(parts) or None
+
+    def offset_of(t: str) -> str:
+        return " + ".join(f"idx_{l} * stride_{t}_{l}" for l in axes[t]) or "0"
+
+    # --- the expression DAG -------------------------------------------------------------------
+    level: dict[str, int] = {t: 0 for t in op.inputs}  # chained-reduction depth
+    for prim in op.primitives:
+        deps = max(level[o.tensor] for o in prim.inputs)
+        level[prim.output.tensor] = deps + 1 if prim.kind == "reduce" else deps
+    n_pass = max((level[p.output.tensor] for p in op.primitives if p.kind == "reduce"), default=0)
+
+    def emit_input(t: str, depth: int):
+        if t in plan.regenerated:
+            info = graph.tensors[t]
+            index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
+            scale = 1.0 / (1.0 - info.p)
+            w(f"{_var(t)} = tl.where(dropout_keep(seed_{t}, offset_{t}, {index}, {info.p!r}), {scale!r}, 0.0)  "
+              f"# dropout mask {t}[{axes[t]}] regenerated", depth)
+        else:
+            mask = mask_of(axes[t])
+            extra = f", mask={mask}, other=0.0" if mask else ""
+            w(f"{_var(t)} = tl.load({t}_ptr + {offset_of(t)}{extra}).to(tl.float32)", depth)
+
+    def emit_map(prim, depth: int):
+        operands = [_var(o.tensor) for o in prim.inputs]
+        expr = ast.unparse(_Expr(operands, graph.dim_values).visit(ast.parse(prim.expr, mode="eval")))
+        w(f"{_var(prim.output.tensor)} = {expr}", depth)
+
+    def emit_store(t: str, depth: int):
+        mask = mask_of(axes[t])
+        extra = f", mask={mask}" if mask else ""
+        w(f"tl.store({t}_ptr + {offset_of(t)}, {_var(t)}.to({t}_ptr.dtype.element_ty){extra})", depth)
+
+    def needed(targets: list[str], available: set) -> list:
+        """Primitives (in order) computing ``targets`` from the ``available`` values and inputs."""
+        want, stack = set(), list(targets)
+        while stack:
+            t = stack.pop()
+            if t in want or t in available or t not in producer:
+                continue
+            want.add(t)
+            stack.extend(o.tensor for o in producer[t].inputs)
+        return [p for p in op.primitives if p.output.tensor in want]
+
+    if plan.reduce_axis is None or knobs["mode"] == "row":
+        if plan.reduce_axis == 1:
+            w("cols = tl.arange(0, BLOCK_COL)")
+            w("col_ok = (cols < n_cols)[None, :]")
+            decompose("cols", plan.cols, "[None, :]")
+        elif plan.reduce_axis == 0:
+            w("rows = tl.arange(0, BLOCK_ROW)")
+            w("row_ok = (rows < n_rows)[:, None]")
+            decompose("rows", plan.rows, "[:, None]")
+        for t in op.inputs:
+            emit_input(t, 1)
+        for prim in op.primitives:
+            if prim.kind == "map":
+                emit_map(prim, 1)
+            else:
+                neutral = "0.0" if prim.expr == "sum" else 'float("-inf")'
+                fn = "tl.sum" if prim.expr == "sum" else "tl.max"
+                keep = "[:, None]" if plan.reduce_axis == 1 else "[None, :]"
+                w(f"{_var(prim.output.tensor)} = {fn}(tl.where(row_ok & col_ok, {_var(prim.inputs[0].tensor)}, {neutral}), "
+                  f"axis={plan.reduce_axis}){keep}", 1)
+        for t in plan.outputs:
+            emit_store(t, 1)
+    else:  # loop: one pass per reduction level, then the outputs
+        if plan.reduce_axis == 1:
+            idx_axis, ok, shape, n, block = "cols", "col_ok", "[None, :]", "n_cols", "BLOCK_COL"
+        else:
+            idx_axis, ok, shape, n, block = "rows", "row_ok", "[:, None]", "n_rows", "BLOCK_ROW"
+        keep = "[:, None]" if plan.reduce_axis == 1 else "[None, :]"
+        done: set[str] = set()
+        for t in op.inputs:  # inputs without reduced letters: once, before the passes
+            if not on_reduced_axis(axes[t]):
+                emit_input(t, 1)
+                done.add(t)
+
+        def emit_statistics():
+            progress = True
+            while progress:
+                progress = False
+                for prim in op.primitives:
+                    t = prim.output.tensor
+                    if (prim.kind == "map" and t not in done and not on_reduced_axis(axes[t])
+                            and all(o.tensor in done for o in prim.inputs)):
+                        emit_map(prim, 1)
+                        done.add(t)
+                        progress = True
+            for t in plan.outputs:
+                if t in done and t not in stored:
+                    emit_store(t, 1)
+                    stored.add(t)
+
+        stored: set[str] = set()
+        emit_statistics()
+        for pass_no in range(n_pass + 1):
+            last = pass_no == n_pass
+            reduces = [p for p in op.primitives if p.kind == "reduce" and level[p.output.tensor] == pass_no + 1]
+            targets = [t for t in plan.outputs if t not in done] if last else [p.inputs[0].tensor for p in reduces]
+            if not targets:
+                continue
+            w(f"# pass {pass_no + 1} of {n_pass + 1}: " + (
+                "outputs" if last else ", ".join(f"{p.expr} -> {p.output.tensor}" for p in reduces)), 1)
+            for prim in reduces:
+                init = "tl.zeros" if prim.expr == "sum" else "tl.full"
+                extra = "" if prim.expr == "sum" else ', float("-inf")'
+                w(f"acc_{prim.output.tensor} = {init}([BLOCK_ROW, BLOCK_COL]{extra}, tl.float32)", 1)
+            w(f"for start in range(0, {n}, {block}):", 1)
+            w(f"{idx_axis} = start + tl.arange(0, {block})", 2)
+            w(f"{ok} = ({idx_axis} < {n}){shape}", 2)
+            decompose(idx_axis, plan.cols if plan.reduce_axis == 1 else plan.rows, shape, 2)
+            local = set(done)
+            for prim in needed(targets, done):
+                for o in prim.inputs:
+                    if o.tensor not in local and o.tensor not in producer:
+                        emit_input(o.tensor, 2)
+                        local.add(o.tensor)
+                if prim.output.tensor not in local:
+                    emit_map(prim, 2)
+                    local.add(prim.output.tensor)
+            for t in targets:
+                if t not in local and t in op.inputs:
+                    emit_input(t, 2)
+            for prim in reduces:
+                val = _var(prim.inputs[0].tensor)
+                acc = f"acc_{prim.output.tensor}"
+                if prim.expr == "sum":
+                    w(f"{acc} += tl.where(row_ok & col_ok, {val}, 0.0)", 2)
+                else:
+                    w(f'{acc} = tl.maximum({acc}, tl.where(row_ok & col_ok, {val}, float("-inf")))', 2)
+            if last:
+                for t in targets:
+                    emit_store(t, 2)
+            for prim in reduces:
+                fn = "tl.sum" if prim.expr == "sum" else "tl.max"
+                w(f"{_var(prim.output.tensor)} = {fn}(acc_{prim.output.tensor}, axis={plan.reduce_axis}){keep}", 1)
+                done.add(prim.output.tensor)
+            emit_statistics()
+    return "\n".join(body + w.lines) + "\n"
+
+
+# --- compiling and launching --------------------------------------------------------------------
+
+def _load_module(source: str):
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    if digest in _modules:
+        return _modules[digest], CACHE_DIR / f"op_{digest}.py"
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path = CACHE_DIR / f"op_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"datamove_generated_op_{digest}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _modules[digest] = module
+    return module, path
+
+
+def allocate(graph, tensor: str, layout: str, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """An empty tensor stored in ``layout`` (order of its letters), returned as a view whose shape
+    follows the tensor's spec-order letters."""
+    letters = graph.tensors[tensor].letters
+    sizes = {l: graph.dim_values[graph.letter_dims[l]] for l in letters}
+    storage = torch.empty([sizes[l] for l in layout], dtype=dtype, device=device)
+    return storage.permute([layout.index(l) for l in letters])
+
+
+class CompiledOperator:
+    """A generated kernel bound to a graph's dims; ``source`` is its Triton text, ``path`` its file.
+
+    ``run(tensors, seeds)``: ``tensors`` {input name -> tensor with shape in spec-order letters,
+    any strides}; ``seeds`` {dropout mask -> (seed, offset)} for regenerated masks.  Returns
+    {output name -> tensor of spec-order shape stored in its configured layout}, of the dtype of
+    the first loaded floating input that is not a mask.  Indices are int32 unless some offset,
+    extent or dropout index can reach 2**31 (then an int64 variant is generated).
+    """
+
+    def __init__(self, graph, op, config: Configuration):
+        self.graph, self.op, self.config = graph, op, config
+        self.plan = _plan(graph, op, config)
+        self.sizes = {l: graph.dim_values[d] for l, d in self.plan.letters.dims.items()}
+        self._kernels: dict[bool, object] = {}
+        self.source, self.path = self._variant(False)[1:]
+
+    def _variant(self, index64: bool):
+        source = generate_source(self.graph, self.op, self.config, index64=index64)
+        module, path = _load_module(source)
+        name = "".join(c if c.isalnum() else "_" for c in self.op.name)
+        self._kernels[index64] = getattr(module, f"{name}_kernel")
+        return self._kernels[index64], source, path
+
+    def _extent(self, group: str) -> int:
+        total = 1
+        for letter in group:
+            total *= self.sizes[letter]
+        return total
+
+    def grid(self) -> tuple[int]:
+        knobs, plan = self.config.knobs, self.plan
+        rows, cols = self._extent(plan.rows), self._extent(plan.cols)
+        if plan.reduce_axis is None:
+            return (triton.cdiv(rows, knobs["block_row"]) * triton.cdiv(cols, knobs["block_col"]),)
+        if plan.reduce_axis == 1:
+            return (triton.cdiv(rows, knobs["block_row"]),)
+        return (self._extent(plan.grid) * triton.cdiv(cols, knobs["block_col"]),)
+
+    def run(self, tensors: dict, seeds: dict | None = None) -> dict:
+        plan, graph, knobs = self.plan, self.graph, self.config.knobs
+        seeds = seeds or {}
+        axes = plan.letters.tensor_axes
+        for t in plan.loads:
+            expected = tuple(self.sizes[l] for l in axes[t])
+            if tuple(tensors[t].shape) != expected:
+                raise ValueError(f"{t}: shape {tuple(tensors[t].shape)} != {expected} (spec order {axes[t]})")
+        reference = next((tensors[t] for t in plan.loads if tensors[t].is_floating_point()
+                          and graph.tensors[t].role != "dropout"), tensors[plan.loads[0]])
+        outputs = {t: allocate(graph, t, self.config.layouts[t], reference.dtype, reference.device)
+                   for t in plan.outputs}
+        bound = {**{t: tensors[t] for t in plan.loads}, **outputs}
+        reach = [sum((n - 1) * abs(s) for n, s in zip(x.shape, x.stride())) for x in bound.values()]
+        reach += [self._extent(axes[t]) for t in plan.regenerated] + [self._extent(plan.letters.letters)]
+        index64 = max(reach) >= 2 ** 31 - 1
+        kernel = self._kernels.get(index64) or self._variant(index64)[0]
+        args = list(bound.values())
+        for x in bound.values():
+            args += list(x.stride())
+        args += [self.sizes[l] for l in plan.letters.letters]
+        args += [float(graph.dim_values[d]) for d in plan.dim_names]
+        for t in plan.regenerated:
+            seed, offset = seeds[t]
+            args += [int(seed), int(offset)]
+        kernel[self.grid()](*args, BLOCK_ROW=knobs["block_row"], BLOCK_COL=knobs["block_col"],
+                            num_warps=knobs["num_warps"])
+        return outputs
+
+
+_compiled: dict[tuple, CompiledOperator] = {}
+
+
+def compile_operator(graph, op, config: Configuration) -> CompiledOperator:
+    """Generate, cache and import the kernel of ``op`` under ``config`` at ``graph``'s dims."""
+    key = (id(graph), op.name, tuple(sorted(graph.dim_values.items())), config.key(),
+           tuple(p.name for p in op.primitives))
+    if key not in _compiled:
+        _compiled[key] = CompiledOperator(graph, op, config)
+    return _compiled[key]

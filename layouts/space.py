@@ -1,0 +1,257 @@
+"""Layout spaces of fused element-wise and normalization operators.
+
+A tensor's *layout* is an order of its letters (its ``TensorInfo.letters``), outermost first;
+strides follow row-major in that order, e.g. ``x`` over ``"ibj"`` in layout ``"bji"`` has
+stride 1 along i.  A *configuration* of a non-contraction operator is
+``Configuration(layouts, knobs)``:
+
+- ``layouts``: {external tensor name -> layout}, one per input and output of the operator.
+  A tensor shared with other operators must get one layout across the graph, so the global
+  layout search picks configurations whose per-tensor choices agree (``fixed=`` below).
+- ``knobs`` (operator letters, see ``operator_letters``):
+    ``vector``    the tile's contiguous (vectorised) letter;
+    ``order``     all operator letters, outer -> inner, ``vector`` last: the order in which the
+                  kernel flattens the letters that share a tile axis or the program grid;
+    ``mode``      "tile" (element-wise: 2-D tiles over the whole space), "row" (normalization:
+                  a program holds whole reduction rows), "loop" (normalization: a program loops
+                  over chunks of the reduction, one pass per chained reduction plus one);
+    ``block_row``, ``block_col``  tile sizes (powers of two) of the tile's two axes;
+    ``num_warps``;
+    ``dropout``   "regenerate" (Philox from (seed, offset)) or "load" (read a stored mask).
+
+Kernel axes (``tile_axes``): element-wise -> columns = ``vector``, rows = the other letters;
+normalization with ``vector`` reduced -> columns = reduced letters (reduced along columns),
+rows = independent letters; normalization with ``vector`` independent -> columns = ``vector``,
+rows = reduced letters (reduced along rows), the other independent letters one per program.
+
+Pruning (``exhaustive=False``), after the paper's two good groups:
+1. the vector letter is contiguous (last) in every external tensor that has it: loads and stores
+   along the tile's column axis are then unit-stride and coalesced / vectorised;
+2. for a normalization, the vector letter is a reduced letter: the reduction runs along the
+   contiguous axis inside a program (no strided row reductions);
+3. one relative order of letters for all the operator's tensors (``order``): the outer letters
+   only change the order in which programs touch memory, not coalescing, so per-tensor
+   permutations of them multiply the space without a new access pattern;
+4. knobs: power-of-two blocks no larger than the extent they tile; "row" only when a whole
+   row fits 16384 fp32 registers per program, "loop" only when the row is longer than one
+   chunk; at most 16384 elements per tile; at least 4 elements per thread (or one warp).
+``exhaustive=True`` drops rules 1-3 (every permutation of every tensor, every vector letter).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+MAX_TILE = 16384  # fp32 elements per program tile (register budget)
+
+
+class Configuration(NamedTuple):
+    """(per-tensor layouts {name: order of its letters}, knobs {name: value})."""
+
+    layouts: dict
+    knobs: dict
+
+    def key(self) -> str:
+        """A stable text key (tuning database, caches)."""
+        lay = ",".join(f"{t}:{self.layouts[t]}" for t in sorted(self.layouts))
+        kn = ",".join(f"{k}={self.knobs[k]}" for k in sorted(self.knobs))
+        return f"{lay}|{kn}"
+
+
+@dataclass(frozen=True)
+class OperatorLetters:
+    """The operator's letters unified over its primitives.
+
+    Primitives name their own iteration letters; an operator (fused, backward) may name the same
+    dim differently in two primitives.  Letters are unified through the tensors they index
+    (axis n of a tensor is one dim wherever it is read), and each class takes the letter of the
+    first external tensor axis in it (else the first primitive letter).
+
+    tensor_axes: {tensor -> operator letter of each axis, in the tensor's spec order}
+    prim_letters: {primitive name -> {primitive letter -> operator letter}}
+    letters: every operator letter; reduced: letters reduced by the reduce primitives;
+    dims: {operator letter -> dim name}.
+    """
+
+    tensor_axes: dict
+    prim_letters: dict
+    letters: str
+    reduced: str
+    dims: dict
+
+    @property
+    def independent(self) -> str:
+        return "".join(l for l in self.letters if l not in self.reduced)
+
+
+def operator_letters(graph, op) -> OperatorLetters:
+    """Unify the letters of ``op``'s primitives (see ``OperatorLetters``)."""
+    parent: dict = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a, b):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[rb] = ra
+
+    for prim in op.primitives:
+        if prim.kind == "einsum":
+            raise ValueError(f"{op.name}: contraction primitives have no generated kernel here")
+        for operand in (*prim.inputs, prim.output):
+            for axis, letter in enumerate(operand.letters):
+                union(("t", operand.tensor, axis), ("p", prim.name, letter))
+    externals = list(op.inputs) + list(op.outputs)
+    names: dict = {}
+    for tensor in externals:  # external tensors name the classes first
+        for axis, letter in enumerate(graph.tensors[tensor].letters):
+            root = find(("t", tensor, axis))
+            if root not in names and letter not in names.values():
+                names[root] = letter
+    for prim in op.primitives:
+        for letter in prim.letters:
+            root = find(("p", prim.name, letter))
+            if root not in names:
+                fresh = next(c for c in letter + "abcdefghijklmnopqrstuvwxyz" if c not in names.values())
+                names[root] = fresh
+    tensor_axes, dims = {}, {}
+    for prim in op.primitives:
+        for operand in (*prim.inputs, prim.output):
+            info = graph.tensors[operand.tensor]
+            axes = "".join(names[find(("t", operand.tensor, a))] for a in range(len(info.letters)))
+            if len(set(axes)) != len(axes):
+                raise ValueError(f"{op.name}: tensor {operand.tensor} is indexed on a diagonal ({axes})")
+            tensor_axes[operand.tensor] = axes
+            for own, letter in zip(info.letters, axes):
+                dims[letter] = graph.letter_dims[own]
+    prim_letters = {p.name: {l: names[find(("p", p.name, l))] for l in p.letters} for p in op.primitives}
+    letters = "".join(dict.fromkeys(l for t in externals for l in tensor_axes[t]))
+    letters += "".join(l for l in dict.fromkeys(names.values()) if l not in letters)
+    reduced = "".join(dict.fromkeys(prim_letters[p.name][l] for p in op.primitives if p.kind == "reduce"
+                                    for l in p.reduced))
+    return OperatorLetters(tensor_axes, prim_letters, letters, reduced, dims)
+
+
+def tile_axes(letters: OperatorLetters, knobs: dict) -> tuple[str, str, str]:
+    """(grid letters, row letters, column letters), each flattened outer -> inner in ``order``."""
+    order, vector, red = knobs["order"], knobs["vector"], letters.reduced
+    if not red:
+        return "", "".join(l for l in order if l != vector), vector
+    if vector in red:
+        return "", "".join(l for l in order if l not in red), "".join(l for l in order if l in red)
+    return "".join(l for l in order if l not in red and l != vector), "".join(l for l in order if l in red), vector
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _extent(graph, letters: OperatorLetters, group: str) -> int:
+    total = 1
+    for letter in group:
+        total *= graph.dim_values[letters.dims[letter]]
+    return total
+
+
+def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhaustive: bool = False) -> list[dict]:
+    """Block sizes, mode and num_warps for one (vector, order), pruned by rule 4 of the module doc."""
+    grid, rows, cols = tile_axes(letters, {"order": order, "vector": vector})
+    n_rows, n_cols = _next_pow2(_extent(graph, letters, rows)), _next_pow2(_extent(graph, letters, cols))
+    combos = []  # (mode, block_row, block_col)
+    if not letters.reduced:
+        for tile in (1024, 4096):
+            for bc in sorted({min(c, n_cols) for c in (32, 128, 512)}):
+                combos.append(("tile", min(max(1, tile // bc), n_rows), bc))
+    else:
+        reduce_rows = vector not in letters.reduced  # the reduction runs along the tile's rows
+        n_red, n_par = (n_rows, n_cols) if reduce_rows else (n_cols, n_rows)
+        par_blocks = (32, 128) if reduce_rows else (1, 4)
+        for pb in sorted({min(b, n_par) for b in par_blocks}):
+            if n_red * pb <= MAX_TILE:
+                combos.append(("row", n_red, pb) if reduce_rows else ("row", pb, n_red))
+            for chunk in (256, 1024, 4096) if not reduce_rows else (16, 64):
+                if chunk < n_red and chunk * pb <= MAX_TILE:
+                    combos.append(("loop", chunk, pb) if reduce_rows else ("loop", pb, chunk))
+    result = []
+    for mode, br, bc in dict.fromkeys(combos):
+        for warps in (1, 2, 4, 8, 16):
+            if br * bc >= 4 * 32 * warps or warps == 1 or (exhaustive and warps <= 4):
+                result.append({"vector": vector, "order": order, "mode": mode, "block_row": br,
+                               "block_col": bc, "num_warps": warps, "dropout": "regenerate"})
+    return result
+
+
+def _restrict(order: str, tensor_letters: str, axes: str) -> str:
+    """The layout (in the tensor's own letters) that follows ``order`` of operator letters."""
+    own = dict(zip(axes, tensor_letters))
+    return "".join(own[l] for l in order if l in own)
+
+
+def _order_from(graph, letters: OperatorLetters, anchor: str, layout: str, vector: str) -> str:
+    """Operator letters in the order of ``anchor``'s layout, then the rest, ``vector`` moved last."""
+    own_to_op = dict(zip(graph.tensors[anchor].letters, letters.tensor_axes[anchor]))
+    seq = [own_to_op[c] for c in layout] + list(letters.letters)
+    return "".join(dict.fromkeys(l for l in seq if l != vector)) + vector
+
+
+def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = None,
+                   dropout_choices: tuple = ("regenerate",)) -> list[Configuration]:
+    """Every configuration of the non-contraction operator ``op`` at ``graph.dim_values``.
+
+    ``fixed``: {tensor: layout} already decided (shared tensors): only configurations that agree.
+    ``dropout_choices``: also weigh loading stored masks with ``("regenerate", "load")``.
+    """
+    letters = operator_letters(graph, op)
+    externals = list(op.inputs) + list(op.outputs)
+    fixed = fixed or {}
+    has_mask = any(graph.tensors[t].role == "dropout" for t in op.inputs)
+    vectors = letters.letters if (exhaustive or not letters.reduced) else letters.reduced
+    seen, result = set(), []
+
+    def emit(layouts, knobs):
+        if any(layouts[t] != fixed[t] for t in fixed if t in layouts):
+            return
+        for drop in dropout_choices if has_mask else ("regenerate",):
+            config = Configuration(dict(layouts), {**knobs, "dropout": drop})
+            if config.key() not in seen:
+                seen.add(config.key())
+                result.append(config)
+
+    for vector in vectors:
+        others = [l for l in letters.letters if l != vector]
+        if exhaustive:
+            perms = [["".join(p) for p in itertools.permutations(graph.tensors[t].letters)] for t in externals]
+            for layouts in itertools.product(*perms):
+                layouts = dict(zip(externals, layouts))
+                order = _order_from(graph, letters, op.outputs[0], layouts[op.outputs[0]], vector)
+                for knobs in knob_choices(graph, letters, vector, order, exhaustive=True):
+                    emit(layouts, knobs)
+        else:
+            for outer in itertools.permutations(others):
+                order = "".join(outer) + vector
+                layouts = {t: _restrict(order, graph.tensors[t].letters, letters.tensor_axes[t]) for t in externals}
+                for knobs in knob_choices(graph, letters, vector, order):
+                    emit(layouts, knobs)
+    return result
+
+
+def default_configuration(graph, op) -> Configuration:
+    """Spec-order layouts; vector = the innermost spec letter of the first full-space tensor that
+    is reduced (normalization) or of the first output (element-wise); mid-sized knobs."""
+    letters = operator_letters(graph, op)
+    externals = list(op.inputs) + list(op.outputs)
+    layouts = {t: graph.tensors[t].letters for t in externals}
+    full = next(t for t in externals if set(letters.tensor_axes[t]) == set(letters.letters)) \
+        if any(set(letters.tensor_axes[t]) == set(letters.letters) for t in externals) else externals[0]
+    axes = letters.tensor_axes[full]
+    vector = next((l for l in reversed(axes) if l in letters.reduced), axes[-1]) if letters.reduced else axes[-1]
+    order = "".join(l for l in axes if l != vector) + "".join(l for l in letters.letters if l not in axes) + vector
+    choices = knob_choices(graph, letters, vector, order)
+    preferred = [k for k in choices if k["mode"] in ("tile", "row") and k["num_warps"] == 4] or choices
+    return Configuration(layouts, preferred[len(preferred) // 2])

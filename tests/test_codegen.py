@@ -1,0 +1,262 @@
+"""Generated element-wise / normalization kernels (kernels.codegen) and their layout spaces.
+
+Every non-contraction forward operator of BERT and GPT-2, at small odd dims through the Triton
+interpreter, in the spec layouts and in a permuted configuration, against a float64 evaluation
+of the operator's primitives; dropout masks regenerated with ``dropout_scale_mask``; bf16 judged
+by ``kernels.accuracy`` against PyTorch eager bf16 of the same primitives.  Graphs come from the
+stored snapshot (no DaCe on the GPU machine), checked against the live front end here.
+"""
+import math
+
+import pytest
+import torch
+
+from kernels.accuracy import assert_closer
+from kernels.codegen import allocate, compile_operator, generate_source
+from layouts.space import (Configuration, configurations, default_configuration, knob_choices, operator_letters,
+                           tile_axes)
+from dataflow.dropout_mask import dropout_scale_mask
+from tests import graph_snapshot
+
+SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
+GRAPHS = graph_snapshot.stored()
+
+
+def _setup(spec: str, dims=None):
+    graph, ops = GRAPHS[spec]
+    graph = graph.with_dims(dims or SMALL[spec])
+    return graph, {op.name: op for op in ops if op.cls != "contraction"}
+
+
+CASES = [(spec, name) for spec in ("bert", "gpt2") for name in _setup(spec)[1]]
+
+
+# --- reference: the operator's primitives evaluated eagerly (float64 reference, bf16 baseline) ---
+
+def _align(value: torch.Tensor, letters: str, target: str) -> torch.Tensor:
+    """``value`` over ``letters`` permuted and unsqueezed to broadcast over ``target``."""
+    order = [l for l in target if l in letters]
+    value = value.permute([letters.index(l) for l in order])
+    return value.reshape([value.shape[order.index(l)] if l in letters else 1 for l in target])
+
+
+def evaluate(graph, op, inputs: dict, dtype) -> dict:
+    """{tensor: value in spec order} for every tensor the primitives produce, eagerly in ``dtype``."""
+    values = {t: x.to(dtype) for t, x in inputs.items()}
+    as_t = lambda a: a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=dtype)
+    env = {"exp": torch.exp, "log": torch.log, "sqrt": lambda a: torch.sqrt(as_t(a)), "tanh": torch.tanh,
+           "abs": torch.abs, "maximum": lambda a, b: torch.maximum(as_t(a), as_t(b)),
+           "minimum": lambda a, b: torch.minimum(as_t(a), as_t(b)), "where": torch.where,
+           **{d: float(v) for d, v in graph.dim_values.items()}}
+    for prim in op.primitives:
+        out = prim.output.letters
+        if prim.kind == "map":
+            args = {f"in{n}": _align(values[o.tensor], o.letters, out) for n, o in enumerate(prim.inputs)}
+            result = eval(prim.expr, {"__builtins__": {}}, {**env, **args})
+            shape = [graph.dim_values[graph.letter_dims[l]] for l in graph.tensors[prim.output.tensor].letters]
+            values[prim.output.tensor] = torch.broadcast_to(as_t(result), shape).to(dtype)
+        else:
+            src = prim.inputs[0].letters
+            axes = [n for n, l in enumerate(src) if l not in out]
+            x = values[prim.inputs[0].tensor]
+            red = x.sum(dim=axes) if prim.expr == "sum" else x.amax(dim=axes)
+            kept = [l for l in src if l in out]
+            values[prim.output.tensor] = red.permute([kept.index(l) for l in out])
+    return values
+
+
+def _inputs(graph, op, seed=0):
+    """Random inputs (spec order, float64; x ~ N(0,1), no zeros) and dropout (seed, offset) per mask."""
+    gen = torch.Generator().manual_seed(seed)
+    values, seeds = {}, {}
+    for n, t in enumerate(op.inputs):
+        info = graph.tensors[t]
+        shape = [graph.dim_values[graph.letter_dims[l]] for l in info.letters]
+        if info.role == "dropout":
+            seeds[t] = (1234 + n, 77 * n + 5)
+            values[t] = torch.from_numpy(dropout_scale_mask(*seeds[t], tuple(shape), info.p))
+        else:
+            values[t] = torch.randn(shape, generator=gen, dtype=torch.float64) + 0.1
+    return values, seeds
+
+
+def _check(graph, op, config, dtype=torch.float32, seed=0):
+    values, seeds = _inputs(graph, op, seed)
+    compiled = compile_operator(graph, op, config)
+    tensors = {}
+    for t in compiled.plan.loads:
+        tensors[t] = allocate(graph, t, config.layouts[t], dtype)
+        tensors[t].copy_(values[t])
+    out = compiled.run(tensors, seeds)
+    reference = evaluate(graph, op, values, torch.float64)
+    baseline = evaluate(graph, op, {t: v.to(dtype) for t, v in values.items()}, dtype)
+    for t in op.outputs:
+        assert out[t].dtype == dtype
+        storage_order = sorted(range(out[t].dim()), key=lambda a: -out[t].stride(a))
+        assert "".join(graph.tensors[t].letters[a] for a in storage_order) == config.layouts[t]
+        if dtype == torch.float32:
+            torch.testing.assert_close(out[t].double(), reference[t], rtol=2e-5, atol=2e-5, msg=f"{op.name}:{t}")
+        else:
+            assert_closer(out[t], baseline[t], reference[t], what=f"{op.name}:{t} {config.key()}")
+    return compiled
+
+
+def _permuted(graph, op) -> Configuration:
+    """A configuration whose layouts differ most from the spec order, another vector letter if any."""
+    default = default_configuration(graph, op)
+    configs = configurations(graph, op)
+    moved = lambda c: sum(c.layouts[t] != graph.tensors[t].letters for t in c.layouts)
+    return max(configs, key=lambda c: (c.knobs["vector"] != default.knobs["vector"], moved(c)))
+
+
+# --- correctness ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,name", CASES)
+def test_spec_layouts_fp32(spec, name):
+    graph, ops = _setup(spec)
+    _check(graph, ops[name], default_configuration(graph, ops[name]))
+
+
+@pytest.mark.parametrize("spec,name", CASES)
+def test_permuted_layouts_fp32(spec, name):
+    graph, ops = _setup(spec)
+    config = _permuted(graph, ops[name])
+    assert any(config.layouts[t] != graph.tensors[t].letters for t in config.layouts if len(config.layouts[t]) > 1)
+    _check(graph, ops[name], config, seed=1)
+
+
+@pytest.mark.parametrize("spec,name", CASES)
+def test_bf16(spec, name):
+    graph, ops = _setup(spec)
+    _check(graph, ops[name], _permuted(graph, ops[name]), torch.bfloat16, seed=2)
+
+
+NORMS = [(s, n) for s, n in CASES if _setup(s)[1][n].cls == "normalization"]
+
+
+@pytest.mark.parametrize("spec,name", NORMS)
+def test_loop_over_chunks(spec, name):
+    """mode "loop" with chunks smaller than the reduction: chained reductions in several passes."""
+    graph, ops = _setup(spec)
+    base = default_configuration(graph, ops[name])
+    config = Configuration(base.layouts, {**base.knobs, "mode": "loop", "block_col": 4, "block_row": 2})
+    source = _check(graph, ops[name], config, seed=3).source
+    assert source.count("for start in range(0, n_cols, BLOCK_COL)") == 3  # 2 chained reductions + outputs
+
+
+@pytest.mark.parametrize("spec,name", NORMS)
+@pytest.mark.parametrize("mode", ["row", "loop"])
+def test_vector_letter_not_reduced(spec, name, mode):
+    """The exhaustive group: vectorised along an independent letter, reduced along tile rows."""
+    graph, ops = _setup(spec)
+    letters = operator_letters(graph, ops[name])
+    vector = letters.independent[-1]
+    order = "".join(l for l in letters.letters if l != vector) + vector
+    knobs = next(k for k in knob_choices(graph, letters, vector, order, exhaustive=True) if k["mode"] == "row")
+    if mode == "loop":
+        knobs = {**knobs, "mode": "loop", "block_row": 4}
+    layouts = {t: graph.tensors[t].letters[::-1] for t in list(ops[name].inputs) + list(ops[name].outputs)}
+    _check(graph, ops[name], Configuration(layouts, knobs), seed=4)
+
+
+def test_stored_dropout_mask():
+    """knob dropout="load": the mask is read from memory instead of regenerated."""
+    graph, ops = _setup("bert")
+    op = ops["alpha"]
+    base = default_configuration(graph, op)
+    config = Configuration({**base.layouts}, {**base.knobs, "dropout": "load"})
+    compiled = _check(graph, op, config)
+    assert "dropout_keep(" not in compiled.source.split("def alpha_kernel")[1]
+    assert "drop_attn_ptr" in compiled.source
+
+
+def test_source_is_readable_and_cached(tmp_path):
+    graph, ops = _setup("bert")
+    op = ops["x1"]
+    config = default_configuration(graph, op)
+    source = generate_source(graph, op, config)
+    for needle in ("stride_resid1_i", "size_i", "dim_N", "tl.sum(", "layernorm_mean[bj] = layernorm_sum_x[bj] / N"):
+        assert needle in source
+    first = compile_operator(graph, op, config)
+    assert compile_operator(graph, op, config) is first
+    assert first.path.read_text() == source
+
+
+# --- layout spaces and pruning ----------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,name", CASES)
+def test_pruned_space_follows_the_rules(spec, name):
+    graph, ops = _setup(spec, {**{k: v * 64 + 1 for k, v in SMALL[spec].items()}})
+    op = ops[name]
+    letters = operator_letters(graph, op)
+    configs = configurations(graph, op)
+    assert configs and len({c.key() for c in configs}) == len(configs)
+    for config in configs:
+        vector = config.knobs["vector"]
+        if letters.reduced:  # rule 2: normalizations vectorise along the reduced letter
+            assert vector in letters.reduced
+        for t, layout in config.layouts.items():
+            axes = letters.tensor_axes[t]
+            assert sorted(layout) == sorted(graph.tensors[t].letters)
+            as_op = "".join(axes[graph.tensors[t].letters.index(c)] for c in layout)
+            if vector in axes:  # rule 1: the vector letter is contiguous
+                assert as_op[-1] == vector
+            # rule 3: one relative order of letters
+            assert as_op == "".join(l for l in config.knobs["order"] if l in axes)
+        k = config.knobs
+        assert k["block_row"] * k["block_col"] <= 16384
+        assert k["block_row"] & (k["block_row"] - 1) == 0 and k["block_col"] & (k["block_col"] - 1) == 0
+        grid, rows, cols = tile_axes(letters, k)
+        assert sorted(grid + rows + cols) == sorted(letters.letters)
+
+
+def test_exhaustive_space_contains_the_pruned_one():
+    graph, ops = _setup("bert", dict(B=8, L=65, N=129, H=3, P=5, U=7))
+    op = ops["resid1"]  # three ibj tensors
+    pruned, full = configurations(graph, op), configurations(graph, op, exhaustive=True)
+    layout_sets = lambda cs: {tuple(sorted(c.layouts.items())) for c in cs}
+    assert layout_sets(pruned) < layout_sets(full)
+    assert len(layout_sets(full)) == math.factorial(3) ** 3
+    assert len(layout_sets(pruned)) == 3 * 2  # vector letter x order of the two others
+    norm = ops["x1"]
+    assert {c.knobs["vector"] for c in configurations(graph, norm, exhaustive=True)} == set("ibj")
+    assert {c.knobs["vector"] for c in configurations(graph, norm)} == {"i"}
+
+
+def test_fixed_layouts_and_dropout_choices():
+    graph, ops = _setup("bert")
+    op = ops["alpha"]
+    fixed = {"probs": "bhjk"}
+    configs = configurations(graph, op, fixed=fixed, dropout_choices=("regenerate", "load"))
+    assert configs and all(c.layouts["probs"] == "bhjk" for c in configs)
+    assert {c.knobs["dropout"] for c in configs} == {"regenerate", "load"}
+
+
+def test_snapshot_matches_front_end():
+    pytest.importorskip("dace")
+    import json
+    assert graph_snapshot.live() == json.loads(graph_snapshot.PATH.read_text())
+
+
+# --- GPU at BERT-large / GPT-2 dims --------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec,name", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_size_gpu(spec, name, dtype):
+    graph, ops = GRAPHS[spec]
+    ops = {op.name: op for op in ops}
+    op = ops[name]
+    for config in (default_configuration(graph, op), _permuted(graph, op)):
+        values, seeds = _inputs(graph, op)
+        compiled = compile_operator(graph, op, config)
+        tensors = {}
+        for t in compiled.plan.loads:
+            tensors[t] = allocate(graph, t, config.layouts[t], dtype, "cuda")
+            tensors[t].copy_(values[t])
+        out = compiled.run(tensors, seeds)
+        reference = evaluate(graph, op, values, torch.float64)
+        baseline = evaluate(graph, op, {t: v.to(dtype) for t, v in values.items()}, dtype)
+        for t in op.outputs:
+            assert_closer(out[t].cpu(), baseline[t], reference[t], factor=1.5 if dtype == torch.bfloat16 else 1.0,
+                          margin=1e-4 if dtype == torch.bfloat16 else 1e-5, what=f"{name}:{t}")
