@@ -6,6 +6,7 @@ of the operator's primitives; dropout masks regenerated with ``dropout_scale_mas
 by ``kernels.accuracy`` against PyTorch eager bf16 of the same primitives.  Graphs come from the
 stored snapshot (no DaCe on the GPU machine), checked against the live front end here.
 """
+import functools
 import math
 
 import pytest
@@ -65,6 +66,11 @@ def evaluate(graph, op, inputs: dict, dtype) -> dict:
     return values
 
 
+@functools.lru_cache(maxsize=8)
+def _mask(seed: int, offset: int, shape: tuple, p: float) -> torch.Tensor:
+    return torch.from_numpy(dropout_scale_mask(seed, offset, shape, p))
+
+
 def _inputs(graph, op, seed=0):
     """Random inputs (spec order, float64; x ~ N(0,1), no zeros) and dropout (seed, offset) per mask."""
     gen = torch.Generator().manual_seed(seed)
@@ -74,7 +80,7 @@ def _inputs(graph, op, seed=0):
         shape = [graph.dim_values[graph.letter_dims[l]] for l in info.letters]
         if info.role == "dropout":
             seeds[t] = (1234 + n, 77 * n + 5)
-            values[t] = torch.from_numpy(dropout_scale_mask(*seeds[t], tuple(shape), info.p))
+            values[t] = _mask(*seeds[t], tuple(shape), info.p)
         else:
             values[t] = torch.randn(shape, generator=gen, dtype=torch.float64) + 0.1
     return values, seeds
@@ -249,6 +255,7 @@ def test_full_size_gpu(spec, name, dtype):
     op = ops[name]
     for config in (default_configuration(graph, op), _permuted(graph, op)):
         values, seeds = _inputs(graph, op)
+        values = {t: v.cuda() for t, v in values.items()}
         compiled = compile_operator(graph, op, config)
         tensors = {}
         for t in compiled.plan.loads:
@@ -258,5 +265,5 @@ def test_full_size_gpu(spec, name, dtype):
         reference = evaluate(graph, op, values, torch.float64)
         baseline = evaluate(graph, op, {t: v.to(dtype) for t, v in values.items()}, dtype)
         for t in op.outputs:
-            assert_closer(out[t].cpu(), baseline[t], reference[t], factor=1.5 if dtype == torch.bfloat16 else 1.0,
+            assert_closer(out[t], baseline[t], reference[t], factor=1.5 if dtype == torch.bfloat16 else 1.0,
                           margin=1e-4 if dtype == torch.bfloat16 else 1e-5, what=f"{name}:{t}")
