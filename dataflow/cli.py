@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "'Data Movement Is All You Need').")
     parser.add_argument("spec", help="spec file, e.g. configs/bert.py")
     parser.add_argument("--analyze", action="store_true", required=True,
-                        help="print every operator's class, flop and minimal I/O")
+                        help="print every training operator's class, phase, flop and minimal I/O (forward and "
+                             "derived backward), the fused operators, and unfused vs fused data movement")
     parser.add_argument("--dims", help="dim values, e.g. B=8,L=512 (default: the spec's)")
     parser.add_argument("--set", dest="options", help="spec options, e.g. activation=gelu")
     parser.add_argument("--json", type=Path, help="also write the analysis as JSON to this file")

@@ -66,11 +66,12 @@ class _Group:
 @dataclass
 class FusedGraph:
     """A fused training graph: ``operators`` (in a valid execution order) over ``graph``'s
-    primitives; ``merged`` / ``rules`` / ``stacks`` say per fused operator which unfused
-    operators it merges, which rules built it and how a stacked one runs."""
+    primitives (``phases``: each one's phase); ``merged`` / ``rules`` / ``stacks`` say per fused
+    operator which unfused operators it merges, which rules built it and how a stacked one runs."""
 
     training: TrainingGraph
     graph: PrimitiveGraph
+    phases: dict[str, str]
     unfused: list[Operator]
     operators: list[Operator]
     merged: dict[str, tuple[str, ...]]
@@ -602,8 +603,8 @@ def fuse(training: TrainingGraph, rules: tuple[Rule, ...] = RULES) -> FusedGraph
         prims = [state.prim[n] for n in group.prims]
         op = make_operator(state.graph, prims, group.phase, cls=state.cls(gid))
         name = op.name
-        if group.stack is not None and op.cls == CONTRACTION:
-            name = "stack(" + ",".join(state.prim[m[0]].output.tensor for m in group.stack.members) + ")"
+        if group.stack is not None:
+            name = "stack(" + ",".join(state.prim[m[-1]].output.tensor for m in group.stack.members) + ")"
         base, n = name, 1
         while name in taken:
             name, n = f"{base}_{n}", n + 1
@@ -614,7 +615,7 @@ def fuse(training: TrainingGraph, rules: tuple[Rule, ...] = RULES) -> FusedGraph
         applied[name] = tuple(group.rules)
         if group.stack is not None:
             stacks[name] = group.stack
-    return FusedGraph(training, state.graph, state.unfused, operators, merged, applied, stacks)
+    return FusedGraph(training, state.graph, dict(state.phases), state.unfused, operators, merged, applied, stacks)
 
 
 # --- attention fusion candidates ----------------------------------------------------------------
@@ -642,8 +643,7 @@ class AttentionCandidate:
 
 def attention_candidates(fused: FusedGraph) -> list[AttentionCandidate]:
     """Attention candidates of the forward pass, found around each recognised softmax."""
-    graph = fused.graph
-    phases = {p.name: fused.training.phases.get(p.name, "backward") for p in graph.primitives}
+    graph, phases = fused.graph, fused.phases
     by_prim = {p.name: op for op in fused.operators for p in op.primitives}
     producer = {p.output.tensor: p for p in graph.primitives}
     readers: dict[str, list[Primitive]] = {}
@@ -661,9 +661,9 @@ def attention_candidates(fused: FusedGraph) -> list[AttentionCandidate]:
                    and by_prim[producer[t].name].cls == CONTRACTION]
         if len(sources) != 1 or len(sources[0].primitives) != 1:
             continue
-        reduced_at = {p.output.tensor: p for p in middle.primitives}
+        made_by = {p.output.tensor: p for p in middle.primitives}
         for tensor in middle.outputs:
-            written = reduced_at[tensor].output.letters
+            written = made_by[tensor].output.letters
             for reader in readers.get(tensor, []):
                 sink = by_prim[reader.name]
                 if sink.cls != CONTRACTION or sink.phase != FORWARD or len(sink.primitives) != 1:

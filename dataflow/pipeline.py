@@ -1,9 +1,13 @@
-"""The stages of ``optimize-layer`` chained: spec -> SDFG -> primitive graph -> operators -> analysis."""
+"""The stages of ``optimize-layer`` chained: spec -> SDFG -> primitive graph -> operators ->
+training graph -> fused graph -> analysis."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from dataflow.analysis import OperatorRow, analyse, format_table, report_json
+from dataflow.analysis import (OperatorRow, analyse, format_fused_table, format_movement, format_table, fused_json,
+                               movement_summary, report_json)
+from dataflow.autodiff import TrainingGraph, build_training_graph
+from dataflow.fusion import AttentionCandidate, FusedGraph, attention_candidates, fuse
 from dataflow.graph import PrimitiveGraph, walk_sdfg
 from dataflow.operators import Operator, group_operators
 from dataflow.sdfg import build_sdfg
@@ -12,18 +16,34 @@ from dataflow.spec import LayerSpec, load_spec
 
 @dataclass
 class Analysis:
+    """``graph`` / ``operators`` / ``rows``: the forward pass on its own; ``training_rows``: the
+    unfused training operators (forward then backward, counted in the training graph, so forward
+    operators also output what the backward reads); ``fused_rows``: the fused training graph."""
+
     spec: LayerSpec
     graph: PrimitiveGraph
     operators: list[Operator]
     rows: list[OperatorRow]
+    training: TrainingGraph
+    training_rows: list[OperatorRow]
+    fused: FusedGraph
+    fused_rows: list[OperatorRow]
+    attention: list[AttentionCandidate]
+
+    @property
+    def movement(self) -> dict:
+        return movement_summary(self.training_rows, self.fused_rows)
 
     @property
     def table(self) -> str:
-        return format_table(self.rows)
+        return "\n\n".join([format_table(self.training_rows), format_fused_table(self.fused_rows, self.fused.merged),
+                             format_movement(self.movement)])
 
     @property
     def json(self) -> dict:
-        return report_json(self.spec, self.graph, self.rows)
+        return report_json(self.spec, self.training.graph, self.training_rows,
+                           fused_json(self.fused_rows, self.fused.merged, self.fused.rules, self.fused.stacks),
+                           self.movement, [asdict(c) for c in self.attention])
 
 
 def forward_graph(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None
@@ -37,4 +57,7 @@ def forward_graph(path, dims: dict[str, int] | None = None, options: dict[str, s
 def analyse_spec(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None) -> Analysis:
     spec, graph = forward_graph(path, dims, options)
     operators = group_operators(graph, "forward")
-    return Analysis(spec, graph, operators, analyse(graph, operators))
+    training = build_training_graph(graph)
+    fused = fuse(training)
+    return Analysis(spec, graph, operators, analyse(graph, operators), training, analyse(training.graph, fused.unfused),
+                    fused, analyse(fused.graph, fused.operators), attention_candidates(fused))
