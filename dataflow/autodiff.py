@@ -10,7 +10,9 @@ names:
   sqrt, tanh, abs, maximum/minimum (a mask, ReLU's ``in0 > 0``), where); an operand broadcast over
   letters of the output gets its gradient summed over them (bias gradients become reductions);
   a dropout is a multiplication by its mask tensor, so its backward multiplies by the same mask;
-- reduce: sum broadcasts the gradient back, max routes it to the maxima.
+- reduce: sum broadcasts the gradient back, max routes it to the maxima;
+- an element-wise operator of several maps (GELU written out) is inlined into one expression
+  first, so its backward is one map reading the operator's inputs, not its inner tensors.
 
 Normalizations are recognised structurally inside the forward normalization operators
 (``dataflow.operators``): the maps between the reductions are composed into one symbolic
@@ -516,9 +518,12 @@ class _Backward:
         self.prims.append(Primitive(f"{kind}:{output.tensor}", kind, tuple(inputs), output, expr))
 
     def _contribution_name(self, tensor: str, via: str) -> str:
-        role = "gradient" if self.graph.tensors[tensor].role == "input" else "intermediate"
-        name = f"d_{tensor}" if self.planned.get(tensor, 0) == 1 else f"d_{tensor}_via_{via}"
-        return self._new_tensor(name, self.graph.tensors[tensor].letters, role)
+        """A new tensor for ``tensor``'s gradient coming through ``via``: ``d_<tensor>`` itself when
+        it is the only contribution, else a partial ``d_<tensor>_via_<via>`` to be summed."""
+        if self.planned.get(tensor, 0) == 1:
+            role = "gradient" if self.graph.tensors[tensor].role == "input" else "intermediate"
+            return self._new_tensor(f"d_{tensor}", self.graph.tensors[tensor].letters, role)
+        return self._new_tensor(f"d_{tensor}_via_{via}", self.graph.tensors[tensor].letters)
 
     def _contribute(self, tensor: str, name: str) -> None:
         self.contributions.setdefault(tensor, []).append(name)
@@ -571,7 +576,9 @@ class _Backward:
                 self._contribute(operand.tensor, d_out)  # identity: alias the incoming gradient
                 continue
             name = self._contribution_name(operand.tensor, prim.output.tensor)
-            if _const(deriv, 1):
+            if _const(deriv, 1) and set(operand.letters) == set(out_letters):  # a transposition
+                self._emit("map", [Operand(d_out, out_letters)], Operand(name, operand.letters), "in0")
+            elif _const(deriv, 1):
                 self._emit("reduce", [Operand(d_out, out_letters)], Operand(name, operand.letters), "sum")
             else:
                 used = _operand_names(deriv)
@@ -581,7 +588,7 @@ class _Backward:
                 if set(operand.letters) == set(out_letters):
                     self._emit("map", inputs, Operand(name, operand.letters), expr)
                 else:  # broadcast operand: gradient over the output's letters, then summed
-                    full = self._new_tensor(f"{name}_unreduced", self.tensors[d_out].letters)
+                    full = self._new_tensor(f"{name}_unreduced", out_letters)
                     self._emit("map", inputs, Operand(full, out_letters), expr)
                     self._emit("reduce", [Operand(full, out_letters)], Operand(name, operand.letters), "sum")
             self._contribute(operand.tensor, name)

@@ -83,7 +83,6 @@ class FusionState:
     """Operators as groups of primitive names over a (rewritable) training graph."""
 
     def __init__(self, training: TrainingGraph):
-        self.training = training
         self.graph = PrimitiveGraph(dict(training.graph.tensors), list(training.graph.primitives),
                                     training.graph.letter_dims, training.graph.dim_values, list(training.graph.outputs))
         self.phases = dict(training.phases)
@@ -163,7 +162,7 @@ class FusionState:
 
     def topological(self) -> list[int]:
         """Groups in dependency order, ties by their first primitive's position."""
-        first = {gid: min(self.position[n] for n in group.prims) for gid, group in self.groups.items()}
+        first = {gid: self.first(gid) for gid in self.groups}
         indegree = {gid: 0 for gid in self.groups}
         succ = {gid: self.successors(gid) for gid in self.groups}
         for gid in self.groups:
@@ -582,9 +581,7 @@ class ScaleIntoContraction(Rule):
         return state.groups[a].phase == state.groups[b].phase and not state.creates_cycle([a, b])
 
     def rewrite(self, state, match):
-        stack = state.groups[match[1]].stack
-        gid = state.merge([match[1], match[0]], self.name)
-        state.groups[gid].stack = stack
+        state.merge([match[1], match[0]], self.name, state.groups[match[1]].stack)
 
 
 RULES: tuple[Rule, ...] = (StackContractions(), FuseNonContractions(), StackElementwise(),
