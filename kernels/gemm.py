@@ -12,6 +12,9 @@ Computes, for every (b0, b1, m, n),
 
 Every operand is addressed by one element stride per GEMM dim (two batch dims, then m/k, k/n or
 m/n), so one kernel serves every storage layout that ``kernels.contraction`` maps to a GEMM.
+Configs with ``tma=True`` read A and B through 4-d host tensor descriptors instead (TMA on Hopper:
+no address tiles in registers, no masks), which needs a unit-stride matrix dim and 16-byte
+aligned strides in both (``tma_compatible``); C, bias and saved always go through pointers.
 Dropout keeps element e iff ``kernels.philox.dropout_keep(seed, offset, n(e), p)``, where n(e) is
 its logical row-major index over the output's letters in spec order, assembled from per-dim digits
 ``(q1, q2, l0, l1, l2)``: a dim's flat index f adds ``(f % q1)*l0 + ((f // q1) % q2)*l1 +
@@ -32,6 +35,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.philox import dropout_keep
 
@@ -49,9 +53,12 @@ class GemmConfig:
     group_m: int
     num_stages: int
     num_warps: int
+    tma: bool = False  # A and B tiles through host tensor descriptors (TMA on Hopper); see tma_compatible
+    epilogue_split: int = 0  # 1, 2, 4: epilogue on that many column slices in turn; 0: chosen by _epilogue_split
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} s{self.num_stages} w{self.num_warps}"
+        text = f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} s{self.num_stages} w{self.num_warps}"
+        return text + (" tma" if self.tma else "") + (f" e{self.epilogue_split}" if self.epilogue_split else "")
 
 
 # Curated for Hopper (228 KB shared memory per SM; bf16 tiles: stage bytes = 2*(BM*BK + BK*BN)).
@@ -63,11 +70,23 @@ HOPPER_CONFIGS = (
     GemmConfig(128, 64, 64, 8, 4, 4),
     GemmConfig(64, 128, 64, 8, 4, 4),
     GemmConfig(64, 64, 64, 8, 4, 4),
+    GemmConfig(128, 256, 64, 8, 3, 8, tma=True),
+    GemmConfig(128, 256, 64, 8, 4, 8, tma=True),
+    GemmConfig(256, 128, 64, 8, 3, 8, tma=True),
+    GemmConfig(128, 128, 64, 8, 4, 8, tma=True),
+    GemmConfig(128, 128, 64, 8, 4, 4, tma=True),
+    GemmConfig(128, 64, 64, 8, 4, 4, tma=True),
+    GemmConfig(64, 128, 64, 8, 4, 4, tma=True),
+    # two stages: less shared memory, so 2-3 blocks per SM overlap loads and stores when K is short
+    GemmConfig(128, 256, 64, 8, 2, 8, tma=True),
+    GemmConfig(128, 128, 64, 8, 2, 4, tma=True),
 )
 # Tiny tiles for the CPU interpreter (tl.dot needs every block dim >= 16).
 INTERPRETER_CONFIGS = (
     GemmConfig(16, 32, 16, 2, 1, 4),
     GemmConfig(32, 16, 32, 1, 1, 4),
+    GemmConfig(16, 32, 16, 2, 1, 4, tma=True),
+    GemmConfig(16, 64, 16, 2, 1, 4, epilogue_split=4),
 )
 
 
@@ -80,6 +99,34 @@ def valid_configs() -> tuple[GemmConfig, ...]:
     return INTERPRETER_CONFIGS if interpreted() else HOPPER_CONFIGS
 
 
+def _tma_view(t: torch.Tensor, sizes: tuple[int, int, int, int], strides: tuple[int, int, int, int]):
+    """(descriptor shape, strides, unit dim swapped last?) of a (b0, b1, x, y) operand, or None.
+
+    TMA needs a 16-byte aligned base, one unit-stride dim (it becomes the descriptor's last; if
+    that is x, x and y swap) and every other stride a multiple of 16 bytes (size-1 dims get 16 bytes).
+    """
+    item = t.element_size()
+    if t.data_ptr() % 16:
+        return None
+    if strides[3] == 1:
+        swapped = False
+    elif strides[2] == 1:
+        swapped = True
+        sizes, strides = (*sizes[:2], sizes[3], sizes[2]), (*strides[:2], strides[3], strides[2])
+    else:
+        return None
+    strides = tuple(st if n > 1 else 16 // item for n, st in zip(sizes[:3], strides[:3])) + (1,)
+    if any(st * item % 16 for st in strides[:3]):
+        return None
+    return sizes, strides, swapped
+
+
+def tma_compatible(a: torch.Tensor, b: torch.Tensor, shape: GemmShape, a_strides, b_strides) -> bool:
+    """True when A and B can be read through tensor descriptors (configs with ``tma=True``)."""
+    return (_tma_view(a, (shape.b0, shape.b1, shape.m, shape.k), a_strides) is not None
+            and _tma_view(b, (shape.b0, shape.b1, shape.k, shape.n), b_strides) is not None)
+
+
 class GemmShape(NamedTuple):
     b0: int
     b1: int
@@ -90,8 +137,8 @@ class GemmShape(NamedTuple):
 
 @triton.jit
 def _digits(f, q1, q2, l0, l1, l2):
-    """Logical-index term (int64) of a GEMM dim's flat index ``f`` (scalar or block)."""
-    return (f % q1).to(tl.int64) * l0 + ((f // q1) % q2).to(tl.int64) * l1 + (f // (q1 * q2)).to(tl.int64) * l2
+    """Logical-index term (int32) of a GEMM dim's flat index ``f`` (scalar or block)."""
+    return (f % q1) * l0 + ((f // q1) % q2) * l1 + (f // (q1 * q2)) * l2
 
 
 @triton.jit
@@ -104,14 +151,14 @@ def _round_bf16(x):
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr,  # A[b0, b1, m, k]
-    b_ptr,  # B[b0, b1, k, n]
+    a_src,  # A[b0, b1, m, k]: pointer, or with TMA a descriptor over [b0, b1, m, k] ([b0, b1, k, m] if A_M_MAJOR)
+    b_src,  # B[b0, b1, k, n]: pointer, or with TMA a descriptor over [b0, b1, k, n] ([b0, b1, n, k] if B_K_MAJOR)
     c_ptr,  # C[b0, b1, m, n]
     bias_ptr,  # bias[b0, b1, m, n], stride 0 on dims it lacks; read only if HAS_BIAS
     saved_ptr,  # saved[b0, b1, m, n]; written only if SAVE != "none"
     B1, M, N, K,
-    stride_ab0, stride_ab1, stride_am, stride_ak,
-    stride_bb0, stride_bb1, stride_bk, stride_bn,
+    stride_ab0, stride_ab1, stride_am, stride_ak,  # unused with TMA
+    stride_bb0, stride_bb1, stride_bk, stride_bn,  # unused with TMA
     stride_cb0, stride_cb1, stride_cm, stride_cn,
     stride_biasb0, stride_biasb1, stride_biasm, stride_biasn,
     stride_sb0, stride_sb1, stride_sm, stride_sn,
@@ -123,10 +170,15 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # "none" | "relu" | "gelu"
     HAS_DROPOUT: tl.constexpr,
+    INDEX_64: tl.constexpr,  # offset + logical index may pass 2**31: add them in int64
     SAVE: tl.constexpr,  # "none" | "pre_activation" | "pre_dropout"
+    TMA: tl.constexpr,  # A and B tiles through tensor descriptors (TMA on Hopper) instead of pointers
+    A_M_MAJOR: tl.constexpr,  # TMA: A's unit stride is along m
+    B_K_MAJOR: tl.constexpr,  # TMA: B's unit stride is along k
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along k
     FP32_DOT: tl.constexpr,  # dot in fp32 with exact (IEEE) products, not tf32 / bf16 tensor-core inputs
     ROUND_BF16: tl.constexpr,  # round to bf16 before the (truncating, in the interpreter) cast of C and saved
+    EPILOGUE_SPLIT: tl.constexpr,  # 1, 2 or 4: the epilogue runs on column slices of the tile, one after another
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -142,41 +194,92 @@ def _gemm_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
     pid_b = tl.program_id(1)
-    pid_b0 = (pid_b // B1).to(tl.int64)
-    pid_b1 = (pid_b % B1).to(tl.int64)
+    pid_b0 = pid_b // B1
+    pid_b1 = pid_b % B1
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    a_ptrs = a_ptr + pid_b0 * stride_ab0 + pid_b1 * stride_ab1 + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + pid_b0 * stride_bb0 + pid_b1 * stride_bb1 + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            k_left = K - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-        if FP32_DOT:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if TMA:  # out-of-range rows / columns / k come in as zeros
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            if A_M_MAJOR:
+                a = a_src.load([pid_b0, pid_b1, kk * BLOCK_K, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M).T
+            else:
+                a = a_src.load([pid_b0, pid_b1, pid_m * BLOCK_M, kk * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
+            if B_K_MAJOR:
+                b = b_src.load([pid_b0, pid_b1, pid_n * BLOCK_N, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+            else:
+                b = b_src.load([pid_b0, pid_b1, kk * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            if FP32_DOT:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+    else:
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = (a_src + pid_b0.to(tl.int64) * stride_ab0 + pid_b1.to(tl.int64) * stride_ab1
+                  + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
+        b_ptrs = (b_src + pid_b0.to(tl.int64) * stride_bb0 + pid_b1.to(tl.int64) * stride_bb1
+                  + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                k_left = K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+            if FP32_DOT:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
-    # Epilogue on the fp32 tile.
-    mask = mask_m[:, None] & mask_n[None, :]
+    # Epilogue on the fp32 tile, in EPILOGUE_SPLIT column slices (fewer live registers for Philox).
     acc = acc * alpha
+    base_c = c_ptr + pid_b0.to(tl.int64) * stride_cb0 + pid_b1.to(tl.int64) * stride_cb1
+    base_bias = bias_ptr + pid_b0.to(tl.int64) * stride_biasb0 + pid_b1.to(tl.int64) * stride_biasb1
+    base_saved = saved_ptr + pid_b0.to(tl.int64) * stride_sb0 + pid_b1.to(tl.int64) * stride_sb1
+    index_b = 0
+    if HAS_DROPOUT:
+        index_b = _digits(pid_b0, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0) + _digits(pid_b1, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // EPILOGUE_SPLIT)
+    if EPILOGUE_SPLIT == 1:
+        _epilogue(acc, offs_m, cols, M, N, base_c, stride_cm, stride_cn, base_bias, stride_biasm, stride_biasn,
+                  base_saved, stride_sm, stride_sn, p, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m,
+                  q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT, INDEX_64, SAVE, ROUND_BF16)
+    else:  # column halves (then quarters): [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N)
+        left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+        if EPILOGUE_SPLIT == 2:
+            parts = (left, right)
+        else:
+            left_left, left_right = left.reshape(BLOCK_M, 2, BLOCK_N // 4).permute(0, 2, 1).split()
+            right_left, right_right = right.reshape(BLOCK_M, 2, BLOCK_N // 4).permute(0, 2, 1).split()
+            parts = (left_left, left_right, right_left, right_right)
+        for h in tl.static_range(EPILOGUE_SPLIT):
+            _epilogue(parts[h], offs_m, cols + h * (BLOCK_N // EPILOGUE_SPLIT), M, N, base_c, stride_cm, stride_cn,
+                      base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn, p, seed, offset, index_b,
+                      q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
+                      HAS_BIAS, ACTIVATION, HAS_DROPOUT, INDEX_64, SAVE, ROUND_BF16)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N,
+              c_ptr, stride_cm, stride_cn,  # C tile base (batch offsets applied)
+              bias_ptr, stride_biasm, stride_biasn,
+              saved_ptr, stride_sm, stride_sn,
+              p, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
+              q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
+              SAVE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Bias, activation, saves, dropout and the store of one (rows offs_m, columns offs_n) slice of C."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if HAS_BIAS:
-        bias_ptrs = (bias_ptr + pid_b0 * stride_biasb0 + pid_b1 * stride_biasb1
-                     + offs_m[:, None] * stride_biasm + offs_n[None, :] * stride_biasn)
+        bias_ptrs = bias_ptr + offs_m[:, None] * stride_biasm + offs_n[None, :] * stride_biasn
         acc += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
-    saved_ptrs = saved_ptr + pid_b0 * stride_sb0 + pid_b1 * stride_sb1 + offs_m[:, None] * stride_sm + offs_n[None, :] * stride_sn
+    saved_ptrs = saved_ptr + offs_m[:, None] * stride_sm + offs_n[None, :] * stride_sn
     if SAVE == "pre_activation":
         tl.store(saved_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
     if ACTIVATION == "relu":
@@ -187,13 +290,27 @@ def _gemm_kernel(
     if SAVE == "pre_dropout":
         tl.store(saved_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
     if HAS_DROPOUT:
-        index = (_digits(pid_b0, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0) + _digits(pid_b1, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1)
-                 + _digits(offs_m, q1_m, q2_m, l0_m, l1_m, l2_m)[:, None]
+        index = (index_b + _digits(offs_m, q1_m, q2_m, l0_m, l1_m, l2_m)[:, None]
                  + _digits(offs_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
+        if INDEX_64:
+            index = index.to(tl.int64)
         keep = dropout_keep(seed, offset, index, p)
         acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
-    c_ptrs = c_ptr + pid_b0 * stride_cb0 + pid_b1 * stride_cb1 + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _epilogue_split(config: GemmConfig, dropout: bool) -> int:
+    """Column slices for the epilogue: Philox on more than ~32 elements per thread at once spills registers."""
+    if config.epilogue_split:
+        return config.epilogue_split
+    if not dropout:
+        return 1
+    per_thread = config.block_m * config.block_n // (32 * config.num_warps)
+    split = 1
+    while split < 4 and per_thread // split > 32 and config.block_n // (2 * split) >= 16:
+        split *= 2
+    return split
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
@@ -224,15 +341,28 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
             raise ValueError("operands must hold fewer than 2**31 elements (int32 offsets)")
     config = config or valid_configs()[0]
     digits = dropout_digits or ((1, 1, 0, 0, 0),) * 4
+    a_src, b_src, a_m_major, b_k_major = a, b, False, False
+    if config.tma:
+        a_view = _tma_view(a, (shape.b0, shape.b1, shape.m, shape.k), a_strides)
+        b_view = _tma_view(b, (shape.b0, shape.b1, shape.k, shape.n), b_strides)
+        if a_view is None or b_view is None:
+            raise ValueError(f"config {config} needs TMA-compatible A and B (see tma_compatible)")
+        a_m_major, b_k_major = a_view[2], b_view[2]
+        a_block = [1, 1, config.block_k, config.block_m] if a_m_major else [1, 1, config.block_m, config.block_k]
+        b_block = [1, 1, config.block_n, config.block_k] if b_k_major else [1, 1, config.block_k, config.block_n]
+        a_src = TensorDescriptor(a, list(a_view[0]), list(a_view[1]), a_block)
+        b_src = TensorDescriptor(b, list(b_view[0]), list(b_view[1]), b_block)
     grid = (triton.cdiv(shape.m, config.block_m) * triton.cdiv(shape.n, config.block_n), shape.b0 * shape.b1)
     _gemm_kernel[grid](
-        a, b, c, c if bias is None else bias, c if saved is None else saved,
+        a_src, b_src, c, c if bias is None else bias, c if saved is None else saved,
         shape.b1, shape.m, shape.n, shape.k,
         *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)),
         alpha, dropout_p, seed, offset,
         *digits[0], *digits[1], *digits[2], *digits[3],
-        HAS_BIAS=bias is not None, ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0, SAVE=save,
-        EVEN_K=shape.k % config.block_k == 0,
+        HAS_BIAS=bias is not None, ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0,
+        INDEX_64=dropout_p > 0 and offset + c.numel() >= 2**31, SAVE=save,
+        TMA=config.tma, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, EVEN_K=shape.k % config.block_k == 0,
+        EPILOGUE_SPLIT=_epilogue_split(config, dropout_p > 0),
         # The interpreter's tl.dot multiplies bf16 storage bits (uint16) as integers, and its
         # fp32 -> bf16 cast truncates: there, upcast before the dot and round before the store.
         FP32_DOT=a.dtype == torch.float32 or (interpreted() and a.dtype == torch.bfloat16),

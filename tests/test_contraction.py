@@ -12,9 +12,11 @@ from dataflow.dropout_mask import keep_mask
 from kernels.accuracy import assert_closer
 from kernels.contraction import (Epilogue, GemmPlan, NotAGemm, contract, empty_in_layout, enumerate_variants, layout_of,
                                  map_layouts, parse, run_cublas, run_triton, stacked_projection, stacked_spec)
-from kernels.gemm import valid_configs
+from kernels.gemm import GemmShape, tma_compatible, valid_configs
 
 SMALL = dict(p=5, h=3, i=37, b=2, j=29, k=23, w=5, u=41, s=3)
+# Ragged against the interpreter's tiles, yet every stride a multiple of 16 bytes (TMA descriptors).
+TMA_SIZES = dict(p=8, h=3, i=40, b=2, j=24, k=24, w=8, u=24, s=3)
 # B=8, L=512, N=1024, H=16, P=64, U=4096
 BERT_LARGE = dict(p=64, w=64, h=16, i=1024, b=8, j=512, k=512, u=4096, s=3)
 
@@ -192,9 +194,17 @@ def test_cublas_rejects_batch_innermost_and_unmappable():
 # Triton template
 
 
+def _configs(tma):
+    return [c for c in valid_configs() if c.tma == tma]
+
+
+def _tma_ok(plan, a, b):
+    return tma_compatible(a, b, GemmShape(*plan.batch, plan.m, plan.n, plan.k), plan.a_strides, plan.b_strides)
+
+
 @pytest.mark.parametrize("spec", EINSUMS)
 def test_triton_path(spec):
-    configs = valid_configs()
+    configs = _configs(tma=False)
     for n, plan in enumerate(_picked(spec, SMALL, 3)):
         a, b = _operands(plan, SMALL, torch.float32, seed=n)
         out = _poisoned(plan.contraction.out, plan.layouts[2], SMALL, torch.float32)
@@ -204,6 +214,33 @@ def test_triton_path(spec):
     a16, b16 = a.bfloat16(), b.bfloat16()
     out16 = contract(spec, a16, b16, out_layout=plan.layouts[2], backend="triton")
     assert_closer(out16, torch.einsum(spec, a16, b16), torch.einsum(spec, a16.double(), b16.double()), what=plan.describe())
+
+
+@pytest.mark.parametrize("spec", ["phi,ibj->phbj", "phbk,phbj->hbjk", "whbj,ibj->whi", "sphi,sphbj->ibj"])
+def test_triton_tma_path(spec):
+    """Configs with tma=True read A and B through tensor descriptors: every transposition pattern."""
+    plans = [p for p in _variants(spec, tuple(sorted(TMA_SIZES.items()))).blas_plans]
+    patterns = {}
+    for plan in plans:
+        patterns.setdefault((plan.a_transposed, plan.b_transposed, plan.batch_dims), plan)
+    config = _configs(tma=True)[0]
+    for n, plan in enumerate(patterns.values()):
+        dtype = (torch.float32, torch.bfloat16)[n % 2]
+        a, b = _operands(plan, TMA_SIZES, dtype, seed=n)
+        assert _tma_ok(plan, a, b), plan.describe()
+        out = _poisoned(plan.contraction.out, plan.layouts[2], TMA_SIZES, dtype)
+        run_triton(plan, a, b, out, config=config)
+        ref = torch.einsum(spec, a.double(), b.double())
+        if dtype == torch.float32:
+            assert _rel(out, ref) < 1e-6, plan.describe()
+        else:
+            assert_closer(out, torch.einsum(spec, a, b), ref, what=plan.describe())
+    assert len(patterns) >= 4
+    odd = _picked(spec, SMALL, 1)[0]
+    a, b = _operands(odd, SMALL, torch.bfloat16)
+    if not _tma_ok(odd, a, b):
+        with pytest.raises(ValueError, match="TMA-compatible"):
+            run_triton(odd, a, b, _poisoned(odd.contraction.out, odd.layouts[2], SMALL, torch.bfloat16), config=config)
 
 
 def _broadcast(bias, bias_letters, out_letters):
@@ -245,11 +282,14 @@ EPILOGUE_CASES = [
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # interpreter: sigmoid of large negatives
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=lambda case: f"{case[0]}:{case[1][2]}")
 def test_triton_epilogue(case):
+    """Each case in float32 (with the whole-tile epilogue and with 4 column slices) and bf16."""
     spec, layouts, bias_letters, activation, p, save = case
     plan = map_layouts(spec, layouts, SMALL)
     assert isinstance(plan, GemmPlan)
     c = plan.contraction
-    for dtype in (torch.float32, torch.bfloat16):
+    whole = _configs(tma=False)[0]
+    sliced = next(cfg for cfg in valid_configs() if cfg.epilogue_split == 4) if _device() == "cpu" else whole
+    for dtype, config in ((torch.float32, whole), (torch.float32, sliced), (torch.bfloat16, whole)):
         a, b = _operands(plan, SMALL, dtype, seed=7)
         bias = None
         if bias_letters:  # stored in the order its letters have in the output layout
@@ -257,7 +297,7 @@ def test_triton_epilogue(case):
         ep = Epilogue(alpha=0.125 if not bias_letters else 1.0, bias=bias, bias_letters=bias_letters, activation=activation,
                       dropout_p=p, seed=0xD00D + len(spec), offset=1001, save=save)
         out = _poisoned(c.out, plan.layouts[2], SMALL, dtype)
-        result = run_triton(plan, a, b, out, ep)
+        result = run_triton(plan, a, b, out, ep, config)
         ref, pre_activation, pre_dropout = _epilogue_reference(spec, a, b, SMALL, ep)
         saved = None
         if save:
@@ -357,20 +397,24 @@ def test_gpu_bert_large(spec):
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() == before, f"{plan.describe()}: cuBLAS path allocated (a copy)"
         assert_closer(out, baseline, ref, what=f"cuBLAS {plan.describe()}")
-        out.fill_(float("nan"))
-        run_triton(plan, a, b, out, config=valid_configs()[2])
-        assert_closer(out, baseline, ref, what=f"Triton {plan.describe()}")
+        configs = [c for c in valid_configs() if str(c) in ("128x128x64 g8 s4 w8", "128x256x64 g8 s3 w8 tma")]
+        for config in configs if _tma_ok(plan, a, b) else configs[:1]:
+            out.fill_(float("nan"))
+            run_triton(plan, a, b, out, config=config)
+            assert_closer(out, baseline, ref, what=f"Triton {config} {plan.describe()}")
 
 
 @pytest.mark.gpu
-def test_gpu_linear1_fused_epilogue():
+@pytest.mark.parametrize("config", ["128x128x64 g8 s4 w8", "128x256x64 g8 s3 w8 tma"])
+def test_gpu_linear1_fused_epilogue(config):
     sizes, spec = BERT_LARGE, "ui,ibj->ubj"
+    config = next(c for c in valid_configs() if str(c) == config)
     plan = map_layouts(spec, ("ui", "ibj", "ubj"), sizes)
     a, b = _operands(plan, sizes, torch.bfloat16, seed=5, device="cuda")
     bias = _random("u", "u", sizes, torch.bfloat16, "cuda")
     ep = Epilogue(bias=bias, bias_letters="u", activation="relu", dropout_p=0.1, seed=1234, offset=0, save="pre_dropout")
     out = _poisoned("ubj", "ubj", sizes, torch.bfloat16)
-    out, saved = run_triton(plan, a, b, out, ep)
+    out, saved = run_triton(plan, a, b, out, ep, config)
     ref, _, pre_dropout = _epilogue_reference(spec, a, b, sizes, ep)
     keep = torch.from_numpy(keep_mask(1234, 0, tuple(out.shape), 0.1)).cuda()
     y = torch.relu(torch.einsum(spec, a, b) + bias[:, None, None])
