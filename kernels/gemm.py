@@ -61,7 +61,8 @@ class GemmConfig:
         return text + (" tma" if self.tma else "") + (f" e{self.epilogue_split}" if self.epilogue_split else "")
 
 
-# Curated for Hopper (228 KB shared memory per SM; bf16 tiles: stage bytes = 2*(BM*BK + BK*BN)).
+HOPPER_SHARED_MEMORY = 232448  # bytes one block may use on Hopper (227 KiB, opt-in)
+# Curated for Hopper and 16-bit inputs (stage bytes = 2 * (BM*BK + BK*BN)).
 HOPPER_CONFIGS = (
     GemmConfig(128, 256, 64, 8, 3, 8),
     GemmConfig(256, 128, 64, 8, 3, 8),
@@ -94,9 +95,13 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def valid_configs() -> tuple[GemmConfig, ...]:
-    """The configs to try on this machine: the interpreter's tiny set, or the Hopper set."""
-    return INTERPRETER_CONFIGS if interpreted() else HOPPER_CONFIGS
+def valid_configs(dtype: torch.dtype = torch.bfloat16) -> tuple[GemmConfig, ...]:
+    """The configs to try on this machine for inputs of ``dtype``: the interpreter's tiny set, or
+    the Hopper configs whose pipeline buffers (stages x (BM + BN) x BK elements) fit in shared memory."""
+    if interpreted():
+        return INTERPRETER_CONFIGS
+    return tuple(c for c in HOPPER_CONFIGS
+                 if c.num_stages * (c.block_m + c.block_n) * c.block_k * dtype.itemsize <= HOPPER_SHARED_MEMORY)
 
 
 def _tma_view(t: torch.Tensor, sizes: tuple[int, int, int, int], strides: tuple[int, int, int, int]):
@@ -339,7 +344,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
     for t in (a, b, c, bias, saved):
         if t is not None and t.numel() >= 2**31:
             raise ValueError("operands must hold fewer than 2**31 elements (int32 offsets)")
-    config = config or valid_configs()[0]
+    config = config or valid_configs(a.dtype)[0]
     digits = dropout_digits or ((1, 1, 0, 0, 0),) * 4
     a_src, b_src, a_m_major, b_k_major = a, b, False, False
     if config.tma:
