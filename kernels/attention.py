@@ -21,7 +21,9 @@ without copies. The launchers take torch tensors whose ``.shape`` is the logical
 Dropout convention (``kernels.philox`` / ``dataflow.dropout_mask``): the probability at logical
 position (b, h, j, k) has logical index ``n = b*sb + h*sh + j*sj + k*sk``, where (sb, sh, sj, sk)
 are the row-major strides of the probabilities' dims in their spec order (``dropout_strides_for``);
-it is kept iff ``tl.rand(seed, offset + n) > dropout_p``.
+it is kept iff ``tl.rand(seed, offset + n) > dropout_p``. The kernels evaluate that with
+``_philox_keep``, the same Philox bits in fewer instructions (one Philox-4x32-10 per element is
+most of this operator's time: benchmarks/results/attention.md).
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 
@@ -30,17 +32,65 @@ the softmax runs in base 2 with log2(e) folded into the scale.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels.philox import dropout_keep
-
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+_TO_UNIFORM = np.float32(4.6566127342e-10)  # tl.rand's int32 -> [0, 1) factor
+
+
+@functools.lru_cache(maxsize=64)
+def keep_threshold(dropout_p: float) -> int:
+    """The int32 T with ``tl.rand(seed, n) > dropout_p  <=>  |x| > T``, x = Philox's first word as int32
+    and |x| = ``x ^ (x >> 31)`` (what tl.rand scales): the largest |x| that float32(|x|) * 2^-31 maps
+    to at most float32(dropout_p); the map is monotone, so a bisection finds it."""
+    p = np.float32(dropout_p)
+    low, high = -1, 2**31 - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if np.float32(mid) * _TO_UNIFORM <= p:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@triton.jit
+def _philox_keep(seed, offset, logical_index, threshold):
+    """``kernels.philox.dropout_keep(seed, offset, logical_index, p)`` bit for bit, cheaper.
+
+    Philox-4x32-10 exactly as ``tl.rand`` runs it (counter (lo, hi, 0, 0) of offset + index, key =
+    the 64-bit seed, first output word), with each 32x32-bit product taken as one 64-bit product
+    (one IMAD.WIDE instead of separate high and low halves) and the uniform-float comparison
+    replaced by the integer one of ``keep_threshold``. ``threshold``: ``keep_threshold(p)``.
+    """
+    n = offset + logical_index
+    c0 = n.to(tl.uint32)
+    c1 = c0 * 0
+    if tl.constexpr(n.dtype.primitive_bitwidth) > 32:
+        c1 = (n >> 32).to(tl.uint32)
+    c2 = c0 * 0
+    c3 = c0 * 0
+    seed = tl.core.to_tensor(seed).to(tl.uint64)  # seed == 1 arrives as a constexpr
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(10):
+        product_b = c2.to(tl.uint64) * 0xCD9E8D57
+        product_a = c0.to(tl.uint64) * 0xD2511F53
+        c0 = (product_b >> 32).to(tl.uint32) ^ c1 ^ k0
+        c2 = (product_a >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = product_b.to(tl.uint32)
+        c3 = product_a.to(tl.uint32)
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    x = c0.to(tl.int32, bitcast=True)
+    return (x ^ (x >> 31)) > threshold
 
 
 @triton.jit
@@ -59,7 +109,7 @@ def _attn_fwd_kernel(
     drop_sb, drop_sh, drop_sj, drop_sk,  # logical strides of (b, h, j, k) for the dropout index
     H, Lq, Lk,
     qk_scale,  # scale * log2(e)
-    dropout_p, dropout_scale, seed, offset,
+    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
 ):
@@ -111,7 +161,7 @@ def _attn_fwd_kernel(
                 drop_idx = drop_row[:, None] + offs_k.to(tl.int64)[None, :] * drop_sk
             else:
                 drop_idx = drop_row[:, None] + offs_k[None, :] * drop_sk
-            p = tl.where(dropout_keep(seed, offset, drop_idx, dropout_p), p, 0.0)
+            p = tl.where(_philox_keep(seed, offset, drop_idx, drop_threshold), p, 0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -176,7 +226,7 @@ def _attn_bwd_dkdv_kernel(
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,  # scale, scale * log2(e)
-    dropout_p, dropout_scale, seed, offset,
+    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
@@ -230,7 +280,7 @@ def _attn_bwd_dkdv_kernel(
                 drop_idx = drop_col[:, None] + offs_j.to(tl.int64)[None, :] * drop_sj
             else:
                 drop_idx = drop_col[:, None] + offs_j[None, :] * drop_sj
-            keep = dropout_keep(seed, offset, drop_idx, dropout_p)
+            keep = _philox_keep(seed, offset, drop_idx, drop_threshold)
             dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do)
             dpt = tl.where(keep, dpt * dropout_scale, 0.0)
         else:
@@ -267,7 +317,7 @@ def _attn_bwd_dq_kernel(
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,
-    dropout_p, dropout_scale, seed, offset,
+    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
 ):
@@ -315,7 +365,7 @@ def _attn_bwd_dq_kernel(
                 drop_idx = drop_row[:, None] + offs_k.to(tl.int64)[None, :] * drop_sk
             else:
                 drop_idx = drop_row[:, None] + offs_k[None, :] * drop_sk
-            dp = tl.where(dropout_keep(seed, offset, drop_idx, dropout_p), dp * dropout_scale, 0.0)
+            dp = tl.where(_philox_keep(seed, offset, drop_idx, drop_threshold), dp * dropout_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq += tl.dot(ds, k)
 
@@ -343,7 +393,9 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     adds dQ with fp32 atomics; "split": a second kernel over j-blocks computes dQ). On a GPU the
     list keeps tiles whose pipelined operand buffers fit the device's shared memory and whose fp32
     accumulators fit the registers; in the Triton interpreter (no GPU) warps and stages mean
-    nothing and the list holds small tiles.
+    nothing and the list holds small tiles. The register bounds (per thread: at most 32 forward /
+    16 backward score-tile elements, at most 64 fp32 accumulator elements) come from ptxas's
+    sm_90 resource reports: beyond them the Philox states spill.
     """
     _check_head_dim(head_dim)
     if direction not in ("forward", "backward"):
@@ -355,20 +407,19 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     else:
         smem = _max_shared_memory()
         tiles = []
-        for bj in (32, 64, 128):
+        for bj in (16, 32, 64, 128):
             for bk in (32, 64, 128):
                 for warps in (4, 8):
                     for stages in (2, 3):
                         threads = 32 * warps
+                        tile = bj * bk // threads  # score-tile elements per thread, each with a Philox state
                         if direction == "forward":
                             buffers = 2 * (bj * head_dim + stages * 2 * bk * head_dim)  # Q + staged K, V
-                            regs = (bj * head_dim + bj * bk) // threads  # O accumulator + score tile
-                            ok = bj >= 64 and regs <= 160
+                            fits = bj >= 32 and tile <= 32 and bj * head_dim // threads <= 64  # O accumulator
                         else:
                             buffers = 2 * (2 * bk * head_dim + stages * 2 * bj * head_dim)  # K, V + staged Q, dO
-                            regs = (2 * bk * head_dim + 2 * bj * bk) // threads  # dK, dV + two score tiles
-                            ok = regs <= 192
-                        if ok and buffers <= smem:
+                            fits = tile <= 16 and 2 * bk * head_dim // threads <= 64  # dK, dV accumulators
+                        if fits and buffers <= smem:
                             tiles.append((bj, bk, warps, stages))
     configs = []
     for bj, bk, warps, stages in tiles:
@@ -380,12 +431,12 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     return configs
 
 
-# Defaults: measured best on an H100 (benchmarks/results/attention.md), per head dim.
+# Defaults: fastest in the sweep of benchmarks/attention.py on an H200 (results/attention.md), per head dim.
 _GPU_DEFAULTS = {
-    "forward": {64: dict(block_j=128, block_k=64, num_warps=4, num_stages=2),
-                128: dict(block_j=128, block_k=64, num_warps=8, num_stages=2)},
-    "backward": {64: dict(block_j=64, block_k=128, num_warps=8, num_stages=2, dq_mode="atomic"),
-                 128: dict(block_j=64, block_k=64, num_warps=8, num_stages=2, dq_mode="atomic")},
+    "forward": {64: dict(block_j=64, block_k=32, num_warps=4, num_stages=3),
+                128: dict(block_j=64, block_k=64, num_warps=4, num_stages=3)},
+    "backward": {64: dict(block_j=16, block_k=64, num_warps=4, num_stages=3, dq_mode="atomic"),
+                 128: dict(block_j=32, block_k=32, num_warps=4, num_stages=3, dq_mode="atomic")},
 }
 
 
@@ -467,7 +518,7 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
         q, k, v, o, lse, kpm,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *kpm_strides, *drop,
         H, Lq, Lk, scale * LOG2E,
-        dropout_p, 1.0 / (1.0 - dropout_p), seed, offset,
+        keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset,
         P=P, BLOCK_J=block_j, BLOCK_K=block_k,
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
         num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
@@ -505,7 +556,7 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
                  HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, num_warps=num_warps, num_stages=num_stages)
-    scalars = (H, Lq, Lk, scale, scale * LOG2E, dropout_p, 1.0 / (1.0 - dropout_p), seed, offset)
+    scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
         q, k, v, do, lse, delta, dq_acc, dk, dv, kpm,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *kpm_strides, *drop,
