@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import triton
 
-from layouts.space import Configuration, OperatorLetters, operator_letters, tile_axes
+from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
 
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
 _FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
@@ -60,7 +60,7 @@ class _Plan:
     dim_names: tuple  # dim names used in expressions -> dim_<name> float args
 
 
-def _plan(graph, op, config: Configuration) -> _Plan:
+def _plan(graph, op, knobs: dict) -> _Plan:
     letters = operator_letters(graph, op)
     reduces = [p for p in op.primitives if p.kind == "reduce"]
     for prim in reduces:
@@ -68,7 +68,6 @@ def _plan(graph, op, config: Configuration) -> _Plan:
         if set(mine) != set(letters.reduced):
             raise NotImplementedError(f"{op.name}: reductions over different letter sets ({mine} vs "
                                       f"{letters.reduced}) in one kernel")
-    knobs = config.knobs
     if sorted(knobs["order"]) != sorted(letters.letters) or knobs["order"][-1] != knobs["vector"]:
         raise ValueError(f"{op.name}: knob order {knobs['order']!r} must hold letters {letters.letters!r}, "
                          f"vector {knobs['vector']!r} last")
@@ -111,8 +110,14 @@ class _Expr(ast.NodeTransformer):
 
     def visit_BinOp(self, node):
         self.generic_visit(node)
-        if isinstance(node.op, ast.Pow):
-            raise ValueError("'**' is not supported in map expressions; write products")
+        if isinstance(node.op, ast.Pow):  # small integer powers (derivatives: tanh' = 1 - tanh**2) as products
+            power = node.right.value if isinstance(node.right, ast.Constant) else None
+            if not (isinstance(power, float) and power.is_integer() and 1 <= power <= 4):
+                raise ValueError(f"'**' only with a constant integer exponent 1..4, not {ast.unparse(node.right)}")
+            product = node.left
+            for _ in range(int(power) - 1):
+                product = ast.BinOp(product, ast.Mult(), node.left)
+            return product
         return node
 
 
@@ -128,36 +133,32 @@ def _var(tensor: str) -> str:
     return f"v_{tensor}"
 
 
-def generate_source(graph, op, config: Configuration, *, index64: bool = False) -> str:
-    """Triton source of ``op`` under ``config`` (the kernel ``<op>_kernel`` and nothing else).
-
-    ``index64``: compute indices in int64 (needed when an index can reach 2**31).
-    """
-    plan = _plan(graph, op, config)
-    L, knobs = plan.letters, config.knobs
+def _part_code(graph, op, knobs: dict, index64: bool) -> tuple[list, list[str], str]:
+    """The code of one connected part: (signature [(parameter names, comment)], body lines at
+    depth 1 starting from the program id ``pid``, a description for the docstring)."""
+    plan = _plan(graph, op, knobs)
+    L = plan.letters
     axes = L.tensor_axes
     red = set(L.reduced)
     itype = "tl.int64" if index64 else "tl.int32"
     producer = {p.output.tensor: p for p in op.primitives}
     externals = list(plan.loads) + [t for t in plan.outputs]
-    name = "".join(c if c.isalnum() else "_" for c in op.name)
 
     # --- signature ------------------------------------------------------------------------
     sig = []
     for t in plan.loads:
-        sig.append(f"{t}_ptr,  # {axes[t]} (spec order {graph.tensors[t].letters}), any strides: input")
+        sig.append(([f"{t}_ptr"], f"{axes[t]} (spec order {graph.tensors[t].letters}), any strides: input"))
     for t in plan.outputs:
-        sig.append(f"{t}_ptr,  # {axes[t]} (spec order {graph.tensors[t].letters}), any strides: output")
+        sig.append(([f"{t}_ptr"], f"{axes[t]} (spec order {graph.tensors[t].letters}), any strides: output"))
     for t in externals:
         if axes[t]:
-            sig.append(", ".join(f"stride_{t}_{l}" for l in axes[t]) + ",")
-    sig.append(", ".join(f"size_{l}" for l in L.letters) + ",  # extents of " +
-               ", ".join(f"{l}={L.dims[l]}" for l in L.letters))
+            sig.append(([f"stride_{t}_{l}" for l in axes[t]], ""))
+    sig.append(([f"size_{l}" for l in L.letters], "extents of " + ", ".join(f"{l}={L.dims[l]}" for l in L.letters)))
     if plan.dim_names:
-        sig.append(", ".join(f"dim_{d}" for d in plan.dim_names) + ",  # dim values as floats")
+        sig.append(([f"dim_{d}" for d in plan.dim_names], "dim values as floats"))
     for t in plan.regenerated:
-        sig.append(f"seed_{t}, offset_{t},  # Philox key and counter offset of dropout mask {t}")
-    sig.append("BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,")
+        sig.append(([f"seed_{t}", f"offset_{t}"], f"Philox key and counter offset of dropout mask {t}"))
+    sig.append((["BLOCK_ROW: tl.constexpr", "BLOCK_COL: tl.constexpr"], ""))
 
     w = _Writer()
     def describe(prim) -> str:
@@ -173,32 +174,15 @@ def generate_source(graph, op, config: Configuration, *, index64: bool = False) 
         return f"{out} = {ast.unparse(tree)}"
 
     prims_doc = "\n".join("    " + describe(p) for p in op.primitives)
-    header = f'''"""Generated by kernels.codegen: operator {op.name} ({op.cls}).
-
-{prims_doc}
+    doc = f"""{prims_doc}
 
 Letters: {", ".join(f"{l}={L.dims[l]}" for l in L.letters)}; reduced: {L.reduced or "-"}.
 Grid letters: {plan.grid or "-"}; tile rows: {plan.rows or "-"}; tile columns: {plan.cols or "-"}.
-Layouts: {config.layouts}
-Knobs: {knobs}
-"""
-import triton
-import triton.language as tl
-
-from kernels.philox import dropout_keep
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def {name}_kernel('''
-    body = [header] + ["    " + s for s in sig] + ["):"]
+Knobs: {knobs}"""
 
     # --- program ids and index decomposition ------------------------------------------------
-    w("pid = tl.program_id(0)" + (".to(tl.int64)" if index64 else ""))
+    if index64:
+        w("pid = pid.to(tl.int64)")
 
     def decompose(flat: str, group: str, shape: str, depth: int = 1):
         """idx_<l> for the letters of ``group`` flattened row-major in ``flat`` (shape suffix)."""
@@ -390,7 +374,97 @@ def {name}_kernel('''
                 w(f"{_var(prim.output.tensor)} = {fn}(acc_{prim.output.tensor}, axis={plan.reduce_axis}){keep}", 1)
                 done.add(prim.output.tensor)
             emit_statistics()
-    return "\n".join(body + w.lines) + "\n"
+    return sig, w.lines, doc
+
+
+_PRELUDE = '''import triton
+import triton.language as tl
+
+from kernels.philox import dropout_keep
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+'''
+
+
+def _kernel_name(op) -> str:
+    return "".join(c if c.isalnum() else "_" for c in op.name)
+
+
+def _signature(sig: list, rename=lambda n: n) -> list[str]:
+    return ["    " + ", ".join(rename(n) for n in names) + "," + (f"  # {comment}" if comment else "")
+            for names, comment in sig]
+
+
+def _shared(name: str) -> bool:
+    """Parameters named per part (sizes, dims, blocks) rather than per tensor."""
+    return name.startswith(("size_", "dim_", "BLOCK_"))
+
+
+def _part_knobs(config: Configuration, count: int) -> list[dict]:
+    """Per-part knobs (num_warps and dropout are the launch's, shared)."""
+    knobs = config.knobs
+    if count == 1:
+        return [knobs]
+    return [{**own, "num_warps": knobs["num_warps"], "dropout": knobs.get("dropout", "regenerate")}
+            for own in knobs["parts"]]
+
+
+def generate_source(graph, op, config: Configuration, *, index64: bool = False) -> str:
+    """Triton source of ``op`` under ``config``: the kernel ``<op>_kernel`` (and, for an operator
+    of several parts, one ``@triton.jit`` function per part, which the kernel calls on its
+    program range ``[end_<k-1>, end_<k>)``; the last part takes the rest of the grid).
+
+    ``index64``: compute indices in int64 (needed when an index can reach 2**31).
+    """
+    split = parts(op)
+    name = _kernel_name(op)
+    codes = [_part_code(graph, part, knobs, index64) for part, knobs in zip(split, _part_knobs(config, len(split)))]
+    if len(split) == 1:
+        sig, lines, doc = codes[0]
+        header = f'''"""Generated by kernels.codegen: operator {op.name} ({op.cls}).
+
+{doc}
+Layouts: {config.layouts}
+"""
+{_PRELUDE}
+
+@triton.jit
+def {name}_kernel('''
+        pid = "    pid = tl.program_id(0)"
+        return "\n".join([header] + _signature(sig) + ["):", pid] + lines) + "\n"
+    docs = "\n\n".join(f"Part {k} (program range [end_{k - 1}, end_{k})):\n{doc}".replace("[end_-1", "[0")
+                         for k, (_, _, doc) in enumerate(codes))
+    out = [f'''"""Generated by kernels.codegen: operator {op.name} ({op.cls}), {len(split)} independent parts
+in disjoint program ranges of one launch.
+
+{docs}
+
+Layouts: {config.layouts}
+Knobs: {config.knobs}
+"""
+{_PRELUDE}''']
+    for k, (sig, lines, _) in enumerate(codes):
+        out += ["", "@triton.jit", f"def {name}_part{k}(", "    pid,  # program index within this part's range"]
+        out += _signature(sig) + ["):"] + lines
+    out += ["", "", "@triton.jit", f"def {name}_kernel("]
+    per_part = lambda n, k: f"{n.split(':')[0]}_{k}{n[len(n.split(':')[0]):]}" if _shared(n) else n  # noqa: E731
+    for k, (sig, _, _) in enumerate(codes):  # runtime parameters, then the parts' program ranges, then blocks
+        out += _signature([(names, c) for names, c in sig if not names[0].startswith("BLOCK_")], lambda n: per_part(n, k))
+    out.append("    " + ", ".join(f"end_{k}" for k in range(len(split) - 1)) + ",  # where part k's program range ends")
+    for k, (sig, _, _) in enumerate(codes):
+        out += _signature([(names, c) for names, c in sig if names[0].startswith("BLOCK_")], lambda n: per_part(n, k))
+    out += ["):", "    pid = tl.program_id(0)"]
+    for k, (sig, _, _) in enumerate(codes):
+        args = ", ".join(f"{n.split(':')[0]}_{k}" if _shared(n) else n for names, _ in sig for n in names)
+        start = f" - end_{k - 1}" if k else ""
+        if k == len(split) - 1:
+            out += ["    else:" if k else "", f"        {name}_part{k}(pid{start}, {args})"]
+        else:
+            out += [f"    {'if' if k == 0 else 'elif'} pid < end_{k}:", f"        {name}_part{k}(pid{start}, {args})"]
+    return "\n".join(out) + "\n"
 
 
 # --- compiling and launching --------------------------------------------------------------------
@@ -428,65 +502,83 @@ class CompiledOperator:
     any strides}; ``seeds`` {dropout mask -> (seed, offset)} for regenerated masks.  Returns
     {output name -> tensor of spec-order shape stored in its configured layout}, of the dtype of
     the first loaded floating input that is not a mask.  Indices are int32 unless some offset,
-    extent or dropout index can reach 2**31 (then an int64 variant is generated).
+    extent or dropout index can reach 2**31 (then an int64 variant is generated).  An operator
+    of several parts (``layouts.space.parts``) is one launch: the parts' program ranges one
+    after the other.
     """
 
     def __init__(self, graph, op, config: Configuration):
         self.graph, self.op, self.config = graph, op, config
-        self.plan = _plan(graph, op, config)
-        self.sizes = {l: graph.dim_values[d] for l, d in self.plan.letters.dims.items()}
+        self.parts = parts(op)
+        self.part_knobs = _part_knobs(config, len(self.parts))
+        self.plans = [_plan(graph, part, knobs) for part, knobs in zip(self.parts, self.part_knobs)]
+        self.plan = self.plans[0] if len(self.plans) == 1 else None  # the single part's plan
+        self.loads = tuple(t for plan in self.plans for t in plan.loads)  # every tensor read from memory
         self._kernels: dict[bool, object] = {}
         self.source, self.path = self._variant(False)[1:]
 
     def _variant(self, index64: bool):
         source = generate_source(self.graph, self.op, self.config, index64=index64)
         module, path = _load_module(source)
-        name = "".join(c if c.isalnum() else "_" for c in self.op.name)
-        self._kernels[index64] = getattr(module, f"{name}_kernel")
+        self._kernels[index64] = getattr(module, f"{_kernel_name(self.op)}_kernel")
         return self._kernels[index64], source, path
 
-    def _extent(self, group: str) -> int:
+    def _size(self, plan: _Plan, letter: str) -> int:
+        return self.graph.dim_values[plan.letters.dims[letter]]
+
+    def _extent(self, plan: _Plan, group: str) -> int:
         total = 1
         for letter in group:
-            total *= self.sizes[letter]
+            total *= self._size(plan, letter)
         return total
 
-    def grid(self) -> tuple[int]:
-        knobs, plan = self.config.knobs, self.plan
-        rows, cols = self._extent(plan.rows), self._extent(plan.cols)
+    def _programs(self, plan: _Plan, knobs: dict) -> int:
+        rows, cols = self._extent(plan, plan.rows), self._extent(plan, plan.cols)
         if plan.reduce_axis is None:
-            return (triton.cdiv(rows, knobs["block_row"]) * triton.cdiv(cols, knobs["block_col"]),)
+            return triton.cdiv(rows, knobs["block_row"]) * triton.cdiv(cols, knobs["block_col"])
         if plan.reduce_axis == 1:
-            return (triton.cdiv(rows, knobs["block_row"]),)
-        return (self._extent(plan.grid) * triton.cdiv(cols, knobs["block_col"]),)
+            return triton.cdiv(rows, knobs["block_row"])
+        return self._extent(plan, plan.grid) * triton.cdiv(cols, knobs["block_col"])
+
+    def grid(self) -> tuple[int]:
+        return (sum(self._programs(plan, knobs) for plan, knobs in zip(self.plans, self.part_knobs)),)
 
     def run(self, tensors: dict, seeds: dict | None = None) -> dict:
-        plan, graph, knobs = self.plan, self.graph, self.config.knobs
+        graph, knobs = self.graph, self.config.knobs
         seeds = seeds or {}
-        axes = plan.letters.tensor_axes
-        for t in plan.loads:
-            expected = tuple(self.sizes[l] for l in axes[t])
-            if tuple(tensors[t].shape) != expected:
-                raise ValueError(f"{t}: shape {tuple(tensors[t].shape)} != {expected} (spec order {axes[t]})")
-        reference = next((tensors[t] for t in plan.loads if tensors[t].is_floating_point()
-                          and graph.tensors[t].role != "dropout"), tensors[plan.loads[0]])
+        for plan in self.plans:
+            for t in plan.loads:
+                expected = tuple(self._size(plan, l) for l in plan.letters.tensor_axes[t])
+                if tuple(tensors[t].shape) != expected:
+                    raise ValueError(f"{t}: shape {tuple(tensors[t].shape)} != {expected} "
+                                     f"(spec order {plan.letters.tensor_axes[t]})")
+        reference = next((tensors[t] for t in self.loads if tensors[t].is_floating_point()
+                          and graph.tensors[t].role != "dropout"), tensors[self.loads[0]])
         outputs = {t: allocate(graph, t, self.config.layouts[t], reference.dtype, reference.device)
-                   for t in plan.outputs}
-        bound = {**{t: tensors[t] for t in plan.loads}, **outputs}
-        reach = [sum((n - 1) * abs(s) for n, s in zip(x.shape, x.stride())) for x in bound.values()]
-        reach += [self._extent(axes[t]) for t in plan.regenerated] + [self._extent(plan.letters.letters)]
+                   for plan in self.plans for t in plan.outputs}
+        reach, args, ends, blocks = [], [], [], {}
+        for k, (plan, part_knobs) in enumerate(zip(self.plans, self.part_knobs)):
+            axes = plan.letters.tensor_axes
+            bound = {**{t: tensors[t] for t in plan.loads}, **{t: outputs[t] for t in plan.outputs}}
+            reach += [sum((n - 1) * abs(s) for n, s in zip(x.shape, x.stride())) for x in bound.values()]
+            reach += [self._extent(plan, axes[t]) for t in plan.regenerated] + [self._extent(plan, plan.letters.letters)]
+            args += list(bound.values())
+            for x in bound.values():
+                args += list(x.stride())
+            args += [self._size(plan, l) for l in plan.letters.letters]
+            args += [float(graph.dim_values[d]) for d in plan.dim_names]
+            for t in plan.regenerated:
+                seed, offset = seeds[t]
+                args += [int(seed), int(offset)]
+            suffix = "" if len(self.plans) == 1 else f"_{k}"
+            blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]
+            blocks[f"BLOCK_COL{suffix}"] = part_knobs["block_col"]
+            ends.append((ends[-1] if ends else 0) + self._programs(plan, part_knobs))
+        if len(self.plans) > 1:
+            args += ends[:-1]
         index64 = max(reach) >= 2 ** 31 - 1
         kernel = self._kernels.get(index64) or self._variant(index64)[0]
-        args = list(bound.values())
-        for x in bound.values():
-            args += list(x.stride())
-        args += [self.sizes[l] for l in plan.letters.letters]
-        args += [float(graph.dim_values[d]) for d in plan.dim_names]
-        for t in plan.regenerated:
-            seed, offset = seeds[t]
-            args += [int(seed), int(offset)]
-        kernel[self.grid()](*args, BLOCK_ROW=knobs["block_row"], BLOCK_COL=knobs["block_col"],
-                            num_warps=knobs["num_warps"])
+        kernel[(ends[-1],)](*args, **blocks, num_warps=knobs["num_warps"])
         return outputs
 
 

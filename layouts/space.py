@@ -36,6 +36,17 @@ Pruning (``exhaustive=False``), after the paper's two good groups:
    row fits 16384 fp32 registers per program, "loop" only when the row is longer than one
    chunk; at most 16384 elements per tile; at least 4 elements per thread (or one warp).
 ``exhaustive=True`` drops rules 1-3 (every permutation of every tensor, every vector letter).
+
+Operators of several parts (``parts``): a fused operator whose primitives share no tensor
+falls into independent *parts* (fusion's stacked operators: one part per stack member, e.g.
+three bias adds over phbj / phbk / whbk; a bias-gradient reduction joined across a contraction:
+one part over ibj and one over ubj).  Each part has its own letters, iteration space and
+tile; the kernel runs them in disjoint program ranges of one launch.  Their configuration is
+``knobs = {"parts": (part knobs, ...), "num_warps": w, "dropout": ...}`` where each part's
+knobs are those above without ``num_warps`` / ``dropout`` (one launch, one warp count).
+5. parts run in disjoint programs, so their times add and the best combination is the best
+   choice per part: the multi-part space is every part's pruned space with the other parts at
+   their defaults (the sum, not the product, of the part spaces).
 """
 from __future__ import annotations
 
@@ -83,6 +94,47 @@ class OperatorLetters:
     @property
     def independent(self) -> str:
         return "".join(l for l in self.letters if l not in self.reduced)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A connected part of an operator: primitives linked by the tensors they share, with the
+    operator's inputs they read and its outputs they write (each in the operator's order)."""
+
+    name: str
+    cls: str
+    primitives: tuple
+    inputs: tuple
+    outputs: tuple
+
+
+def parts(op) -> list[Part]:
+    """The connected parts of ``op`` (primitives joined through any tensor they read or write),
+    in the order of their first primitive; one part (the operator itself) when it is connected."""
+    parent = {p.name: p.name for p in op.primitives}
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    seen: dict = {}
+    for prim in op.primitives:
+        for operand in (*prim.inputs, prim.output):
+            other = seen.setdefault(operand.tensor, prim.name)
+            parent[find(other)] = find(prim.name)
+    roots = list(dict.fromkeys(find(p.name) for p in op.primitives))
+    if len(roots) == 1:
+        return [Part(op.name, op.cls, tuple(op.primitives), tuple(op.inputs), tuple(op.outputs))]
+    result = []
+    for root in roots:
+        prims = tuple(p for p in op.primitives if find(p.name) == root)
+        touched = {o.tensor for p in prims for o in (*p.inputs, p.output)}
+        cls = "normalization" if any(p.kind == "reduce" for p in prims) else "elementwise"
+        result.append(Part(f"{op.name}_part{len(result)}", cls, prims, tuple(t for t in op.inputs if t in touched),
+                           tuple(t for t in op.outputs if t in touched)))
+    return result
 
 
 def operator_letters(graph, op) -> OperatorLetters:
@@ -206,7 +258,11 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
 
     ``fixed``: {tensor: layout} already decided (shared tensors): only configurations that agree.
     ``dropout_choices``: also weigh loading stored masks with ``("regenerate", "load")``.
+    An operator of several parts: rule 5 of the module doc.
     """
+    split = parts(op)
+    if len(split) > 1:
+        return _multipart_configurations(graph, split, exhaustive, fixed or {}, dropout_choices)
     letters = operator_letters(graph, op)
     externals = list(op.inputs) + list(op.outputs)
     fixed = fixed or {}
@@ -241,9 +297,38 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
     return result
 
 
+def combine_parts(configs: list[Configuration], num_warps: int, dropout: str) -> Configuration:
+    """One multi-part configuration from one configuration per part (in ``parts`` order)."""
+    layouts = {t: l for c in configs for t, l in c.layouts.items()}
+    own = tuple({k: v for k, v in c.knobs.items() if k not in ("num_warps", "dropout")} for c in configs)
+    return Configuration(layouts, {"parts": own, "num_warps": num_warps, "dropout": dropout})
+
+
+def _multipart_configurations(graph, split: list[Part], exhaustive: bool, fixed: dict,
+                              dropout_choices: tuple) -> list[Configuration]:
+    defaults = [default_configuration(graph, part) for part in split]
+    has_mask = any(graph.tensors[t].role == "dropout" for part in split for t in part.inputs)
+    seen, result = set(), []
+    for k, part in enumerate(split):
+        for config in configurations(graph, part, exhaustive=exhaustive, fixed=fixed):
+            chosen = defaults[:k] + [config] + defaults[k + 1:]
+            if any(c.layouts[t] != fixed[t] for c in chosen for t in fixed if t in c.layouts):
+                continue
+            for drop in dropout_choices if has_mask else ("regenerate",):
+                combined = combine_parts(chosen, config.knobs["num_warps"], drop)
+                if combined.key() not in seen:
+                    seen.add(combined.key())
+                    result.append(combined)
+    return result
+
+
 def default_configuration(graph, op) -> Configuration:
     """Spec-order layouts; vector = the innermost spec letter of the first full-space tensor that
-    is reduced (normalization) or of the first output (element-wise); mid-sized knobs."""
+    is reduced (normalization) or of the first output (element-wise); mid-sized knobs.  Several
+    parts: each part's default, 4 warps."""
+    split = parts(op)
+    if len(split) > 1:
+        return combine_parts([default_configuration(graph, part) for part in split], 4, "regenerate")
     letters = operator_letters(graph, op)
     externals = list(op.inputs) + list(op.outputs)
     layouts = {t: graph.tensors[t].letters for t in externals}
