@@ -1,0 +1,236 @@
+"""Variants of the fused element-wise / normalization operators of a training graph, for ``kernels.bench.Sweep``.
+
+For each such operator of a ``tests.fused_snapshot.FusedTraining`` and each configuration of
+``layouts.space.configurations`` (pruned, or ``exhaustive``), a ``FusedVariant`` compiles the
+generated kernel (``kernels.codegen``), runs it on bf16 inputs stored in the configuration's
+layouts and checks every output; an ``EagerVariant`` per operator runs PyTorch eager's sequence
+of the unfused operators it replaces (``kernels.eager``), checked the same way, so its time lands
+in the same tuning DB in the same run.
+
+Inputs are realistic: one ``Workspace`` per graph evaluates the whole fused training graph in
+float64 torch on the device (``kernels.torch_eval.evaluate_training_graph``: layer inputs and
+incoming gradients N(0, 1), Philox dropout masks), so each operator reads what training gives it
+(softmax probabilities, normalised values with their standard deviations ...).  Check: every
+output against that float64 value, by ``kernels.accuracy``'s rule, with PyTorch's error taken
+from the operator's primitives evaluated in bf16 on the same bf16 inputs.  The workspace is built
+on first use only, so a sweep whose variants are all in the DB never computes it.
+
+Keys: ``op`` = ``"<spec>:<operator>:<hash of its primitives>"`` (``#eager`` appended for the
+baseline), ``dims`` = the graph's dim values, ``dtype`` = "bfloat16" (``DTYPE``), ``layout`` = {tensor: storage
+order}, ``knobs`` = the configuration's knobs (eager: {"impl": "torch-eager"}).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from kernels.accuracy import Closeness
+from kernels.codegen import allocate, compile_operator
+from kernels.eager import EagerRun, eager_layout, eager_plan, normalised_letters
+from kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch, size
+from layouts.space import configurations
+
+DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
+# zero (GPUs round to nearest), so CPU checks of generated kernels use float32 instead
+MASK_SEED = 0x5EED
+CANCELLED_RMS = 1e-3  # a reference output with a smaller RMS is a cancellation (see ``judge``)
+
+
+def op_signature(spec: str, op) -> str:
+    """``spec:name:hash``: the hash covers the primitives (kinds, expressions, operands' letters)."""
+    text = json.dumps([[p.name, p.kind, p.expr, [[o.tensor, o.letters] for o in p.inputs],
+                        [p.output.tensor, p.output.letters]] for p in op.primitives])
+    return f"{spec}:{op.name}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def fused_operators(training) -> list:
+    """The element-wise and normalization operators of the fused graph (contractions are swept elsewhere)."""
+    return [op for op in training.operators if op.cls != "contraction"]
+
+
+def moved_bytes(graph, op, itemsize: int = 2) -> int:
+    """Distinct elements of the operator's inputs and outputs x ``itemsize``; dropout masks are
+    regenerated from (seed, offset), so not counted."""
+    tensors = dict.fromkeys(list(op.inputs) + list(op.outputs))
+    return itemsize * sum(size(graph, graph.tensors[t].letters) for t in tensors if graph.tensors[t].role != "dropout")
+
+
+def judge(result: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor) -> Closeness:
+    """``kernels.accuracy``'s rule (error <= 1.5 x PyTorch's error + 1e-4), errors relative to
+    ``max(||reference||, CANCELLED_RMS * sqrt(numel))``.  The workspace's tensors are of unit
+    scale, so a float64 reference far below it is a cancellation, not a value: the key-bias
+    gradient is exactly zero (softmax is shift-invariant), and relative to its float64 rounding
+    noise every result would be wrong by 1e8 or right by chance."""
+    reference = reference.detach().double()
+    if not torch.isfinite(result).all():
+        return Closeness(float("inf"), float("nan"), False)
+    scale = max(float(torch.linalg.vector_norm(reference)), CANCELLED_RMS * reference.numel() ** 0.5)
+    error = float(torch.linalg.vector_norm(result.double() - reference)) / scale
+    baseline_error = float(torch.linalg.vector_norm(baseline.double() - reference)) / scale
+    return Closeness(error, baseline_error, error <= 1.5 * baseline_error + 1e-4)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Every output's ``kernels.accuracy.Closeness``; ``error`` / ``baseline_error`` of the worst."""
+
+    results: tuple  # ((tensor, Closeness), ...)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for _, c in self.results)
+
+    def _worst(self):
+        return max(self.results, key=lambda r: r[1].error / (1.5 * r[1].baseline_error + 1e-4))[1]
+
+    @property
+    def error(self) -> float:
+        return self._worst().error
+
+    @property
+    def baseline_error(self) -> float:
+        return self._worst().baseline_error
+
+    def __str__(self) -> str:
+        return "; ".join(f"{t}: {c}" for t, c in self.results)
+
+
+class Workspace:
+    """Tensors shared by the variants of one graph on one device, computed on first use.
+
+    ``values``: float64 value of every tensor of the training graph; ``baseline(op)``: the
+    operator's primitives in ``dtype`` on its inputs rounded to ``dtype``; ``keep(mask)``: boolean masks.
+    Only one variant's buffers are alive at a time (``activate``)."""
+
+    def __init__(self, training, device, dtype=DTYPE, seed: int = 0, mask_seed: int = MASK_SEED):
+        self.training, self.graph, self.dtype = training, training.graph, dtype
+        self.device, self.seed, self.mask_seed = torch.device(device), seed, mask_seed
+        self.offsets = dropout_offsets(self.graph)
+        self._active = None
+
+    @functools.cached_property
+    def values(self) -> dict:
+        return evaluate_training_graph(self.graph, self.training.operators, self.seed, self.device, self.mask_seed)
+
+    @functools.lru_cache(maxsize=None)
+    def baseline(self, op_name: str) -> dict:
+        op = next(o for o in self.training.operators if o.name == op_name)
+        inputs = {t: self.values[t].to(torch.float32) if self.graph.tensors[t].role == "dropout"
+                  else self.values[t].to(self.dtype) for t in op.inputs}
+        return evaluate(self.graph, op.primitives, inputs, self.dtype)
+
+    @functools.lru_cache(maxsize=None)
+    def keep(self, mask: str) -> torch.Tensor:
+        info = self.graph.tensors[mask]
+        shape = tuple(self.graph.dim_values[self.graph.letter_dims[l]] for l in info.letters)
+        return keep_mask_torch(self.mask_seed, self.offsets[mask], shape, info.p, self.device)
+
+    def seeds(self, op) -> dict:
+        return {t: (self.mask_seed, self.offsets[t]) for t in op.inputs if self.graph.tensors[t].role == "dropout"}
+
+    def activate(self, variant) -> None:
+        """Make ``variant`` the one holding buffers; the previous one lets its buffers go."""
+        if self._active is not None and self._active is not variant:
+            self._active.release()
+        self._active = variant
+
+    def verdict(self, op, results: dict) -> Verdict:
+        """Closeness of every output of ``op`` found in ``results`` (at least one)."""
+        baseline = self.baseline(op.name)
+        checked = [(t, judge(results[t], baseline[t], self.values[t])) for t in op.outputs if t in results]
+        if not checked:
+            raise ValueError(f"{op.name}: none of its outputs {op.outputs} was produced")
+        return Verdict(tuple(checked))
+
+
+class FusedVariant:
+    """One configuration of a generated fused kernel (the ``kernels.bench.Variant`` protocol)."""
+
+    flop = None
+
+    def __init__(self, workspace: Workspace, spec: str, op, config):
+        self.ws, self.op_obj, self.config = workspace, op, config
+        self.op = op_signature(spec, op)
+        self.dims, self.dtype = dict(workspace.graph.dim_values), str(workspace.dtype).removeprefix("torch.")
+        self.layout = dict(config.layouts)
+        self.knobs = dict(config.knobs)
+        self.bytes = moved_bytes(workspace.graph, op, workspace.dtype.itemsize)
+        self.compiled = self.tensors = None
+
+    def build(self) -> None:
+        self.ws.activate(self)
+        graph, values = self.ws.graph, self.ws.values
+        self.compiled = compile_operator(graph, self.op_obj, self.config)
+        self.tensors = {}
+        regenerate = self.config.knobs.get("dropout", "regenerate") == "regenerate"
+        for t in self.op_obj.inputs:
+            if regenerate and graph.tensors[t].role == "dropout":
+                continue
+            stored = allocate(graph, t, self.config.layouts.get(t, graph.tensors[t].letters), self.ws.dtype, self.ws.device)
+            stored.copy_(values[t])
+            self.tensors[t] = stored
+        self.seeds = self.ws.seeds(self.op_obj)
+        self.run()
+
+    def run(self) -> dict:
+        return self.compiled.run(self.tensors, self.seeds)
+
+    def check(self) -> Verdict:
+        return self.ws.verdict(self.op_obj, self.run())
+
+    def release(self) -> None:
+        self.tensors = None
+
+
+class EagerVariant:
+    """PyTorch eager's unfused sequence for one fused operator (``kernels.eager``)."""
+
+    flop = None
+    bytes = None
+
+    def __init__(self, workspace: Workspace, spec: str, op):
+        self.ws, self.op_obj = workspace, op
+        self.op = op_signature(spec, op) + "#eager"
+        self.dims, self.dtype = dict(workspace.graph.dim_values), str(workspace.dtype).removeprefix("torch.")
+        last = normalised_letters(workspace.training, op)
+        self.layout = {"steps": [s.kind for s in eager_plan(workspace.training, op)],
+                       "storage": {t: eager_layout(workspace.graph.tensors[t].letters, last) for t in op.inputs}}
+        self.knobs = {"impl": "torch-eager"}
+        self.runner = None
+
+    def build(self) -> None:
+        self.ws.activate(self)
+        masks = {t: self.ws.keep(t) for t in self.ws.graph.tensors if self.ws.graph.tensors[t].role == "dropout"}
+        self.runner = EagerRun(self.ws.training, self.op_obj, self.ws.values, masks, self.ws.dtype)
+        self.runner()
+
+    def run(self) -> dict:
+        return self.runner()
+
+    def check(self) -> Verdict:
+        return self.ws.verdict(self.op_obj, self.run())
+
+    def release(self) -> None:
+        self.runner = None
+
+
+def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool = False,
+                   limit_ops: int | None = None, limit_configs: int | None = None, seed: int = 0) -> tuple[list, dict]:
+    """(variants, notes): per fused operator its eager baseline, then its configurations (at most
+    ``limit_configs`` each); the first ``limit_ops`` operators only.  ``notes``: {operator: why
+    it has no configurations}."""
+    ws = Workspace(training, device, dtype, seed)
+    variants, notes = [], {}
+    for op in fused_operators(training)[:limit_ops]:
+        variants.append(EagerVariant(ws, spec, op))
+        try:
+            configs = configurations(training.graph, op, exhaustive=exhaustive)
+        except Exception as exc:  # an operator the layout space cannot describe yet
+            configs, notes[op.name] = [], f"no configurations: {type(exc).__name__}: {exc}"
+        for config in configs[:limit_configs]:
+            variants.append(FusedVariant(ws, spec, op, config))
+    return variants, notes
