@@ -49,8 +49,9 @@ class FusedTraining:
     closed_forms: list
 
     def with_dims(self, dims: dict) -> "FusedTraining":
-        return FusedTraining(self.graph.with_dims({**self.graph.dim_values, **dims}), self.operators,
-                             self.merged, self.closed_forms)
+        """The same graph at other sizes (``dims`` may name dims of other graphs; they are ignored)."""
+        values = {name: dims.get(name, value) for name, value in self.graph.dim_values.items()}
+        return FusedTraining(self.graph.with_dims(values), self.operators, self.merged, self.closed_forms)
 
 
 def _eps(training, form) -> float | None:

@@ -1,0 +1,197 @@
+"""Sweep every fused element-wise / normalization operator of the training graphs over its layouts.
+
+    PYTHONPATH=$PWD python3 benchmarks/fused_ops.py [--spec bert gpt2] [--budget-s 840] [--db tuning.db]
+        [--dims B=8,L=512] [--exhaustive] [--limit-ops N] [--limit-configs N] [--out benchmarks/results]
+
+No DaCe needed: graphs come from the stored snapshots (``tests.graph_snapshot``'s fused training
+graphs, ``tests.fused_snapshot``'s closed forms).  For each fused operator of each spec: PyTorch
+eager's sequence of the unfused operators it replaces (``kernels.eager``) and every configuration
+of its layout space (``layouts.space.configurations``, pruned unless ``--exhaustive``) go through
+``kernels.bench.Sweep`` (``kernels.sweep_variants``): built, checked against a float64 evaluation
+on the device, timed (CUDA events, L2 flushed, medians), each record committed to the tuning DB
+as it is made, so a killed or out-of-budget run resumes where it stopped and a repeated run only
+reads the DB.  Then the report: per operator the best variant (layouts, knobs), its median time,
+bytes moved (distinct input + output elements x 2 bytes; dropout masks are regenerated, not
+read), achieved GB/s and % of the copy bandwidth measured on this device (``measure_ceilings``,
+kept in the DB), the eager time and the speedup; totals.  Written to ``fused_ops.md`` / ``.json``
+under ``--out`` when run on a GPU; without one the variants are only checked through the Triton
+interpreter (in float32, whose fp32 -> bf16 casts truncate) and nothing is measured or written.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings  # noqa: E402
+from kernels.device import query_device, versions  # noqa: E402
+from kernels.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
+from kernels.tuning_db import TuningDB  # noqa: E402
+from tests import fused_snapshot  # noqa: E402
+
+
+def parse_dims(text: str | None) -> dict:
+    if not text:
+        return {}
+    return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
+
+
+def operator_rows(db: TuningDB, device: str, spec: str, training, dtype: str) -> list[dict]:
+    """One row per fused operator from the DB: best variant, eager time, counts by status."""
+    graph = training.graph
+    rows = []
+    for op in fused_operators(training):
+        sig = op_signature(spec, op)
+        common = dict(device=device, versions=versions(), dims=dict(graph.dim_values), dtype=dtype)
+        records = db.query(op=sig, **common)
+        eager = db.query(op=sig + "#eager", **common)
+        best = next((r for r in records if r.status == "ok"), None)
+        counts = {}
+        for r in records:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        row = {"spec": spec, "operator": op.name, "phase": op.phase, "class": op.cls, "signature": sig,
+               "merges": list(training.merged.get(op.name, ())), "bytes": moved_bytes(graph, op),
+               "variants": counts, "best": None, "eager": None}
+        if best is not None:
+            row["best"] = {"median_ms": best.median_ms, "q20_ms": best.q20_ms, "q80_ms": best.q80_ms,
+                           "layout": best.key.layout, "knobs": best.key.knobs, "rel_error": best.rel_error,
+                           "baseline_error": best.baseline_error, "gb_per_s": best.bytes_per_s / 1e9}
+        failures = [r.detail for r in records if r.status in ("failed", "wrong")]
+        if best is None and failures:
+            row["why_no_best"] = failures[0][:300]
+        if eager and eager[0].status == "ok":
+            row["eager"] = {"median_ms": eager[0].median_ms, "q20_ms": eager[0].q20_ms, "q80_ms": eager[0].q80_ms,
+                            "steps": eager[0].key.layout["steps"]}
+        elif eager:
+            row["eager_status"] = f"{eager[0].status}: {(eager[0].detail or '')[:300]}"
+        rows.append(row)
+    return rows
+
+
+def add_ratios(rows: list[dict], copy_bytes_per_s: float) -> None:
+    for row in rows:
+        if row["best"]:
+            row["best"]["pct_copy_bw"] = 100 * row["best"]["gb_per_s"] * 1e9 / copy_bytes_per_s
+            if row["eager"]:
+                row["speedup_vs_eager"] = row["eager"]["median_ms"] / row["best"]["median_ms"]
+
+
+def totals(rows: list[dict]) -> dict:
+    """Sums over the operators that have both a best variant and an eager time, per spec."""
+    result = {}
+    for row in rows:
+        if row["best"] and row["eager"]:
+            t = result.setdefault(row["spec"], {"operators": 0, "fused_ms": 0.0, "eager_ms": 0.0, "bytes": 0})
+            t["operators"] += 1
+            t["fused_ms"] += row["best"]["median_ms"]
+            t["eager_ms"] += row["eager"]["median_ms"]
+            t["bytes"] += row["bytes"]
+    for t in result.values():
+        t["speedup_vs_eager"] = t["eager_ms"] / t["fused_ms"]
+    return result
+
+
+def table(rows: list[dict], sums: dict) -> str:
+    head = ("| spec | operator | best layouts / knobs | fused ms | MB moved | GB/s | % copy BW | eager ms | speedup | variants |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    lines = [head]
+    for r in rows:
+        counts = " ".join(f"{n} {s}" for s, n in sorted(r["variants"].items()))
+        eager = f"{r['eager']['median_ms']:.4f}" if r["eager"] else r.get("eager_status", "-")[:40]
+        if r["best"]:
+            b = r["best"]
+            knobs = {k: v for k, v in b["knobs"].items() if k != "dropout"}
+            lines.append(f"| {r['spec']} | {r['operator']} | {b['layout']} {knobs} | {b['median_ms']:.4f} | "
+                         f"{r['bytes'] / 1e6:.1f} | {b['gb_per_s']:.0f} | {b['pct_copy_bw']:.0f} | {eager} | "
+                         f"{r.get('speedup_vs_eager', float('nan')):.2f}x | {counts} |")
+        else:
+            lines.append(f"| {r['spec']} | {r['operator']} | none: {r.get('why_no_best', 'not measured')[:80]} | - | "
+                         f"{r['bytes'] / 1e6:.1f} | - | - | {eager} | - | {counts} |")
+    for spec, t in sums.items():
+        lines.append(f"| {spec} | **total ({t['operators']} ops with both)** | | {t['fused_ms']:.4f} | {t['bytes'] / 1e6:.1f} | "
+                     f"{t['bytes'] / (t['fused_ms'] * 1e-3) / 1e9:.0f} | | {t['eager_ms']:.4f} | "
+                     f"{t['speedup_vs_eager']:.2f}x | |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", nargs="+", default=list(fused_snapshot.graph_snapshot.SPECS))
+    parser.add_argument("--db", default="tuning.db")
+    parser.add_argument("--dims", help="dim overrides, e.g. B=2,L=65 (default: the specs' sizes)")
+    parser.add_argument("--exhaustive", action="store_true", help="every layout of every tensor (default: pruned)")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop after this long; rerun to go on")
+    parser.add_argument("--limit-ops", type=int, default=None, help="the first N fused operators per spec")
+    parser.add_argument("--limit-configs", type=int, default=None, help="the first N configurations per operator")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+
+    started = time.monotonic()
+    gpu = torch.cuda.is_available()
+    dtype = DTYPE if gpu else torch.float32
+    device = "cuda" if gpu else "cpu"
+    trainings = {name: t.with_dims(parse_dims(args.dims)) for name, t in fused_snapshot.stored().items() if name in args.spec}
+    db = TuningDB(args.db)
+    all_variants, notes = [], {}
+    for spec, training in trainings.items():
+        variants, spec_notes = sweep_variants(spec, training, device, dtype=dtype, exhaustive=args.exhaustive,
+                                              limit_ops=args.limit_ops, limit_configs=args.limit_configs)
+        all_variants += variants
+        notes.update({f"{spec}:{k}": v for k, v in spec_notes.items()})
+    print(f"{len(all_variants)} variants over {', '.join(trainings)} ({'exhaustive' if args.exhaustive else 'pruned'} spaces)",
+          file=sys.stderr)
+    for name, note in notes.items():
+        print(f"  {name}: {note}", file=sys.stderr)
+    budget = None if args.budget_s is None else max(0.0, args.budget_s - (time.monotonic() - started))
+    report = Sweep(db, all_variants, budget_s=budget, progress=not args.no_progress).run()
+    if not report.measured:
+        print(f"{CPU_DEVICE}: NOTHING WAS MEASURED (no GPU). {report.summary()}. No results written.")
+        return 0 if report.counts["wrong"] == 0 else 1
+
+    ceilings = measure_ceilings(db)
+    dtype_name = str(dtype).removeprefix("torch.")
+    rows = [row for spec, t in trainings.items() for row in operator_rows(db, report.device, spec, t, dtype_name)]
+    if args.limit_ops is not None:
+        keep = {v.op_obj.name for v in all_variants}
+        rows = [r for r in rows if r["operator"] in keep]
+    add_ratios(rows, ceilings.copy_bytes_per_s)
+    sums = totals(rows)
+    facts = query_device()
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": report.device, "facts": facts.to_dict(), "versions": versions(), "dtype": dtype_name,
+        "copy_bytes_per_s": ceilings.copy_bytes_per_s,
+        "sweep": {"counts": report.counts, "stopped": report.stopped, "remaining": report.remaining,
+                  "exhaustive": args.exhaustive, "limit_ops": args.limit_ops, "limit_configs": args.limit_configs,
+                  "wall_s": time.monotonic() - started},
+        "notes": notes, "dims": {s: t.graph.dim_values for s, t in trainings.items()},
+        "operators": rows, "totals": sums,
+    }
+    text = table(rows, sums)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fused_ops.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "fused_ops.md").write_text(
+        f"# Fused element-wise / normalization operators: best layout vs PyTorch eager\n\n"
+        f"{result['date']}, {report.device}, torch {versions().get('torch')}, triton {versions().get('triton')}, "
+        f"CUDA {versions().get('cuda')}; {dtype_name}; measured copy bandwidth {ceilings.copy_bytes_per_s / 1e9:.0f} GB/s.\n"
+        f"Sweep: {report.summary()}; {result['sweep']['wall_s']:.0f} s wall.\n\n"
+        "Times: medians of CUDA-event timings with L2 flushed (``kernels.bench.time_cuda``). Bytes: distinct "
+        "input + output elements x 2 (dropout masks regenerated, not read). Eager: the unfused member "
+        "operators as PyTorch calls (``kernels.eager``), measured in the same sweep.\n\n" + text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

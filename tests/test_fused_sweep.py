@@ -1,0 +1,160 @@
+"""The fused-operator sweep (kernels.sweep_variants, kernels.eager, kernels.torch_eval) at small odd dims.
+
+On the CPU the generated kernels run through the Triton interpreter in float32 (its fp32 -> bf16
+casts truncate); the eager baseline and the torch evaluator run in float64 against the reference
+executor.  Graphs come from the stored snapshots, checked against the live front end where DaCe
+is installed.
+"""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dataflow.dropout_mask import keep_mask
+from dataflow.executor import dropout_offsets as executor_offsets
+from dataflow.executor import execute
+from kernels import sweep_variants as sv
+from kernels.bench import Sweep
+from kernels.eager import EagerRun, eager_plan
+from kernels.torch_eval import dropout_offsets, evaluate, graph_inputs, keep_mask_torch
+from kernels.tuning_db import TuningDB
+from layouts.space import Configuration, default_configuration
+from tests import fused_snapshot
+
+SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
+STORED = fused_snapshot.stored()
+
+
+def _training(spec):
+    return STORED[spec].with_dims(SMALL[spec])
+
+
+def test_snapshot_matches_front_end():
+    pytest.importorskip("dace")
+    assert fused_snapshot.live() == __import__("json").loads(fused_snapshot.PATH.read_text())
+
+
+# --- the torch evaluator -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["bert", "gpt2"])
+def test_torch_evaluator_matches_reference_executor(spec):
+    """Every tensor of the fused training graph, float64, torch vs dataflow.executor on the same inputs."""
+    training = _training(spec)
+    graph = training.graph
+    prims = [p for op in training.operators for p in op.primitives]
+    inputs = graph_inputs(graph, prims, seed=3, device="cpu")
+    ours = evaluate(graph, prims, inputs)
+    theirs = execute(graph, {t: v.numpy() for t, v in inputs.items()}, schedule=training.operators)
+    for prim in prims:
+        t = prim.output.tensor
+        np.testing.assert_allclose(ours[t].numpy(), theirs[t], rtol=1e-10, atol=1e-10, err_msg=t)
+
+
+def test_masks_follow_the_dropout_convention():
+    graph = _training("bert").graph
+    assert dropout_offsets(graph) == executor_offsets(graph)
+    shape, p = (3, 5, 7), 0.3
+    expected = keep_mask(11, 1000, shape, p)
+    assert torch.equal(keep_mask_torch(11, 1000, shape, p, "cpu"), torch.from_numpy(expected))
+    from kernels.torch_eval import _keep_kernel  # the GPU path, here through the interpreter
+    out = torch.empty(105, dtype=torch.int8)
+    _keep_kernel[(2,)](out, 105, 11, 1000, p, BLOCK=64, INDEX64=False)
+    assert torch.equal(out.view(shape).bool(), torch.from_numpy(expected))
+
+
+# --- the eager baseline --------------------------------------------------------------------------
+
+EAGER_CASES = [  # (spec, fused operator, the PyTorch kernels its plan must use)
+    ("bert", "alpha", {"softmax", "dropout"}),
+    ("bert", "x1", {"layernorm", "dropout"}),
+    ("bert", "d_k_q", {"softmax_backward", "dropout"}),
+    ("bert", "d_ffn", {"layernorm_backward", "dropout"}),
+    ("gpt2", "h1", {"layernorm"}),
+    ("gpt2", "d_x", {"layernorm_backward"}),
+]
+
+
+@pytest.mark.parametrize("spec,name,kinds", EAGER_CASES)
+def test_eager_baseline_computes_the_reference(spec, name, kinds):
+    """softmax / layernorm forward and backward through PyTorch's kernels, float64, against the
+    float64 values of the training graph (its inputs are the graph's own intermediate values)."""
+    training = _training(spec)
+    op = next(o for o in training.operators if o.name == name)
+    steps = eager_plan(training, op)
+    assert kinds <= {s.kind for s in steps}, steps
+    if "layernorm" in kinds:
+        assert next(s for s in steps if s.kind == "layernorm").affine is not None  # gamma, beta folded in
+    ws = sv.Workspace(training, "cpu", torch.float64)
+    masks = {t: ws.keep(t) for t in op.inputs if training.graph.tensors[t].role == "dropout"}
+    results = EagerRun(training, op, ws.values, masks, torch.float64)()
+    compared = [t for t in op.outputs if t in results]
+    assert compared
+    for t in compared:
+        torch.testing.assert_close(results[t], ws.values[t], rtol=1e-9, atol=1e-9, msg=t)
+
+
+# --- the sweep ----------------------------------------------------------------------------------
+
+def _variants(limit_configs=1):
+    variants = []
+    for spec in ("bert", "gpt2"):
+        found, notes = sv.sweep_variants(spec, _training(spec), "cpu", dtype=torch.float32, limit_configs=limit_configs)
+        assert not notes, notes
+        variants += found
+    return variants
+
+
+def test_sweep_checks_every_operator_records_failures_and_resumes(tmp_path, monkeypatch):
+    variants = _variants()
+    ops = {v.op_obj.name for v in variants}
+    assert {"alpha", "x1", "d_ffn", "d_k_q", "h1", "d_x"} <= ops
+    fused = [v for v in variants if isinstance(v, sv.FusedVariant)]
+    eager = [v for v in variants if isinstance(v, sv.EagerVariant)]
+    assert len(eager) == len(sv.fused_operators(_training("bert"))) + len(sv.fused_operators(_training("gpt2")))
+    assert {v.op.removesuffix("#eager") for v in eager} == {v.op for v in fused}
+    # one configuration that cannot compile: the harness records it as failed and goes on
+    x1 = next(v for v in fused if v.op_obj.name == "x1")
+    base = default_configuration(x1.ws.graph, x1.op_obj)
+    broken = sv.FusedVariant(x1.ws, "bert", x1.op_obj, Configuration(base.layouts, {**base.knobs, "order": "zz"}))
+    variants.append(broken)
+
+    db = TuningDB(tmp_path / "tuning.db")
+    report = Sweep(db, variants, progress=False).run()
+    assert not report.measured and report.stopped is None
+    assert report.counts["wrong"] == 0
+    assert report.counts["failed"] == 1
+    assert report.counts["checked"] == len(variants) - 1
+    record = db.lookup(Sweep(db, [], progress=False).key(broken))
+    assert record.status == "failed" and record.detail.startswith("build: ValueError")
+    for v in variants[:-1]:
+        rec = db.lookup(Sweep(db, [], progress=False).key(v))
+        assert rec.status == "checked" and rec.rel_error is not None, (v.op, rec.detail)
+
+    # resume: a fresh list of the same variants is answered from the DB; nothing is built or evaluated
+    fresh = _variants()
+    again = fresh + [sv.FusedVariant(x1.ws, "bert", x1.op_obj, broken.config)]
+    for cls in (sv.FusedVariant, sv.EagerVariant):
+        monkeypatch.setattr(cls, "build", lambda self: pytest.fail(f"{self.op} rebuilt"))
+    started = time.monotonic()
+    report = Sweep(db, again, progress=False).run()
+    assert report.counts["skipped"] == len(again)
+    assert time.monotonic() - started < 5
+    assert all("values" not in v.ws.__dict__ for v in fresh)  # the training graph was never evaluated
+
+
+def test_bytes_moved_skip_regenerated_masks():
+    training = _training("bert")
+    op = next(o for o in training.operators if o.name == "alpha")  # reads k_q, mask; writes probs, alpha
+    hbjk = 3 * 2 * 5 * 5
+    assert sv.moved_bytes(training.graph, op) == 2 * 3 * hbjk
+
+
+def test_judge_treats_a_cancelled_reference_by_scale():
+    """A reference that is zero up to float64 rounding (the key-bias gradient) is judged by the
+    unit scale of the workspace, not by its own rounding noise."""
+    reference = torch.full((64,), 1e-17, dtype=torch.float64)
+    close = sv.judge(torch.full((64,), 1e-7), torch.full((64,), 2e-7), reference)
+    assert close.passed and close.error < 1e-3
+    far = sv.judge(torch.full((64,), 1e-2), torch.full((64,), 1e-7), reference)
+    assert not far.passed
