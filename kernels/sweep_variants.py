@@ -30,7 +30,7 @@ import torch
 
 from kernels.accuracy import Closeness
 from kernels.codegen import allocate, compile_operator
-from kernels.eager import EagerRun, eager_layout, eager_plan, normalised_letters
+from kernels.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
 from kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch, size
 from layouts.space import configurations
 
@@ -196,9 +196,10 @@ class EagerVariant:
         self.ws, self.op_obj = workspace, op
         self.op = op_signature(spec, op) + "#eager"
         self.dims, self.dtype = dict(workspace.graph.dim_values), str(workspace.dtype).removeprefix("torch.")
-        last = normalised_letters(workspace.training, op)
-        self.layout = {"steps": [s.kind for s in eager_plan(workspace.training, op)],
-                       "storage": {t: eager_layout(workspace.graph.tensors[t].letters, last) for t in op.inputs}}
+        last, steps = normalised_letters(workspace.training, op), eager_plan(workspace.training, op)
+        self.layout = {"steps": [s.kind for s in steps],
+                       "storage": {t: eager_layout(workspace.graph.tensors[t].letters, last)
+                                   for t in eager_inputs(workspace.training, steps, op)}}
         self.knobs = {"impl": "torch-eager"}
         self.runner = None
 
