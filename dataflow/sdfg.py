@@ -2,7 +2,7 @@
 
 DaCe lowers ``np.einsum`` to MatMul library nodes on reshaped views, which loses the index
 letters; the letters are the spine of datamove, so while parsing we record every einsum's string,
-operand arrays and output array (``EinsumRecord``) for ``dataflow.graph`` to read back.
+operand arrays and output array (``EinsumRecord``) for ``dataflow.sdfg_reader`` to read back.
 """
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ choices for module constants (first value the default), set with ``--set NAME=VA
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import sys
 import types

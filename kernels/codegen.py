@@ -3,8 +3,8 @@
 Input: an operator (any group of "map" / "reduce" primitives of a ``PrimitiveGraph``, forward or
 backward, fused or not) and a ``layouts.space.Configuration``.  Output: readable Triton source
 (``generate_source``), written to a cache directory keyed by its hash, imported with importlib
-and compiled by Triton (``compile_operator``).  This module reads graphs by duck typing and never
-imports ``dataflow.graph`` (which needs DaCe).
+and compiled by Triton (``compile_operator``).  Graphs are ``dataflow.graph`` objects (plain
+Python, no DaCe), live or loaded from the snapshots in ``tests/data/``.
 
 The generated kernel, over the operator's letters (``layouts.space.operator_letters``):
 - program ids over the independent letters, flattened (plus blocks of the column axis for an
@@ -30,7 +30,6 @@ import ast
 import hashlib
 import importlib.util
 import os
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,8 +138,6 @@ def _part_code(graph, op, knobs: dict, index64: bool) -> tuple[list, list[str], 
     plan = _plan(graph, op, knobs)
     L = plan.letters
     axes = L.tensor_axes
-    red = set(L.reduced)
-    itype = "tl.int64" if index64 else "tl.int32"
     producer = {p.output.tensor: p for p in op.primitives}
     externals = list(plan.loads) + [t for t in plan.outputs]
 

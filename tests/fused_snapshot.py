@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dataflow.graph import PrimitiveGraph
 from tests import graph_snapshot
 
 PATH = Path(__file__).parent / "data" / "fused_extras.json"
@@ -43,7 +44,7 @@ class ClosedForm:
 class FusedTraining:
     """A loaded fused training graph (duck-typed like ``dataflow.fusion.FusedGraph``'s parts)."""
 
-    graph: graph_snapshot.Graph
+    graph: PrimitiveGraph
     operators: list  # every fused operator in execution order (contractions included)
     merged: dict
     closed_forms: list

@@ -1,8 +1,6 @@
 """Bad input gets a clear one-line error with file:line where there is one, and exit code 2."""
 import textwrap
 
-import pytest
-
 from dataflow.cli import main
 
 GOOD_HEADER = '''
