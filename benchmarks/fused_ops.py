@@ -3,8 +3,8 @@
     PYTHONPATH=$PWD python3 benchmarks/fused_ops.py [--spec bert gpt2] [--budget-s 840] [--db tuning.db]
         [--dims B=8,L=512] [--exhaustive] [--limit-ops N] [--limit-configs N] [--out benchmarks/results]
 
-No DaCe needed: graphs come from the stored snapshots (``tests.graph_snapshot``'s fused training
-graphs, ``tests.fused_snapshot``'s closed forms).  For each fused operator of each spec: PyTorch
+No DaCe needed: graphs come from the stored snapshots (``dataflow.snapshot``: fused training
+graphs and closed forms).  For each fused operator of each spec: PyTorch
 eager's sequence of the unfused operators it replaces (``kernels.eager``) and every configuration
 of its layout space (``layouts.space.configurations``, pruned unless ``--exhaustive``) go through
 ``kernels.bench.Sweep`` (``kernels.sweep_variants``): built, checked against a float64 evaluation
@@ -36,7 +36,7 @@ from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings  # noqa: E402
 from kernels.device import query_device, versions  # noqa: E402
 from kernels.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
 from kernels.tuning_db import TuningDB  # noqa: E402
-from tests import fused_snapshot  # noqa: E402
+from dataflow import snapshot  # noqa: E402
 
 
 def parse_dims(text: str | None) -> dict:
@@ -125,7 +125,7 @@ def table(rows: list[dict], sums: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", nargs="+", default=list(fused_snapshot.graph_snapshot.SPECS))
+    parser.add_argument("--spec", nargs="+", default=list(snapshot.SPECS))
     parser.add_argument("--db", default="tuning.db")
     parser.add_argument("--dims", help="dim overrides, e.g. B=2,L=65 (default: the specs' sizes)")
     parser.add_argument("--exhaustive", action="store_true", help="every layout of every tensor (default: pruned)")
@@ -140,7 +140,7 @@ def main() -> int:
     gpu = torch.cuda.is_available()
     dtype = DTYPE if gpu else torch.float32
     device = "cuda" if gpu else "cpu"
-    trainings = {name: t.with_dims(parse_dims(args.dims)) for name, t in fused_snapshot.stored().items() if name in args.spec}
+    trainings = {name: t.with_dims(parse_dims(args.dims)) for name, t in snapshot.stored_fused().items() if name in args.spec}
     db = TuningDB(args.db)
     all_variants, notes = [], {}
     for spec, training in trainings.items():

@@ -4,7 +4,7 @@ Input: an operator (any group of "map" / "reduce" primitives of a ``PrimitiveGra
 backward, fused or not) and a ``layouts.space.Configuration``.  Output: readable Triton source
 (``generate_source``), written to a cache directory keyed by its hash, imported with importlib
 and compiled by Triton (``compile_operator``).  Graphs are ``dataflow.graph`` objects (plain
-Python, no DaCe), live or loaded from the snapshots in ``tests/data/``.
+Python, no DaCe), live or loaded from the snapshots of ``dataflow.snapshot``.
 
 The generated kernel, over the operator's letters (``layouts.space.operator_letters``):
 - program ids over the independent letters, flattened (plus blocks of the column axis for an

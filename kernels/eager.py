@@ -3,7 +3,7 @@
 ``eager_plan(training, op)`` turns the primitives of fused operator ``op`` into a sequence of
 eager calls (``Step``s); ``EagerRun`` executes it on bf16 tensors, one PyTorch call after another
 (what ``kernels.bench.time_cuda`` times).  The closed forms that ``dataflow.autodiff`` recognised
-structurally (recorded in ``tests.fused_snapshot``) become PyTorch's own kernels:
+structurally (recorded in ``dataflow.snapshot``) become PyTorch's own kernels:
 
 - softmax forward core -> ``torch.softmax(x, dim)``;
 - layernorm forward core, with its affine tail ``* gamma + beta`` when the operator holds it ->
@@ -39,7 +39,7 @@ aten = torch.ops.aten
 class Step:
     """One eager call.  ``kind``: "softmax", "layernorm", "softmax_backward", "layernorm_backward",
     "dropout" or "primitive"; ``prims``: the primitives it stands for; ``form``: the closed form
-    (``tests.fused_snapshot.ClosedForm``) of the first four kinds; ``affine``: layernorm's
+    (``dataflow.snapshot.ClosedForm``) of the first four kinds; ``affine``: layernorm's
     (gamma, beta) tensors folded in (backward: gamma only, beta None); ``output``: what it writes."""
 
     kind: str

@@ -1,6 +1,6 @@
 """Variants of the fused element-wise / normalization operators of a training graph, for ``kernels.bench.Sweep``.
 
-For each such operator of a ``tests.fused_snapshot.FusedTraining`` and each configuration of
+For each such operator of a ``dataflow.snapshot.FusedTraining`` and each configuration of
 ``layouts.space.configurations`` (pruned, or ``exhaustive``), a ``FusedVariant`` compiles the
 generated kernel (``kernels.codegen``), runs it on bf16 inputs stored in the configuration's
 layouts and checks every output; an ``EagerVariant`` per operator runs PyTorch eager's sequence

@@ -17,10 +17,10 @@ from kernels.codegen import allocate, compile_operator, generate_source
 from layouts.space import (Configuration, configurations, default_configuration, knob_choices, operator_letters,
                            tile_axes)
 from dataflow.dropout_mask import dropout_scale_mask
-from tests import graph_snapshot
+from dataflow import snapshot
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
-GRAPHS = graph_snapshot.stored()
+GRAPHS = snapshot.stored()
 
 
 def _setup(spec: str, dims=None):
@@ -241,7 +241,7 @@ def test_fixed_layouts_and_dropout_choices():
 def test_snapshot_matches_front_end():
     pytest.importorskip("dace")
     import json
-    assert graph_snapshot.live() == json.loads(graph_snapshot.PATH.read_text())
+    assert snapshot.live() == json.loads(snapshot.PATH.read_text())
 
 
 # --- GPU at BERT-large / GPT-2 dims --------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Generated kernels (kernels.codegen) for every fused non-contraction operator of the training graphs.
 
 The fused training graphs of BERT and GPT-2 come from the stored snapshot
-(``tests/data/training_operators.json``, checked against the live front end where DaCe is
+(``dataflow/snapshots/training_operators.json``, checked against the live front end where DaCe is
 installed).  The reference executor runs the whole training graph at small odd dims in float64
 with fixed inputs and dropout seed; each operator is fed its inputs from that run and its outputs
 are compared with the executor's (fp32: tight tolerance; bf16: ``kernels.accuracy`` against
@@ -22,7 +22,7 @@ from kernels.accuracy import assert_closer
 from kernels.codegen import allocate, compile_operator
 from layouts.space import (Configuration, combine_parts, configurations, default_configuration, operator_letters,
                            parts)
-from tests import graph_snapshot
+from dataflow import snapshot
 from tests.test_codegen import evaluate
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
@@ -31,7 +31,7 @@ SEED = 7  # dropout seed of the reference run
 # rounding mode); the GPU rounds to nearest even.  Through the interpreter the bf16 rule allows
 # one more bf16 ulp (2**-8 relative) for that final conversion; on the GPU the rule is unchanged.
 BF16_MARGIN = 2.0 ** -8 if os.environ.get("TRITON_INTERPRET") == "1" else 1e-4
-GRAPHS = graph_snapshot.stored(graph_snapshot.TRAINING_PATH)
+GRAPHS = snapshot.stored(snapshot.TRAINING_PATH)
 
 
 def _setup(spec: str, dims=None):
@@ -204,7 +204,7 @@ def test_configuration_space(spec, name):
 def test_snapshot_matches_front_end():
     pytest.importorskip("dace")
     import json
-    assert graph_snapshot.live_training() == json.loads(graph_snapshot.TRAINING_PATH.read_text())
+    assert snapshot.live_training() == json.loads(snapshot.TRAINING_PATH.read_text())
 
 
 # --- GPU at BERT-large / GPT-2 dims ---------------------------------------------------------------

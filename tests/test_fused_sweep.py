@@ -20,10 +20,10 @@ from kernels.eager import EagerRun, eager_plan
 from kernels.torch_eval import dropout_offsets, evaluate, graph_inputs, keep_mask_torch
 from kernels.tuning_db import TuningDB
 from layouts.space import Configuration, default_configuration
-from tests import fused_snapshot
+from dataflow import snapshot
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
-STORED = fused_snapshot.stored()
+STORED = snapshot.stored_fused()
 
 
 def _training(spec):
@@ -32,7 +32,7 @@ def _training(spec):
 
 def test_snapshot_matches_front_end():
     pytest.importorskip("dace")
-    assert fused_snapshot.live() == __import__("json").loads(fused_snapshot.PATH.read_text())
+    assert snapshot.live_fused() == __import__("json").loads(snapshot.FUSED_PATH.read_text())
 
 
 # --- the torch evaluator -------------------------------------------------------------------------
