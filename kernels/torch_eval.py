@@ -39,30 +39,23 @@ def _scalar_or(fn_tensor, fn_scalar):
     return call
 
 
-def _maximum(a, b):
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.maximum(a, b)
-    if isinstance(a, torch.Tensor):
-        return torch.clamp_min(a, b)
-    if isinstance(b, torch.Tensor):
-        return torch.clamp_min(b, a)
-    return max(a, b)
-
-
-def _minimum(a, b):
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return torch.minimum(a, b)
-    if isinstance(a, torch.Tensor):
-        return torch.clamp_max(a, b)
-    if isinstance(b, torch.Tensor):
-        return torch.clamp_max(b, a)
-    return min(a, b)
+def _extremum(both, clamp, scalar):
+    """maximum / minimum of a tensor and/or a Python number (``clamp``: clamp_min / clamp_max)."""
+    def call(a, b):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return both(a, b)
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            tensor, number = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+            return clamp(tensor, number)
+        return scalar(a, b)
+    return call
 
 
 FUNCTIONS = {"exp": _scalar_or(torch.exp, math.exp), "log": _scalar_or(torch.log, math.log),
              "sqrt": _scalar_or(torch.sqrt, math.sqrt), "tanh": _scalar_or(torch.tanh, math.tanh),
              "abs": _scalar_or(torch.abs, abs), "sign": _scalar_or(torch.sign, np.sign),
-             "maximum": _maximum, "minimum": _minimum, "where": torch.where}
+             "maximum": _extremum(torch.maximum, torch.clamp_min, max),
+             "minimum": _extremum(torch.minimum, torch.clamp_max, min), "where": torch.where}
 
 
 def size(graph, letters: str) -> int:
