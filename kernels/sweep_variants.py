@@ -31,7 +31,7 @@ import torch
 from kernels.accuracy import Closeness
 from kernels.codegen import allocate, compile_operator
 from kernels.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
-from kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch, size
+from kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
 from layouts.space import configurations
 
 DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
@@ -56,7 +56,7 @@ def moved_bytes(graph, op, itemsize: int = 2) -> int:
     """Distinct elements of the operator's inputs and outputs x ``itemsize``; dropout masks are
     regenerated from (seed, offset), so not counted."""
     tensors = dict.fromkeys(list(op.inputs) + list(op.outputs))
-    return itemsize * sum(size(graph, graph.tensors[t].letters) for t in tensors if graph.tensors[t].role != "dropout")
+    return itemsize * sum(graph.size(graph.tensors[t].letters) for t in tensors if graph.tensors[t].role != "dropout")
 
 
 def judge(result: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor) -> Closeness:

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from dataflow.dropout_mask import keep_mask
+from dataflow.executor import dropout_offsets, tensor_shape
 from kernels.philox import dropout_keep
 
 
@@ -56,26 +57,6 @@ FUNCTIONS = {"exp": _scalar_or(torch.exp, math.exp), "log": _scalar_or(torch.log
              "abs": _scalar_or(torch.abs, abs), "sign": _scalar_or(torch.sign, np.sign),
              "maximum": _extremum(torch.maximum, torch.clamp_min, max),
              "minimum": _extremum(torch.minimum, torch.clamp_max, min), "where": torch.where}
-
-
-def size(graph, letters: str) -> int:
-    """Number of elements over ``letters`` (letters of ``graph``'s tensors)."""
-    return math.prod(graph.dim_values[graph.letter_dims[l]] for l in letters)
-
-
-def tensor_shape(graph, name: str) -> tuple[int, ...]:
-    """Logical shape of tensor ``name``: its letters' sizes in its spec letter order."""
-    return tuple(graph.dim_values[graph.letter_dims[l]] for l in graph.tensors[name].letters)
-
-
-def dropout_offsets(graph) -> dict[str, int]:
-    """Philox counter offset of every dropout tensor (as ``dataflow.executor.dropout_offsets``)."""
-    offsets, offset = {}, 0
-    for name, info in graph.tensors.items():
-        if info.role == "dropout":
-            offsets[name] = offset
-            offset += size(graph, info.letters)
-    return offsets
 
 
 @triton.jit
