@@ -233,6 +233,19 @@ class Sweep:
         return Key(device=self.device, versions=versions(), op=variant.op, dims=variant.dims, dtype=variant.dtype,
                    layout=variant.layout, knobs=variant.knobs)
 
+    def ranked(self, variants) -> list:
+        """``variants`` ordered by their 'ok' times in the DB, fastest first; with no 'ok' record
+        among them (no GPU), those recorded 'checked', in list order.  Failed, wrong and missing
+        ones are left out.  What a later sweep phase uses to pick configurations to try further."""
+        timed, checked = [], []
+        for variant in variants:
+            record = self.db.lookup(self.key(variant))
+            if record is not None and record.status == "ok":
+                timed.append((record.median_ms, len(timed), variant))
+            elif record is not None and record.status == "checked":
+                checked.append(variant)
+        return [v for *_, v in sorted(timed, key=lambda t: t[:2])] or checked
+
     def run(self) -> SweepReport:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 

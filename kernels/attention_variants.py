@@ -1,0 +1,310 @@
+"""Variants of multi-head attention (forward, backward, forward + backward) for ``kernels.bench.Sweep``.
+
+One ``AttentionCase``: dims b, h, j (queries), k (keys, = j), p (head dim), dropout probability,
+dtype and the storage order of Q, K, V, O, dO and the gradients (``layout``, over (b, h, j, p);
+e.g. BERT's ``"bjhp"`` = ``[B, L, H*P]``).  Implementations:
+
+- ``FusedVariant``: ``kernels.attention`` with one knob configuration (``attention_configs``) per
+  pass: direction "forward" (``attention_forward``), "backward" (``attention_backward`` on O and
+  lse of a default-knob forward), or "fwd+bwd" (``fused_attention`` + ``.backward(dO)``, a pair
+  of configurations);
+- ``SdpaVariant``: ``torch.nn.functional.scaled_dot_product_attention`` with one backend forced
+  through ``torch.nn.attention.sdpa_kernel`` ("flash", "efficient", "cudnn", "math"), or
+  "default" (PyTorch's choice); a backend that refuses the inputs fails at build;
+- ``EagerVariant``: the unfused chain, einsum, scale, softmax, ``torch.native_dropout``, einsum.
+
+Checks, against float64 (``Workspace``: float64 inputs N(0, 1), rounded to ``dtype``, reference
+by torch autograd in float64; ``kernels.sweep_variants.judge``, baseline: the eager chain in
+``dtype`` on the same inputs with the same mask): fused: O and every gradient with the mask
+regenerated from (seed, offset) (``dataflow.dropout_mask``); eager: against the reference with
+the mask that ``native_dropout`` drew in the checked call; SDPA: its dropout mask cannot be
+regenerated, so the check runs it with dropout 0 against the dropout-0 reference (the timed run
+uses ``dropout_p``), and on a GPU the verdict names the attention kernels the timed call launched.
+
+Keys: ``op`` = ``"attention:<direction>:dropout=<p>"``, ``dims`` = {b, h, j, k, p}, ``layout`` =
+{tensor: storage order}, ``knobs`` = {"impl": "fused", "forward": {...}, "backward": {...}} /
+{"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
+(how the benchmark times it: ``Sweep(cuda_graph=True/False)``).  ``flop``: forward 4 BHLLP,
+backward 10 BHLLP (five products), both 14 BHLLP; ``bytes``: Q, K, V, O (forward) and dO, dQ, dK,
+dV (backward) x the item size (lse and masks not counted).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import attention_backward, attention_configs, attention_forward, default_config, fused_attention
+from kernels.sweep_variants import Verdict, judge
+from kernels.torch_eval import keep_mask_torch
+
+DTYPE = torch.bfloat16
+SEED = 0x5EED  # dropout seed; the mask's offset is 0, its logical index over (b, h, j, k) row-major
+DIRECTIONS = ("forward", "backward", "fwd+bwd")
+SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn", "math")
+LAUNCHES = ("cuda-graph", "python")
+NAMES = ("o", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    B: int
+    H: int
+    L: int
+    P: int
+    dropout_p: float
+    layout: str = "bjhp"  # storage order of the (b, h, j, p) tensors; K and V: the same with k for j
+    dtype: torch.dtype = DTYPE
+
+    @property
+    def dims(self) -> dict:
+        return dict(b=self.B, h=self.H, j=self.L, k=self.L, p=self.P)
+
+    @property
+    def scale(self) -> float:
+        return self.P ** -0.5
+
+    def op(self, direction: str) -> str:
+        return f"attention:{direction}:dropout={self.dropout_p:g}"
+
+    def layouts(self) -> dict:
+        key_layout = self.layout.replace("j", "k")
+        return dict(q=self.layout, k=key_layout, v=key_layout, o=self.layout, do=self.layout)
+
+    def flop(self, direction: str) -> int:
+        return {"forward": 4, "backward": 10, "fwd+bwd": 14}[direction] * self.B * self.H * self.L * self.L * self.P
+
+    def bytes(self, direction: str) -> int:
+        tensors = 4 if direction == "forward" else 8
+        return tensors * self.B * self.H * self.L * self.P * self.dtype.itemsize
+
+    def args(self, dropout_p: float | None = None) -> dict:
+        p = self.dropout_p if dropout_p is None else dropout_p
+        return dict(scale=self.scale, dropout_p=p, seed=SEED, offset=0)
+
+
+def stored_as(t: torch.Tensor, order: str) -> torch.Tensor:
+    """The logical (b, h, j, p) tensor ``t`` copied into storage order ``order``, returned as a logical view."""
+    stored = t.permute(["bhjp".index(d) for d in order]).contiguous()
+    return stored.permute([order.index(d) for d in "bhjp"])
+
+
+def _chain(q, k, v, scale, keep, p):
+    """The eager chain at the inputs' precision; ``keep`` (b, h, j, k) bool or None."""
+    a = torch.softmax(torch.einsum("bhjp,bhkp->bhjk", q, k) * scale, dim=-1)
+    if keep is not None:
+        a = a * keep.to(a.dtype) / (1 - p)
+    return torch.einsum("bhjk,bhkp->bhjp", a, v)
+
+
+class Workspace:
+    """Inputs of one case (float64 logical, and in ``dtype`` stored in the case's layout) and the
+    float64 reference / eager baseline per mask, computed on first use."""
+
+    def __init__(self, case: AttentionCase, device, seed: int = 0):
+        self.case, self.device, self.seed = case, torch.device(device), seed
+
+    @functools.cached_property
+    def exact(self) -> dict:
+        """Float64 q, k, v, do (b, h, j|k, p), rounded through ``dtype`` so every implementation reads the same values."""
+        c = self.case
+        gen = torch.Generator().manual_seed(self.seed)
+        return {n: torch.randn(c.B, c.H, c.L, c.P, generator=gen, dtype=torch.float64).to(c.dtype).to(self.device, torch.float64)
+                for n in ("q", "k", "v", "do")}
+
+    def inputs(self) -> dict:
+        """Fresh q, k, v, do in ``dtype``, stored in the case's layout (logical views)."""
+        return {n: stored_as(t.to(self.case.dtype), self.case.layout) for n, t in self.exact.items()}
+
+    @functools.cached_property
+    def keep(self) -> torch.Tensor | None:
+        c = self.case
+        if c.dropout_p == 0:
+            return None
+        return keep_mask_torch(SEED, 0, (c.B, c.H, c.L, c.L), c.dropout_p, self.device)
+
+    def _run_chain(self, dtype, keep, p) -> dict:
+        x = {n: t.to(dtype, copy=True).requires_grad_(n != "do") for n, t in self.exact.items()}
+        o = _chain(x["q"], x["k"], x["v"], self.case.scale, keep, p)
+        o.backward(x["do"])
+        return dict(o=o.detach(), dq=x["q"].grad, dk=x["k"].grad, dv=x["v"].grad)
+
+    @functools.lru_cache(maxsize=2)
+    def expected(self, dropout: bool = True) -> tuple[dict, dict]:
+        """(float64 reference, eager baseline in ``dtype``) of O, dQ, dK, dV with the case's mask
+        (``dropout``) or without dropout."""
+        keep, p = (self.keep, self.case.dropout_p) if dropout else (None, 0.0)
+        return self._run_chain(torch.float64, keep, p), self._run_chain(self.case.dtype, keep, p)
+
+    def verdict(self, results: dict, dropout: bool = True, expected=None) -> Verdict:
+        reference, baseline = expected or self.expected(dropout)
+        return Verdict(tuple((n, judge(results[n], baseline[n], reference[n])) for n in NAMES if n in results))
+
+
+@dataclass(frozen=True)
+class NotedVerdict:
+    """A ``Verdict`` with a note (what was checked, which kernels ran)."""
+
+    verdict: Verdict
+    note: str
+
+    passed = property(lambda self: self.verdict.passed)
+    error = property(lambda self: self.verdict.error)
+    baseline_error = property(lambda self: self.verdict.baseline_error)
+
+    def __str__(self) -> str:
+        return f"{self.verdict}; {self.note}"
+
+
+class _Base:
+    """Common key fields and fwd+bwd plumbing; subclasses define ``_forward(x)`` -> o."""
+
+    impl: dict
+
+    def __init__(self, ws: Workspace, direction: str, launch: str = "cuda-graph"):
+        if direction not in DIRECTIONS or launch not in LAUNCHES:
+            raise ValueError(f"direction {direction!r} / launch {launch!r}")
+        case = ws.case
+        self.ws, self.direction = ws, direction
+        self.op, self.dims, self.dtype = case.op(direction), case.dims, str(case.dtype).removeprefix("torch.")
+        self.layout = case.layouts()
+        self.knobs = dict(self.impl, launch=launch)
+        self.flop, self.bytes = case.flop(direction), case.bytes(direction)
+        self.x = None
+
+    def build(self) -> None:
+        self.x = self.ws.inputs()
+        for n in ("q", "k", "v"):
+            self.x[n].requires_grad_(self.direction == "fwd+bwd")
+        self.run()
+
+    def _fwd_bwd(self) -> dict:
+        x = self.x
+        for n in ("q", "k", "v"):
+            x[n].grad = None  # a CUDA graph captured around this call then owns the gradients
+        o = self._forward()
+        o.backward(x["do"])
+        return dict(o=o, dq=x["q"].grad, dk=x["k"].grad, dv=x["v"].grad)
+
+
+class FusedVariant(_Base):
+    """``kernels.attention`` with knob configurations ``forward`` / ``backward`` (None: the default)."""
+
+    def __init__(self, ws: Workspace, direction: str, forward: dict | None = None, backward: dict | None = None,
+                 launch: str = "cuda-graph"):
+        P = ws.case.P
+        self.forward = dict(forward or default_config(P, "forward")) if direction != "backward" else None
+        self.backward = dict(backward or default_config(P, "backward")) if direction != "forward" else None
+        self.impl = {"impl": "fused", **({"forward": self.forward} if self.forward else {}),
+                     **({"backward": self.backward} if self.backward else {})}
+        super().__init__(ws, direction, launch)
+
+    def _forward(self):
+        return fused_attention(self.x["q"], self.x["k"], self.x["v"], **self.ws.case.args(),
+                               forward_config=self.forward, backward_config=self.backward)
+
+    def run(self) -> dict:
+        x, args = self.x, self.ws.case.args()
+        if self.direction == "forward":
+            return dict(o=attention_forward(x["q"], x["k"], x["v"], **args, **self.forward)[0])
+        if self.direction == "backward":
+            if "o" not in x:
+                x["o"], x["lse"] = attention_forward(x["q"], x["k"], x["v"], **args)
+            dq, dk, dv = attention_backward(x["do"], x["q"], x["k"], x["v"], x["o"], x["lse"], **args, **self.backward)
+            return dict(dq=dq, dk=dk, dv=dv)
+        return self._fwd_bwd()
+
+    def check(self) -> Verdict:
+        return self.ws.verdict(self.run())
+
+
+def _sdpa_context(backend: str):
+    if backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                         "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend]])
+
+
+def attention_kernel_names(fn) -> list[str]:
+    """Names of the attention kernels one call of ``fn`` launches on the GPU (from the profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    keys = ("flash", "fmha", "efficient", "cudnn", "attention", "mem_eff")
+    return sorted({e.key[:90] for e in prof.key_averages() if any(k in e.key.lower() for k in keys)})
+
+
+class SdpaVariant(_Base):
+    """PyTorch SDPA with ``backend`` forced (or "default"); direction "forward" or "fwd+bwd"."""
+
+    def __init__(self, ws: Workspace, direction: str, backend: str, launch: str = "cuda-graph"):
+        if backend not in SDPA_BACKENDS or direction == "backward":
+            raise ValueError(f"SDPA backend {backend!r}, direction {direction!r}")
+        self.backend = backend
+        self.impl = {"impl": "sdpa", "backend": backend}
+        super().__init__(ws, direction, launch)
+        self.dropout_p = ws.case.dropout_p
+
+    def _forward(self):
+        x = self.x
+        with _sdpa_context(self.backend):
+            return torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"], dropout_p=self.dropout_p,
+                                                                    scale=self.ws.case.scale)
+
+    def run(self) -> dict:
+        if self.direction == "forward":
+            with torch.no_grad():
+                return dict(o=self._forward())
+        return self._fwd_bwd()
+
+    def check(self) -> NotedVerdict:
+        self.dropout_p = 0.0
+        try:
+            verdict = self.ws.verdict(self.run(), dropout=False)
+        finally:
+            self.dropout_p = self.ws.case.dropout_p
+        note = "checked with dropout 0 (SDPA's mask cannot be regenerated)"
+        if self.x["q"].is_cuda:
+            note += f"; timed call's kernels: {attention_kernel_names(self.run)}"
+        return NotedVerdict(verdict, note)
+
+
+class EagerVariant(_Base):
+    """The unfused chain with ``torch.native_dropout``; checked with the mask it drew."""
+
+    impl = {"impl": "eager"}
+
+    def _forward(self):
+        x, case = self.x, self.ws.case
+        a = torch.softmax(torch.einsum("bhjp,bhkp->bhjk", x["q"], x["k"]) * case.scale, dim=-1)
+        dropped, self.mask = torch.native_dropout(a, case.dropout_p, True)
+        return torch.einsum("bhjk,bhkp->bhjp", dropped, x["v"])
+
+    def run(self) -> dict:
+        if self.direction == "forward":
+            with torch.no_grad():
+                return dict(o=self._forward())
+        return self._fwd_bwd()
+
+    def check(self) -> NotedVerdict:
+        results = self.run()
+        keep, p = self.mask, self.ws.case.dropout_p
+        expected = (self.ws._run_chain(torch.float64, keep, p), self.ws._run_chain(self.ws.case.dtype, keep, p))
+        return NotedVerdict(self.ws.verdict(results, expected=expected), "checked with the mask native_dropout drew")
+
+
+def config_variants(ws: Workspace) -> list:
+    """Every forward and every backward knob configuration of the fused kernels (``attention_configs``)."""
+    P = ws.case.P
+    return ([FusedVariant(ws, "forward", forward=c) for c in attention_configs(P, "forward")]
+            + [FusedVariant(ws, "backward", backward=c) for c in attention_configs(P, "backward")])
+
+
+def baseline_variants(ws: Workspace, directions=("forward", "fwd+bwd"), launches=LAUNCHES, backends=SDPA_BACKENDS) -> list:
+    """SDPA per backend and the eager chain, per direction and launch mode."""
+    return [variant for direction in directions for launch in launches
+            for variant in [SdpaVariant(ws, direction, b, launch) for b in backends] + [EagerVariant(ws, direction, launch)]]

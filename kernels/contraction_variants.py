@@ -1,0 +1,378 @@
+"""Variants of the training graph's contractions (GEMMs) for ``kernels.bench.Sweep``.
+
+``training_gemms`` reads the contractions off a fused training graph (``dataflow.snapshot``'s
+``FusedTraining``): each contraction operator gives one einsum, its primitive's; an operator that
+stacks several einsums of one pattern (Q/K/V, their dX and dW) gives the stacked einsum of
+``kernels.contraction.stacked_spec``, the stack letter over the operand that is not shared
+(over both, summed away, when a map adds the einsums' results).  Letter sizes come from the
+graph's dims; the label is the graph's operator name.
+
+For one such ``TrainingGemm``, ``pick_layouts`` chooses mappable layout combinations
+(``enumerate_variants``): spec order first if it is a BLAS GEMM, then one BLAS plan (at most one
+batch dim) per new transposition pattern.  ``gemm_variants`` gives, per chosen plan, a
+``GemmVariant`` for the cuBLAS path (``run_cublas``) and one per Triton config (``run_triton``).
+``epilogue_of`` finds, structurally, the element-wise consumer that the GEMM template can fuse
+(bias add over whole output groups, ReLU, Philox dropout, the saved pre-activation), as in
+linear1 -> bias + ReLU + dropout; ``epilogue_variants`` gives the fused Triton kernel per config
+and the cuBLAS GEMM followed by PyTorch eager (bias add, ReLU, dropout with the same mask).
+
+Operands: random normal in ``dtype`` (never zeros), stored in each variant's layouts; one
+``Operands`` per GEMM, computed on first use, holding the float64 reference (``torch.einsum``
+on the device) and PyTorch's own result (``torch.einsum`` in ``dtype`` on the same operands,
+the baseline of ``kernels.accuracy``'s rule); only one GEMM's operands are alive at a time.
+Checks: ``kernels.sweep_variants.judge`` (error <= 1.5 x PyTorch's + 1e-4, on the device);
+outputs are filled with NaN before each checked run, so an unwritten element fails.
+
+Keys: ``op`` = ``"gemm:<einsum>"`` (epilogue: ``"gemm:<einsum>+bias[<letters>]+relu+dropout(<p>)"``),
+``dims`` = {letter: size}, ``dtype``, ``layout`` = {"a", "b", "out": storage order}, ``knobs`` =
+{"backend": "cublas"} or {"backend": "triton", <GemmConfig fields>} (epilogue baseline:
+{"backend": "cublas+eager"}).  ``flop`` = 2 x the product of all letter sizes; ``bytes`` =
+elements of A, B and the output (plus bias and saved value) x the item size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
+                                 run_cublas, run_triton, stacked_spec)
+from kernels.gemm import GemmConfig, GemmShape, tma_compatible, valid_configs
+from kernels.sweep_variants import MASK_SEED, Verdict, judge
+from kernels.torch_eval import dropout_offsets, keep_mask_torch
+
+DTYPE = torch.bfloat16
+STACK_LETTERS = "stuvwxyz"  # the first one not in the einsum becomes the stack letter
+
+
+@dataclass(frozen=True)
+class TrainingGemm:
+    """One contraction of the training graph as an einsum over sized letters."""
+
+    name: str  # the operator's name in the fused training graph
+    phase: str  # "forward" / "backward"
+    spec: str  # einsum, e.g. "ui,ibj->ubj"
+    sizes: dict  # letter -> size
+    stacked: int = 1  # einsums stacked into this one
+
+    @property
+    def op(self) -> str:
+        return f"gemm:{self.spec}"
+
+    @property
+    def flop(self) -> int:
+        return flops(parse(self.spec), self.sizes)
+
+
+def _letter_size(graph, letter: str) -> int:
+    return graph.dim_values[graph.letter_dims[letter]]
+
+
+def _stacked(graph, op, einsums) -> tuple[str, dict]:
+    """The stacked einsum of several einsums of one pattern, and its letter sizes."""
+    first = einsums[0]
+    letters = first.inputs[0].letters + first.inputs[1].letters + first.output.letters
+    for other in einsums[1:]:
+        other_letters = other.inputs[0].letters + other.inputs[1].letters + other.output.letters
+        rename = dict(zip(other_letters, letters))
+        if (len(other_letters) != len(letters) or len(set(rename.values())) != len(rename)
+                or any(_letter_size(graph, x) != _letter_size(graph, rename[x]) for x in other_letters)):
+            raise ValueError(f"{op.name}: einsums {first.expr!r} and {other.expr!r} are not one pattern")
+    shared = [i for i in (0, 1) if len({e.inputs[i].tensor for e in einsums}) == 1]
+    stacked = [i for i in (0, 1) if i not in shared]
+    outputs = {e.output.tensor for e in einsums}
+    summed = any(p.kind == "map" and {o.tensor for o in p.inputs} == outputs and set(p.expr.replace(" ", "")) <= set("in0123456789+")
+                 for p in op.primitives)
+    if len(stacked) == 2 and not summed:
+        raise ValueError(f"{op.name}: no operand shared and the results are not summed: not one stacked GEMM")
+    if len(stacked) != 2 and summed:
+        raise ValueError(f"{op.name}: results summed but an operand is shared")
+    letter = next(x for x in STACK_LETTERS if x not in first.expr)
+    spec = stacked_spec(first.expr, stacked, letter)
+    sizes = {x: _letter_size(graph, x) for x in set(letters)}
+    sizes[letter] = len(einsums)
+    return spec, sizes
+
+
+def training_gemms(training) -> list[TrainingGemm]:
+    """The contraction operators of a fused training graph, in execution order, as einsums."""
+    graph = training.graph
+    result = []
+    for op in training.operators:
+        if op.cls != "contraction":
+            continue
+        einsums = [p for p in op.primitives if p.kind == "einsum"]
+        if len(einsums) == 1:
+            spec = einsums[0].expr
+            sizes = {x: _letter_size(graph, x) for x in set(spec) if x.isalpha()}
+        else:
+            spec, sizes = _stacked(graph, op, einsums)
+        result.append(TrainingGemm(op.name, op.phase, spec, sizes, len(einsums)))
+    return result
+
+
+def pick_layouts(gemm: TrainingGemm, count: int | None) -> list[GemmPlan]:
+    """Spec-order layouts if they are a BLAS GEMM, then the first BLAS plan (one batch dim at most)
+    of each new transposition pattern (A, B, C), in enumeration order; the first ``count``."""
+    c = parse(gemm.spec)
+    plans = [p for p in enumerate_variants(c, gemm.sizes).blas_plans if p.batch_dims <= 1]
+    chosen = [p for p in plans if p.layouts == (c.a, c.b, c.out)]
+    seen = {(p.a_transposed, p.b_transposed, p.c_transposed) for p in chosen}
+    for p in plans:
+        pattern = (p.a_transposed, p.b_transposed, p.c_transposed)
+        if pattern not in seen:
+            chosen.append(p)
+            seen.add(pattern)
+    return chosen[:count]
+
+
+class Operands:
+    """Random logical operands of one GEMM (dims in spec letter order), its float64 reference and
+    PyTorch's result in ``dtype``; computed on first use, dropped when another GEMM's are needed."""
+
+    _active: "Operands | None" = None
+
+    def __init__(self, gemm: TrainingGemm, device, dtype=DTYPE, seed: int = 0):
+        self.gemm, self.device, self.dtype, self.seed = gemm, torch.device(device), dtype, seed
+        self.c = parse(gemm.spec)
+        self._tensors = None
+
+    def tensors(self) -> dict:
+        """{"a", "b" (``dtype``), "reference" (float64), "baseline" (``dtype``), plus what ``extra`` added}."""
+        if Operands._active is not self:
+            if Operands._active is not None:
+                Operands._active._tensors = None
+            Operands._active = self
+        if self._tensors is None:
+            gen = torch.Generator(device=self.device).manual_seed(self.seed)
+            a, b = (torch.randn([self.gemm.sizes[x] for x in letters], generator=gen, device=self.device,
+                                dtype=torch.float32).to(self.dtype) for letters in (self.c.a, self.c.b))
+            self._tensors = {"a": a, "b": b, "reference": torch.einsum(self.gemm.spec, a.double(), b.double()),
+                             "baseline": torch.einsum(self.gemm.spec, a, b)}
+        return self._tensors
+
+    def stored(self, name: str, layout: str) -> torch.Tensor:
+        """Operand ``name`` ("a" or "b") stored densely in ``layout`` (a logical view, dims in spec order)."""
+        letters = self.c.a if name == "a" else self.c.b
+        return empty_in_layout(letters, layout, self.gemm.sizes, self.dtype, self.device).copy_(self.tensors()[name])
+
+
+def _numel(letters: str, sizes: dict) -> int:
+    return math.prod(sizes[x] for x in letters)
+
+
+def _layout_key(plan: GemmPlan) -> dict:
+    return dict(zip(("a", "b", "out"), plan.layouts))
+
+
+def _config_knobs(config: GemmConfig) -> dict:
+    return {"backend": "triton", **dataclasses.asdict(config)}
+
+
+class GemmVariant:
+    """One GEMM in one layout combination through cuBLAS (``config`` None) or a Triton config."""
+
+    def __init__(self, operands: Operands, plan: GemmPlan, config: GemmConfig | None = None):
+        self.operands, self.plan, self.config = operands, plan, config
+        gemm = operands.gemm
+        self.op, self.dims, self.dtype = gemm.op, dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
+        self.layout = _layout_key(plan)
+        self.knobs = {"backend": "cublas"} if config is None else _config_knobs(config)
+        c = operands.c
+        self.flop = gemm.flop
+        self.bytes = operands.dtype.itemsize * sum(_numel(x, gemm.sizes) for x in (c.a, c.b, c.out))
+        self.a = self.b = self.out = None
+
+    def build(self) -> None:
+        gemm, plan = self.operands.gemm, self.plan
+        self.a, self.b = self.operands.stored("a", plan.layouts[0]), self.operands.stored("b", plan.layouts[1])
+        self.out = empty_in_layout(self.operands.c.out, plan.layouts[2], gemm.sizes, self.operands.dtype, self.operands.device)
+        self.run()
+
+    def run(self) -> torch.Tensor:
+        if self.config is None:
+            return run_cublas(self.plan, self.a, self.b, self.out)
+        return run_triton(self.plan, self.a, self.b, self.out, config=self.config)
+
+    def check(self) -> Verdict:
+        self.out.fill_(float("nan"))
+        out = self.run()
+        t = self.operands.tensors()
+        return Verdict(((self.operands.c.out, judge(out, t["baseline"], t["reference"])),))
+
+
+def gemm_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | None = 3, first_configs=None,
+                  other_configs=None, seed: int = 0) -> list[GemmVariant]:
+    """cuBLAS and Triton variants of ``gemm`` over ``pick_layouts(gemm, layouts)``: the first
+    layout with ``first_configs`` (default: every ``valid_configs(dtype)``), the others with
+    ``other_configs`` (default: the same); TMA configs only where the layouts allow TMA."""
+    operands = Operands(gemm, device, dtype, seed)
+    first_configs = list(valid_configs(dtype) if first_configs is None else first_configs)
+    other_configs = first_configs if other_configs is None else list(other_configs)
+    variants = []
+    for index, plan in enumerate(pick_layouts(gemm, layouts)):
+        tma = _tma_possible(plan, dtype)
+        variants.append(GemmVariant(operands, plan))
+        variants += [GemmVariant(operands, plan, cfg) for cfg in (first_configs if index == 0 else other_configs)
+                     if tma or not cfg.tma]
+    return variants
+
+
+def _tma_possible(plan: GemmPlan, dtype) -> bool:
+    """Whether A and B of ``plan`` (16-byte aligned allocations) can be read through TMA descriptors."""
+    aligned = torch.empty(0, dtype=dtype, device="meta")  # data_ptr 0; only its item size and address are read
+    return tma_compatible(aligned, aligned, GemmShape(*plan.batch, plan.m, plan.n, plan.k), plan.a_strides, plan.b_strides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Epilogue fusion
+
+
+@dataclass(frozen=True)
+class FusableEpilogue:
+    """An element-wise consumer of a GEMM's output the template fuses: y = dropout(act(gemm + bias)).
+
+    ``bias``: graph tensor over ``bias_letters`` (output letters, spec letter names of the GEMM);
+    ``mask``: dropout tensor (logical index over the output letters in spec order), ``p``, ``offset``;
+    ``save``: what else the consumer writes ("pre_activation" / "pre_dropout") or None."""
+
+    consumer: str
+    bias: str
+    bias_letters: str
+    activation: str
+    mask: str | None
+    p: float
+    offset: int
+    save: str | None
+
+
+def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
+    """The consumer of ``gemm``'s (single-einsum) output when it is exactly bias add [+ ReLU]
+    [+ dropout] on that output, its other outputs the bias-added or activated value; else None."""
+    graph = training.graph
+    op = next(o for o in training.operators if o.name == gemm.name)
+    if len(op.outputs) != 1 or gemm.stacked != 1:
+        return None
+    produced = op.outputs[0]
+    out_letters = parse(gemm.spec).out
+    for consumer in training.operators:
+        if consumer.cls == "contraction" or produced not in consumer.inputs:
+            continue
+        prims = list(consumer.primitives)
+        first = prims[0]
+        if first.kind != "map" or first.expr.replace(" ", "") != "in0+in1" or first.inputs[0].tensor != produced \
+                or first.inputs[0].letters != first.output.letters:
+            return None
+        rename = dict(zip(first.inputs[0].letters, out_letters))
+        bias = first.inputs[1]
+        if graph.tensors[bias.tensor].role != "input" or not set(bias.letters) <= set(rename):
+            return None
+        chain = {"pre_activation": first.output.tensor}
+        current, activation, mask, p = first.output.tensor, "none", None, 0.0
+        for prim in prims[1:]:
+            expr = prim.expr.replace(" ", "")
+            if prim.kind == "map" and expr == "maximum(in0,0)" and activation == "none" and mask is None \
+                    and prim.inputs[0].tensor == current:
+                activation, current = "relu", prim.output.tensor
+                chain["pre_dropout"] = current
+            elif prim.kind == "map" and expr == "in0*in1" and mask is None and prim.inputs[0].tensor == current \
+                    and graph.tensors[prim.inputs[1].tensor].role == "dropout" and prim.inputs[1].letters == prim.inputs[0].letters:
+                mask, current = prim.inputs[1].tensor, prim.output.tensor
+                p = graph.tensors[mask].p
+            else:
+                return None
+        if current not in consumer.outputs:
+            return None
+        extra = [t for t in consumer.outputs if t != current]
+        saves = [name for name, t in chain.items() if t in extra]
+        if len(extra) > 1 or len(saves) != len(extra):
+            return None
+        offset = dropout_offsets(graph)[mask] if mask is not None else 0
+        return FusableEpilogue(consumer.name, bias.tensor, "".join(rename[x] for x in bias.letters), activation,
+                               mask, p, offset, saves[0] if saves else None)
+    return None
+
+
+class EpilogueVariant:
+    """``gemm`` + the fused epilogue: one Triton kernel (``config``), or ``config`` None: cuBLAS GEMM
+    then PyTorch eager (bias add, activation, dropout applying the same regenerated mask)."""
+
+    def __init__(self, operands: Operands, epilogue: FusableEpilogue, config: GemmConfig | None = None):
+        gemm, c = operands.gemm, operands.c
+        self.operands, self.epilogue, self.config = operands, epilogue, config
+        self.plan = map_layouts(c, (c.a, c.b, c.out), gemm.sizes)
+        tail = f"+bias[{epilogue.bias_letters}]" + (f"+{epilogue.activation}" if epilogue.activation != "none" else "")
+        tail += f"+dropout({epilogue.p:g})" if epilogue.mask else ""
+        tail += f"+save({epilogue.save})" if epilogue.save else ""
+        self.op, self.dims, self.dtype = gemm.op + tail, dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
+        self.layout = _layout_key(self.plan)
+        self.knobs = {"backend": "cublas+eager"} if config is None else _config_knobs(config)
+        self.flop = gemm.flop
+        outputs = 2 if epilogue.save else 1
+        self.bytes = operands.dtype.itemsize * (_numel(c.a, gemm.sizes) + _numel(c.b, gemm.sizes)
+                                                + _numel(epilogue.bias_letters, gemm.sizes) + outputs * _numel(c.out, gemm.sizes))
+        self.tensors = None
+
+    @functools.cached_property
+    def _keep(self) -> torch.Tensor | None:
+        ep, gemm = self.epilogue, self.operands.gemm
+        if ep.mask is None:
+            return None
+        shape = tuple(gemm.sizes[x] for x in self.operands.c.out)
+        return keep_mask_torch(MASK_SEED, ep.offset, shape, ep.p, self.operands.device)
+
+    def build(self) -> None:
+        ops, ep = self.operands, self.epilogue
+        t = ops.tensors()
+        if "bias" not in t:
+            gen = torch.Generator(device=ops.device).manual_seed(ops.seed + 1)
+            t["bias"] = torch.randn([ops.gemm.sizes[x] for x in ep.bias_letters], generator=gen, device=ops.device,
+                                    dtype=torch.float32).to(ops.dtype)
+        a, b, bias = ops.stored("a", ops.c.a), ops.stored("b", ops.c.b), t["bias"]
+        out = empty_in_layout(ops.c.out, ops.c.out, ops.gemm.sizes, ops.dtype, ops.device)
+        self.tensors = dict(a=a, b=b, bias=bias, out=out)
+        self.fused = Epilogue(bias=bias, bias_letters=ep.bias_letters, activation=ep.activation, dropout_p=ep.p,
+                              seed=MASK_SEED, offset=ep.offset, save=ep.save)
+        self.run()
+
+    def _broadcast_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        out = self.operands.c.out
+        letters = self.epilogue.bias_letters
+        order = sorted(letters, key=out.index)
+        view = bias.permute([letters.index(x) for x in order])
+        return view.reshape([self.operands.gemm.sizes[x] if x in letters else 1 for x in out])
+
+    def _eager(self, y: torch.Tensor, bias: torch.Tensor) -> dict:
+        """bias add, activation, dropout with the regenerated mask, at ``y``'s precision."""
+        ep = self.epilogue
+        pre = y + self._broadcast_bias(bias)
+        act = torch.relu(pre) if ep.activation == "relu" else pre
+        result = {"out": act if self._keep is None else torch.where(self._keep, act * (1.0 / (1.0 - ep.p)), 0.0)}
+        if ep.save:
+            result[ep.save] = pre if ep.save == "pre_activation" else act
+        return result
+
+    def run(self) -> dict:
+        t = self.tensors
+        if self.config is None:
+            return self._eager(run_cublas(self.plan, t["a"], t["b"], t["out"]), t["bias"])
+        result = run_triton(self.plan, t["a"], t["b"], t["out"], self.fused, self.config)
+        return {"out": result[0], self.epilogue.save: result[1]} if self.epilogue.save else {"out": result}
+
+    def check(self) -> Verdict:
+        self.tensors["out"].fill_(float("nan"))
+        results = self.run()
+        t = self.operands.tensors()
+        reference = self._eager(t["reference"], t["bias"].double())
+        baseline = self._eager(t["baseline"], t["bias"])
+        return Verdict(tuple((name, judge(results[name], baseline[name], reference[name])) for name in results))
+
+
+def epilogue_variants(operands: Operands, epilogue: FusableEpilogue, configs) -> list[EpilogueVariant]:
+    """cuBLAS + eager, then the fused kernel with each of ``configs`` (TMA ones where allowed), in spec-order layouts."""
+    variants = [EpilogueVariant(operands, epilogue)]
+    tma = _tma_possible(variants[0].plan, operands.dtype)
+    return variants + [EpilogueVariant(operands, epilogue, cfg) for cfg in configs if tma or not cfg.tma]

@@ -1,0 +1,73 @@
+"""Contraction and attention variants through ``kernels.bench.Sweep`` into the tuning DB, at small odd sizes.
+
+On the CPU (Triton interpreter) nothing is timed: every variant is built, checked against float64
+and recorded 'checked'.  GEMMs run in bf16 (the template corrects the interpreter's bf16 faults);
+attention in float32 (the interpreter's bf16 dots and casts are wrong, see tests/test_attention.py).
+"""
+import time
+
+import torch
+
+from dataflow import snapshot
+from kernels import attention_variants as av
+from kernels import contraction_variants as cv
+from kernels.bench import Sweep
+from kernels.gemm import GemmConfig, valid_configs
+from kernels.tuning_db import TuningDB
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(B=2, L=5, N=7, H=3, P=3, U=9)
+
+
+def _training():
+    return snapshot.stored_fused()["bert"].with_dims(SMALL)
+
+
+def test_gemms_come_from_the_training_graph():
+    gemms = {g.name: g for g in cv.training_gemms(snapshot.stored_fused()["bert"])}
+    assert len(gemms) == 18
+    assert gemms["stack(wq_x,wk_x,wv_x)"].spec == "sphi,ibj->sphbj"
+    assert gemms["stack(d_wv,d_wk,d_wq)"].spec == "swhbk,ibk->swhi"
+    assert gemms["stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)"].spec == "swhi,swhbk->ibk"
+    linear1 = gemms["w1_x1"]
+    assert linear1.spec == "ui,ibj->ubj" and linear1.flop == 2 * 4096 * 1024 * 8 * 512
+    epilogue = cv.epilogue_of(snapshot.stored_fused()["bert"], linear1)
+    assert (epilogue.bias, epilogue.bias_letters, epilogue.activation, epilogue.mask, epilogue.save) == \
+        ("b1", "u", "relu", "drop_act", "pre_activation")
+    assert [g.name for g in gemms.values() if cv.epilogue_of(snapshot.stored_fused()["bert"], g)] == ["w1_x1"]
+
+
+def test_sweep_records_checked_failed_and_resumes(tmp_path):
+    training = _training()
+    gemms = {g.name: g for g in cv.training_gemms(training)}
+    configs = valid_configs()[:2]
+    broken = GemmConfig(16, 32, 24, 1, 1, 4)  # BLOCK_K not a power of two: tl.arange refuses it
+    variants = []
+    for name in ("stack(wq_x,wk_x,wv_x)", "k_q", "stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)"):
+        variants += cv.gemm_variants(gemms[name], DEVICE, layouts=2, first_configs=configs, other_configs=configs[:1])
+    variants += cv.gemm_variants(gemms["d_w1"], DEVICE, layouts=1, first_configs=[broken])
+    linear1 = gemms["w1_x1"]
+    variants += cv.epilogue_variants(cv.Operands(linear1, DEVICE), cv.epilogue_of(training, linear1), configs[:1])
+    ws = av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32), DEVICE)
+    variants += av.config_variants(ws)[:1] + [av.FusedVariant(ws, "backward"), av.FusedVariant(ws, "fwd+bwd", launch="python")]
+    variants += av.baseline_variants(ws, directions=("fwd+bwd",), launches=("python",), backends=("default", "math"))
+
+    with TuningDB(tmp_path / "tuning.db") as db:
+        sweep = Sweep(db, variants, progress=False)
+        report = sweep.run()
+        done = "ok" if report.measured else "checked"
+        assert report.counts["wrong"] == 0
+        assert report.counts["failed"] == 1 and report.counts[done] == len(variants) - 1
+        failed = db.query(status="failed")
+        assert len(failed) == 1 and failed[0].key.knobs["block_k"] == 24 and failed[0].detail.startswith("build:")
+        eager = db.query(op=ws.case.op("fwd+bwd"), knobs={"impl": "eager", "launch": "python"})[0]
+        assert "native_dropout" in eager.detail and eager.flop == 14 * 2 * 3 * 21 * 21 * 16
+        gemm = db.query(op=linear1.op + "+bias[u]+relu+dropout(0.1)+save(pre_activation)", knobs={"backend": "cublas+eager"})
+        assert gemm and gemm[0].status == done and "pre_activation" in gemm[0].detail
+        ranked = sweep.ranked([v for v in variants if v.op == gemms["k_q"].op])
+        assert len(ranked) == 2 + 1 + 1 + 1  # both layouts' cuBLAS, their Triton configs
+
+        started = time.monotonic()
+        again = Sweep(db, variants, progress=False).run()
+        assert again.counts["skipped"] == len(variants)
+        assert time.monotonic() - started < 5
