@@ -1,299 +1,276 @@
-"""BERT-large encoder-layer contractions, per storage layout: cuBLAS (torch) vs the Triton template.
+"""The training graph's contractions (GEMMs) per storage layout: cuBLAS vs the Triton template, and epilogue fusion.
 
-    PYTHONPATH=$PWD python3 benchmarks/contractions.py [--out benchmarks/results] [--budget-s 330]
+    PYTHONPATH=$PWD python3 benchmarks/contractions.py [--spec bert] [--db tuning.db] [--budget-s 330]
+        [--dims B=8,L=512] [--layouts 3] [--limit-configs N] [--other-configs 3] [--limit-gemms N]
+        [--out benchmarks/results] [--no-progress]
 
-For each training GEMM of the layer (table ``GEMMS``: einsum strings over the paper's letters) and
-up to ``LAYOUTS_PER_GEMM`` mappable layout combinations with a unit-stride matrix dim in every
-operand, it times the cuBLAS path (``kernels.contraction.run_cublas``) and the Triton template
-(``run_triton``) over its knob configs (every config for the first layout of a GEMM, that layout's
-best three for the others), checks both against a float64 einsum (``kernels.accuracy`` rule,
-baseline: torch's bf16 einsum), and reports TFLOP/s, % of a bf16 GEMM peak measured in the same
-run (8192^3 ``torch.mm``), and whether the best Triton config is within 5% of cuBLAS.  Then the
-epilogue fusion: linear1 + bias + ReLU + dropout in one Triton kernel vs the cuBLAS GEMM followed
-by torch eager bias add, ReLU and dropout.  Times: ``kernels.bench.time_cuda`` medians (CUDA
-events, L2 flushed before every repetition).  Writes ``contractions.md`` and ``contractions.json``.
+The GEMMs come from the stored fused training graph (``dataflow.snapshot``; stacked Q/K/V and
+their dX/dW as one einsum each; ``kernels.contraction_variants.training_gemms``).  Everything
+goes through ``kernels.bench.Sweep`` into the tuning DB (each record committed as it is made:
+a killed or out-of-budget run resumes where it stopped, a repeated run only reads the DB), in
+two phases: (1) per GEMM, its first layout combination (spec order when it is a BLAS GEMM) with
+cuBLAS and every Triton config of ``valid_configs`` (the first ``--limit-configs``); (2) the
+other ``--layouts`` - 1 combinations with cuBLAS and the ``--other-configs`` configs fastest on
+the first layout (read from the DB; without a GPU, the first ones checked), and each epilogue
+the template can fuse (linear1 + bias + ReLU + dropout, found structurally) as one Triton kernel
+(the GEMM's ``EPILOGUE_CONFIGS`` fastest configs) vs the cuBLAS GEMM then PyTorch eager.  Every
+variant is checked against a float64 einsum (``kernels.accuracy``'s rule, baseline: torch's
+einsum in bf16 on the same operands) before it is timed.  Times: ``kernels.bench.time_cuda``
+medians (CUDA events, L2 flushed before every repetition).  Then the report from the DB records:
+per layout, TFLOP/s of cuBLAS and of the best Triton config, % of the bf16 GEMM rate measured on
+this device (``measure_ceilings``, kept in the DB), Triton/cuBLAS time; per GEMM, the best
+variant of each backend; the epilogue fusion.  ``contractions.md`` / ``.json`` under ``--out``,
+written only on a GPU; without one the variants are checked through the Triton interpreter
+(give small ``--dims``) and nothing is measured or written.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from dataflow.dropout_mask import keep_mask
-from kernels.bench import time_cuda
-from kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
-                                 run_cublas, run_triton)
-from kernels.device import query_device, versions
-from kernels.gemm import GemmShape, tma_compatible, valid_configs
+if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# BERT-large: batch B=8, sequence L=512 (j queries, k keys), model N=1024 (i), heads H=16,
-# head dim P=64 (p for queries/keys, w for values), FFN U=4096 (u); s stacks Q, K, V.
-SIZES = dict(b=8, j=512, k=512, i=1024, h=16, p=64, w=64, u=4096, s=3)
+from dataflow import snapshot  # noqa: E402
+from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings  # noqa: E402
+from kernels.contraction import parse  # noqa: E402
+from kernels.contraction_variants import (DTYPE, Operands, epilogue_of, epilogue_variants, gemm_variants,  # noqa: E402
+                                          pick_layouts, training_gemms)
+from kernels.device import query_device, versions  # noqa: E402
+from kernels.gemm import valid_configs  # noqa: E402
+from kernels.tuning_db import TuningDB  # noqa: E402
 
-# Flop of a contraction: 2 x the product of the sizes of ALL its letters (one multiply-add per
-# point of the iteration space), e.g. linear1 "ui,ibj->ubj": 2 * U * N * B * L.
-GEMMS = [
-    # (name, einsum)                      forward
-    ("QKV stacked", "sphi,ibj->sphbj"),
-    ("QK^T (beta)", "phbk,phbj->hbjk"),
-    ("gamma (V x probabilities)", "whbk,hbjk->whbj"),
-    ("out projection", "whi,whbj->ibj"),
-    ("linear1 N->U", "ui,ibj->ubj"),
-    ("linear2 U->N", "iu,ubj->ibj"),
-    # backward: the gradient of each operand
-    ("QKV stacked dX", "sphi,sphbj->ibj"),
-    ("QKV stacked dW", "sphbj,ibj->sphi"),
-    ("QK^T d(queries)", "hbjk,phbk->phbj"),
-    ("QK^T d(keys)", "hbjk,phbj->phbk"),
-    ("gamma d(values)", "whbj,hbjk->whbk"),
-    ("gamma d(probabilities)", "whbk,whbj->hbjk"),
-    ("out projection dX", "whi,ibj->whbj"),
-    ("out projection dW", "whbj,ibj->whi"),
-    ("linear1 dX", "ui,ubj->ibj"),
-    ("linear1 dW", "ubj,ibj->ui"),
-    ("linear2 dX", "iu,ibj->ubj"),
-    ("linear2 dW", "ibj,ubj->iu"),
-]
-LAYOUTS_PER_GEMM = 3
-CONFIGS_FOR_OTHER_LAYOUTS = 2
-CONFIGS_FOR_EPILOGUE = 4
+EPILOGUE_CONFIGS = 4
 WARMUP_MS, REP_MS = 10.0, 40.0
-DTYPE = torch.bfloat16
 
 
-def pick_layouts(spec: str, count: int) -> list[GemmPlan]:
-    """Spec-order layouts if they are a BLAS GEMM, then the first BLAS plan (one batch dim at most)
-    of each new transposition pattern (A, B, C), in enumeration order."""
-    c = parse(spec)
-    plans = [p for p in enumerate_variants(c, SIZES).blas_plans if p.batch_dims <= 1]
-    chosen = [p for p in plans if p.layouts == (c.a, c.b, c.out)]
-    seen = {(p.a_transposed, p.b_transposed, p.c_transposed) for p in chosen}
-    for p in plans:
-        pattern = (p.a_transposed, p.b_transposed, p.c_transposed)
-        if pattern not in seen:
-            chosen.append(p)
-            seen.add(pattern)
-    return chosen[:count]
+def parse_dims(text: str | None) -> dict:
+    if not text:
+        return {}
+    return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
 
 
-def in_layout(logical: torch.Tensor, letters: str, layout: str) -> torch.Tensor:
-    return empty_in_layout(letters, layout, SIZES, DTYPE, "cuda").copy_(logical)
-
-
-def rel_error(result: torch.Tensor, reference: torch.Tensor) -> float:
-    """``||result - reference|| / ||reference||`` in float64 on the GPU (``kernels.accuracy`` does it on the CPU)."""
-    if not torch.isfinite(result).all():
-        return float("inf")
-    return float(torch.linalg.vector_norm(result.double() - reference) / torch.linalg.vector_norm(reference))
-
-
-def verdict(result: torch.Tensor, baseline_error: float, reference: torch.Tensor) -> str:
-    """The ``kernels.accuracy`` rule (error <= 1.5 x PyTorch's bf16 error + 1e-4), as text."""
-    error = rel_error(result, reference)
-    ok = error <= 1.5 * baseline_error + 1e-4
-    return f"rel.err {error:.3e} vs PyTorch {baseline_error:.3e}: {'ok' if ok else 'FAILED'}"
+def config_text(knobs: dict) -> str:
+    text = f"{knobs['block_m']}x{knobs['block_n']}x{knobs['block_k']} g{knobs['group_m']} s{knobs['num_stages']} w{knobs['num_warps']}"
+    return text + (" tma" if knobs["tma"] else "") + (f" e{knobs['epilogue_split']}" if knobs["epilogue_split"] else "")
 
 
 def tflops(flop: int, ms: float) -> float:
     return flop / (ms * 1e-3) / 1e12
 
 
-def measure_peak() -> dict:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=DTYPE)
-    b = torch.randn(n, n, device="cuda", dtype=DTYPE)
-    t = time_cuda(lambda: torch.mm(a, b), warmup_ms=100.0, rep_ms=300.0)
-    return {"what": "torch.mm bf16 8192^3, random normal", "median_ms": t.median_ms, "tflops": tflops(2 * n**3, t.median_ms)}
-
-
-def bench_gemm(name: str, spec: str, peak: float, deadline: float) -> list[dict]:
-    c = parse(spec)
-    gen = torch.Generator(device="cuda").manual_seed(len(spec))
-    a_logical = torch.randn([SIZES[x] for x in c.a], device="cuda", dtype=DTYPE, generator=gen)
-    b_logical = torch.randn([SIZES[x] for x in c.b], device="cuda", dtype=DTYPE, generator=gen)
-    reference = torch.einsum(spec, a_logical.double(), b_logical.double())
-    baseline_error = rel_error(torch.einsum(spec, a_logical, b_logical), reference)
-    flop = flops(c, SIZES)
-    rows, ranked = [], None
-    for plan in pick_layouts(spec, LAYOUTS_PER_GEMM):
-        a = in_layout(a_logical, c.a, plan.layouts[0])
-        b = in_layout(b_logical, c.b, plan.layouts[1])
-        out = empty_in_layout(c.out, plan.layouts[2], SIZES, DTYPE, "cuda")
-        row = {"gemm": name, "einsum": spec, "layouts": ",".join(plan.layouts[:2]) + "->" + plan.layouts[2],
-               "plan": plan.describe(), "gflop": flop / 1e9}
-        out.fill_(float("nan"))
-        run_cublas(plan, a, b, out)
-        row["cublas_check"] = verdict(out, baseline_error, reference)
-        row["cublas_ms"] = time_cuda(lambda: run_cublas(plan, a, b, out), warmup_ms=WARMUP_MS, rep_ms=REP_MS).median_ms
-        tma_ok = tma_compatible(a, b, GemmShape(*plan.batch, plan.m, plan.n, plan.k), plan.a_strides, plan.b_strides)
-        configs = valid_configs() if ranked is None else ranked[:CONFIGS_FOR_OTHER_LAYOUTS]
-        configs = [cfg for cfg in configs if tma_ok or not cfg.tma]
-        triton_ms = {}
-        for config in configs:
-            if time.monotonic() > deadline:
-                row["note"] = "time budget used: not every config was timed"
-                break
-            try:
-                out.fill_(float("nan"))
-                run_triton(plan, a, b, out, config=config)
-                check = verdict(out, baseline_error, reference)
-                if "FAILED" in check:
-                    triton_ms[str(config)] = f"wrong: {check}"
-                    continue
-                triton_ms[str(config)] = time_cuda(lambda: run_triton(plan, a, b, out, config=config),
-                                                   warmup_ms=WARMUP_MS, rep_ms=REP_MS).median_ms
-            except Exception as exc:  # e.g. out of shared memory for a config
-                triton_ms[str(config)] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-        timed = {k: v for k, v in triton_ms.items() if isinstance(v, float)}
-        row["triton_ms_by_config"] = triton_ms
-        if ranked is None:
-            ranked = sorted((cfg for cfg in configs if isinstance(triton_ms.get(str(cfg)), float)), key=lambda cfg: triton_ms[str(cfg)])
-        row["cublas_tflops"] = tflops(flop, row["cublas_ms"])
-        row["cublas_pct_peak"] = 100 * row["cublas_tflops"] / peak
-        if timed:
-            best = min(timed, key=timed.get)
-            row.update(triton_best_config=best, triton_ms=timed[best], triton_tflops=tflops(flop, timed[best]),
-                       triton_pct_peak=100 * tflops(flop, timed[best]) / peak,
-                       triton_over_cublas_time=timed[best] / row["cublas_ms"],
-                       triton_within_5pct=timed[best] <= 1.05 * row["cublas_ms"])
-        rows.append(row)
-        print(f"{name:28s} {row['layouts']:24s} cuBLAS {row['cublas_ms']:.4f} ms {row['cublas_tflops']:6.1f} TF/s | "
-              + (f"Triton {row['triton_ms']:.4f} ms {row['triton_tflops']:6.1f} TF/s x{row['triton_over_cublas_time']:.2f} "
-                 f"[{row['triton_best_config']}]" if timed else "Triton: none timed"), flush=True)
+def layout_rows(db: TuningDB, device: str, gemms, layouts: int, dtype: str, peak: float) -> list[dict]:
+    """Per GEMM and layout combination: the cuBLAS record and the fastest Triton record."""
+    rows = []
+    for g in gemms:
+        for plan in pick_layouts(g, layouts):
+            layout = dict(zip(("a", "b", "out"), plan.layouts))
+            records = db.query(op=g.op, device=device, versions=versions(), dims=g.sizes, dtype=dtype, layout=layout)
+            cublas = next((r for r in records if r.key.knobs["backend"] == "cublas"), None)
+            triton = [r for r in records if r.key.knobs["backend"] == "triton"]
+            if cublas is None and not triton:
+                continue
+            row = {"gemm": g.name, "phase": g.phase, "einsum": g.spec, "layouts": ",".join(plan.layouts[:2]) + "->" + plan.layouts[2],
+                   "plan": plan.describe().split(": ", 1)[1], "gflop": g.flop / 1e9,
+                   "triton_statuses": {s: sum(r.status == s for r in triton) for s in ("ok", "failed", "wrong") if any(r.status == s for r in triton)}}
+            if cublas is not None:
+                row["cublas_status"] = cublas.status if cublas.status == "ok" else f"{cublas.status}: {(cublas.detail or '')[:200]}"
+            if cublas is not None and cublas.status == "ok":
+                row.update(cublas_ms=cublas.median_ms, cublas_tflops=tflops(g.flop, cublas.median_ms),
+                           cublas_pct_peak=100 * cublas.flop_per_s / peak, cublas_check=cublas.detail)
+            best = next((r for r in triton if r.status == "ok"), None)
+            if best is not None:
+                row.update(triton_ms=best.median_ms, triton_tflops=tflops(g.flop, best.median_ms),
+                           triton_pct_peak=100 * best.flop_per_s / peak, triton_best_config=config_text(best.key.knobs),
+                           triton_check=best.detail)
+                if "cublas_ms" in row:
+                    row.update(triton_over_cublas_time=best.median_ms / row["cublas_ms"],
+                               triton_within_5pct=best.median_ms <= 1.05 * row["cublas_ms"])
+            problems = [f"{config_text(r.key.knobs)}: {r.status}: {(r.detail or '')[:160]}" for r in triton if r.status != "ok"]
+            if problems:
+                row["triton_problems"] = problems
+            rows.append(row)
     return rows
 
 
-def bench_epilogue(configs) -> dict:
-    """linear1 + bias[u] + ReLU + dropout(0.1), layouts ui, ibj -> ubj: fused vs cuBLAS + eager.
-
-    The fused kernel is timed with each of ``configs`` (the plain GEMM's best); the best is reported."""
-    spec, p = "ui,ibj->ubj", 0.1
-    plan = map_layouts(spec, ("ui", "ibj", "ubj"), SIZES)
-    gen = torch.Generator(device="cuda").manual_seed(99)
-    w = torch.randn(SIZES["u"], SIZES["i"], device="cuda", dtype=DTYPE, generator=gen)
-    x = torch.randn(SIZES["i"], SIZES["b"], SIZES["j"], device="cuda", dtype=DTYPE, generator=gen)
-    bias = torch.randn(SIZES["u"], device="cuda", dtype=DTYPE, generator=gen)
-    out = torch.empty(SIZES["u"], SIZES["b"], SIZES["j"], device="cuda", dtype=DTYPE)
-    saved = torch.empty_like(out)
-    fused = Epilogue(bias=bias, bias_letters="u", activation="relu", dropout_p=p, seed=1234, offset=0)
-    fused_save = Epilogue(bias=bias, bias_letters="u", activation="relu", dropout_p=p, seed=1234, offset=0, save="pre_dropout")
-    no_dropout = Epilogue(bias=bias, bias_letters="u", activation="relu")
-    fused_ms = {str(cfg): time_cuda(lambda: run_triton(plan, w, x, out, fused, cfg), warmup_ms=WARMUP_MS, rep_ms=REP_MS).median_ms
-                for cfg in configs}
-    config = min(configs, key=lambda cfg: fused_ms[str(cfg)])
-
-    def eager():
-        y = run_cublas(plan, w, x, out)
-        return torch.nn.functional.dropout(torch.relu(y + bias[:, None, None]), p=p, training=True)
-
-    result = {"what": "linear1 ui,ibj->ubj (U=4096, N=1024, B*L=4096) + bias[u] + ReLU + dropout p=0.1, bf16",
-              "triton_config": str(config), "triton_fused_ms_by_config": fused_ms}
-    run_triton(plan, w, x, out, fused, config)
-    y = torch.relu(torch.einsum(spec, w.double(), x.double()) + bias.double()[:, None, None])
-    keep = torch.from_numpy(keep_mask(1234, 0, tuple(out.shape), p)).cuda()
-    reference = torch.where(keep, y / (1 - p), 0.0)
-    eager_same_mask = torch.where(keep, torch.relu(torch.einsum(spec, w, x) + bias[:, None, None]) / (1 - p), 0.0)
-    result["fused_check"] = verdict(out, rel_error(eager_same_mask, reference), reference)
-    for label, fn in (("triton_gemm_only_ms", lambda: run_triton(plan, w, x, out, Epilogue(), config)),
-                      ("triton_bias_relu_no_dropout_ms", lambda: run_triton(plan, w, x, out, no_dropout, config)),
-                      ("triton_fused_ms", lambda: run_triton(plan, w, x, out, fused, config)),
-                      ("triton_fused_save_pre_dropout_ms", lambda: run_triton(plan, w, x, saved, fused_save, config)),
-                      ("cublas_gemm_only_ms", lambda: run_cublas(plan, w, x, out)),
-                      ("cublas_then_eager_ms", eager)):
-        result[label] = time_cuda(fn, warmup_ms=WARMUP_MS, rep_ms=REP_MS).median_ms
-    result["fused_speedup_vs_eager"] = result["cublas_then_eager_ms"] / result["triton_fused_ms"]
-    result["fused_save_speedup_vs_eager"] = result["cublas_then_eager_ms"] / result["triton_fused_save_pre_dropout_ms"]
+def gemm_summary(rows: list[dict]) -> list[dict]:
+    """Per GEMM: the fastest cuBLAS and the fastest Triton variant over all its layouts."""
+    result = []
+    for name in dict.fromkeys(r["gemm"] for r in rows):
+        mine = [r for r in rows if r["gemm"] == name]
+        cublas = min((r for r in mine if "cublas_ms" in r), key=lambda r: r["cublas_ms"], default=None)
+        triton = min((r for r in mine if "triton_ms" in r), key=lambda r: r["triton_ms"], default=None)
+        entry = {"gemm": name, "einsum": mine[0]["einsum"]}
+        if cublas:
+            entry["cublas"] = {"layouts": cublas["layouts"], "ms": cublas["cublas_ms"]}
+        if triton:
+            entry["triton"] = {"layouts": triton["layouts"], "ms": triton["triton_ms"], "config": triton["triton_best_config"]}
+        if cublas and triton:
+            entry["triton_over_cublas_time"] = triton["triton_ms"] / cublas["cublas_ms"]
+        result.append(entry)
     return result
 
 
-def write_markdown(path: Path, report: dict) -> None:
-    peak = report["peak"]
+def epilogue_rows(db: TuningDB, device: str, variants, dtype: str) -> list[dict]:
+    """Per fused-epilogue op: cuBLAS + eager vs the fastest fused Triton config."""
+    rows = []
+    for op in dict.fromkeys(v.op for v in variants):
+        v = next(x for x in variants if x.op == op)
+        records = db.query(op=op, device=device, versions=versions(), dims=v.dims, dtype=dtype)
+        eager = next((r for r in records if r.key.knobs["backend"] == "cublas+eager"), None)
+        fused = [r for r in records if r.key.knobs["backend"] == "triton"]
+        best = next((r for r in fused if r.status == "ok"), None)
+        row = {"op": op, "gemm": v.operands.gemm.name, "consumer": v.epilogue.consumer, "layouts": v.layout,
+               "fused_ms_by_config": {config_text(r.key.knobs): r.median_ms if r.status == "ok" else r.status for r in fused}}
+        if eager is not None:
+            row["cublas_then_eager"] = {"ms": eager.median_ms, "status": eager.status, "check": eager.detail}
+        if best is not None:
+            row["fused"] = {"ms": best.median_ms, "config": config_text(best.key.knobs), "check": best.detail}
+            if eager is not None and eager.status == "ok":
+                row["fused_speedup_vs_eager"] = eager.median_ms / best.median_ms
+        rows.append(row)
+    return rows
+
+
+def markdown(report: dict) -> str:
     lines = [
-        "# Contraction variants of a BERT-large encoder layer: cuBLAS vs Triton template",
+        "# Contraction variants of the training graph: cuBLAS vs Triton template",
         "",
         f"Written by `benchmarks/contractions.py` on {report['date']}. Device: {report['device']}; "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
-        f"Sizes: {report['sizes']}; bf16 in/out, fp32 accumulation. Flop = 2 x product of the sizes of all letters.",
-        f"Peak: {peak['what']}, median {peak['median_ms']:.4f} ms = **{peak['tflops']:.0f} TFLOP/s** (same run; % peak below is of this).",
-        "Times: medians of `kernels.bench.time_cuda` (CUDA events, L2 flushed before each repetition, "
-        f"{WARMUP_MS:g} ms warm-up, {REP_MS:g} ms of repetitions). Triton: best of the knob configs tried "
-        f"(all {len(valid_configs())} for a GEMM's first layout, that layout's best {CONFIGS_FOR_OTHER_LAYOUTS} for the others; "
-        "`tma` configs read A and B through tensor descriptors, the others through pointer tiles). "
+        f"Spec {report['spec']}, dims {report['dims']}; {report['dtype']} in/out, fp32 accumulation. "
+        "GEMMs from the fused training graph (operator names; `stack(...)`: several einsums as one). "
+        "Flop = 2 x product of the sizes of all letters.",
+        f"Peak: bf16 {report['peak']['what']} measured on this device (`measure_ceilings`, tuning DB) = "
+        f"**{report['peak']['tflops']:.0f} TFLOP/s**; % peak below is of this.",
+        f"Sweep: {report['sweep']['summary']}; {report['sweep']['wall_s']:.0f} s wall.",
+        "Times: medians of `kernels.bench.time_cuda` through `kernels.bench.Sweep` (CUDA events, L2 flushed before each "
+        f"repetition, {WARMUP_MS:g} ms warm-up, {REP_MS:g} ms of repetitions), read back from the tuning DB. Triton: best of the "
+        f"configs tried (every one of `valid_configs` for a GEMM's first layout, the {report['sweep']['other_configs']} fastest "
+        "there for its other layouts; `tma` configs read A and B through tensor descriptors, only where the layouts allow). "
         "Layouts are written A,B->C (storage order of each operand, row-major); plan: batch, M, N, K, "
-        "A/B/C N = row-major (K-major A, N-major B, N-major C), T = transposed.",
+        "A/B/C N = row-major (K-major A, N-major B, N-major C), T = transposed. Every timed variant passed the float64 check first.",
         "",
         "| GEMM | einsum | layouts | plan | GFLOP | cuBLAS ms | TFLOP/s | % peak | Triton ms | TFLOP/s | % peak | Triton/cuBLAS time | within 5% | best config |",
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in report["variants"]:
-        plan = r["plan"].split(": ", 1)[1]
+        cub = (f"{r['cublas_ms']:.4f} | {r['cublas_tflops']:.0f} | {r['cublas_pct_peak']:.0f}%" if "cublas_ms" in r
+               else f"{r.get('cublas_status', 'not run')[:40]} | - | -")
         if "triton_ms" in r:
-            tri = (f"{r['triton_ms']:.4f} | {r['triton_tflops']:.0f} | {r['triton_pct_peak']:.0f}% | "
-                   f"{r['triton_over_cublas_time']:.2f} | {'yes' if r['triton_within_5pct'] else 'no'} | {r['triton_best_config']}")
+            ratio = (f"{r['triton_over_cublas_time']:.2f} | {'yes' if r['triton_within_5pct'] else 'no'}"
+                     if "triton_over_cublas_time" in r else "- | -")
+            tri = f"{r['triton_ms']:.4f} | {r['triton_tflops']:.0f} | {r['triton_pct_peak']:.0f}% | {ratio} | {r['triton_best_config']}"
         else:
-            tri = "- | - | - | - | no | none timed"
-        lines.append(f"| {r['gemm']} | `{r['einsum']}` | `{r['layouts']}` | {plan} | {r['gflop']:.1f} | {r['cublas_ms']:.4f} | "
-                     f"{r['cublas_tflops']:.0f} | {r['cublas_pct_peak']:.0f}% | {tri} |")
+            tri = f"- | - | - | - | no | none timed {r['triton_statuses']}"
+        lines.append(f"| {r['gemm']} | `{r['einsum']}` | `{r['layouts']}` | {r['plan']} | {r['gflop']:.1f} | {cub} | {tri} |")
     within = sum(1 for r in report["variants"] if r.get("triton_within_5pct"))
-    lines += ["", f"Best Triton config within 5% of cuBLAS (or faster): **{within} of {len(report['variants'])}** variants.", ""]
-    checks = [(r["layouts"], r["cublas_check"], r["triton_ms_by_config"]) for r in report["variants"]]
-    wrong = [c for c in checks if "FAILED" in c[1] or any(isinstance(v, str) for v in c[2].values())]
-    lines.append(f"Accuracy (rule of `kernels.accuracy`, float64 einsum reference, torch bf16 einsum baseline): "
-                 f"{len(checks) - len(wrong)} of {len(checks)} variants passed for cuBLAS and every Triton config tried"
-                 + ("." if not wrong else f"; problems: {wrong}"))
-    if report.get("epilogue"):
-        e = report["epilogue"]
-        lines += ["", "## Epilogue fusion", "",
-                  f"{e['what']}; best fused Triton config {e['triton_config']} (fused ms by config: "
-                  + ", ".join(f"{k}: {v:.4f}" for k, v in e["triton_fused_ms_by_config"].items())
-                  + f"); check: {e['fused_check']}.", "",
+    lines += ["", f"Best Triton config within 5% of cuBLAS (or faster), per layout: **{within} of {len(report['variants'])}**.", "",
+              "## Best variant per GEMM (over its layouts)", "",
+              "| GEMM | einsum | cuBLAS ms (layouts) | Triton ms (layouts, config) | Triton/cuBLAS time |", "| --- | --- | --- | --- | ---: |"]
+    for s in report["gemms"]:
+        cub = f"{s['cublas']['ms']:.4f} (`{s['cublas']['layouts']}`)" if "cublas" in s else "-"
+        tri = f"{s['triton']['ms']:.4f} (`{s['triton']['layouts']}`, {s['triton']['config']})" if "triton" in s else "-"
+        ratio = f"{s['triton_over_cublas_time']:.2f}" if "triton_over_cublas_time" in s else "-"
+        lines.append(f"| {s['gemm']} | `{s['einsum']}` | {cub} | {tri} | {ratio} |")
+    problems = [(r["gemm"], r["layouts"], p) for r in report["variants"] for p in r.get("triton_problems", [])]
+    lines += ["", f"Accuracy: rule of `kernels.accuracy` (float64 einsum reference, torch bf16 einsum baseline); "
+              f"Triton configs failed or wrong: {len(problems)}" + ("." if not problems else ":")]
+    lines += [f"- {g} `{lay}`: {p}" for g, lay, p in problems[:20]]
+    for e in report["epilogue"]:
+        lines += ["", f"## Epilogue fusion: {e['gemm']} + {e['consumer']}", "", f"`{e['op']}`, layouts {e['layouts']}.", "",
                   "| variant | ms |", "| --- | ---: |"]
-        for key in ("triton_gemm_only_ms", "triton_bias_relu_no_dropout_ms", "triton_fused_ms", "triton_fused_save_pre_dropout_ms",
-                    "cublas_gemm_only_ms", "cublas_then_eager_ms"):
-            lines.append(f"| {key[:-3].replace('_', ' ')} | {e[key]:.4f} |")
-        lines += ["", f"Fused vs cuBLAS + eager: **{e['fused_speedup_vs_eager']:.2f}x** "
-                      f"(with the pre-dropout value also stored for backward: {e['fused_save_speedup_vs_eager']:.2f}x)."]
-    path.write_text("\n".join(lines) + "\n")
+        for config, ms in e["fused_ms_by_config"].items():
+            lines.append(f"| fused Triton {config} | {ms:.4f} |" if isinstance(ms, float) else f"| fused Triton {config} | {ms} |")
+        if "cublas_then_eager" in e:
+            ce = e["cublas_then_eager"]
+            lines.append(f"| cuBLAS GEMM then eager bias, ReLU, dropout | {ce['ms']:.4f} |" if ce["ms"] is not None
+                         else f"| cuBLAS GEMM then eager | {ce['status']} |")
+        if "fused_speedup_vs_eager" in e:
+            lines += ["", f"Fused vs cuBLAS + eager: **{e['fused_speedup_vs_eager']:.2f}x** (fused check: {e['fused']['check']})."]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", default="bert", choices=list(snapshot.SPECS))
+    parser.add_argument("--db", default="tuning.db")
+    parser.add_argument("--dims", help="dim overrides, e.g. B=2,L=65 (default: the spec's sizes)")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop after this long; rerun to go on")
+    parser.add_argument("--layouts", type=int, default=3, help="layout combinations per GEMM")
+    parser.add_argument("--limit-configs", type=int, default=None, help="the first N Triton configs on a GEMM's first layout")
+    parser.add_argument("--other-configs", type=int, default=3, help="configs tried on the other layouts (fastest on the first)")
+    parser.add_argument("--limit-gemms", type=int, default=None, help="the first N GEMMs of the training graph")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--budget-s", type=float, default=330.0, help="stop trying Triton configs after this long")
+    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("No CUDA GPU: nothing measured, nothing written.")
-        return 1
+
     started = time.monotonic()
-    deadline = started + args.budget_s
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    training = snapshot.stored_fused()[args.spec].with_dims(parse_dims(args.dims))
+    gemms = training_gemms(training)[:args.limit_gemms]
+    configs = list(valid_configs(DTYPE))[:args.limit_configs]
+    db = TuningDB(args.db)
+
+    def remaining():
+        return None if args.budget_s is None else max(0.0, args.budget_s - (time.monotonic() - started))
+
+    def sweep(variants):
+        return Sweep(db, variants, budget_s=remaining(), warmup_ms=WARMUP_MS, rep_ms=REP_MS, progress=not args.no_progress)
+
+    first = {g.name: gemm_variants(g, device, layouts=1, first_configs=configs) for g in gemms}
+    phase1 = sweep([v for vs in first.values() for v in vs])
+    print(f"phase 1: {len(phase1.variants)} variants, {len(gemms)} GEMMs x first layout x (cuBLAS + {len(configs)} configs)",
+          file=sys.stderr)
+    report1 = phase1.run()
+    second, epilogue = [], []
+    for g in gemms:
+        ranked = [v.config for v in phase1.ranked(first[g.name]) if v.config is not None]
+        second += gemm_variants(g, device, layouts=args.layouts, first_configs=configs,
+                                other_configs=ranked[:args.other_configs])[len(first[g.name]):]
+        fusable = epilogue_of(training, g)
+        if fusable is not None:
+            epilogue += epilogue_variants(Operands(g, device, seed=1), fusable, ranked[:EPILOGUE_CONFIGS])
+    phase2 = sweep(second + epilogue)
+    print(f"phase 2: {len(second)} variants over the other layouts, {len(epilogue)} epilogue-fusion variants", file=sys.stderr)
+    report2 = phase2.run()
+    counts = {s: report1.counts[s] + report2.counts[s] for s in report1.counts}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    if report1.stopped or report2.stopped:
+        summary += f"; stopped ({report2.stopped or report1.stopped}), rerun to go on"
+    if not report2.measured:
+        print(f"{CPU_DEVICE}: NOTHING WAS MEASURED (no GPU). {summary}. No results written.")
+        return 0 if counts["wrong"] == 0 else 1
+
+    ceilings = measure_ceilings(db)
+    dtype = str(DTYPE).removeprefix("torch.")
+    rows = layout_rows(db, report2.device, gemms, args.layouts, dtype, ceilings.gemm_flop_per_s)
     facts = query_device()
-    peak = measure_peak()
-    print(f"{facts.name}: bf16 8192^3 peak {peak['tflops']:.0f} TFLOP/s", flush=True)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": facts.name,
-              "versions": versions(), "sizes": SIZES, "peak": peak, "gemms": GEMMS,
-              "flop_formula": "2 * product of the sizes of all letters of the einsum", "variants": []}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    linear1_ranked = list(valid_configs())
-    for name, spec in GEMMS:
-        rows = bench_gemm(name, spec, peak["tflops"], deadline)
-        report["variants"] += rows
-        if spec == "ui,ibj->ubj":
-            times = rows[0]["triton_ms_by_config"]
-            linear1_ranked = sorted((c for c in valid_configs() if isinstance(times.get(str(c)), float)), key=lambda c: times[str(c)])
-        (out_dir / "contractions.json").write_text(json.dumps(report, indent=1))
-    report["epilogue"] = bench_epilogue(linear1_ranked[:CONFIGS_FOR_EPILOGUE])
-    print(json.dumps(report["epilogue"], indent=1))
-    report["elapsed_s"] = time.monotonic() - started
-    (out_dir / "contractions.json").write_text(json.dumps(report, indent=1))
-    write_markdown(out_dir / "contractions.md", report)
-    print((out_dir / "contractions.md").read_text())
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": report2.device,
+        "facts": facts.to_dict(), "versions": versions(), "spec": args.spec, "dims": training.graph.dim_values, "dtype": dtype,
+        "peak": {"what": "torch.mm 8192^3, random normal", "tflops": ceilings.gemm_flop_per_s / 1e12},
+        "flop_formula": "2 * product of the sizes of all letters of the einsum",
+        "sweep": {"summary": summary, "counts": counts, "layouts": args.layouts, "limit_configs": args.limit_configs,
+                  "other_configs": args.other_configs, "wall_s": time.monotonic() - started},
+        "gemm_list": [{"name": g.name, "phase": g.phase, "einsum": g.spec, "sizes": g.sizes} for g in gemms],
+        "variants": rows, "gemms": gemm_summary(rows), "epilogue": epilogue_rows(db, report2.device, epilogue, dtype),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "contractions.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = markdown(report)
+    (out / "contractions.md").write_text(text)
+    print(text)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
