@@ -24,12 +24,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import json
 import multiprocessing
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -38,7 +36,7 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
 
 from kernels.attention_variants import (SDPA_BACKENDS, AttentionCase, EagerVariant, FusedVariant,  # noqa: E402
                                         SdpaVariant, Workspace, baseline_variants, config_variants)
-from kernels.bench import CPU_DEVICE, Sweep  # noqa: E402
+from kernels.bench import CPU_DEVICE, Sweep, write_results  # noqa: E402
 from kernels.device import query_device, versions  # noqa: E402
 from kernels.tuning_db import TuningDB  # noqa: E402
 
@@ -246,11 +244,8 @@ def main() -> int:
               "sweep": {"summary": summary, "counts": bench.counts, "limit_configs": args.limit_configs,
                         "wall_s": time.monotonic() - bench.started},
               "setups": [setup_report(bench, r) for r in roles]}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
-    (out / "attention.md").write_text(text)
+    write_results(args.out, "attention", report, text)
     print(text)
     return 0
 

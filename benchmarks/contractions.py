@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -39,8 +37,7 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dataflow import snapshot  # noqa: E402
-from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings  # noqa: E402
-from kernels.contraction import parse  # noqa: E402
+from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
 from kernels.contraction_variants import (DTYPE, Operands, epilogue_of, epilogue_variants, gemm_variants,  # noqa: E402
                                           pick_layouts, training_gemms)
 from kernels.device import query_device, versions  # noqa: E402
@@ -263,11 +260,8 @@ def main() -> int:
         "gemm_list": [{"name": g.name, "phase": g.phase, "einsum": g.spec, "sizes": g.sizes} for g in gemms],
         "variants": rows, "gemms": gemm_summary(rows), "epilogue": epilogue_rows(db, report2.device, epilogue, dtype),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "contractions.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
-    (out / "contractions.md").write_text(text)
+    write_results(args.out, "contractions", report, text)
     print(text)
     return 0
 

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings  # noqa: E402
+from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
 from kernels.device import query_device, versions  # noqa: E402
 from kernels.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
 from kernels.tuning_db import TuningDB  # noqa: E402
@@ -178,13 +176,10 @@ def main() -> int:
         "operators": rows, "totals": sums,
     }
     text = table(rows, sums)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fused_ops.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "fused_ops.md").write_text(
+    write_results(args.out, "fused_ops", result,
         f"# Fused element-wise / normalization operators: best layout vs PyTorch eager\n\n"
         f"{result['date']}, {report.device}, torch {versions().get('torch')}, triton {versions().get('triton')}, "
-        f"CUDA {versions().get('cuda')}; {dtype_name}; measured copy bandwidth {ceilings.copy_bytes_per_s / 1e9:.0f} GB/s.\n"
+        f"CUDA {versions().get('cuda_runtime')}; {dtype_name}; measured copy bandwidth {ceilings.copy_bytes_per_s / 1e9:.0f} GB/s.\n"
         f"Sweep: {report.summary()}; {result['sweep']['wall_s']:.0f} s wall.\n\n"
         "Times: medians of CUDA-event timings with L2 flushed (``kernels.bench.time_cuda``). Bytes: distinct "
         "input + output elements x 2 (dropout masks regenerated, not read). Eager: the unfused member "

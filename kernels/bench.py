@@ -382,3 +382,14 @@ def measure_ceilings(db, index: int = 0, force: bool = False) -> Ceilings:
     )
     db.store_ceilings(ceilings)
     return ceilings
+
+
+def write_results(out_dir, stem: str, report: dict, markdown: str) -> None:
+    """Write a benchmark's ``stem.json`` (the full report) and ``stem.md`` under ``out_dir``."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown)
