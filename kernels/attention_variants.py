@@ -180,6 +180,12 @@ class _Base:
             self.x[n].requires_grad_(self.direction == "fwd+bwd")
         self.run()
 
+    def run(self) -> dict:
+        if self.direction == "forward":
+            with torch.no_grad():
+                return dict(o=self._forward())
+        return self._fwd_bwd()
+
     def _fwd_bwd(self) -> dict:
         x = self.x
         for n in ("q", "k", "v"):
@@ -255,12 +261,6 @@ class SdpaVariant(_Base):
             return torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"], dropout_p=self.dropout_p,
                                                                     scale=self.ws.case.scale)
 
-    def run(self) -> dict:
-        if self.direction == "forward":
-            with torch.no_grad():
-                return dict(o=self._forward())
-        return self._fwd_bwd()
-
     def check(self) -> NotedVerdict:
         self.dropout_p = 0.0
         try:
@@ -283,12 +283,6 @@ class EagerVariant(_Base):
         a = torch.softmax(torch.einsum("bhjp,bhkp->bhjk", x["q"], x["k"]) * case.scale, dim=-1)
         dropped, self.mask = torch.native_dropout(a, case.dropout_p, True)
         return torch.einsum("bhjk,bhkp->bhjp", dropped, x["v"])
-
-    def run(self) -> dict:
-        if self.direction == "forward":
-            with torch.no_grad():
-                return dict(o=self._forward())
-        return self._fwd_bwd()
 
     def check(self) -> NotedVerdict:
         results = self.run()
