@@ -9,9 +9,9 @@ from dataflow.analysis import (OperatorRow, analyse, format_fused_table, format_
 from dataflow.autodiff import TrainingGraph, build_training_graph
 from dataflow.fusion import AttentionCandidate, FusedGraph, attention_candidates, fuse
 from dataflow.graph import PrimitiveGraph
-from dataflow.sdfg_reader import walk_sdfg
 from dataflow.operators import Operator, group_operators
 from dataflow.sdfg import build_sdfg
+from dataflow.sdfg_reader import walk_sdfg
 from dataflow.spec import LayerSpec, load_spec
 
 
