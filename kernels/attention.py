@@ -21,9 +21,8 @@ without copies. The launchers take torch tensors whose ``.shape`` is the logical
 Dropout convention (``kernels.philox`` / ``dataflow.dropout_mask``): the probability at logical
 position (b, h, j, k) has logical index ``n = b*sb + h*sh + j*sj + k*sk``, where (sb, sh, sj, sk)
 are the row-major strides of the probabilities' dims in their spec order (``dropout_strides_for``);
-it is kept iff ``tl.rand(seed, offset + n) > dropout_p``. The kernels evaluate that with
-``_philox_keep``, the same Philox bits in fewer instructions (one Philox-4x32-10 per element is
-most of this operator's time: benchmarks/results/attention.md).
+it is kept iff the convention's uniform value of counter ``offset + n`` is ``> dropout_p``
+(``kernels.philox.dropout_keep``).
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 
@@ -32,65 +31,16 @@ the softmax runs in base 2 with log2(e) folded into the scale.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from kernels.philox import dropout_keep, keep_threshold
+
 LOG2E = 1.4426950408889634
-_TO_UNIFORM = np.float32(4.6566127342e-10)  # tl.rand's int32 -> [0, 1) factor
-
-
-@functools.lru_cache(maxsize=64)
-def keep_threshold(dropout_p: float) -> int:
-    """The int32 T with ``tl.rand(seed, n) > dropout_p  <=>  |x| > T``, x = Philox's first word as int32
-    and |x| = ``x ^ (x >> 31)`` (what tl.rand scales): the largest |x| that float32(|x|) * 2^-31 maps
-    to at most float32(dropout_p); the map is monotone, so a bisection finds it."""
-    p = np.float32(dropout_p)
-    low, high = -1, 2**31 - 1
-    while low < high:
-        mid = (low + high + 1) // 2
-        if np.float32(mid) * _TO_UNIFORM <= p:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
-@triton.jit
-def _philox_keep(seed, offset, logical_index, threshold):
-    """``kernels.philox.dropout_keep(seed, offset, logical_index, p)`` bit for bit, cheaper.
-
-    Philox-4x32-10 exactly as ``tl.rand`` runs it (counter (lo, hi, 0, 0) of offset + index, key =
-    the 64-bit seed, first output word), with each 32x32-bit product taken as one 64-bit product
-    (one IMAD.WIDE instead of separate high and low halves) and the uniform-float comparison
-    replaced by the integer one of ``keep_threshold``. ``threshold``: ``keep_threshold(p)``.
-    """
-    n = offset + logical_index
-    c0 = n.to(tl.uint32)
-    c1 = c0 * 0
-    if tl.constexpr(n.dtype.primitive_bitwidth) > 32:
-        c1 = (n >> 32).to(tl.uint32)
-    c2 = c0 * 0
-    c3 = c0 * 0
-    seed = tl.core.to_tensor(seed).to(tl.uint64)  # seed == 1 arrives as a constexpr
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    for _ in tl.static_range(10):
-        product_b = c2.to(tl.uint64) * 0xCD9E8D57
-        product_a = c0.to(tl.uint64) * 0xD2511F53
-        c0 = (product_b >> 32).to(tl.uint32) ^ c1 ^ k0
-        c2 = (product_a >> 32).to(tl.uint32) ^ c3 ^ k1
-        c1 = product_b.to(tl.uint32)
-        c3 = product_a.to(tl.uint32)
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
-    x = c0.to(tl.int32, bitcast=True)
-    return (x ^ (x >> 31)) > threshold
 
 
 @triton.jit
@@ -161,7 +111,7 @@ def _attn_fwd_kernel(
                 drop_idx = drop_row[:, None] + offs_k.to(tl.int64)[None, :] * drop_sk
             else:
                 drop_idx = drop_row[:, None] + offs_k[None, :] * drop_sk
-            p = tl.where(_philox_keep(seed, offset, drop_idx, drop_threshold), p, 0.0)
+            p = tl.where(dropout_keep(seed, offset, drop_idx, drop_threshold), p, 0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -280,7 +230,7 @@ def _attn_bwd_dkdv_kernel(
                 drop_idx = drop_col[:, None] + offs_j.to(tl.int64)[None, :] * drop_sj
             else:
                 drop_idx = drop_col[:, None] + offs_j[None, :] * drop_sj
-            keep = _philox_keep(seed, offset, drop_idx, drop_threshold)
+            keep = dropout_keep(seed, offset, drop_idx, drop_threshold)
             dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do)
             dpt = tl.where(keep, dpt * dropout_scale, 0.0)
         else:
@@ -365,7 +315,7 @@ def _attn_bwd_dq_kernel(
                 drop_idx = drop_row[:, None] + offs_k.to(tl.int64)[None, :] * drop_sk
             else:
                 drop_idx = drop_row[:, None] + offs_k[None, :] * drop_sk
-            dp = tl.where(_philox_keep(seed, offset, drop_idx, drop_threshold), dp * dropout_scale, 0.0)
+            dp = tl.where(dropout_keep(seed, offset, drop_idx, drop_threshold), dp * dropout_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq += tl.dot(ds, k)
 

@@ -18,7 +18,7 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   statistics between passes, outputs in the last pass;
 - fp32 arithmetic and statistics whatever the storage dtype, stores cast to each output's dtype;
 - dropout: a multiplication by a tensor of role "dropout" is not loaded but regenerated with
-  ``kernels.philox.dropout_keep(seed_<mask>, offset_<mask>, n, p)`` where ``n`` is the element's
+  ``kernels.philox.dropout_keep(seed_<mask>, offset_<mask>, n, keep_threshold(p))`` where ``n`` is the element's
   row-major index over the mask's letters in spec order, scaled by 1/(1-p); knob
   ``dropout="load"`` reads a stored mask (values 0 or 1/(1-p)) instead;
 - sizes as runtime int arguments ``size_<letter>``, dim names used in expressions (``N``,
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import triton
 
+from kernels.philox import keep_threshold
 from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
 
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
@@ -248,7 +249,7 @@ Knobs: {knobs}"""
             info = graph.tensors[t]
             index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
             scale = 1.0 / (1.0 - info.p)
-            w(f"{_var(t)} = tl.where(dropout_keep(seed_{t}, offset_{t}, {index}, {info.p!r}), {scale!r}, 0.0)  "
+            w(f"{_var(t)} = tl.where(dropout_keep(seed_{t}, offset_{t}, {index}, {keep_threshold(info.p)}), {scale!r}, 0.0)  "
               f"# dropout mask {t}[{axes[t]}] regenerated", depth)
         else:
             mask = mask_of(axes[t])

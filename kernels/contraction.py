@@ -335,7 +335,7 @@ class Epilogue:
     groups, any dense layout); optional save of y (``save="pre_activation"``); ``y = act(y)`` with
     ``activation`` in none/relu/gelu (tanh form); optional save (``save="pre_dropout"``); dropout with
     probability ``dropout_p``: element at logical row-major index n over the output's letters in spec
-    order is kept iff ``tl.rand(seed, offset + n) > dropout_p`` (``dataflow.dropout_mask``), kept
+    order is kept as ``dataflow.dropout_mask`` decides for counter ``offset + n`` (``kernels.philox``), kept
     values scaled by ``1 / (1 - dropout_p)``.
     """
 

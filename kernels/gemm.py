@@ -15,7 +15,7 @@ m/n), so one kernel serves every storage layout that ``kernels.contraction`` map
 Configs with ``tma=True`` read A and B through 4-d host tensor descriptors instead (TMA on Hopper:
 no address tiles in registers, no masks), which needs a unit-stride matrix dim and 16-byte
 aligned strides in both (``tma_compatible``); C, bias and saved always go through pointers.
-Dropout keeps element e iff ``kernels.philox.dropout_keep(seed, offset, n(e), p)``, where n(e) is
+Dropout keeps element e iff ``kernels.philox.dropout_keep(seed, offset, n(e), keep_threshold(p))``, where n(e) is
 its logical row-major index over the output's letters in spec order, assembled from per-dim digits
 ``(q1, q2, l0, l1, l2)``: a dim's flat index f adds ``(f % q1)*l0 + ((f // q1) % q2)*l1 +
 (f // (q1*q2))*l2`` (``kernels.contraction.dropout_digits`` derives them).  The mask therefore equals
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.philox import dropout_keep
+from kernels.philox import dropout_keep, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SAVES = ("none", "pre_activation", "pre_dropout")
@@ -167,7 +167,7 @@ def _gemm_kernel(
     stride_cb0, stride_cb1, stride_cm, stride_cn,
     stride_biasb0, stride_biasb1, stride_biasm, stride_biasn,
     stride_sb0, stride_sb1, stride_sm, stride_sn,
-    alpha, p, seed, offset,
+    alpha, p, threshold, seed, offset,  # threshold: kernels.philox.keep_threshold(p)
     q1_b0, q2_b0, l0_b0, l1_b0, l2_b0,  # dropout index digits of b0 (see _digits)
     q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
     q1_m, q2_m, l0_m, l1_m, l2_m,
@@ -253,7 +253,7 @@ def _gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // EPILOGUE_SPLIT)
     if EPILOGUE_SPLIT == 1:
         _epilogue(acc, offs_m, cols, M, N, base_c, stride_cm, stride_cn, base_bias, stride_biasm, stride_biasn,
-                  base_saved, stride_sm, stride_sn, p, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m,
+                  base_saved, stride_sm, stride_sn, p, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m,
                   q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT, INDEX_64, SAVE, ROUND_BF16)
     else:  # column halves (then quarters): [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N)
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
@@ -265,7 +265,7 @@ def _gemm_kernel(
             parts = (left_left, left_right, right_left, right_right)
         for h in tl.static_range(EPILOGUE_SPLIT):
             _epilogue(parts[h], offs_m, cols + h * (BLOCK_N // EPILOGUE_SPLIT), M, N, base_c, stride_cm, stride_cn,
-                      base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn, p, seed, offset, index_b,
+                      base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn, p, threshold, seed, offset, index_b,
                       q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
                       HAS_BIAS, ACTIVATION, HAS_DROPOUT, INDEX_64, SAVE, ROUND_BF16)
 
@@ -275,7 +275,7 @@ def _epilogue(acc, offs_m, offs_n, M, N,
               c_ptr, stride_cm, stride_cn,  # C tile base (batch offsets applied)
               bias_ptr, stride_biasm, stride_biasn,
               saved_ptr, stride_sm, stride_sn,
-              p, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
+              p, threshold, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
               q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
               SAVE: tl.constexpr, ROUND_BF16: tl.constexpr):
@@ -299,7 +299,7 @@ def _epilogue(acc, offs_m, offs_n, M, N,
                  + _digits(offs_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
         if INDEX_64:
             index = index.to(tl.int64)
-        keep = dropout_keep(seed, offset, index, p)
+        keep = dropout_keep(seed, offset, index, threshold)
         acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(c_ptr.dtype.element_ty), mask=mask)
@@ -362,7 +362,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         a_src, b_src, c, c if bias is None else bias, c if saved is None else saved,
         shape.b1, shape.m, shape.n, shape.k,
         *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)),
-        alpha, dropout_p, seed, offset,
+        alpha, dropout_p, keep_threshold(dropout_p), seed, offset,
         *digits[0], *digits[1], *digits[2], *digits[3],
         HAS_BIAS=bias is not None, ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0,
         INDEX_64=dropout_p > 0 and offset + c.numel() >= 2**31, SAVE=save,

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from dataflow.dropout_mask import keep_mask
 from dataflow.executor import dropout_offsets, tensor_shape
-from kernels.philox import dropout_keep
+from kernels.philox import dropout_keep, keep_threshold
 
 
 def _scalar_or(fn_tensor, fn_scalar):
@@ -61,12 +61,12 @@ FUNCTIONS = {"exp": _scalar_or(torch.exp, math.exp), "log": _scalar_or(torch.log
 
 @triton.jit
 def _keep_kernel(out_ptr,  # [n] int8: 1 where kept
-                 n, seed, offset, p, BLOCK: tl.constexpr, INDEX64: tl.constexpr):
+                 n, seed, offset, threshold, BLOCK: tl.constexpr, INDEX64: tl.constexpr):
     pid = tl.program_id(0)
     if INDEX64:
         pid = pid.to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
-    keep = dropout_keep(seed, offset, idx, p)
+    keep = dropout_keep(seed, offset, idx, threshold)
     tl.store(out_ptr + idx, keep.to(tl.int8), mask=idx < n)
 
 
@@ -79,7 +79,7 @@ def keep_mask_torch(seed: int, offset: int, shape: tuple, p: float, device) -> t
     n = math.prod(shape)
     out = torch.empty(n, dtype=torch.int8, device=device)
     block = 1024
-    _keep_kernel[(triton.cdiv(n, block),)](out, n, seed, offset, float(p), BLOCK=block,
+    _keep_kernel[(triton.cdiv(n, block),)](out, n, seed, offset, keep_threshold(p), BLOCK=block,
                                            INDEX64=offset + n + block >= 2 ** 31)
     return out.view(shape).bool()
 

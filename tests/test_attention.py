@@ -13,9 +13,8 @@ import triton.language as tl
 
 from dataflow.dropout_mask import keep_mask
 from kernels.accuracy import assert_closer, relative_error
-from kernels.attention import (_philox_keep, attention_configs, attention_forward, default_config,
-                               dropout_strides_for, fused_attention, keep_threshold)
-from kernels.philox import dropout_keep
+from kernels.attention import (attention_configs, attention_forward, default_config,
+                               dropout_strides_for, fused_attention)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 operands: exact products in the interpreter, TF32 dots on a GPU
@@ -192,27 +191,6 @@ def test_config_space_runs():
                                      causal=True, forward_config=fwd, backward_config=bwd)
         for name, g, r in zip(NAMES, got, reference):
             assert relative_error(g, r) < FP32_TOL, f"{name} {fwd} {bwd}: {relative_error(g, r):.2e}"
-
-
-@triton.jit
-def _keep_both_kernel(ours_ptr, convention_ptr, n, seed, offset, p, threshold, BLOCK: tl.constexpr):
-    # ours_ptr, convention_ptr: (n,) int8 keep flags from _philox_keep and kernels.philox.dropout_keep
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = idx < n
-    tl.store(ours_ptr + idx, _philox_keep(seed, offset, idx, threshold).to(tl.int8), mask=inside)
-    tl.store(convention_ptr + idx, dropout_keep(seed, offset, idx, p).to(tl.int8), mask=inside)
-
-
-@pytest.mark.parametrize("seed,offset,p", [(0x5EED, 0, 0.1), (1, 1, 0.25), (2**40 + 3, 977, 0.5), (7, 2**33 + 5, 0.9),
-                                           (2**63 - 1, 123, 1e-3)])
-def test_philox_keep_is_the_convention(seed, offset, p):
-    """The kernels' cheaper Philox gives dropout_keep's and keep_mask's decisions bit for bit."""
-    n = 3001
-    ours, convention = (torch.empty(n, dtype=torch.int8, device=DEVICE) for _ in range(2))
-    _keep_both_kernel[(triton.cdiv(n, 1024),)](ours, convention, n, seed, offset, p, keep_threshold(p), BLOCK=1024)
-    expected = torch.from_numpy(keep_mask(seed, offset, (n,), p))
-    assert torch.equal(convention.cpu().bool(), expected)
-    assert torch.equal(ours.cpu().bool(), expected)
 
 
 def test_seeds_give_different_masks():

@@ -157,7 +157,8 @@ def test_dropout_masks_follow_the_seed_offset_convention(graphs):
     names = [name for name, info in graph.tensors.items() if info.role == "dropout"]
     assert list(offsets) == names and offsets[names[0]] == 0
     for before, after in zip(names, names[1:]):
-        assert offsets[after] == offsets[before] + graph.size(graph.tensors[before].letters)
+        size = graph.size(graph.tensors[before].letters)  # odd test dims: rounded up to whole Philox calls
+        assert offsets[after] == offsets[before] + size + (-size) % 4 and offsets[after] % 4 == 0
     result = execute(training.graph, random_inputs(graph, training, np.random.default_rng(3)), SEED)
     mask = dropout_scale_mask(SEED, offsets["drop_attn"], tensor_shape(graph, "drop_attn"), 0.1)
     np.testing.assert_array_equal(result["drop_attn"], mask)

@@ -54,9 +54,10 @@ def test_masks_follow_the_dropout_convention():
     shape, p = (3, 5, 7), 0.3
     expected = keep_mask(11, 1000, shape, p)
     assert torch.equal(keep_mask_torch(11, 1000, shape, p, "cpu"), torch.from_numpy(expected))
+    from kernels.philox import keep_threshold
     from kernels.torch_eval import _keep_kernel  # the GPU path, here through the interpreter
     out = torch.empty(105, dtype=torch.int8)
-    _keep_kernel[(2,)](out, 105, 11, 1000, p, BLOCK=64, INDEX64=False)
+    _keep_kernel[(2,)](out, 105, 11, 1000, keep_threshold(p), BLOCK=64, INDEX64=False)
     assert torch.equal(out.view(shape).bool(), torch.from_numpy(expected))
 
 
