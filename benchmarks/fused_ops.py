@@ -1,16 +1,21 @@
 """Sweep every fused element-wise / normalization operator of the training graphs over its layouts.
 
     PYTHONPATH=$PWD python3 benchmarks/fused_ops.py [--spec bert gpt2] [--budget-s 840] [--db tuning.db]
-        [--dims B=8,L=512] [--exhaustive] [--limit-ops N] [--limit-configs N] [--out benchmarks/results]
+        [--dims B=8,L=512] [--exhaustive] [--search two-stage|all] [--top 3] [--compile-workers 15]
+        [--limit-ops N] [--limit-configs N] [--out benchmarks/results]
 
 No DaCe needed: graphs come from the stored snapshots (``dataflow.snapshot``: fused training
 graphs and closed forms).  For each fused operator of each spec: PyTorch
-eager's sequence of the unfused operators it replaces (``kernels.eager``) and every configuration
+eager's sequence of the unfused operators it replaces (``kernels.eager``) and the configurations
 of its layout space (``layouts.space.configurations``, pruned unless ``--exhaustive``) go through
-``kernels.bench.Sweep`` (``kernels.sweep_variants``): built, checked against a float64 evaluation
-on the device, timed (CUDA events, L2 flushed, medians), each record committed to the tuning DB
+``kernels.bench.Sweep`` (``kernels.sweep_variants``): compiled ahead in ``--compile-workers``
+processes, built, checked against a float64 evaluation on the device, timed (CUDA events, L2
+flushed, medians), each record committed to the tuning DB
 as it is made, so a killed or out-of-budget run resumes where it stopped and a repeated run only
-reads the DB.  Then the report: per operator the best variant (layouts, knobs), its median time,
+reads the DB.  Search: ``two-stage`` measures every access pattern (each tensor's layout, the
+vectorised letter and the letter order: ``layouts.space.access_pattern``) with mid-sized knobs,
+then every knob setting of the ``--top`` fastest patterns of each operator; ``all`` measures every
+configuration.  Then the report: per operator the best variant (layouts, knobs), its median time,
 bytes moved (distinct input + output elements x 2 bytes; dropout masks are regenerated, not
 read), achieved GB/s and % of the copy bandwidth measured on this device (``measure_ceilings``,
 kept in the DB), the eager time and the speedup; totals.  Written to ``fused_ops.md`` / ``.json``
@@ -127,9 +132,18 @@ def main() -> int:
     parser.add_argument("--db", default="tuning.db")
     parser.add_argument("--dims", help="dim overrides, e.g. B=2,L=65 (default: the specs' sizes)")
     parser.add_argument("--exhaustive", action="store_true", help="every layout of every tensor (default: pruned)")
+    parser.add_argument("--search", choices=("two-stage", "all"), default="two-stage",
+                        help="two-stage (default): every access pattern (layouts, vector letter, letter order) with "
+                             "default knobs, then every knob setting of the --top fastest patterns per operator; "
+                             "all: every configuration")
+    parser.add_argument("--top", type=int, default=3, help="access patterns per operator tuned in the second stage")
     parser.add_argument("--budget-s", type=float, default=None, help="stop after this long; rerun to go on")
     parser.add_argument("--limit-ops", type=int, default=None, help="the first N fused operators per spec")
     parser.add_argument("--limit-configs", type=int, default=None, help="the first N configurations per operator")
+    parser.add_argument("--compile-workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
+                        help="processes compiling kernels ahead of the timing (GPU only; 0: compile in line)")
+    parser.add_argument("--warmup-ms", type=float, default=5.0, help="untimed repetitions per variant, ms")
+    parser.add_argument("--rep-ms", type=float, default=25.0, help="timed repetitions per variant, ms")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
@@ -140,18 +154,37 @@ def main() -> int:
     device = "cuda" if gpu else "cpu"
     trainings = {name: t.with_dims(parse_dims(args.dims)) for name, t in snapshot.stored_fused().items() if name in args.spec}
     db = TuningDB(args.db)
-    all_variants, notes = [], {}
+    spaces, notes = [], {}
     for spec, training in trainings.items():
-        variants, spec_notes = sweep_variants(spec, training, device, dtype=dtype, exhaustive=args.exhaustive,
-                                              limit_ops=args.limit_ops, limit_configs=args.limit_configs)
-        all_variants += variants
+        spec_spaces, spec_notes = sweep_variants(spec, training, device, dtype=dtype, exhaustive=args.exhaustive,
+                                                 limit_ops=args.limit_ops, limit_configs=args.limit_configs)
+        spaces += spec_spaces
         notes.update({f"{spec}:{k}": v for k, v in spec_notes.items()})
-    print(f"{len(all_variants)} variants over {', '.join(trainings)} ({'exhaustive' if args.exhaustive else 'pruned'} spaces)",
-          file=sys.stderr)
+    total = sum(len(s.variants()) for s in spaces)
+    patterns = sum(len(s.patterns) for s in spaces)
+    print(f"{total} variants ({patterns} access patterns) over {', '.join(trainings)} "
+          f"({'exhaustive' if args.exhaustive else 'pruned'} spaces, search: {args.search})", file=sys.stderr)
     for name, note in notes.items():
         print(f"  {name}: {note}", file=sys.stderr)
-    budget = None if args.budget_s is None else max(0.0, args.budget_s - (time.monotonic() - started))
-    report = Sweep(db, all_variants, budget_s=budget, progress=not args.no_progress).run()
+
+    stages = []
+
+    def sweep(variants):
+        budget = None if args.budget_s is None else max(0.0, args.budget_s - (time.monotonic() - started))
+        stages.append(Sweep(db, variants, budget_s=budget, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                            progress=not args.no_progress, compile_workers=args.compile_workers).run())
+        return stages[-1]
+
+    if args.search == "all":
+        sweep([v for s in spaces for v in s.variants()])
+    elif sweep([v for s in spaces for v in s.first_stage()]).stopped is None:
+        ranker = Sweep(db, [], progress=False)
+        sweep([v for s in spaces for v in s.second_stage(ranker.ranked(s.first_stage()), args.top)])
+    sweep_wall_s = time.monotonic() - started
+    report = stages[0]
+    for later in stages[1:]:
+        report.counts = {k: report.counts[k] + later.counts[k] for k in report.counts}
+        report.stopped, report.remaining = later.stopped, later.remaining
     if not report.measured:
         print(f"{CPU_DEVICE}: NOTHING WAS MEASURED (no GPU). {report.summary()}. No results written.")
         return 0 if report.counts["wrong"] == 0 else 1
@@ -160,7 +193,7 @@ def main() -> int:
     dtype_name = str(dtype).removeprefix("torch.")
     rows = [row for spec, t in trainings.items() for row in operator_rows(db, report.device, spec, t, dtype_name)]
     if args.limit_ops is not None:
-        keep = {v.op_obj.name for v in all_variants}
+        keep = {s.op.name for s in spaces}
         rows = [r for r in rows if r["operator"] in keep]
     add_ratios(rows, ceilings.copy_bytes_per_s)
     sums = totals(rows)
@@ -170,8 +203,10 @@ def main() -> int:
         "device": report.device, "facts": facts.to_dict(), "versions": versions(), "dtype": dtype_name,
         "copy_bytes_per_s": ceilings.copy_bytes_per_s,
         "sweep": {"counts": report.counts, "stopped": report.stopped, "remaining": report.remaining,
-                  "exhaustive": args.exhaustive, "limit_ops": args.limit_ops, "limit_configs": args.limit_configs,
-                  "wall_s": time.monotonic() - started},
+                  "exhaustive": args.exhaustive, "search": args.search, "top": args.top, "variants": total,
+                  "access_patterns": patterns, "limit_ops": args.limit_ops, "limit_configs": args.limit_configs,
+                  "compile_workers": args.compile_workers, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+                  "wall_s": sweep_wall_s},
         "notes": notes, "dims": {s: t.graph.dim_values for s, t in trainings.items()},
         "operators": rows, "totals": sums,
     }
@@ -180,7 +215,9 @@ def main() -> int:
         f"# Fused element-wise / normalization operators: best layout vs PyTorch eager\n\n"
         f"{result['date']}, {report.device}, torch {versions().get('torch')}, triton {versions().get('triton')}, "
         f"CUDA {versions().get('cuda_runtime')}; {dtype_name}; measured copy bandwidth {ceilings.copy_bytes_per_s / 1e9:.0f} GB/s.\n"
-        f"Sweep: {report.summary()}; {result['sweep']['wall_s']:.0f} s wall.\n\n"
+        f"Sweep ({args.search}, {'exhaustive' if args.exhaustive else 'pruned'} spaces: {total} configurations "
+        f"in {patterns} access patterns, top {args.top} patterns tuned): {report.summary()}; "
+        f"{sweep_wall_s:.0f} s wall with {args.compile_workers} compile workers.\n\n"
         "Times: medians of CUDA-event timings with L2 flushed (``kernels.bench.time_cuda``). Bytes: distinct "
         "input + output elements x 2 (dropout masks regenerated, not read). Eager: the unfused member "
         "operators as PyTorch calls (``kernels.eager``), measured in the same sweep.\n\n" + text + "\n")

@@ -174,6 +174,10 @@ class Variant(Protocol):
     def check(self):
         """Run and compare against the reference; return a verdict with ``.passed`` (``kernels.accuracy.Closeness``)."""
 
+    # Optional: ``compile_task() -> (function, args)``, picklable, whose call in a fresh process on
+    # the same GPU model compiles what ``build()`` needs into the on-disk caches (Triton's); see
+    # ``Sweep(compile_workers=)``.
+
 
 @dataclass
 class SweepReport:
@@ -198,6 +202,12 @@ class SweepReport:
 class Sweep:
     """Build, check and time ``variants`` into ``db``, skipping those already recorded.
 
+    ``compile_workers`` > 0 (GPU only): variants with a ``compile_task`` are compiled ahead in that
+    many worker processes (spawned: each compiles into Triton's on-disk cache, in the sweep's order),
+    while the main process builds, checks and times the variants whose compilation has finished;
+    ``build()`` then only loads binaries.  A task that fails is not recorded by the worker: ``build()``
+    meets the same error and records it.
+
     For each variant not in the DB: ``build()`` -- any exception records 'failed' with the reason;
     ``check()`` -- an exception records 'failed', a verdict that did not pass records 'wrong' (never
     timed); then ``time_cuda(run)`` records 'ok' (or 'failed' if timing raised).  Without a GPU
@@ -208,7 +218,7 @@ class Sweep:
 
     def __init__(self, db: TuningDB, variants: list, *, budget_s: float | None = None, warmup_ms: float = 25.0,
                  rep_ms: float = 100.0, flush_l2: bool = True, cuda_graph: bool | None = None,
-                 progress: bool = True, console=None):
+                 progress: bool = True, console=None, compile_workers: int = 0):
         from rich.console import Console
 
         self.db = db
@@ -216,6 +226,7 @@ class Sweep:
         self.budget_s = budget_s
         self.timing = {"warmup_ms": warmup_ms, "rep_ms": rep_ms, "flush_l2": flush_l2, "cuda_graph": cuda_graph}
         self.progress = progress
+        self.compile_workers = compile_workers
         self.console = console or Console(stderr=True)
         facts = query_device()
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -256,7 +267,9 @@ class Sweep:
         started = time.monotonic()
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[counts]}"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
-        with Progress(*columns, console=self.console, disable=not self.progress) as bar:
+        pending = [v for v in self.variants if self.db.lookup(self.key(v)) is None]
+        with _Compiler(self.compile_workers if self.measured else 0, pending) as compiler, \
+                Progress(*columns, console=self.console, disable=not self.progress) as bar:
             task = bar.add_task("sweep", total=len(self.variants), counts="")
             done = 0
             try:
@@ -269,6 +282,7 @@ class Sweep:
                         status = "skipped"
                     else:
                         bar.update(task, description=f"{variant.op} {variant.knobs}")
+                        compiler.wait(variant)
                         status = self._measure(key, variant)
                     report.counts[status] += 1
                     done += 1
@@ -316,6 +330,39 @@ class Sweep:
         reason = f"{stage}: {type(exc).__name__}: {exc}"[:REASON_CHARS]
         self.db.put(Record(key, "failed", detail=reason, **counts))
         return "failed"
+
+
+class _Compiler:
+    """Worker processes running the ``compile_task`` of each variant, in order (``Sweep(compile_workers=)``).
+    Leaving the ``with`` block drops the tasks not yet started."""
+
+    def __init__(self, workers: int, variants: list):
+        tasks = {id(v): v.compile_task() for v in variants if workers > 0 and hasattr(v, "compile_task")}
+        tasks = {k: t for k, t in tasks.items() if t is not None}
+        self.pool, self.futures = None, {}
+        if tasks:
+            import concurrent.futures
+            import multiprocessing
+
+            self.pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)),
+                                                               mp_context=multiprocessing.get_context("spawn"))
+            self.futures = {k: self.pool.submit(fn, *args) for k, (fn, args) in tasks.items()}
+
+    def wait(self, variant) -> None:
+        """Until ``variant``'s task (if any) has run; its failure is left to ``build()``."""
+        future = self.futures.get(id(variant))
+        if future is not None:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - build() meets the same error in this process and records it
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _cuda_context_alive(measured: bool) -> bool:

@@ -542,8 +542,6 @@ class CompiledOperator:
         return (sum(self._programs(plan, knobs) for plan, knobs in zip(self.plans, self.part_knobs)),)
 
     def run(self, tensors: dict, seeds: dict | None = None) -> dict:
-        graph, knobs = self.graph, self.config.knobs
-        seeds = seeds or {}
         for plan in self.plans:
             for t in plan.loads:
                 expected = tuple(self._size(plan, l) for l in plan.letters.tensor_axes[t])
@@ -551,9 +549,27 @@ class CompiledOperator:
                     raise ValueError(f"{t}: shape {tuple(tensors[t].shape)} != {expected} "
                                      f"(spec order {plan.letters.tensor_axes[t]})")
         reference = next((tensors[t] for t in self.loads if tensors[t].is_floating_point()
-                          and graph.tensors[t].role != "dropout"), tensors[self.loads[0]])
-        outputs = {t: allocate(graph, t, self.config.layouts[t], reference.dtype, reference.device)
+                          and self.graph.tensors[t].role != "dropout"), tensors[self.loads[0]])
+        outputs = {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
                    for plan in self.plans for t in plan.outputs}
+        kernel, args, kwargs, programs = self._launch(tensors, outputs, seeds or {})
+        kernel[(programs,)](*args, **kwargs)
+        return outputs
+
+    def warmup(self, dtype: torch.dtype, seeds: dict) -> None:
+        """Compile for ``dtype`` inputs and outputs stored in the configured layouts, without
+        running anything: fills Triton's on-disk cache, so that a later ``run`` in any process on
+        the same GPU model only loads the binary (``kernels.bench.Sweep`` compiles ahead in worker
+        processes this way).  ``seeds`` as for ``run`` (their values take part in specialisation)."""
+        stored = {t: allocate(self.graph, t, self.config.layouts.get(t, self.graph.tensors[t].letters), dtype, "meta")
+                  for t in self.loads}
+        outputs = {t: allocate(self.graph, t, self.config.layouts[t], dtype, "meta")
+                   for plan in self.plans for t in plan.outputs}
+        kernel, args, kwargs, programs = self._launch(stored, outputs, seeds)
+        kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=(programs,), **kwargs)
+
+    def _launch(self, tensors: dict, outputs: dict, seeds: dict) -> tuple:
+        """(kernel, positional args, keyword args, programs) of one launch on ``tensors`` -> ``outputs``."""
         reach, args, ends, blocks = [], [], [], {}
         for k, (plan, part_knobs) in enumerate(zip(self.plans, self.part_knobs)):
             axes = plan.letters.tensor_axes
@@ -564,7 +580,7 @@ class CompiledOperator:
             for x in bound.values():
                 args += list(x.stride())
             args += [self._size(plan, l) for l in plan.letters.letters]
-            args += [float(graph.dim_values[d]) for d in plan.dim_names]
+            args += [float(self.graph.dim_values[d]) for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
                 args += [int(seed), int(offset)]
@@ -576,8 +592,7 @@ class CompiledOperator:
             args += ends[:-1]
         index64 = max(reach) >= 2 ** 31 - 1
         kernel = self._kernels.get(index64) or self._variant(index64)[0]
-        kernel[(ends[-1],)](*args, **blocks, num_warps=knobs["num_warps"])
-        return outputs
+        return kernel, args, {**blocks, "num_warps": self.config.knobs["num_warps"]}, ends[-1]
 
 
 _compiled: dict[tuple, CompiledOperator] = {}

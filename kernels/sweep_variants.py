@@ -32,7 +32,7 @@ from kernels.accuracy import Closeness
 from kernels.codegen import allocate, compile_operator
 from kernels.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
 from kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
-from layouts.space import configurations
+from layouts.space import access_pattern, configurations, representatives
 
 DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
 # zero (GPUs round to nearest), so CPU checks of generated kernels use float32 instead
@@ -182,8 +182,16 @@ class FusedVariant:
     def check(self) -> Verdict:
         return self.ws.verdict(self.op_obj, self.run())
 
+    def compile_task(self) -> tuple:
+        """(function, args) compiling this variant's kernel in another process (``kernels.bench.Sweep``)."""
+        return _compile_ahead, (self.ws.graph, self.op_obj, self.config, self.ws.dtype, self.ws.seeds(self.op_obj))
+
     def release(self) -> None:
         self.tensors = None
+
+
+def _compile_ahead(graph, op, config, dtype, seeds) -> None:
+    compile_operator(graph, op, config).warmup(dtype, seeds)
 
 
 class EagerVariant:
@@ -219,19 +227,48 @@ class EagerVariant:
         self.runner = None
 
 
+@dataclass
+class OperatorSpace:
+    """One fused operator's variants: ``eager`` (PyTorch's unfused sequence) and, per access pattern
+    of its configurations (``layouts.space.access_pattern``), the variants of that pattern with
+    ``representatives``' choice first."""
+
+    op: object
+    eager: EagerVariant
+    patterns: dict  # access pattern -> [FusedVariant, ...]
+
+    def variants(self) -> list:
+        """The eager baseline and every configuration."""
+        return [self.eager] + [v for group in self.patterns.values() for v in group]
+
+    def first_stage(self) -> list:
+        """The eager baseline and one configuration per access pattern (every layout, default knobs)."""
+        return [self.eager] + [group[0] for group in self.patterns.values()]
+
+    def second_stage(self, ranked: list, top: int) -> list:
+        """Every configuration of the ``top`` access patterns whose first-stage variants come first
+        in ``ranked`` (``kernels.bench.Sweep.ranked`` of ``first_stage()``)."""
+        best = [access_pattern(v.config) for v in ranked if isinstance(v, FusedVariant)][:top]
+        return [v for pattern in best for v in self.patterns[pattern]]
+
+
 def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool = False,
-                   limit_ops: int | None = None, limit_configs: int | None = None, seed: int = 0) -> tuple[list, dict]:
-    """(variants, notes): per fused operator its eager baseline, then its configurations (at most
-    ``limit_configs`` each); the first ``limit_ops`` operators only.  ``notes``: {operator: why
-    it has no configurations}."""
+                   limit_ops: int | None = None, limit_configs: int | None = None,
+                   seed: int = 0) -> tuple[list[OperatorSpace], dict]:
+    """(spaces, notes): one ``OperatorSpace`` per fused operator (the first ``limit_ops``), with at
+    most ``limit_configs`` configurations each.  ``notes``: {operator: why it has no configurations}."""
     ws = Workspace(training, device, dtype, seed)
-    variants, notes = [], {}
+    spaces, notes = [], {}
     for op in fused_operators(training)[:limit_ops]:
-        variants.append(EagerVariant(ws, spec, op))
         try:
-            configs = configurations(training.graph, op, exhaustive=exhaustive)
+            configs = configurations(training.graph, op, exhaustive=exhaustive)[:limit_configs]
         except Exception as exc:  # an operator the layout space cannot describe yet
             configs, notes[op.name] = [], f"no configurations: {type(exc).__name__}: {exc}"
-        for config in configs[:limit_configs]:
-            variants.append(FusedVariant(ws, spec, op, config))
-    return variants, notes
+        first = {access_pattern(c): c for c in representatives(configs)}
+        patterns: dict = {}
+        for config in configs:
+            patterns.setdefault(access_pattern(config), []).append(config)
+        spaces.append(OperatorSpace(op, EagerVariant(ws, spec, op), {
+            pattern: [FusedVariant(ws, spec, op, c) for c in [first[pattern]] + [c for c in group if c is not first[pattern]]]
+            for pattern, group in patterns.items()}))
+    return spaces, notes

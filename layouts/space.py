@@ -340,3 +340,32 @@ def default_configuration(graph, op) -> Configuration:
     choices = knob_choices(graph, letters, vector, order)
     preferred = [k for k in choices if k["mode"] in ("tile", "row") and k["num_warps"] == 4] or choices
     return Configuration(layouts, preferred[len(preferred) // 2])
+
+
+def access_pattern(config: Configuration) -> str:
+    """The part of ``config`` that decides which addresses a tile touches: the tensors' layouts and
+    (per part) the vector letter and letter order.  Configurations with the same pattern differ
+    only in tile sizes, mode, warps and the dropout source (the *knobs* of a two-stage search)."""
+    parts_knobs = config.knobs["parts"] if "parts" in config.knobs else (config.knobs,)
+    layouts = ",".join(f"{t}:{config.layouts[t]}" for t in sorted(config.layouts))
+    return layouts + "|" + ";".join(f"{k['vector']}/{k['order']}" for k in parts_knobs)
+
+
+def representatives(configs: list[Configuration]) -> list[Configuration]:
+    """One configuration per ``access_pattern`` of ``configs`` (first-seen order): among those
+    with whole-row or tile modes and 4 warps (else all), the middle one, as in
+    ``default_configuration``: the first stage of a two-stage search measures these."""
+    groups: dict[str, list[Configuration]] = {}
+    for config in configs:
+        groups.setdefault(access_pattern(config), []).append(config)
+    chosen = []
+    for group in groups.values():
+        preferred = [c for c in group if _plain(c)] or group
+        chosen.append(preferred[len(preferred) // 2])
+    return chosen
+
+
+def _plain(config: Configuration) -> bool:
+    modes = [k["mode"] for k in (config.knobs["parts"] if "parts" in config.knobs else (config.knobs,))]
+    return all(m in ("tile", "row") for m in modes) and config.knobs["num_warps"] == 4 \
+        and config.knobs.get("dropout", "regenerate") == "regenerate"

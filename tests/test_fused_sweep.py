@@ -18,7 +18,7 @@ from kernels.bench import Sweep
 from kernels.eager import EagerRun, eager_plan
 from kernels.torch_eval import evaluate, graph_inputs, keep_mask_torch
 from kernels.tuning_db import TuningDB
-from layouts.space import Configuration, default_configuration
+from layouts.space import Configuration, access_pattern, configurations, default_configuration
 from dataflow import snapshot
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
@@ -97,9 +97,9 @@ def test_eager_baseline_computes_the_reference(spec, name, kinds):
 def _variants(limit_configs=1):
     variants = []
     for spec in ("bert", "gpt2"):
-        found, notes = sv.sweep_variants(spec, _training(spec), "cpu", dtype=torch.float32, limit_configs=limit_configs)
+        spaces, notes = sv.sweep_variants(spec, _training(spec), "cpu", dtype=torch.float32, limit_configs=limit_configs)
         assert not notes, notes
-        variants += found
+        variants += [v for space in spaces for v in space.variants()]
     return variants
 
 
@@ -156,3 +156,46 @@ def test_judge_treats_a_cancelled_reference_by_scale():
     assert close.passed and close.error < 1e-3
     far = sv.judge(torch.full((64,), 1e-2), torch.full((64,), 1e-7), reference)
     assert not far.passed
+
+
+def test_two_stage_search_covers_every_layout_then_tunes_the_best():
+    """First stage: one variant per access pattern (every layout); second: every configuration of
+    the patterns ranked first."""
+    spaces, _ = sv.sweep_variants("bert", _training("bert"), "cpu", dtype=torch.float32)
+    space = next(s for s in spaces if s.op.name == "stack(q,k,v)")
+    configs = configurations(space.eager.ws.graph, space.op)
+    first = space.first_stage()
+    assert first[0] is space.eager
+    assert [access_pattern(v.config) for v in first[1:]] == list(dict.fromkeys(access_pattern(c) for c in configs))
+    assert len(space.variants()) == len(configs) + 1 and len(first) < len(configs)
+    ranked = list(reversed(first[1:]))  # pretend the last pattern measured fastest
+    second = space.second_stage(ranked, top=2)
+    patterns = [access_pattern(v.config) for v in ranked[:2]]
+    assert {access_pattern(v.config) for v in second} == set(patterns)
+    assert len(second) == sum(access_pattern(c) in patterns for c in configs)
+
+
+@pytest.mark.gpu
+def test_compiling_ahead_in_workers_leaves_only_loading(tmp_path):
+    """At full size: kernels compiled by ``Sweep(compile_workers=2)``'s spawned processes are only
+    loaded by the sweep's own builds (Triton's disk cache), and every variant is timed."""
+    import concurrent.futures
+    import multiprocessing
+
+    training = snapshot.stored_fused()["bert"]
+    spaces, _ = sv.sweep_variants("bert", training, "cuda")
+    space = next(s for s in spaces if s.op.name == "alpha")
+    fresh = [v for v in space.variants()[1:] if v.knobs["num_warps"] == 2][:3]
+    assert len(fresh) == 3
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        fn, args = fresh[0].compile_task()
+        pool.submit(fn, *args).result()
+    started = time.monotonic()
+    fresh[0].build()
+    loaded_s = time.monotonic() - started
+    print(f"build after a worker compiled it: {loaded_s:.3f} s")
+    assert loaded_s < 0.5
+    with TuningDB(tmp_path / "t.db") as db:
+        report = Sweep(db, fresh[1:], compile_workers=2, progress=False).run()
+    assert report.counts["ok"] == 2, report.summary()
