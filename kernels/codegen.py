@@ -17,10 +17,15 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   (layernorm: mean, then variance, then the outputs; softmax: max, then sum, then outputs),
   statistics between passes, outputs in the last pass;
 - fp32 arithmetic and statistics whatever the storage dtype, stores cast to each output's dtype;
-- dropout: a multiplication by a tensor of role "dropout" is not loaded but regenerated with
-  ``kernels.philox.dropout_keep(seed_<mask>, offset_<mask>, n, keep_threshold(p))`` where ``n`` is the element's
-  row-major index over the mask's letters in spec order, scaled by 1/(1-p); knob
-  ``dropout="load"`` reads a stored mask (values 0 or 1/(1-p)) instead;
+- dropout: a multiplication by a tensor of role "dropout" is not loaded but regenerated from the
+  counter ``offset_<mask> + n`` (``n`` the element's row-major index over the mask's letters in
+  spec order, ``dataflow.dropout_mask``), scaled by 1/(1-p).  When the tile's column letters are
+  the mask's trailing letters in spec order (consecutive columns = consecutive n), their extent is
+  a multiple of 4 and BLOCK_COL too, the mask takes one Philox call per four columns
+  (``kernels.philox.dropout_keep_quads`` on a [rows, BLOCK_COL // 4] block of call counters; this
+  needs ``offset_<mask> % 4 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees);
+  otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
+  Knob ``dropout="load"`` reads a stored mask (values 0 or 1/(1-p)) instead;
 - sizes as runtime int arguments ``size_<letter>``, dim names used in expressions (``N``,
   ``sqrt(P)``) as float arguments ``dim_<name>``.
 """
@@ -58,6 +63,21 @@ class _Plan:
     regenerated: tuple  # dropout masks regenerated from (seed, offset)
     outputs: tuple
     dim_names: tuple  # dim names used in expressions -> dim_<name> float args
+    quads: tuple  # the regenerated masks drawn one Philox call per four columns (``_quad_masks``)
+
+
+def _quad_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
+    """The masks of ``regenerated`` whose decisions can come four per Philox call along the tile's
+    columns: the column letters ``cols`` are the mask's trailing letters in spec order (column c of
+    a row is logical index ``row base + c``), their extent is a multiple of 4 (so is every other
+    logical stride: each row base starts a Philox call) and so is ``block_col`` (each block of
+    columns starts one)."""
+    extent = 1
+    for letter in cols:
+        extent *= graph.dim_values[letters.dims[letter]]
+    if not cols or extent % 4 or block_col % 4:
+        return ()
+    return tuple(t for t in regenerated if letters.tensor_axes[t].endswith(cols))
 
 
 def _plan(graph, op, knobs: dict) -> _Plan:
@@ -82,7 +102,9 @@ def _plan(graph, op, knobs: dict) -> _Plan:
             for node in ast.walk(ast.parse(prim.expr, mode="eval")):
                 if isinstance(node, ast.Name) and node.id in graph.dim_values:
                     dim_names.add(node.id)
-    return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)))
+    quads = _quad_masks(graph, letters, cols, regenerated, knobs["block_col"])
+    return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),
+                 quads)
 
 
 class _Expr(ast.NodeTransformer):
@@ -201,12 +223,14 @@ Knobs: {knobs}"""
     if plan.reduce_axis is None:
         w("col_blocks = tl.cdiv(n_cols, BLOCK_COL)")
         w("rows = (pid // col_blocks) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)")
-        w("cols = (pid % col_blocks) * BLOCK_COL + tl.arange(0, BLOCK_COL)")
+        w("col_start = (pid % col_blocks) * BLOCK_COL")
+        w("cols = col_start + tl.arange(0, BLOCK_COL)")
     elif plan.reduce_axis == 1:
         w("rows = pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)")
     else:
         w("col_blocks = tl.cdiv(n_cols, BLOCK_COL)")
-        w("cols = (pid % col_blocks) * BLOCK_COL + tl.arange(0, BLOCK_COL)")
+        w("col_start = (pid % col_blocks) * BLOCK_COL")
+        w("cols = col_start + tl.arange(0, BLOCK_COL)")
         w("g = pid // col_blocks")
         decompose("g", plan.grid, "")
     if index64:
@@ -247,10 +271,17 @@ Knobs: {knobs}"""
     def emit_input(t: str, depth: int):
         if t in plan.regenerated:
             info = graph.tensors[t]
-            index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
-            scale = 1.0 / (1.0 - info.p)
-            w(f"{_var(t)} = tl.where(dropout_keep(seed_{t}, offset_{t}, {index}, {keep_threshold(info.p)}), {scale!r}, 0.0)  "
-              f"# dropout mask {t}[{axes[t]}] regenerated", depth)
+            scale, threshold = 1.0 / (1.0 - info.p), keep_threshold(info.p)
+            if t in plan.quads:  # column c of the block: word c % 4 of the call on counter (row start + c) // 4
+                base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.cols)
+                calls = f"((offset_{t} + {base}col_start) >> 2) + tl.arange(0, BLOCK_COL // 4)[None, :]"
+                keep = f"dropout_keep_quads(seed_{t}, {calls}, {threshold})"
+                note = "one Philox call per four columns"
+            else:
+                index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
+                keep = f"dropout_keep(seed_{t}, offset_{t}, {index}, {threshold})"
+                note = "one Philox call per element"
+            w(f"{_var(t)} = tl.where({keep}, {scale!r}, 0.0)  # dropout mask {t}[{axes[t]}] regenerated, {note}", depth)
         else:
             mask = mask_of(axes[t])
             extra = f", mask={mask}, other=0.0" if mask else ""
@@ -279,6 +310,7 @@ Knobs: {knobs}"""
 
     if plan.reduce_axis is None or knobs["mode"] == "row":
         if plan.reduce_axis == 1:
+            w("col_start = 0")
             w("cols = tl.arange(0, BLOCK_COL)")
             w("col_ok = (cols < n_cols)[None, :]")
             decompose("cols", plan.cols, "[None, :]")
@@ -342,6 +374,8 @@ Knobs: {knobs}"""
                 extra = "" if prim.expr == "sum" else ', float("-inf")'
                 w(f"acc_{prim.output.tensor} = {init}([BLOCK_ROW, BLOCK_COL]{extra}, tl.float32)", 1)
             w(f"for start in range(0, {n}, {block}):", 1)
+            if plan.reduce_axis == 1:
+                w("col_start = start", 2)
             w(f"{idx_axis} = start + tl.arange(0, {block})", 2)
             w(f"{ok} = ({idx_axis} < {n}){shape}", 2)
             decompose(idx_axis, plan.cols if plan.reduce_axis == 1 else plan.rows, shape, 2)
@@ -378,7 +412,7 @@ Knobs: {knobs}"""
 _PRELUDE = '''import triton
 import triton.language as tl
 
-from kernels.philox import dropout_keep
+from kernels.philox import dropout_keep, dropout_keep_quads
 
 
 @triton.jit

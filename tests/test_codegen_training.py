@@ -20,12 +20,14 @@ import torch
 from dataflow.executor import dropout_offsets, execute
 from kernels.accuracy import assert_closer
 from kernels.codegen import allocate, compile_operator
-from layouts.space import (Configuration, combine_parts, configurations, default_configuration, operator_letters,
-                           parts)
+from layouts.space import (Configuration, combine_parts, configurations, default_configuration, knob_choices,
+                           operator_letters, parts)
 from dataflow import snapshot
 from tests.test_codegen import evaluate
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
+# Sequence lengths a multiple of 4: masks along k / t / j can take one Philox call per four columns.
+QUADS = {"bert": dict(B=3, L=12, N=12, H=3, P=4, U=7), "gpt2": dict(B=3, T=12, D=12, H=3, E=4, F=7)}
 SEED = 7  # dropout seed of the reference run
 # The Triton interpreter converts fp32 to bf16 by truncation (interpreter.py's cast_impl passes no
 # rounding mode); the GPU rounds to nearest even.  Through the interpreter the bf16 rule allows
@@ -42,19 +44,20 @@ def _setup(spec: str, dims=None):
 CASES = [(spec, name) for spec in ("bert", "gpt2") for name in _setup(spec)[1]]
 
 
-@functools.lru_cache(maxsize=2)
-def _reference(spec: str) -> dict:
-    """Every tensor of the fused training graph at small dims, float64 (inputs N(0,1) + 0.1)."""
-    graph, _ = _setup(spec)
+@functools.lru_cache(maxsize=4)
+def _reference(spec: str, quads: bool = False) -> dict:
+    """Every tensor of the fused training graph at small dims (``QUADS`` if ``quads``, else
+    ``SMALL``), float64 (inputs N(0,1) + 0.1)."""
+    graph, _ = _setup(spec, QUADS[spec] if quads else None)
     rng = np.random.default_rng(0)
     values = {n: rng.standard_normal([graph.size(l) for l in t.letters]) + 0.1
               for n, t in graph.tensors.items() if t.role in ("input", "constant", "grad_output")}
     return execute(graph, values, seed=SEED)
 
 
-def _check(spec, name, config, dtype=torch.float32):
-    graph, ops = _setup(spec)
-    op, env = ops[name], _reference(spec)
+def _check(spec, name, config, dtype=torch.float32, quads: bool = False):
+    graph, ops = _setup(spec, QUADS[spec] if quads else None)
+    op, env = ops[name], _reference(spec, quads)
     offsets = dropout_offsets(graph)
     compiled = compile_operator(graph, op, config)
     tensors = {}
@@ -113,16 +116,26 @@ def test_permuted_fp32(spec, name):
     _check(spec, name, config)
 
 
-def _loop(graph, op) -> Configuration:
-    """Every reducing part in mode "loop" with chunks shorter than its reduction."""
+def _configured(graph, op, loop_chunk: int | None = None, block_col: int | None = None, loop_rows: int = 2) -> Configuration:
+    """The default configuration of every part; with ``loop_chunk`` each reducing part in mode
+    "loop" over chunks of that many columns (``loop_rows`` rows); with ``block_col`` each
+    element-wise part's BLOCK_COL set."""
     split = parts(op)
     chosen = []
     for part in split:
         config = default_configuration(graph, part)
-        if operator_letters(graph, part).reduced:
-            config = Configuration(config.layouts, {**config.knobs, "mode": "loop", "block_col": 4, "block_row": 2})
+        reduces = bool(operator_letters(graph, part).reduced)
+        if reduces and loop_chunk:
+            config = Configuration(config.layouts, {**config.knobs, "mode": "loop", "block_col": loop_chunk, "block_row": loop_rows})
+        if not reduces and block_col:
+            config = Configuration(config.layouts, {**config.knobs, "block_col": block_col})
         chosen.append(config)
     return chosen[0] if len(split) == 1 else combine_parts(chosen, 4, "regenerate")
+
+
+def _loop(graph, op) -> Configuration:
+    """Every reducing part in mode "loop" with chunks shorter than its reduction."""
+    return _configured(graph, op, loop_chunk=4)
 
 
 NORMS = [(s, n) for s, n in CASES if _setup(s)[1][n].cls == "normalization"]
@@ -153,6 +166,52 @@ def test_stored_dropout_mask_in_a_part():
     config = Configuration(base.layouts, {**base.knobs, "dropout": "load"})
     compiled = _check("bert", "d_b1", config)
     assert "dropout_keep(" not in compiled.source.split("def d_b1_part1")[1] and "drop_act_ptr" in compiled.source
+
+
+# --- dropout: one Philox call per four columns, or one per element ---------------------------------
+
+DROPOUT = [(s, n) for s, n in CASES if any(_setup(s)[0].tensors[t].role == "dropout" for t in _setup(s)[1][n].inputs)]
+# At QUADS dims in the default layouts: the operators whose tile columns run along their mask's
+# last logical letters (k, t, j, d; the reduced b, j of d_b1's second part).  x1, y, d_ffn, d_attn
+# (BERT, vector i of an ibj mask) and d_bout (GPT-2, reduced b, s of a bsd mask) do not.
+QUAD_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "d_k_q"), ("gpt2", "attention"),
+            ("gpt2", "h2"), ("gpt2", "y"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}
+
+
+@pytest.mark.parametrize("spec,name", DROPOUT)
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_dropout_quads(spec, name, chunk):
+    """Masks regenerated at sequence length 12 (a multiple of 4), in whole rows (default) or in
+    chunks of 8 columns (loop mode, ragged last chunk; element-wise tiles of 8 columns, ragged
+    last block): one Philox call per four columns where the tile runs along the mask's last
+    letters, else one per element; either way the executor's mask (same seed and offsets)."""
+    graph, ops = _setup(spec, QUADS[spec])
+    config = _configured(graph, ops[name], loop_chunk=chunk, block_col=chunk, loop_rows=8)
+    source = _check(spec, name, config, quads=True).source
+    quads = (spec, name) in QUAD_OPS
+    assert ("dropout_keep_quads(" in source) == quads and ("dropout_keep(" in source) != quads
+
+
+@pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1")])
+def test_dropout_per_element_in_blocks_of_two_columns(spec, name):
+    """Blocks of 2 columns split the Philox calls' quads: one call per element."""
+    graph, ops = _setup(spec, QUADS[spec])
+    source = _check(spec, name, _configured(graph, ops[name], loop_chunk=2, block_col=2, loop_rows=16), quads=True).source
+    assert "dropout_keep_quads(" not in source and "dropout_keep(" in source
+
+
+@pytest.mark.parametrize("mode", ["row", "loop"])
+def test_dropout_quads_with_the_vector_letter_not_reduced(mode):
+    """GPT-2 d_bout vectorised along d (its bsd mask's last letter, not reduced): tile columns are
+    d in blocks of 8 (ragged: D = 12), the reduction over b, s runs along the tile rows (in one
+    block, or in chunks of 16 rows: 36 rows, ragged)."""
+    graph, ops = _setup("gpt2", QUADS["gpt2"])
+    op = ops["d_bout"]
+    knobs = next(k for k in knob_choices(graph, operator_letters(graph, op), "d", "bsd", exhaustive=True)
+                 if k["mode"] == mode)
+    config = Configuration({t: graph.tensors[t].letters for t in (*op.inputs, *op.outputs)}, {**knobs, "block_col": 8})
+    source = _check("gpt2", "d_bout", config, quads=True).source
+    assert "dropout_keep_quads(" in source and "dropout_keep(" not in source
 
 
 # --- parts and their configuration spaces -------------------------------------------------------
