@@ -340,14 +340,14 @@ def _quads(digits: tuple, offset: int) -> str:
     return "none"
 
 
-def _epilogue_split(config: GemmConfig, dropout: str | None) -> int:
-    """Column slices for the epilogue: Philox on more than ~32 calls per thread at once spills
-    registers.  ``dropout``: None, or the ``_quads`` mode (a quad path makes a quarter of the calls)."""
+def _epilogue_split(config: GemmConfig, dropout: bool) -> int:
+    """Column slices for the epilogue: dropout on more than ~32 elements per thread at once spills
+    registers (with four decisions per Philox call too: benchmarks/results/dropout_quads.md)."""
     if config.epilogue_split:
         return config.epilogue_split
-    if dropout is None:
+    if not dropout:
         return 1
-    per_thread = config.block_m * config.block_n // (32 * config.num_warps) // (1 if dropout == "none" else 4)
+    per_thread = config.block_m * config.block_n // (32 * config.num_warps)
     split = 1
     while split < 4 and per_thread // split > 32 and config.block_n // (2 * split) >= 16:
         split *= 2
@@ -404,7 +404,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         HAS_BIAS=bias is not None, ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0, QUADS=quads or "none",
         INDEX_64=dropout_p > 0 and offset + c.numel() >= 2**31, SAVE=save,
         TMA=config.tma, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, EVEN_K=shape.k % config.block_k == 0,
-        EPILOGUE_SPLIT=_epilogue_split(config, quads),
+        EPILOGUE_SPLIT=_epilogue_split(config, dropout_p > 0),
         # The interpreter's tl.dot multiplies bf16 storage bits (uint16) as integers, and its
         # fp32 -> bf16 cast truncates: there, upcast before the dot and round before the store.
         FP32_DOT=a.dtype == torch.float32 or (interpreted() and a.dtype == torch.bfloat16),
