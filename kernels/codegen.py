@@ -23,8 +23,10 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   the mask's trailing letters in spec order (consecutive columns = consecutive n), their extent is
   a multiple of 4 and BLOCK_COL too, the mask takes one Philox call per four columns
   (``kernels.philox.dropout_keep_quads`` on a [rows, BLOCK_COL // 4] block of call counters; this
-  needs ``offset_<mask> % 4 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees);
-  otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
+  needs ``offset_<mask> % 4 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
+  ``CompiledOperator.run`` checks); the same along the tile's rows when its row letters are the
+  mask's trailing letters (one call per four rows, on the transposed block of calls: layernorms
+  over i of BERT's ibj masks); otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
   Knob ``dropout="load"`` reads a stored mask (values 0 or 1/(1-p)) instead;
 - sizes as runtime int arguments ``size_<letter>``, dim names used in expressions (``N``,
   ``sqrt(P)``) as float arguments ``dim_<name>``.
@@ -64,6 +66,7 @@ class _Plan:
     outputs: tuple
     dim_names: tuple  # dim names used in expressions -> dim_<name> float args
     quads: tuple  # the regenerated masks drawn one Philox call per four columns (``_quad_masks``)
+    row_quads: tuple  # ... per four rows (the same rule along the tile's rows)
 
 
 def _quad_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
@@ -103,8 +106,9 @@ def _plan(graph, op, knobs: dict) -> _Plan:
                 if isinstance(node, ast.Name) and node.id in graph.dim_values:
                     dim_names.add(node.id)
     quads = _quad_masks(graph, letters, cols, regenerated, knobs["block_col"])
+    row_quads = tuple(t for t in _quad_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in quads)
     return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),
-                 quads)
+                 quads, row_quads)
 
 
 class _Expr(ast.NodeTransformer):
@@ -222,11 +226,13 @@ Knobs: {knobs}"""
     w(f"n_cols = {extent(plan.cols)}")
     if plan.reduce_axis is None:
         w("col_blocks = tl.cdiv(n_cols, BLOCK_COL)")
-        w("rows = (pid // col_blocks) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)")
+        w("row_start = (pid // col_blocks) * BLOCK_ROW")
+        w("rows = row_start + tl.arange(0, BLOCK_ROW)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
         w("cols = col_start + tl.arange(0, BLOCK_COL)")
     elif plan.reduce_axis == 1:
-        w("rows = pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)")
+        w("row_start = pid * BLOCK_ROW")
+        w("rows = row_start + tl.arange(0, BLOCK_ROW)")
     else:
         w("col_blocks = tl.cdiv(n_cols, BLOCK_COL)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
@@ -277,6 +283,11 @@ Knobs: {knobs}"""
                 calls = f"((offset_{t} + {base}col_start) >> 2) + tl.arange(0, BLOCK_COL // 4)[None, :]"
                 keep = f"dropout_keep_quads(seed_{t}, {calls}, {threshold})"
                 note = "one Philox call per four columns"
+            elif t in plan.row_quads:  # the same along rows, on the transposed block of calls
+                base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
+                calls = f"((offset_{t} + {base}row_start) >> 2) + tl.arange(0, BLOCK_ROW // 4)[:, None]"
+                keep = f"tl.trans(dropout_keep_quads(seed_{t}, tl.trans({calls}), {threshold}))"
+                note = "one Philox call per four rows"
             else:
                 index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
                 keep = f"dropout_keep(seed_{t}, offset_{t}, {index}, {threshold})"
@@ -315,6 +326,7 @@ Knobs: {knobs}"""
             w("col_ok = (cols < n_cols)[None, :]")
             decompose("cols", plan.cols, "[None, :]")
         elif plan.reduce_axis == 0:
+            w("row_start = 0")
             w("rows = tl.arange(0, BLOCK_ROW)")
             w("row_ok = (rows < n_rows)[:, None]")
             decompose("rows", plan.rows, "[:, None]")
@@ -374,8 +386,7 @@ Knobs: {knobs}"""
                 extra = "" if prim.expr == "sum" else ', float("-inf")'
                 w(f"acc_{prim.output.tensor} = {init}([BLOCK_ROW, BLOCK_COL]{extra}, tl.float32)", 1)
             w(f"for start in range(0, {n}, {block}):", 1)
-            if plan.reduce_axis == 1:
-                w("col_start = start", 2)
+            w(f"{'col' if plan.reduce_axis == 1 else 'row'}_start = start", 2)
             w(f"{idx_axis} = start + tl.arange(0, {block})", 2)
             w(f"{ok} = ({idx_axis} < {n}){shape}", 2)
             decompose(idx_axis, plan.cols if plan.reduce_axis == 1 else plan.rows, shape, 2)
@@ -617,6 +628,9 @@ class CompiledOperator:
             args += [float(self.graph.dim_values[d]) for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
+                if offset % 4 and t in plan.quads + plan.row_quads:
+                    raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of 4, which "
+                                     "four decisions per Philox call need (dataflow.executor.dropout_offsets)")
                 args += [int(seed), int(offset)]
             suffix = "" if len(self.plans) == 1 else f"_{k}"
             blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]

@@ -172,31 +172,36 @@ def test_stored_dropout_mask_in_a_part():
 
 DROPOUT = [(s, n) for s, n in CASES if any(_setup(s)[0].tensors[t].role == "dropout" for t in _setup(s)[1][n].inputs)]
 # At QUADS dims in the default layouts: the operators whose tile columns run along their mask's
-# last logical letters (k, t, j, d; the reduced b, j of d_b1's second part).  x1, y, d_ffn, d_attn
-# (BERT, vector i of an ibj mask) and d_bout (GPT-2, reduced b, s of a bsd mask) do not.
+# last logical letters (k, t, j, d; the reduced b, j of d_b1's second part) draw one call per four
+# columns; x1, y, d_ffn, d_attn (BERT, vector i of an ibj mask: rows b, j) and d_bout (GPT-2,
+# vector d of a bsd mask reduced over b, s along rows) one per four rows.
 QUAD_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "d_k_q"), ("gpt2", "attention"),
             ("gpt2", "h2"), ("gpt2", "y"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}
+ROW_QUAD_OPS = {("bert", "x1"), ("bert", "y"), ("bert", "d_ffn"), ("bert", "d_attn"), ("gpt2", "d_bout")}
 
 
 @pytest.mark.parametrize("spec,name", DROPOUT)
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_dropout_quads(spec, name, chunk):
     """Masks regenerated at sequence length 12 (a multiple of 4), in whole rows (default) or in
-    chunks of 8 columns (loop mode, ragged last chunk; element-wise tiles of 8 columns, ragged
-    last block): one Philox call per four columns where the tile runs along the mask's last
-    letters, else one per element; either way the executor's mask (same seed and offsets)."""
+    chunks of 8 columns (loop mode, ragged last chunk, 8 rows; element-wise tiles of 8 columns,
+    ragged last block): one Philox call per four columns where the tile's columns run along the
+    mask's last letters, per four rows where its rows do; either way the executor's mask (same
+    seed and offsets)."""
     graph, ops = _setup(spec, QUADS[spec])
     config = _configured(graph, ops[name], loop_chunk=chunk, block_col=chunk, loop_rows=8)
     source = _check(spec, name, config, quads=True).source
-    quads = (spec, name) in QUAD_OPS
-    assert ("dropout_keep_quads(" in source) == quads and ("dropout_keep(" in source) != quads
+    assert ("one Philox call per four columns" in source) == ((spec, name) in QUAD_OPS)
+    assert ("one Philox call per four rows" in source) == ((spec, name) in ROW_QUAD_OPS)
+    assert "dropout_keep(" not in source
 
 
-@pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1")])
-def test_dropout_per_element_in_blocks_of_two_columns(spec, name):
-    """Blocks of 2 columns split the Philox calls' quads: one call per element."""
+@pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "x1")])
+def test_dropout_per_element_in_blocks_of_two(spec, name):
+    """Blocks of 2 columns (alpha, hidden, d_b1) or 2 rows (x1) split the Philox calls' quads: one
+    call per element."""
     graph, ops = _setup(spec, QUADS[spec])
-    source = _check(spec, name, _configured(graph, ops[name], loop_chunk=2, block_col=2, loop_rows=16), quads=True).source
+    source = _check(spec, name, _configured(graph, ops[name], loop_chunk=2, block_col=2, loop_rows=2), quads=True).source
     assert "dropout_keep_quads(" not in source and "dropout_keep(" in source
 
 
@@ -300,3 +305,14 @@ def test_full_size_gpu(spec, name, dtype):
         for t in op.outputs:
             assert_closer(out[t], baseline[t], reference[t], factor=1.5 if dtype == torch.bfloat16 else 1.0,
                           margin=BF16_MARGIN if dtype == torch.bfloat16 else 1e-5, what=f"{name}:{t} {config.key()}")
+
+
+def test_quads_refuse_a_misaligned_offset():
+    """A counter offset that is not a multiple of 4 would split the quads: a clear error, not a wrong mask."""
+    graph, ops = _setup("bert", QUADS["bert"])
+    config = _configured(graph, ops["alpha"])
+    compiled = compile_operator(graph, ops["alpha"], config)
+    inputs = {t: torch.randn(*(graph.dim_values[graph.letter_dims[l]] for l in graph.tensors[t].letters))
+              for t in ops["alpha"].inputs if graph.tensors[t].role != "dropout"}
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        compiled.run(inputs, {"drop_attn": (7, 1002)})
