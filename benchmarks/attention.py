@@ -14,8 +14,10 @@ eager chain; (2) the fused forward + backward with the fastest forward and backw
 and with the default ones, and, without dropout, the fused pair and SDPA's default; all of
 these timed as CUDA-graph replays (``Sweep(cuda_graph=True)``: GPU time, no host gaps);
 (3) the forward + backward variants again launched from Python (``cuda_graph=False``: host
-overhead included).  Times: ``kernels.bench.time_cuda`` medians, L2 flushed before each
-repetition.  Flop: forward 4*B*H*L*L*P, backward 10*B*H*L*L*P.  The report (from the DB
+overhead included); (4) the Philox floor: one pass of mask generation alone over the B*H*L*L
+probabilities, as the forward draws and saves it (``kernels.attention.keep_nibbles``: four
+decisions per Philox call, written as nibbles, B*H*L*L/4 bytes).  Times:
+``kernels.bench.time_cuda`` medians, L2 flushed before each repetition.  Flop: forward 4*B*H*L*L*P, backward 10*B*H*L*L*P.  The report (from the DB
 records) is written as ``attention.md`` / ``.json`` under ``--out`` on a GPU only; without one,
 small setups run through the Triton interpreter in float32 and nothing is measured or written.
 """
@@ -34,14 +36,38 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.attention_variants import (SDPA_BACKENDS, AttentionCase, EagerVariant, FusedVariant,  # noqa: E402
-                                        SdpaVariant, Workspace, baseline_variants, config_variants)
-from kernels.bench import CPU_DEVICE, Sweep, write_results  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels.attention import keep_nibbles  # noqa: E402
+from kernels.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
+                                        FusedVariant, SdpaVariant, Workspace, baseline_variants, config_variants)
+from kernels.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
 from kernels.device import query_device, versions  # noqa: E402
+from kernels.philox import keep_threshold  # noqa: E402
 from kernels.tuning_db import TuningDB  # noqa: E402
 
 GPU_SETUPS = ["B=8,H=16,L=512,P=64", "B=8,H=8,L=512,P=128"]
 CPU_SETUPS = ["B=2,H=3,L=37,P=16"]
+
+
+@triton.jit
+def _mask_pass_kernel(nibbles_ptr, seed, threshold, BLOCK: tl.constexpr):
+    """The nibbles of Philox calls pid * BLOCK .. pid * BLOCK + BLOCK - 1 (what the forward draws and saves)."""
+    calls = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(nibbles_ptr + calls, keep_nibbles(seed, threshold, calls))
+
+
+def philox_floor(elements: int, dropout_p: float) -> tuple[float, float]:
+    """(median ms of one mask pass over ``elements`` decisions, kept fraction); elements % 4096 == 0."""
+    nibbles = torch.empty(elements // 4, dtype=torch.uint8, device="cuda")
+    block = 1024
+
+    def run():
+        _mask_pass_kernel[(elements // (4 * block),)](nibbles, SEED, keep_threshold(dropout_p), BLOCK=block)
+    run()
+    kept = sum(int(((nibbles >> w) & 1).sum()) for w in range(4)) / elements
+    return time_cuda(run).median_ms, kept
 
 
 def parse_setup(text: str) -> dict:
@@ -125,6 +151,8 @@ def bench_setup(bench: Bench, setup: dict, dropout_p: float, dtype, device: str,
                            "sdpa_default": SdpaVariant(no_drop_ws, "fwd+bwd", "default")}
     bench.run([roles["cuda-graph"]["fused"], roles["cuda-graph"]["fused_default"], *roles["no_dropout"].values()], cuda_graph=True)
     bench.run(list(roles["python"].values()), cuda_graph=False)
+    if device == "cuda" and dropout_p > 0:
+        roles["philox_floor"] = philox_floor(case.B * case.H * case.L * case.L, dropout_p)
     return dict(roles, case=case)
 
 
@@ -157,6 +185,8 @@ def setup_report(bench: Bench, roles: dict) -> dict:
         impls[name] = row
     result["implementations"] = impls
     result["no_dropout"] = {name: bench.ms(v) for name, v in roles["no_dropout"].items()}
+    if "philox_floor" in roles:
+        result["philox_floor_ms"], result["kept_fraction"] = roles["philox_floor"]
     fused = impls["fused"]["ms"]
     timed = {n: r["ms"] for n, r in impls.items() if r["ms"] is not None and n.startswith("sdpa_")}
     if fused and timed:
@@ -210,7 +240,15 @@ def markdown(report: dict) -> str:
         nd = r["no_dropout"]
         lines += ["", f"Best forward knobs {f['forward']}; best backward knobs {f['backward']} "
                   f"(of {len(r['sweep']['forward'])} forward and {len(r['sweep']['backward'])} backward configurations).",
-                  f"Without dropout (GPU ms): fused {cell(nd['fused'])} (same knobs), SDPA default {cell(nd['sdpa_default'])}.", ""]
+                  f"Without dropout (GPU ms): fused {cell(nd['fused'])} (same knobs), SDPA default {cell(nd['sdpa_default'])}."]
+        if "philox_floor_ms" in r:
+            elements = d["B"] * d["H"] * d["L"] * d["L"]
+            lines.append(f"Philox floor: one pass of mask generation alone over B*H*L*L = {elements} probabilities "
+                         f"({elements // 4} Philox-4x32-10 calls, four decisions per call, written as "
+                         f"nibbles by kernels.attention.keep_nibbles) takes {r['philox_floor_ms']:.4f} ms (kept fraction "
+                         f"{r['kept_fraction']:.4f}). The fused forward draws the mask once and saves it as nibbles "
+                         f"(1/8 byte per probability); the backward reads them instead of drawing it again.")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 

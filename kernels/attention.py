@@ -11,7 +11,9 @@ k (key position), p (head dim):
 
 The forward pass streams K/V blocks through an online softmax; P never reaches memory. It saves
 the logsumexp ``lse[b,h,j] = log sum_k exp(S)`` (float32, natural log) for the backward pass,
-which recomputes P from Q, K and lse and regenerates the dropout mask from (seed, offset).
+which recomputes P from Q, K and lse. Backward: a preprocess kernel (delta = rowsum(dO * O)), a
+kernel over key blocks for dK and dV (transposed tiles: rows k, columns j) that also adds dQ with
+fp32 atomics ("atomic"), or a second kernel over query blocks for dQ ("split").
 
 Layouts: every tensor is addressed through one stride per named dim, so any permuted storage
 (``(b,h,j,p)``, BERT's ``(b,j,h,p)`` = ``[B, L, H*P]`` view, the paper's ``(p,h,b,j)``) works
@@ -21,8 +23,16 @@ without copies. The launchers take torch tensors whose ``.shape`` is the logical
 Dropout convention (``kernels.philox`` / ``dataflow.dropout_mask``): the probability at logical
 position (b, h, j, k) has logical index ``n = b*sb + h*sh + j*sj + k*sk``, where (sb, sh, sj, sk)
 are the row-major strides of the probabilities' dims in their spec order (``dropout_strides_for``);
-it is kept iff the convention's uniform value of counter ``offset + n`` is ``> dropout_p``
-(``kernels.philox.dropout_keep``).
+it is kept iff the convention's uniform value of counter ``offset + n`` is ``> dropout_p``.
+Where k is the mask's last logical letter and every row starts on a whole Philox call
+(``dropout_quads``: BERT's (h, b, j, k) and (b, h, j, k) masks with L % 4 == 0), the kernels draw
+one Philox call per four keys and keep the decisions as nibbles; elsewhere they draw one call per
+element (``kernels.philox.dropout_keep``). Saved mask (quads layouts): the forward can write the
+nibbles, uint8 (b, h, j, k // 4) contiguous, bit w of [b, h, j, c] = decision of key 4 c + w
+(``new_saved_mask``; 1/8 byte per probability), and the backward then reads them instead of
+drawing the mask again: one Philox pass per training step. Without it the backward draws the
+mask once (never twice: dQ "split" reads or draws it in its own kernel only when no mask is saved,
+see ``attention_backward``).
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 
@@ -38,9 +48,65 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.philox import dropout_keep, keep_threshold
+from kernels.philox import _kept, dropout_keep, keep_threshold, philox4
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.constexpr, QUADS: tl.constexpr):
+    """Dropout counter (offset + logical index) of each row's element at column 0; with QUADS the
+    Philox call counter of that element (counter // 4, exact: the counter is a multiple of 4)."""
+    if INDEX_64:
+        g = offset + b * drop_sb + h * drop_sh + rows.to(tl.int64) * drop_srow
+    else:
+        g = offset + b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + rows * drop_srow
+    if QUADS:
+        g = g >> 2
+    return g
+
+
+@triton.jit
+def keep_nibbles(seed, threshold, calls):
+    """uint8 block: bit w of element (r, c) = keep decision from word w of Philox call calls[r, c]."""
+    w0, w1, w2, w3 = philox4(seed, calls)
+    return (_kept(w0, threshold).to(tl.uint8) | (_kept(w1, threshold).to(tl.uint8) << 1)
+            | (_kept(w2, threshold).to(tl.uint8) << 2) | (_kept(w3, threshold).to(tl.uint8) << 3))
+
+
+@triton.jit
+def _unpack(nibbles):
+    """[R, C] uint8 nibbles -> [R, 4 C] bool, column 4 c + w = bit w of nibbles[r, c]."""
+    R: tl.constexpr = nibbles.shape[0]
+    C: tl.constexpr = nibbles.shape[1]
+    bits = (nibbles[:, :, None] >> tl.arange(0, 4).to(tl.uint8)[None, None, :]) & 1
+    return tl.reshape(bits, (R, 4 * C)) != 0
+
+
+@triton.jit
+def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, mask_rows, Lk,
+                BLOCK_C: tl.constexpr, QUADS: tl.constexpr, MASK_IO: tl.constexpr):
+    """Boolean [R, BLOCK_C] keep block of the rows with dropout counters ``row_counter`` ([R],
+    ``_row_counters``) and the keys col_start .. col_start + BLOCK_C - 1 (logical stride
+    ``drop_scol``). QUADS (``dropout_quads``; drop_scol == 1, col_start % 4 == 0): one Philox call
+    per four keys, and ``MASK_IO`` 1 writes the nibbles to the saved mask, 2 reads them from it
+    instead of drawing (``mask_rows``: [R] int64 row indices into it, -1 for rows outside the
+    mask). Else one call per element."""
+    if QUADS:
+        quads = col_start // 4 + tl.arange(0, BLOCK_C // 4)
+        io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 4) + quads[None, :]
+        io_ok = (mask_rows >= 0)[:, None] & (quads < Lk // 4)[None, :]
+        if MASK_IO == 2:
+            nibbles = tl.load(io_ptrs, mask=io_ok, other=0)
+        else:
+            nibbles = keep_nibbles(seed, threshold, row_counter[:, None] + quads[None, :])
+            if MASK_IO == 1:
+                tl.store(io_ptrs, nibbles, mask=io_ok)
+        keep = _unpack(nibbles)
+    else:
+        cols = (col_start + tl.arange(0, BLOCK_C)).to(row_counter.dtype) * drop_scol
+        keep = dropout_keep(seed, 0, row_counter[:, None] + cols[None, :], threshold)
+    return keep
 
 
 @triton.jit
@@ -51,6 +117,7 @@ def _attn_fwd_kernel(
     o_ptr,  # (b, h, j, p) any strides
     lse_ptr,  # (b, h, j) float32, contiguous
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
+    mask_ptr,  # (b, h, j, k // 4) uint8 contiguous: the saved mask, written if MASK_IO == 1
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -62,6 +129,7 @@ def _attn_fwd_kernel(
     drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
+    QUADS: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -76,10 +144,8 @@ def _attn_fwd_kernel(
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
-        if INDEX_64:
-            drop_row = b * drop_sb + h * drop_sh + offs_j.to(tl.int64) * drop_sj
-        else:
-            drop_row = b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + offs_j * drop_sj
+        drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, QUADS)
+        mask_rows = tl.where(row_ok, pid_bh.to(tl.int64) * Lq + offs_j, -1)
 
     m_i = tl.full([BLOCK_J], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_J], tl.float32)
@@ -92,13 +158,14 @@ def _attn_fwd_kernel(
         col_ok = offs_k < Lk
         kt = tl.load(k_base + offs_k[None, :] * stride_kk + offs_p[:, None] * stride_kp, mask=col_ok[None, :], other=0.0)
         s = tl.dot(q, kt) * qk_scale  # (j, k), log2 units
-        valid = col_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_k[None, :] <= offs_j[:, None])
-        if HAS_KPM:
-            pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
-            valid = valid & (pad == 0)[None, :]
-        s = tl.where(valid, s, float("-inf"))
+        if CAUSAL or HAS_KPM or not EVEN_K:
+            valid = col_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_k[None, :] <= offs_j[:, None])
+            if HAS_KPM:
+                pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
+                valid = valid & (pad == 0)[None, :]
+            s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = m_new
         if HAS_KPM:  # a row whose keys so far are all padded keeps m = -inf; shift it by 0 instead
@@ -107,11 +174,9 @@ def _attn_fwd_kernel(
         p = tl.math.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            if INDEX_64:
-                drop_idx = drop_row[:, None] + offs_k.to(tl.int64)[None, :] * drop_sk
-            else:
-                drop_idx = drop_row[:, None] + offs_k[None, :] * drop_sk
-            p = tl.where(dropout_keep(seed, offset, drop_idx, drop_threshold), p, 0.0)
+            keep = _keep_block(seed, drop_threshold, drop_row, start_k, drop_sk, mask_ptr, mask_rows, Lk,
+                               BLOCK_K, QUADS, MASK_IO)
+            p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -166,6 +231,7 @@ def _attn_bwd_dkdv_kernel(
     dk_ptr,  # (b, h, k, p) any strides
     dv_ptr,  # (b, h, k, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
+    mask_ptr,  # (b, h, j, k // 4) uint8 contiguous: saved mask, written if MASK_IO == 1, read if MASK_IO == 2
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -179,7 +245,7 @@ def _attn_bwd_dkdv_kernel(
     drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    QUADS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -200,12 +266,6 @@ def _attn_bwd_dkdv_kernel(
     q_base = q_ptr + b * stride_qb + h * stride_qh
     do_base = do_ptr + b * stride_dob + h * stride_doh
     stat_base = pid_bh.to(tl.int64) * Lq
-    if HAS_DROPOUT:
-        if INDEX_64:
-            drop_col = b * drop_sb + h * drop_sh + offs_k.to(tl.int64) * drop_sk
-        else:
-            drop_col = b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + offs_k * drop_sk
-
     dk = tl.zeros([BLOCK_K, P], tl.float32)
     dv = tl.zeros([BLOCK_K, P], tl.float32)
     j_start = 0
@@ -219,18 +279,20 @@ def _attn_bwd_dkdv_kernel(
         lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
         # transposed tiles: rows k, columns j
-        pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-        valid = key_ok[:, None] & row_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_k[:, None] <= offs_j[None, :])
-        pt = tl.where(valid, pt, 0.0)
+        st = tl.dot(k, tl.trans(q))
         dpt = tl.dot(v, tl.trans(do))  # dL/dP~ (k, j)
+        if HAS_DROPOUT:  # the mask's (j, k) block, transposed
+            drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, QUADS)
+            mask_rows = tl.where(row_ok, stat_base + offs_j, -1)
+            keep = tl.trans(_keep_block(seed, drop_threshold, drop_row, pid_k * BLOCK_K, drop_sk, mask_ptr, mask_rows,
+                                        Lk, BLOCK_K, QUADS, MASK_IO))
+        pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+        if CAUSAL or HAS_KPM or not EVEN:
+            valid = key_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_k[:, None] <= offs_j[None, :])
+            pt = tl.where(valid, pt, 0.0)
         if HAS_DROPOUT:
-            if INDEX_64:
-                drop_idx = drop_col[:, None] + offs_j.to(tl.int64)[None, :] * drop_sj
-            else:
-                drop_idx = drop_col[:, None] + offs_j[None, :] * drop_sj
-            keep = dropout_keep(seed, offset, drop_idx, drop_threshold)
             dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do)
             dpt = tl.where(keep, dpt * dropout_scale, 0.0)
         else:
@@ -258,6 +320,7 @@ def _attn_bwd_dq_kernel(
     delta_ptr,  # (b, h, j) float32, contiguous
     dq_ptr,  # (b, h, j, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
+    mask_ptr,  # (b, h, j, k // 4) uint8 contiguous: saved mask, written if MASK_IO == 1, read if MASK_IO == 2
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -270,6 +333,7 @@ def _attn_bwd_dq_kernel(
     drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
+    QUADS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -287,10 +351,8 @@ def _attn_bwd_dq_kernel(
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
-        if INDEX_64:
-            drop_row = b * drop_sb + h * drop_sh + offs_j.to(tl.int64) * drop_sj
-        else:
-            drop_row = b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + offs_j * drop_sj
+        drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, QUADS)
+        mask_rows = tl.where(row_ok, pid_bh.to(tl.int64) * Lq + offs_j, -1)
 
     dq = tl.zeros([BLOCK_J, P], tl.float32)
     k_end = Lk
@@ -302,20 +364,19 @@ def _attn_bwd_dq_kernel(
         k = tl.load(k_base + offs_k[:, None] * stride_kk + offs_p[None, :] * stride_kp, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
-        valid = col_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_k[None, :] <= offs_j[:, None])
-        if HAS_KPM:
-            pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
-            valid = valid & (pad == 0)[None, :]
-        p = tl.where(valid, p, 0.0)
+        if CAUSAL or HAS_KPM or not EVEN:
+            valid = col_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                valid = valid & (offs_k[None, :] <= offs_j[:, None])
+            if HAS_KPM:
+                pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
+                valid = valid & (pad == 0)[None, :]
+            p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
         if HAS_DROPOUT:
-            if INDEX_64:
-                drop_idx = drop_row[:, None] + offs_k.to(tl.int64)[None, :] * drop_sk
-            else:
-                drop_idx = drop_row[:, None] + offs_k[None, :] * drop_sk
-            dp = tl.where(dropout_keep(seed, offset, drop_idx, drop_threshold), dp * dropout_scale, 0.0)
+            keep = _keep_block(seed, drop_threshold, drop_row, start_k, drop_sk, mask_ptr, mask_rows, Lk,
+                               BLOCK_K, QUADS, MASK_IO)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq += tl.dot(ds, k)
 
@@ -342,10 +403,10 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     ``num_stages`` and, for "backward", ``dq_mode`` ("atomic": one kernel over k-blocks that also
     adds dQ with fp32 atomics; "split": a second kernel over j-blocks computes dQ). On a GPU the
     list keeps tiles whose pipelined operand buffers fit the device's shared memory and whose fp32
-    accumulators fit the registers; in the Triton interpreter (no GPU) warps and stages mean
-    nothing and the list holds small tiles. The register bounds (per thread: at most 32 forward /
-    16 backward score-tile elements, at most 64 fp32 accumulator elements) come from ptxas's
-    sm_90 resource reports: beyond them the Philox states spill.
+    tiles fit the registers (per thread: at most 64 score-tile elements, at most 64 forward / 128
+    backward accumulator elements; beyond them ptxas spills), with 4 warps for 64-row tiles (a
+    single warpgroup) and 8 for 128-row ones; in the Triton interpreter (no GPU) warps and stages
+    mean nothing and the list holds small tiles.
     """
     _check_head_dim(head_dim)
     if direction not in ("forward", "backward"):
@@ -353,40 +414,40 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     interpret = _interpreting() if interpret is None else interpret
     dq_modes = ("atomic", "split") if direction == "backward" else (None,)
     if interpret:
-        tiles = [(bj, bk, 4, 1) for bj in (16, 32, 64) for bk in (16, 32, 64)]
+        tiles = [(bj, bk, 4, 1, mode) for bj in (16, 32, 64) for bk in (16, 32, 64) for mode in dq_modes]
     else:
         smem = _max_shared_memory()
         tiles = []
-        for bj in (16, 32, 64, 128):
-            for bk in (32, 64, 128):
-                for warps in (4, 8):
-                    for stages in (2, 3):
-                        threads = 32 * warps
-                        tile = bj * bk // threads  # score-tile elements per thread, each with a Philox state
-                        if direction == "forward":
-                            buffers = 2 * (bj * head_dim + stages * 2 * bk * head_dim)  # Q + staged K, V
-                            fits = bj >= 32 and tile <= 32 and bj * head_dim // threads <= 64  # O accumulator
-                        else:
-                            buffers = 2 * (2 * bk * head_dim + stages * 2 * bj * head_dim)  # K, V + staged Q, dO
-                            fits = tile <= 16 and 2 * bk * head_dim // threads <= 64  # dK, dV accumulators
-                        if fits and buffers <= smem:
-                            tiles.append((bj, bk, warps, stages))
+        for bj, bk in ((64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)) if direction == "forward" else \
+                ((32, 32), (32, 64), (64, 64), (32, 128), (64, 128)):
+            warps = 4 if (bj if direction == "forward" else bk) <= 64 else 8
+            threads = 32 * warps
+            for stages, mode in [(s, m) for s in (2, 3) for m in dq_modes]:
+                if direction == "forward":
+                    buffers = 2 * (bj * head_dim + stages * 2 * bk * head_dim + bj * bk)  # Q, staged K, V, P~
+                    fits = bj * bk // threads <= 64 and bj * head_dim // threads <= 64  # S tile, O accumulator
+                else:
+                    buffers = 2 * (2 * bk * head_dim + stages * 2 * bj * head_dim + bj * bk)  # K, V, staged Q, dO, dS
+                    if mode == "split":  # the dQ kernel: Q, dO, staged K, V, dS
+                        buffers = max(buffers, 2 * (2 * bj * head_dim + stages * 2 * bk * head_dim + bj * bk))
+                    fits = bj * bk // threads <= 32 and 2 * bk * head_dim // threads <= 128  # S, dP; dK, dV
+                if fits and buffers <= smem:
+                    tiles.append((bj, bk, warps, stages, mode))
     configs = []
-    for bj, bk, warps, stages in tiles:
-        for mode in dq_modes:
-            config = dict(block_j=bj, block_k=bk, num_warps=warps, num_stages=stages)
-            if mode is not None:
-                config["dq_mode"] = mode
-            configs.append(config)
+    for bj, bk, warps, stages, mode in tiles:
+        config = dict(block_j=bj, block_k=bk, num_warps=warps, num_stages=stages)
+        if mode is not None:
+            config["dq_mode"] = mode
+        configs.append(config)
     return configs
 
 
-# Defaults: fastest in the sweep of benchmarks/attention.py on an H200 (results/attention.md), per head dim.
+# Defaults: fastest in the sweeps of benchmarks/attention.py on an H200 (results/attention.md), per head dim.
 _GPU_DEFAULTS = {
     "forward": {64: dict(block_j=64, block_k=32, num_warps=4, num_stages=3),
-                128: dict(block_j=64, block_k=64, num_warps=4, num_stages=3)},
-    "backward": {64: dict(block_j=16, block_k=64, num_warps=4, num_stages=3, dq_mode="atomic"),
-                 128: dict(block_j=32, block_k=32, num_warps=4, num_stages=3, dq_mode="atomic")},
+                128: dict(block_j=64, block_k=64, num_warps=4, num_stages=2)},
+    "backward": {64: dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="split"),
+                 128: dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="atomic")},
 }
 
 
@@ -423,7 +484,27 @@ def dropout_strides_for(order: str, B: int, H: int, Lq: int, Lk: int) -> tuple[i
     return strides["b"], strides["h"], strides["j"], strides["k"]
 
 
-def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides):
+def dropout_quads(dropout_strides, offset: int) -> bool:
+    """Whether the kernels draw the mask one Philox call per four keys: k is the mask's last
+    logical letter (stride 1) and every row (b, h, j) starts on a whole call (the offset and the
+    other logical strides are multiples of 4; then L_k % 4 == 0 too). Else one call per element."""
+    sb, sh, sj, sk = dropout_strides
+    return sk == 1 and all(x % 4 == 0 for x in (offset, sb, sh, sj))
+
+
+def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=None):
+    """A buffer for ``attention_forward(saved_mask=...)``: uint8 (b, h, j, k // 4) on q's device
+    (see the module doc), or None where nothing is saved (dropout_p == 0, or a layout where the
+    kernels draw one Philox call per element)."""
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    drop = tuple(dropout_strides or dropout_strides_for("bhjk", B, H, Lq, Lk))
+    if dropout_p == 0.0 or not dropout_quads(drop, offset):
+        return None
+    return torch.empty((B, H, Lq, Lk // 4), device=q.device, dtype=torch.uint8)
+
+
+def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, saved_mask):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D logical (b, h, j|k, p) views")
     B, H, Lq, P = q.shape
@@ -442,35 +523,41 @@ def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides):
             raise ValueError(f"key_padding_mask must be bool of shape ({B}, {Lk})")
         kpm = key_padding_mask.view(torch.uint8)
         kpm_strides = kpm.stride()
-    drop = dropout_strides or dropout_strides_for("bhjk", B, H, Lq, Lk)
+    drop = tuple(dropout_strides or dropout_strides_for("bhjk", B, H, Lq, Lk))
+    quads = dropout_p > 0.0 and dropout_quads(drop, offset)
+    if saved_mask is not None and (not quads or saved_mask.shape != (B, H, Lq, Lk // 4)
+                                   or saved_mask.dtype != torch.uint8 or not saved_mask.is_contiguous()):
+        raise ValueError("saved_mask must come from new_saved_mask with the same arguments")
     last = offset + sum((n - 1) * s for n, s in zip((B, H, Lq, Lk), drop))
-    return B, H, Lq, Lk, P, kpm, kpm_strides, tuple(drop), last >= 2**31
+    return B, H, Lq, Lk, P, kpm, kpm_strides, drop, quads, last >= 2**31
 
 
 def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                      causal: bool = False, key_padding_mask=None, dropout_strides=None, o=None,
+                      causal: bool = False, key_padding_mask=None, dropout_strides=None, o=None, saved_mask=None,
                       block_j=None, block_k=None, num_warps=None, num_stages=None):
     """Forward pass. ``q``: (b, h, j, p), ``k``, ``v``: (b, h, k, p) logical views of any strides.
 
     ``key_padding_mask``: bool (b, k), True = key excluded. ``dropout_strides``: logical strides
     (sb, sh, sj, sk) of the probabilities' dropout index (default: (b, h, j, k) row-major).
     ``o``: optional output (b, h, j, p) of any strides, else allocated like ``q``.
+    ``saved_mask``: optional ``new_saved_mask`` buffer the kernel writes the keep decisions to.
     Returns ``(o, lse)``, lse float32 (b, h, j) contiguous, natural log.
     """
-    B, H, Lq, Lk, P, kpm, kpm_strides, drop, index_64 = _prepare(q, k, v, dropout_p, offset,
-                                                                key_padding_mask, dropout_strides)
+    B, H, Lq, Lk, P, kpm, kpm_strides, drop, quads, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
+                                                                       dropout_strides, saved_mask)
     config = default_config(P, "forward")
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
     o = torch.empty_like(q) if o is None else o
     lse = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Lq, block_j), B * H)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, kpm,
+        q, k, v, o, lse, kpm, lse if saved_mask is None else saved_mask,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *kpm_strides, *drop,
         H, Lq, Lk, scale * LOG2E,
         keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset,
         P=P, BLOCK_J=block_j, BLOCK_K=block_k,
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
+        QUADS=quads, MASK_IO=0 if saved_mask is None else 1, EVEN_K=Lk % block_k == 0,
         num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
     )
     return o, lse
@@ -478,16 +565,19 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
 
 def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 0.0, seed: int = 0,
                        offset: int = 0, causal: bool = False, key_padding_mask=None, dropout_strides=None,
-                       dq=None, dk=None, dv=None, block_j=None, block_k=None, num_warps=None, num_stages=None,
-                       dq_mode=None):
+                       saved_mask=None, dq=None, dk=None, dv=None, block_j=None, block_k=None, num_warps=None,
+                       num_stages=None, dq_mode=None):
     """Backward pass: ``(dq, dk, dv)`` for upstream ``do`` (b, h, j, p) of any strides.
 
-    ``o``, ``lse`` come from ``attention_forward`` with the same arguments. ``dq``/``dk``/``dv``:
-    optional outputs of any strides, else allocated like ``q``/``k``/``v``. ``dq_mode``: "atomic"
-    (dQ added with fp32 atomics inside the dK/dV kernel, then cast) or "split" (own kernel).
+    ``o``, ``lse`` (and ``saved_mask``, if the forward wrote one) come from ``attention_forward``
+    with the same arguments. ``dq``/``dk``/``dv``: optional outputs of any strides, else allocated
+    like ``q``/``k``/``v``. ``dq_mode``: "atomic" (dQ added with fp32 atomics inside the dK/dV
+    kernel, then cast) or "split" (own kernel). The mask: read from ``saved_mask``; else drawn
+    once (with "split", the dK/dV kernel saves the nibbles for the dQ kernel), except with "split"
+    where the kernels draw one Philox call per element (``dropout_quads`` false): drawn in both.
     """
-    B, H, Lq, Lk, P, kpm, kpm_strides, drop, index_64 = _prepare(q, k, v, dropout_p, offset,
-                                                                key_padding_mask, dropout_strides)
+    B, H, Lq, Lk, P, kpm, kpm_strides, drop, quads, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
+                                                                       dropout_strides, saved_mask)
     config = default_config(P, "backward")
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
     num_warps, num_stages = num_warps or config["num_warps"], num_stages or config["num_stages"]
@@ -500,48 +590,58 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     dv = torch.empty_like(v) if dv is None else dv
     delta = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
     dq_acc = torch.empty((B, H, Lq, P), device=q.device, dtype=torch.float32) if atomic else delta
+    if saved_mask is not None:
+        mask, dkdv_io, dq_io = saved_mask, 2, 2
+    elif quads and not atomic:  # drawn once, by the dK/dV kernel, read by the dQ kernel
+        mask, dkdv_io, dq_io = torch.empty((B, H, Lq, Lk // 4), device=q.device, dtype=torch.uint8), 1, 2
+    else:
+        mask, dkdv_io, dq_io = delta, 0, 0  # placeholder pointer, never read
     _attn_bwd_preprocess_kernel[(triton.cdiv(Lq, block_j), B * H)](
         o, do, delta, dq_acc, *o.stride(), *do.stride(), H, Lq,
         P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4,
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, num_warps=num_warps, num_stages=num_stages)
+                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, QUADS=quads,
+                 EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
-        q, k, v, do, lse, delta, dq_acc, dk, dv, kpm,
+        q, k, v, do, lse, delta, dq_acc, dk, dv, kpm, mask,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *kpm_strides, *drop,
-        *scalars, DQ_ATOMIC=atomic, **flags,
+        *scalars, MASK_IO=dkdv_io, DQ_ATOMIC=atomic, **flags,
     )
     if atomic:
         dq.copy_(dq_acc)
     else:
         _attn_bwd_dq_kernel[(triton.cdiv(Lq, block_j), B * H)](
-            q, k, v, do, lse, delta, dq, kpm,
+            q, k, v, do, lse, delta, dq, kpm, mask,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *kpm_strides, *drop,
-            *scalars, **flags,
+            *scalars, MASK_IO=dq_io, **flags,
         )
     return dq, dk, dv
 
 
 class FusedAttention(torch.autograd.Function):
     """Autograd wrapper: ``FusedAttention.apply(q, k, v, scale, dropout_p, seed, offset, causal,
-    key_padding_mask, dropout_strides, forward_config, backward_config)`` -> o (b, h, j, p)."""
+    key_padding_mask, dropout_strides, forward_config, backward_config)`` -> o (b, h, j, p). The
+    forward saves the mask (``new_saved_mask``) where the layout allows; the backward reads it."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, dropout_p, seed, offset, causal, key_padding_mask, dropout_strides,
                 forward_config, backward_config):
+        saved_mask = new_saved_mask(q, k, dropout_p=dropout_p, offset=offset, dropout_strides=dropout_strides)
         o, lse = attention_forward(q, k, v, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset,
-                                   causal=causal, key_padding_mask=key_padding_mask,
-                                   dropout_strides=dropout_strides, **(forward_config or {}))
-        ctx.save_for_backward(q, k, v, o, lse, key_padding_mask)
+                                   causal=causal, key_padding_mask=key_padding_mask, dropout_strides=dropout_strides,
+                                   saved_mask=saved_mask, **(forward_config or {}))
+        ctx.save_for_backward(q, k, v, o, lse, key_padding_mask, saved_mask)
         ctx.args = dict(scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, causal=causal,
                         dropout_strides=dropout_strides, **(backward_config or {}))
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = attention_backward(do, q, k, v, o, lse, key_padding_mask=key_padding_mask, **ctx.args)
+        q, k, v, o, lse, key_padding_mask, saved_mask = ctx.saved_tensors
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, key_padding_mask=key_padding_mask,
+                                        saved_mask=saved_mask, **ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

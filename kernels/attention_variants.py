@@ -5,9 +5,10 @@ dtype and the storage order of Q, K, V, O, dO and the gradients (``layout``, ove
 e.g. BERT's ``"bjhp"`` = ``[B, L, H*P]``).  Implementations:
 
 - ``FusedVariant``: ``kernels.attention`` with one knob configuration (``attention_configs``) per
-  pass: direction "forward" (``attention_forward``), "backward" (``attention_backward`` on O and
-  lse of a default-knob forward), or "fwd+bwd" (``fused_attention`` + ``.backward(dO)``, a pair
-  of configurations);
+  pass: direction "forward" (``attention_forward`` as training runs it: writing the saved dropout
+  mask, ``new_saved_mask``), "backward" (``attention_backward`` on O, lse and the saved mask of a
+  default-knob forward), or "fwd+bwd" (``fused_attention`` + ``.backward(dO)``, a pair of
+  configurations);
 - ``SdpaVariant``: ``torch.nn.functional.scaled_dot_product_attention`` with one backend forced
   through ``torch.nn.attention.sdpa_kernel`` ("flash", "efficient", "cudnn", "math"), or
   "default" (PyTorch's choice); a backend that refuses the inputs fails at build;
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import attention_backward, attention_configs, attention_forward, default_config, fused_attention
+from kernels.attention import (attention_backward, attention_configs, attention_forward, default_config,
+                               fused_attention, new_saved_mask)
 from kernels.sweep_variants import Verdict, judge
 from kernels.torch_eval import keep_mask_torch
 
@@ -213,14 +215,17 @@ class FusedVariant(_Base):
 
     def run(self) -> dict:
         x, args = self.x, self.ws.case.args()
+        if self.direction == "fwd+bwd":
+            return self._fwd_bwd()
+        if "saved_mask" not in x:
+            x["saved_mask"] = new_saved_mask(x["q"], x["k"], dropout_p=args["dropout_p"], offset=args["offset"])
         if self.direction == "forward":
-            return dict(o=attention_forward(x["q"], x["k"], x["v"], **args, **self.forward)[0])
-        if self.direction == "backward":
-            if "o" not in x:
-                x["o"], x["lse"] = attention_forward(x["q"], x["k"], x["v"], **args)
-            dq, dk, dv = attention_backward(x["do"], x["q"], x["k"], x["v"], x["o"], x["lse"], **args, **self.backward)
-            return dict(dq=dq, dk=dk, dv=dv)
-        return self._fwd_bwd()
+            return dict(o=attention_forward(x["q"], x["k"], x["v"], **args, saved_mask=x["saved_mask"], **self.forward)[0])
+        if "o" not in x:
+            x["o"], x["lse"] = attention_forward(x["q"], x["k"], x["v"], **args, saved_mask=x["saved_mask"])
+        dq, dk, dv = attention_backward(x["do"], x["q"], x["k"], x["v"], x["o"], x["lse"], **args,
+                                        saved_mask=x["saved_mask"], **self.backward)
+        return dict(dq=dq, dk=dk, dv=dv)
 
     def check(self) -> Verdict:
         return self.ws.verdict(self.run())

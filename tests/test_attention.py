@@ -13,8 +13,8 @@ import triton.language as tl
 
 from dataflow.dropout_mask import keep_mask
 from kernels.accuracy import assert_closer, relative_error
-from kernels.attention import (attention_configs, attention_forward, default_config,
-                               dropout_strides_for, fused_attention)
+from kernels.attention import (attention_backward, attention_configs, attention_forward, default_config,
+                               dropout_quads, dropout_strides_for, fused_attention, new_saved_mask)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32 operands: exact products in the interpreter, TF32 dots on a GPU
@@ -177,6 +177,37 @@ def test_low_precision_acceptance(dtype, P, Lq, Lk, causal):
         assert_closer(g, base, r, what=name)
 
 
+@pytest.mark.parametrize("Lk,order,offset,quads", [(44, "bhjk", 8, True), (44, "hbjk", 0, True),
+                                                   (44, "bhjk", 6, False), (29, "hbjk", 0, False),
+                                                   (44, "bhkj", 0, False)])
+def test_dropout_paths(Lk, order, offset, quads):
+    """One Philox call per four keys (mask's last letter k, rows on whole calls; the forward saves the
+    nibbles and the backward reads them) or one per element: the same mask as NumPy's, O and every
+    gradient right, also for a backward that draws the mask itself in either dQ mode."""
+    B, H, Lq, P = 2, 2, 23, 16
+    strides = dropout_strides_for(order, B, H, Lq, Lk)
+    assert dropout_quads(strides, offset) == quads
+    args = dict(scale=0.3, dropout_p=0.3, seed=4321, offset=offset, dropout_strides=strides)
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, "bjhp", seed=12)
+    saved = new_saved_mask(*kernel_inputs[:2], dropout_p=0.3, offset=offset, dropout_strides=strides)
+    assert (saved is not None) == quads
+    q, k, v = (t.detach() for t in kernel_inputs)
+    o, lse = attention_forward(q, k, v, **args, saved_mask=saved)
+    keep = probability_keep(4321, offset, 0.3, B, H, Lq, Lk, order)
+    if quads:  # the saved nibbles: bit w of [b, h, j, c] = decision of key 4 c + w
+        bits = torch.from_numpy(keep.numpy().reshape(B, H, Lq, Lk // 4, 4).astype(np.uint8))
+        assert torch.equal(saved.cpu(), (bits << torch.arange(4, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))
+    got, reference, _ = run_both(ref_inputs, kernel_inputs, do, order=order, **{k_: v_ for k_, v_ in args.items()
+                                                                                 if k_ != "dropout_strides"})
+    for name, g, r in zip(NAMES, got, reference):
+        assert relative_error(g, r) < FP32_TOL, f"{name}: {relative_error(g, r):.2e}"
+    do_dev = do.to(DEVICE, torch.float32)
+    for dq_mode in ("atomic", "split"):  # the backward draws the mask itself
+        grads = attention_backward(do_dev, q, k, v, o, lse, **args, dq_mode=dq_mode)
+        for name, g, r in zip(NAMES[1:], grads, reference[1:]):
+            assert relative_error(g, r) < FP32_TOL, f"{dq_mode} {name}: {relative_error(g, r):.2e}"
+
+
 def test_config_space_runs():
     """Every interpreter configuration of both passes computes the same, right result."""
     B, H, Lq, Lk, P = 1, 2, 37, 29, 16
@@ -240,14 +271,26 @@ def test_rejects_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,P,causal,dq_mode", [(16, 64, False, "atomic"), (16, 64, True, "split"),
-                                                (8, 128, False, "atomic"), (8, 128, False, "split")])
-def test_bert_large_gpu(H, P, causal, dq_mode):
-    """BERT-large sizes, bf16, dropout 0.1, BERT's (b, j, h, p) storage = the [B, L, H*P] view."""
+@pytest.mark.parametrize("H,P,causal,backward", [
+    (16, 64, False, dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="atomic")),
+    (16, 64, True, dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="split")),
+    (16, 64, False, dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="split")),
+    (8, 128, False, dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="atomic")),
+    (8, 128, False, dict(block_j=64, block_k=64, num_warps=4, num_stages=2, dq_mode="split"))])
+def test_bert_large_gpu(H, P, causal, backward):
+    """BERT-large sizes, bf16, dropout 0.1, BERT's (b, j, h, p) storage = the [B, L, H*P] view: the
+    forward saves the mask and the backward reads it (``fused_attention``), and a backward that
+    draws the mask itself gives the same gradients' accuracy."""
     B, L = 8, 512
+    assert backward in attention_configs(P, "backward")
     ref_inputs, kernel_inputs, do = make_inputs(B, H, L, L, P, torch.bfloat16, "bjhp", seed=10)
-    got, reference, baseline = run_both(ref_inputs, kernel_inputs, do, baseline_dtype=torch.bfloat16,
-                                        scale=P**-0.5, dropout_p=0.1, seed=0x5EED, offset=0, causal=causal,
-                                        backward_config=dict(default_config(P, "backward"), dq_mode=dq_mode))
+    args = dict(scale=P**-0.5, dropout_p=0.1, seed=0x5EED, offset=0, causal=causal)
+    got, reference, baseline = run_both(ref_inputs, kernel_inputs, do, baseline_dtype=torch.bfloat16, **args,
+                                        backward_config=backward)
     for name, g, r, base in zip(NAMES, got, reference, baseline):
         assert_closer(g, base, r, what=name)
+    q, k, v = (t.detach() for t in kernel_inputs)
+    o, lse = attention_forward(q, k, v, **args)
+    drawn = attention_backward(do.to(DEVICE, torch.bfloat16), q, k, v, o, lse, **args, **backward)
+    for name, g, r, base in zip(NAMES[1:], drawn, reference[1:], baseline[1:]):
+        assert_closer(g, base, r, what=f"{name} (mask drawn in the backward)")
