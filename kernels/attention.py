@@ -29,10 +29,11 @@ Where k is the mask's last logical letter and every row starts on a whole Philox
 one Philox call per four keys and keep the decisions as nibbles; elsewhere they draw one call per
 element (``kernels.philox.dropout_keep``). Saved mask (quads layouts): the forward can write the
 nibbles, uint8 (b, h, j, k // 4) contiguous, bit w of [b, h, j, c] = decision of key 4 c + w
-(``new_saved_mask``; 1/8 byte per probability), and the backward then reads them instead of
-drawing the mask again: one Philox pass per training step. Without it the backward draws the
-mask once (never twice: dQ "split" reads or draws it in its own kernel only when no mask is saved,
-see ``attention_backward``).
+(``new_saved_mask``; 1/8 byte per probability; blocks a causal forward skips stay unwritten and
+are never read unmasked), and the backward then reads them instead of drawing the mask again: one
+Philox pass per training step. Without a saved mask the backward draws it once: with dQ "split"
+the dK/dV kernel writes the nibbles to a scratch buffer that the dQ kernel reads (only the
+per-element fallback draws it in both kernels).
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 

@@ -1,7 +1,9 @@
 """Fused attention vs a float64 PyTorch reference that regenerates the dropout mask in NumPy.
 
-CPU (Triton interpreter): odd sizes B=2, H=3, Lq=37, Lk=29 with head dims 16 and 64; every test
-checks O and all three gradients. GPU (``gpu`` marker): BERT-large sizes in bf16 with dropout 0.1.
+CPU (Triton interpreter): odd sizes B=2, H=3, Lq=37, Lk=29 with head dims 16 and 64 (one Philox
+call per element), and Lk=44 where the mask is drawn one call per four keys and saved as nibbles
+(``test_dropout_paths``); every test checks O and all three gradients. GPU (``gpu`` marker):
+BERT-large sizes in bf16 with dropout 0.1, mask saved by the forward and drawn by the backward.
 """
 import functools
 
