@@ -20,9 +20,10 @@ from kernels.tuning_db import Ceilings, Key, Record, TuningDB
 
 # Calls whose GPU time is under this are replayed from a CUDA graph when ``cuda_graph=None``: the
 # host's launch work (several microseconds per Triton launch, more for a callable that launches
-# several kernels) would otherwise be of the order of the kernel time and could leave gaps inside
-# the timed interval.
-GRAPH_BELOW_MS = 0.1
+# several kernels, as PyTorch eager sequences do) would otherwise be of the order of the GPU time
+# and leave gaps inside the timed interval, the more so while other processes (``Sweep``'s compile
+# workers) load the host's cores.  What is timed is GPU time.
+GRAPH_BELOW_MS = 0.3
 # Without an L2 flush, one graph replay holds enough back-to-back calls to last about this long,
 # and the time per call is the replay's time over that count.
 GRAPH_MIN_REPLAY_MS = 0.5
