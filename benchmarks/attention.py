@@ -8,7 +8,7 @@ views.  Every implementation is a ``kernels.attention_variants`` variant that go
 ``kernels.bench.Sweep`` into the tuning DB (checked against float64 before it is timed; each
 record committed as it is made, so a rerun resumes and a repeated run only reads the DB):
 (1) every forward and every backward knob configuration of the fused kernels
-(``attention_configs``, compiled first in parallel processes to fill Triton's cache), SDPA
+(``attention_configs``, compiled ahead in worker processes by ``Sweep(compile_workers=)``), SDPA
 forward and forward + backward with each backend forced and with PyTorch's own choice, the
 eager chain; (2) the fused forward + backward with the fastest forward and backward configs
 and with the default ones, and, without dropout, the fused pair and SDPA's default; all of
@@ -24,9 +24,7 @@ small setups run through the Triton interpreter in float32 and nothing is measur
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
-import multiprocessing
 import os
 import sys
 import time
@@ -49,6 +47,7 @@ from kernels.tuning_db import TuningDB  # noqa: E402
 
 GPU_SETUPS = ["B=8,H=16,L=512,P=64", "B=8,H=8,L=512,P=128"]
 CPU_SETUPS = ["B=2,H=3,L=37,P=16"]
+COMPILE_WORKERS = max(1, min(16, (os.cpu_count() or 2) - 2))  # fused variants compile ahead in these (GPU only)
 
 
 @triton.jit
@@ -74,29 +73,6 @@ def parse_setup(text: str) -> dict:
     return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
 
 
-def _compile_one(job):
-    """Worker: build (compile and run once) one fused variant at the benchmark's sizes (fills Triton's cache)."""
-    setup, dropout_p, direction, forward, backward = job
-    try:
-        ws = Workspace(AttentionCase(**setup, dropout_p=dropout_p), "cuda")
-        FusedVariant(ws, direction, forward, backward).build()
-        torch.cuda.synchronize()
-        return None
-    except Exception as error:  # noqa: BLE001 - the sweep records it again, with the reason
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-
-
-def precompile(variants) -> None:
-    jobs = [({k: getattr(v.ws.case, k) for k in "BHLP"}, v.ws.case.dropout_p, v.direction, v.forward, v.backward)
-            for v in variants]
-    if not jobs:
-        return
-    context = multiprocessing.get_context("spawn")
-    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 16))
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        list(pool.map(_compile_one, jobs))
-
-
 class Bench:
     """The sweeps of one run over one DB, with a shared time budget."""
 
@@ -108,7 +84,8 @@ class Bench:
 
     def run(self, variants, cuda_graph: bool):
         budget = None if self.budget_s is None else max(0.0, self.budget_s - (time.monotonic() - self.started))
-        report = Sweep(self.db, variants, budget_s=budget, cuda_graph=cuda_graph, progress=self.progress).run()
+        report = Sweep(self.db, variants, budget_s=budget, cuda_graph=cuda_graph, progress=self.progress,
+                       compile_workers=COMPILE_WORKERS).run()
         for status, n in report.counts.items():
             self.counts[status] = self.counts.get(status, 0) + n
         self.stopped = self.stopped or report.stopped
@@ -130,8 +107,6 @@ def bench_setup(bench: Bench, setup: dict, dropout_p: float, dtype, device: str,
     forward = [v for v in configs if v.direction == "forward"][:limit_configs]
     backward = [v for v in configs if v.direction == "backward"][:limit_configs]
     baselines = baseline_variants(ws, launches=("cuda-graph",))
-    if device == "cuda":
-        precompile([v for v in forward + backward if bench.record(v) is None])
     bench.run(forward + backward + baselines, cuda_graph=True)
     best_forward = next(iter(bench.sweep.ranked(forward)), None)
     best_backward = next(iter(bench.sweep.ranked(backward)), None)

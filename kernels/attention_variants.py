@@ -230,6 +230,16 @@ class FusedVariant(_Base):
     def check(self) -> Verdict:
         return self.ws.verdict(self.run())
 
+    def compile_task(self) -> tuple:
+        """(function, args) compiling this variant's kernels in another process (``kernels.bench.Sweep``)."""
+        return _compile_ahead, (self.ws.case, self.direction, self.forward, self.backward)
+
+
+def _compile_ahead(case: AttentionCase, direction: str, forward: dict | None, backward: dict | None) -> None:
+    """Build (the kernels compile at their first launch, into Triton's disk cache) one fused variant."""
+    FusedVariant(Workspace(case, "cuda"), direction, forward, backward).build()
+    torch.cuda.synchronize()
+
 
 def _sdpa_context(backend: str):
     if backend == "default":
