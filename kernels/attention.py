@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.philox import _kept, dropout_keep, keep_threshold, philox4
+from kernels.philox import dropout_keep, keep_threshold, keep_word, philox4
 
 LOG2E = 1.4426950408889634
 
@@ -71,8 +71,8 @@ def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.
 def keep_nibbles(seed, threshold, calls):
     """uint8 block: bit w of element (r, c) = keep decision from word w of Philox call calls[r, c]."""
     w0, w1, w2, w3 = philox4(seed, calls)
-    return (_kept(w0, threshold).to(tl.uint8) | (_kept(w1, threshold).to(tl.uint8) << 1)
-            | (_kept(w2, threshold).to(tl.uint8) << 2) | (_kept(w3, threshold).to(tl.uint8) << 3))
+    return (keep_word(w0, threshold).to(tl.uint8) | (keep_word(w1, threshold).to(tl.uint8) << 1)
+            | (keep_word(w2, threshold).to(tl.uint8) << 2) | (keep_word(w3, threshold).to(tl.uint8) << 3))
 
 
 @triton.jit

@@ -11,7 +11,8 @@ layout) and gets the keep decision that ``dataflow.dropout_mask.keep_mask`` comp
   from word ``w`` of call (r, c).  The caller passes ``(offset + n) // 4`` for the element n at
   column 4 c (which must have ``(offset + n) % 4 == 0``): a quarter of the calls.
 
-``threshold`` is ``keep_threshold(p)``: the comparison with ``p`` done on the integers.
+``threshold`` is ``keep_threshold(p)``: the comparison with ``p`` done on the integers
+(``keep_word`` decides one word; kernels that pack or store decisions use it directly).
 """
 import functools
 
@@ -65,7 +66,8 @@ def philox4(seed, counter):
 
 
 @triton.jit
-def _kept(word, threshold):
+def keep_word(word, threshold):
+    """True where the uint32 Philox ``word`` keeps its element (``tl.rand``'s |x| against ``threshold``)."""
     x = word.to(tl.int32, bitcast=True)
     return (x ^ (x >> 31)) > threshold
 
@@ -78,7 +80,7 @@ def dropout_keep(seed, offset, logical_index, threshold):
     c0, c1, c2, c3 = philox4(seed, g >> 2)
     word = g & 3
     picked = tl.where(word == 0, c0, tl.where(word == 1, c1, tl.where(word == 2, c2, c3)))
-    return _kept(picked, threshold)
+    return keep_word(picked, threshold)
 
 
 @triton.jit
@@ -87,4 +89,4 @@ def dropout_keep_quads(seed, quad_counter, threshold):
     ``4 c + w`` is word ``w`` of call (r, c) (see the module doc)."""
     c0, c1, c2, c3 = philox4(seed, quad_counter)
     words = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [R, C, 2, 2]: [.., i, j] = word 2 i + j
-    return _kept(tl.reshape(words, (words.shape[0], 4 * words.shape[1])), threshold)
+    return keep_word(tl.reshape(words, (words.shape[0], 4 * words.shape[1])), threshold)
