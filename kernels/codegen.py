@@ -21,11 +21,11 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   counter ``offset_<mask> + n`` (``n`` the element's row-major index over the mask's letters in
   spec order, ``dataflow.dropout_mask``), scaled by 1/(1-p).  When the tile's column letters are
   the mask's trailing letters in spec order (consecutive columns = consecutive n), their extent is
-  a multiple of 4 and BLOCK_COL too, the mask takes one Philox call per four columns
-  (``kernels.philox.dropout_keep_quads`` on a [rows, BLOCK_COL // 4] block of call counters; this
-  needs ``offset_<mask> % 4 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
+  a multiple of 8 and BLOCK_COL too, the mask takes one Philox call per eight columns
+  (``kernels.philox.dropout_keep_octets`` on a [rows, BLOCK_COL // 8] block of call counters; this
+  needs ``offset_<mask> % 8 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
   ``CompiledOperator.run`` checks); the same along the tile's rows when its row letters are the
-  mask's trailing letters (one call per four rows, on the transposed block of calls: layernorms
+  mask's trailing letters (one call per eight rows, on the transposed block of calls: layernorms
   over i of BERT's ibj masks); otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
   Knob ``dropout="load"`` reads a stored mask (values 0 or 1/(1-p)) instead;
 - sizes as runtime int arguments ``size_<letter>``, dim names used in expressions (``N``,
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import triton
 
+from dataflow.dropout_mask import DECISIONS_PER_CALL
 from kernels.philox import keep_threshold
 from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
 
@@ -65,20 +66,20 @@ class _Plan:
     regenerated: tuple  # dropout masks regenerated from (seed, offset)
     outputs: tuple
     dim_names: tuple  # dim names used in expressions -> dim_<name> float args
-    quads: tuple  # the regenerated masks drawn one Philox call per four columns (``_quad_masks``)
-    row_quads: tuple  # ... per four rows (the same rule along the tile's rows)
+    octets: tuple  # the regenerated masks drawn one Philox call per eight columns (``_octet_masks``)
+    row_octets: tuple  # ... per eight rows (the same rule along the tile's rows)
 
 
-def _quad_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
-    """The masks of ``regenerated`` whose decisions can come four per Philox call along the tile's
+def _octet_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
+    """The masks of ``regenerated`` whose decisions can come eight per Philox call along the tile's
     columns: the column letters ``cols`` are the mask's trailing letters in spec order (column c of
-    a row is logical index ``row base + c``), their extent is a multiple of 4 (so is every other
+    a row is logical index ``row base + c``), their extent is a multiple of 8 (so is every other
     logical stride: each row base starts a Philox call) and so is ``block_col`` (each block of
     columns starts one)."""
     extent = 1
     for letter in cols:
         extent *= graph.dim_values[letters.dims[letter]]
-    if not cols or extent % 4 or block_col % 4:
+    if not cols or extent % DECISIONS_PER_CALL or block_col % DECISIONS_PER_CALL:
         return ()
     return tuple(t for t in regenerated if letters.tensor_axes[t].endswith(cols))
 
@@ -105,10 +106,10 @@ def _plan(graph, op, knobs: dict) -> _Plan:
             for node in ast.walk(ast.parse(prim.expr, mode="eval")):
                 if isinstance(node, ast.Name) and node.id in graph.dim_values:
                     dim_names.add(node.id)
-    quads = _quad_masks(graph, letters, cols, regenerated, knobs["block_col"])
-    row_quads = tuple(t for t in _quad_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in quads)
+    octets = _octet_masks(graph, letters, cols, regenerated, knobs["block_col"])
+    row_octets = tuple(t for t in _octet_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in octets)
     return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),
-                 quads, row_quads)
+                 octets, row_octets)
 
 
 class _Expr(ast.NodeTransformer):
@@ -278,16 +279,16 @@ Knobs: {knobs}"""
         if t in plan.regenerated:
             info = graph.tensors[t]
             scale, threshold = 1.0 / (1.0 - info.p), keep_threshold(info.p)
-            if t in plan.quads:  # column c of the block: word c % 4 of the call on counter (row start + c) // 4
+            if t in plan.octets:  # column c of the block: half c % 8 of the call on counter (row start + c) // 8
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.cols)
-                calls = f"((offset_{t} + {base}col_start) >> 2) + tl.arange(0, BLOCK_COL // 4)[None, :]"
-                keep = f"dropout_keep_quads(seed_{t}, {calls}, {threshold})"
-                note = "one Philox call per four columns"
-            elif t in plan.row_quads:  # the same along rows, on the transposed block of calls
+                calls = f"((offset_{t} + {base}col_start) >> 3) + tl.arange(0, BLOCK_COL // 8)[None, :]"
+                keep = f"dropout_keep_octets(seed_{t}, {calls}, {threshold})"
+                note = "one Philox call per eight columns"
+            elif t in plan.row_octets:  # the same along rows, on the transposed block of calls
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
-                calls = f"((offset_{t} + {base}row_start) >> 2) + tl.arange(0, BLOCK_ROW // 4)[:, None]"
-                keep = f"tl.trans(dropout_keep_quads(seed_{t}, tl.trans({calls}), {threshold}))"
-                note = "one Philox call per four rows"
+                calls = f"((offset_{t} + {base}row_start) >> 3) + tl.arange(0, BLOCK_ROW // 8)[:, None]"
+                keep = f"tl.trans(dropout_keep_octets(seed_{t}, tl.trans({calls}), {threshold}))"
+                note = "one Philox call per eight rows"
             else:
                 index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
                 keep = f"dropout_keep(seed_{t}, offset_{t}, {index}, {threshold})"
@@ -423,7 +424,7 @@ Knobs: {knobs}"""
 _PRELUDE = '''import triton
 import triton.language as tl
 
-from kernels.philox import dropout_keep, dropout_keep_quads
+from kernels.philox import dropout_keep, dropout_keep_octets
 
 
 @triton.jit
@@ -628,9 +629,9 @@ class CompiledOperator:
             args += [float(self.graph.dim_values[d]) for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
-                if offset % 4 and t in plan.quads + plan.row_quads:
-                    raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of 4, which "
-                                     "four decisions per Philox call need (dataflow.executor.dropout_offsets)")
+                if offset % DECISIONS_PER_CALL and t in plan.octets + plan.row_octets:
+                    raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISIONS_PER_CALL}, "
+                                     f"which {DECISIONS_PER_CALL} decisions per Philox call need (dataflow.executor.dropout_offsets)")
                 args += [int(seed), int(offset)]
             suffix = "" if len(self.plans) == 1 else f"_{k}"
             blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]

@@ -19,10 +19,11 @@ Dropout keeps element e by the convention of ``dataflow.dropout_mask`` at counte
 n(e) is its logical row-major index over the output's letters in spec order, assembled from per-dim
 digits ``(q1, q2, l0, l1, l2)``: a dim's flat index f adds ``(f % q1)*l0 + ((f // q1) % q2)*l1 +
 (f // (q1*q2))*l2`` (``kernels.contraction.dropout_digits`` derives them).  When C's n (or m) dim
-runs along the output's last logical letter with unit logical stride (l0 == 1, q1 % 4 == 0) and
-every other logical stride and the offset are multiples of 4, four consecutive columns (rows) are
-the four words of one Philox call (``kernels.philox.dropout_keep_quads``, see ``_quads``); otherwise
-each element makes its own call (``kernels.philox.dropout_keep``).  The mask equals
+runs along the output's last logical letter with unit logical stride (l0 == 1, q1 % 8 == 0),
+every other logical stride and the offset are multiples of 8 and the epilogue's slices hold whole
+octets, eight consecutive columns (rows) are the eight 16-bit halves of one Philox call
+(``kernels.philox.dropout_keep_octets``, see ``_octets``); otherwise each element makes its own
+call (``kernels.philox.dropout_keep``).  The mask equals
 ``dataflow.dropout_mask.keep_mask(seed, offset, out_logical_shape, p)`` in any layout.
 
 Inputs bf16, fp16 or fp32 (A and B alike; fp32 uses IEEE dot products, as do bf16 inputs under the
@@ -41,7 +42,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.philox import dropout_keep, dropout_keep_quads, keep_threshold
+from dataflow.dropout_mask import DECISIONS_PER_CALL
+from kernels.philox import dropout_keep, dropout_keep_octets, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SAVES = ("none", "pre_activation", "pre_dropout")
@@ -179,7 +181,7 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # "none" | "relu" | "gelu"
     HAS_DROPOUT: tl.constexpr,
-    QUADS: tl.constexpr,  # dropout: "n" / "m": one Philox call per four columns / rows (see _quads); "none": per element
+    OCTETS: tl.constexpr,  # dropout: "n" / "m": one Philox call per eight columns / rows (see _octets); "none": per element
     INDEX_64: tl.constexpr,  # offset + logical index may pass 2**31: add them in int64
     SAVE: tl.constexpr,  # "none" | "pre_activation" | "pre_dropout"
     TMA: tl.constexpr,  # A and B tiles through tensor descriptors (TMA on Hopper) instead of pointers
@@ -258,7 +260,7 @@ def _gemm_kernel(
     if EPILOGUE_SPLIT == 1:
         _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, base_c, stride_cm, stride_cn, base_bias, stride_biasm, stride_biasn,
                   base_saved, stride_sm, stride_sn, p, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m,
-                  q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT, QUADS, INDEX_64, SAVE, ROUND_BF16)
+                  q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT, OCTETS, INDEX_64, SAVE, ROUND_BF16)
     else:  # column halves (then quarters): [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N)
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
         if EPILOGUE_SPLIT == 2:
@@ -271,7 +273,7 @@ def _gemm_kernel(
             _epilogue(parts[h], pid_m * BLOCK_M, pid_n * BLOCK_N + h * (BLOCK_N // EPILOGUE_SPLIT), M, N,
                       base_c, stride_cm, stride_cn, base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn,
                       p, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
-                      HAS_BIAS, ACTIVATION, HAS_DROPOUT, QUADS, INDEX_64, SAVE, ROUND_BF16)
+                      HAS_BIAS, ACTIVATION, HAS_DROPOUT, OCTETS, INDEX_64, SAVE, ROUND_BF16)
 
 
 @triton.jit
@@ -281,10 +283,10 @@ def _epilogue(acc, m_start, n_start, M, N,
               saved_ptr, stride_sm, stride_sn,
               p, threshold, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
               q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
-              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, QUADS: tl.constexpr,
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, OCTETS: tl.constexpr,
               INDEX_64: tl.constexpr, SAVE: tl.constexpr, ROUND_BF16: tl.constexpr):
     """Bias, activation, saves, dropout and the store of the slice of C whose rows start at m_start
-    and columns at n_start (its extents: acc's shape; both starts multiples of 4)."""
+    and columns at n_start (its extents: acc's shape; both starts multiples of the extents)."""
     offs_m = m_start + tl.arange(0, acc.shape[0])
     offs_n = n_start + tl.arange(0, acc.shape[1])
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -302,23 +304,23 @@ def _epilogue(acc, m_start, n_start, M, N,
     if SAVE == "pre_dropout":
         tl.store(saved_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
     if HAS_DROPOUT:
-        if QUADS == "n":  # call (r, c) covers columns n_start + 4c .. + 3 of row r: logical indices first .. first + 3
-            quad_n = n_start + 4 * tl.arange(0, acc.shape[1] // 4)
+        if OCTETS == "n":  # call (r, c) covers columns n_start + 8c .. + 7 of row r: logical indices first .. first + 7
+            octet_n = n_start + 8 * tl.arange(0, acc.shape[1] // 8)
             first = (index_b + _digits(offs_m, q1_m, q2_m, l0_m, l1_m, l2_m)[:, None]
-                     + _digits(quad_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
-        elif QUADS == "m":  # the same along rows, on the transposed tile
-            quad_m = m_start + 4 * tl.arange(0, acc.shape[0] // 4)
+                     + _digits(octet_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
+        elif OCTETS == "m":  # the same along rows, on the transposed tile
+            octet_m = m_start + 8 * tl.arange(0, acc.shape[0] // 8)
             first = (index_b + _digits(offs_n, q1_n, q2_n, l0_n, l1_n, l2_n)[:, None]
-                     + _digits(quad_m, q1_m, q2_m, l0_m, l1_m, l2_m)[None, :])
+                     + _digits(octet_m, q1_m, q2_m, l0_m, l1_m, l2_m)[None, :])
         else:
             first = (index_b + _digits(offs_m, q1_m, q2_m, l0_m, l1_m, l2_m)[:, None]
                      + _digits(offs_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
         if INDEX_64:
             first = first.to(tl.int64)
-        if QUADS == "n":
-            keep = dropout_keep_quads(seed, (offset + first) >> 2, threshold)
-        elif QUADS == "m":
-            keep = tl.trans(dropout_keep_quads(seed, (offset + first) >> 2, threshold))
+        if OCTETS == "n":
+            keep = dropout_keep_octets(seed, (offset + first) >> 3, threshold)
+        elif OCTETS == "m":
+            keep = tl.trans(dropout_keep_octets(seed, (offset + first) >> 3, threshold))
         else:
             keep = dropout_keep(seed, offset, first, threshold)
         acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
@@ -326,23 +328,26 @@ def _epilogue(acc, m_start, n_start, M, N,
     tl.store(c_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _quads(digits: tuple, offset: int) -> str:
-    """Along which dim of C dropout decisions come four per Philox call: "n" (or "m") when that
-    dim's inner digit is the output's last logical letter (l0 == 1) over a multiple of 4 (q1), and
-    every other logical stride and ``offset`` are multiples of 4, so that each aligned quad of
-    consecutive columns (rows) is one call's four words; "none" otherwise.  ``digits``: the four
-    ``(q1, q2, l0, l1, l2)`` of (b0, b1, m, n)."""
-    for dim, name in ((3, "n"), (2, "m")):
+def _octets(digits: tuple, offset: int, tile: tuple[int, int]) -> str:
+    """Along which dim of C dropout decisions come eight per Philox call: "n" (or "m") when that
+    dim's inner digit is the output's last logical letter (l0 == 1) over a multiple of 8 (q1),
+    every other logical stride and ``offset`` are multiples of 8 and so is the epilogue's extent
+    along that dim (``tile``: its rows and columns, ``BLOCK_M`` and ``BLOCK_N // EPILOGUE_SPLIT``),
+    so that each aligned octet of consecutive columns (rows) is one call's eight halves; "none"
+    otherwise.  ``digits``: the four ``(q1, q2, l0, l1, l2)`` of (b0, b1, m, n)."""
+    for dim, name, extent in ((3, "n", tile[1]), (2, "m", tile[0])):
         q1, _, l0, l1, l2 = digits[dim]
         others = [l1, l2] + [l for other, d in enumerate(digits) if other != dim for l in d[2:]]
-        if l0 == 1 and q1 % 4 == 0 and offset % 4 == 0 and all(l % 4 == 0 for l in others):
+        if (l0 == 1 and all(x % DECISIONS_PER_CALL == 0 for x in (q1, offset, extent))
+                and all(l % DECISIONS_PER_CALL == 0 for l in others)):
             return name
     return "none"
 
 
 def _epilogue_split(config: GemmConfig, dropout: bool) -> int:
     """Column slices for the epilogue: dropout on more than ~32 elements per thread at once spills
-    registers (with four decisions per Philox call too: benchmarks/results/dropout_quads.md)."""
+    registers (measured with four decisions per Philox call, the former convention:
+    benchmarks/results/dropout_quads.md)."""
     if config.epilogue_split:
         return config.epilogue_split
     if not dropout:
@@ -382,7 +387,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
             raise ValueError("operands must hold fewer than 2**31 elements (int32 offsets)")
     config = config or valid_configs(a.dtype)[0]
     digits = dropout_digits or ((1, 1, 0, 0, 0),) * 4
-    quads = _quads(digits, offset) if dropout_p > 0 else None
+    split = _epilogue_split(config, dropout_p > 0)
+    octets = _octets(digits, offset, (config.block_m, config.block_n // split)) if dropout_p > 0 else "none"
     a_src, b_src, a_m_major, b_k_major = a, b, False, False
     if config.tma:
         a_view = _tma_view(a, (shape.b0, shape.b1, shape.m, shape.k), a_strides)
@@ -401,10 +407,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)),
         alpha, dropout_p, keep_threshold(dropout_p), seed, offset,
         *digits[0], *digits[1], *digits[2], *digits[3],
-        HAS_BIAS=bias is not None, ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0, QUADS=quads or "none",
+        HAS_BIAS=bias is not None, ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0, OCTETS=octets,
         INDEX_64=dropout_p > 0 and offset + c.numel() >= 2**31, SAVE=save,
         TMA=config.tma, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, EVEN_K=shape.k % config.block_k == 0,
-        EPILOGUE_SPLIT=_epilogue_split(config, dropout_p > 0),
+        EPILOGUE_SPLIT=split,
         # The interpreter's tl.dot multiplies bf16 storage bits (uint16) as integers, and its
         # fp32 -> bf16 cast truncates: there, upcast before the dot and round before the store.
         FP32_DOT=a.dtype == torch.float32 or (interpreted() and a.dtype == torch.bfloat16),

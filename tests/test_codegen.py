@@ -79,7 +79,7 @@ def _inputs(graph, op, seed=0):
         info = graph.tensors[t]
         shape = [graph.dim_values[graph.letter_dims[l]] for l in info.letters]
         if info.role == "dropout":
-            seeds[t] = (1234 + n, 4 * (77 * n + 5))  # masks start on a Philox call (dataflow.executor.dropout_offsets)
+            seeds[t] = (1234 + n, 8 * (77 * n + 5))  # masks start on a Philox call (dataflow.executor.dropout_offsets)
             values[t] = _mask(*seeds[t], tuple(shape), info.p)
         else:
             values[t] = torch.randn(shape, generator=gen, dtype=torch.float64) + 0.1
@@ -176,17 +176,18 @@ def test_stored_dropout_mask():
     assert "drop_attn_ptr" in compiled.source
 
 
-@pytest.mark.parametrize("length,quads", [(12, True), (13, False)])
-def test_dropout_quads_in_any_storage_layout(length, quads):
-    """alpha tiled along k (its mask's last letter) in blocks of 8 columns, every tensor stored
-    in reversed letter order: sequence length 12 (ragged last block) takes one Philox call per
-    four columns, 13 (rows not starting on a call) one per element; both the convention's mask."""
+@pytest.mark.parametrize("length,block_col,octets", [(24, 16, True), (12, 16, False), (24, 4, False)])
+def test_dropout_octets_in_any_storage_layout(length, block_col, octets):
+    """alpha tiled along k (its mask's last letter), every tensor stored in reversed letter order:
+    sequence length 24 in blocks of 16 columns (ragged last block) takes one Philox call per eight
+    columns; length 12 (rows not starting on a call) or blocks of 4 columns (splitting a call) one
+    per element; all the convention's mask."""
     graph, ops = _setup("bert", {**SMALL["bert"], "L": length})
     op = ops["alpha"]
     base = default_configuration(graph, op)
     layouts = {t: graph.tensors[t].letters[::-1] for t in (*op.inputs, *op.outputs)}
-    source = _check(graph, op, Configuration(layouts, {**base.knobs, "block_col": 8}), seed=5).source
-    assert ("dropout_keep_quads(" in source) == quads and ("dropout_keep(" in source) != quads
+    source = _check(graph, op, Configuration(layouts, {**base.knobs, "block_col": block_col}), seed=5).source
+    assert ("dropout_keep_octets(" in source) == octets and ("dropout_keep(" in source) != octets
 
 
 def test_source_is_readable_and_cached(tmp_path):

@@ -26,8 +26,10 @@ from dataflow import snapshot
 from tests.test_codegen import evaluate
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
-# Sequence lengths a multiple of 4: masks along k / t / j can take one Philox call per four columns.
-QUADS = {"bert": dict(B=3, L=12, N=12, H=3, P=4, U=7), "gpt2": dict(B=3, T=12, D=12, H=3, E=4, F=7)}
+# Sequence lengths (and GPT-2's D) a multiple of 8: masks along k / t / j / d can take one Philox
+# call per eight columns; QUARTETS: multiples of 4 only, their masks are drawn per element.
+OCTETS = {"bert": dict(B=3, L=24, N=12, H=3, P=4, U=7), "gpt2": dict(B=3, T=24, D=24, H=3, E=8, F=7)}
+QUARTETS = {"bert": dict(B=3, L=12, N=12, H=3, P=4, U=7), "gpt2": dict(B=3, T=12, D=12, H=3, E=4, F=7)}
 SEED = 7  # dropout seed of the reference run
 # The Triton interpreter converts fp32 to bf16 by truncation (interpreter.py's cast_impl passes no
 # rounding mode); the GPU rounds to nearest even.  Through the interpreter the bf16 rule allows
@@ -44,20 +46,22 @@ def _setup(spec: str, dims=None):
 CASES = [(spec, name) for spec in ("bert", "gpt2") for name in _setup(spec)[1]]
 
 
-@functools.lru_cache(maxsize=4)
-def _reference(spec: str, quads: bool = False) -> dict:
-    """Every tensor of the fused training graph at small dims (``QUADS`` if ``quads``, else
-    ``SMALL``), float64 (inputs N(0,1) + 0.1)."""
-    graph, _ = _setup(spec, QUADS[spec] if quads else None)
+DIMS = {"small": SMALL, "octets": OCTETS, "quartets": QUARTETS}
+
+
+@functools.lru_cache(maxsize=6)
+def _reference(spec: str, dims: str = "small") -> dict:
+    """Every tensor of the fused training graph at ``DIMS[dims]``, float64 (inputs N(0,1) + 0.1)."""
+    graph, _ = _setup(spec, DIMS[dims][spec])
     rng = np.random.default_rng(0)
     values = {n: rng.standard_normal([graph.size(l) for l in t.letters]) + 0.1
               for n, t in graph.tensors.items() if t.role in ("input", "constant", "grad_output")}
     return execute(graph, values, seed=SEED)
 
 
-def _check(spec, name, config, dtype=torch.float32, quads: bool = False):
-    graph, ops = _setup(spec, QUADS[spec] if quads else None)
-    op, env = ops[name], _reference(spec, quads)
+def _check(spec, name, config, dtype=torch.float32, dims: str = "small"):
+    graph, ops = _setup(spec, DIMS[dims][spec])
+    op, env = ops[name], _reference(spec, dims)
     offsets = dropout_offsets(graph)
     compiled = compile_operator(graph, op, config)
     tensors = {}
@@ -116,17 +120,22 @@ def test_permuted_fp32(spec, name):
     _check(spec, name, config)
 
 
-def _configured(graph, op, loop_chunk: int | None = None, block_col: int | None = None, loop_rows: int = 2) -> Configuration:
+def _configured(graph, op, loop_chunk: int | None = None, block_col: int | None = None, loop_rows: int = 2,
+                row_rows: int | None = None) -> Configuration:
     """The default configuration of every part; with ``loop_chunk`` each reducing part in mode
-    "loop" over chunks of that many columns (``loop_rows`` rows); with ``block_col`` each
-    element-wise part's BLOCK_COL set."""
+    "loop" over chunks of that many columns (``loop_rows`` rows), else with ``row_rows`` each part
+    that reduces along its tile's columns in whole rows, that many rows per block; with
+    ``block_col`` each element-wise part's BLOCK_COL set."""
     split = parts(op)
     chosen = []
     for part in split:
         config = default_configuration(graph, part)
-        reduces = bool(operator_letters(graph, part).reduced)
+        reduced = operator_letters(graph, part).reduced
+        reduces = bool(reduced)
         if reduces and loop_chunk:
             config = Configuration(config.layouts, {**config.knobs, "mode": "loop", "block_col": loop_chunk, "block_row": loop_rows})
+        elif row_rows and config.knobs["vector"] in reduced:
+            config = Configuration(config.layouts, {**config.knobs, "block_row": row_rows})
         if not reduces and block_col:
             config = Configuration(config.layouts, {**config.knobs, "block_col": block_col})
         chosen.append(config)
@@ -168,55 +177,68 @@ def test_stored_dropout_mask_in_a_part():
     assert "dropout_keep(" not in compiled.source.split("def d_b1_part1")[1] and "drop_act_ptr" in compiled.source
 
 
-# --- dropout: one Philox call per four columns, or one per element ---------------------------------
+# --- dropout: one Philox call per eight columns, or one per element --------------------------------
 
 DROPOUT = [(s, n) for s, n in CASES if any(_setup(s)[0].tensors[t].role == "dropout" for t in _setup(s)[1][n].inputs)]
-# At QUADS dims in the default layouts: the operators whose tile columns run along their mask's
-# last logical letters (k, t, j, d; the reduced b, j of d_b1's second part) draw one call per four
+# At OCTETS dims in the default layouts: the operators whose tile columns run along their mask's
+# last logical letters (k, t, j, d; the reduced b, j of d_b1's second part) draw one call per eight
 # columns; x1, y, d_ffn, d_attn (BERT, vector i of an ibj mask: rows b, j) and d_bout (GPT-2,
-# vector d of a bsd mask reduced over b, s along rows) one per four rows.
-QUAD_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "d_k_q"), ("gpt2", "attention"),
-            ("gpt2", "h2"), ("gpt2", "y"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}
-ROW_QUAD_OPS = {("bert", "x1"), ("bert", "y"), ("bert", "d_ffn"), ("bert", "d_attn"), ("gpt2", "d_bout")}
+# vector d of a bsd mask reduced over b, s along rows) one per eight rows.
+OCTET_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "d_k_q"), ("gpt2", "attention"),
+             ("gpt2", "h2"), ("gpt2", "y"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}
+ROW_OCTET_OPS = {("bert", "x1"), ("bert", "y"), ("bert", "d_ffn"), ("bert", "d_attn"), ("gpt2", "d_bout")}
 
 
 @pytest.mark.parametrize("spec,name", DROPOUT)
-@pytest.mark.parametrize("chunk", [None, 8])
-def test_dropout_quads(spec, name, chunk):
-    """Masks regenerated at sequence length 12 (a multiple of 4), in whole rows (default) or in
-    chunks of 8 columns (loop mode, ragged last chunk, 8 rows; element-wise tiles of 8 columns,
-    ragged last block): one Philox call per four columns where the tile's columns run along the
-    mask's last letters, per four rows where its rows do; either way the executor's mask (same
-    seed and offsets)."""
-    graph, ops = _setup(spec, QUADS[spec])
-    config = _configured(graph, ops[name], loop_chunk=chunk, block_col=chunk, loop_rows=8)
-    source = _check(spec, name, config, quads=True).source
-    assert ("one Philox call per four columns" in source) == ((spec, name) in QUAD_OPS)
-    assert ("one Philox call per four rows" in source) == ((spec, name) in ROW_QUAD_OPS)
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_dropout_octets(spec, name, chunk):
+    """Masks regenerated at sequence length 24 (GPT-2: D = 24 too; multiples of 8), in whole rows
+    (default knobs, 8 rows per block where the reduction runs along columns) or in chunks of 16
+    columns (loop mode, ragged last chunk, 16 rows: 72 of b, j or b, s, ragged; element-wise tiles
+    of 16 columns, ragged last block): one Philox call per eight columns where the tile's columns
+    run along the mask's last letters, per eight rows where its rows do; either way the executor's
+    mask (same seed and offsets)."""
+    graph, ops = _setup(spec, OCTETS[spec])
+    config = _configured(graph, ops[name], loop_chunk=chunk, block_col=chunk, loop_rows=16, row_rows=8)
+    source = _check(spec, name, config, dims="octets").source
+    assert ("one Philox call per eight columns" in source) == ((spec, name) in OCTET_OPS)
+    assert ("one Philox call per eight rows" in source) == ((spec, name) in ROW_OCTET_OPS)
     assert "dropout_keep(" not in source
 
 
 @pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "x1")])
-def test_dropout_per_element_in_blocks_of_two(spec, name):
-    """Blocks of 2 columns (alpha, hidden, d_b1) or 2 rows (x1) split the Philox calls' quads: one
+def test_dropout_per_element_in_blocks_of_four(spec, name):
+    """Blocks of 4 columns (alpha, hidden, d_b1) or 4 rows (x1) split the Philox calls' octets: one
     call per element."""
-    graph, ops = _setup(spec, QUADS[spec])
-    source = _check(spec, name, _configured(graph, ops[name], loop_chunk=2, block_col=2, loop_rows=2), quads=True).source
-    assert "dropout_keep_quads(" not in source and "dropout_keep(" in source
+    graph, ops = _setup(spec, OCTETS[spec])
+    config = _configured(graph, ops[name], loop_chunk=4, block_col=4, loop_rows=4)
+    source = _check(spec, name, config, dims="octets").source
+    assert "dropout_keep_octets(" not in source and "dropout_keep(" in source
+
+
+@pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "x1"), ("gpt2", "h2"), ("gpt2", "d_bout")])
+def test_dropout_per_element_at_extents_of_four(spec, name):
+    """Sequence length 12 (GPT-2: D = 12 too), a multiple of 4 but not of 8: rows of the masks'
+    trailing letters do not start on a Philox call, so blocks of 8 columns (rows) still draw one
+    call per element."""
+    graph, ops = _setup(spec, QUARTETS[spec])
+    config = _configured(graph, ops[name], loop_chunk=8, block_col=8, loop_rows=8, row_rows=8)
+    source = _check(spec, name, config, dims="quartets").source
+    assert "dropout_keep_octets(" not in source and "dropout_keep(" in source
 
 
 @pytest.mark.parametrize("mode", ["row", "loop"])
-def test_dropout_quads_with_the_vector_letter_not_reduced(mode):
+def test_dropout_octets_with_the_vector_letter_not_reduced(mode):
     """GPT-2 d_bout vectorised along d (its bsd mask's last letter, not reduced): tile columns are
-    d in blocks of 8 (ragged: D = 12), the reduction over b, s runs along the tile rows (in one
-    block, or in chunks of 16 rows: 36 rows, ragged)."""
-    graph, ops = _setup("gpt2", QUADS["gpt2"])
+    d in blocks of 16 (ragged: D = 24), the reduction over b, s runs along the tile rows (in one
+    block, or in chunks of 16 rows: 72 rows, ragged)."""
+    graph, ops = _setup("gpt2", OCTETS["gpt2"])
     op = ops["d_bout"]
     knobs = next(k for k in knob_choices(graph, operator_letters(graph, op), "d", "bsd", exhaustive=True)
                  if k["mode"] == mode)
-    config = Configuration({t: graph.tensors[t].letters for t in (*op.inputs, *op.outputs)}, {**knobs, "block_col": 8})
-    source = _check("gpt2", "d_bout", config, quads=True).source
-    assert "dropout_keep_quads(" in source and "dropout_keep(" not in source
+    config = Configuration({t: graph.tensors[t].letters for t in (*op.inputs, *op.outputs)}, {**knobs, "block_col": 16})
+    source = _check("gpt2", "d_bout", config, dims="octets").source
+    assert "dropout_keep_octets(" in source and "dropout_keep(" not in source
 
 
 # --- parts and their configuration spaces -------------------------------------------------------
@@ -307,12 +329,12 @@ def test_full_size_gpu(spec, name, dtype):
                           margin=BF16_MARGIN if dtype == torch.bfloat16 else 1e-5, what=f"{name}:{t} {config.key()}")
 
 
-def test_quads_refuse_a_misaligned_offset():
-    """A counter offset that is not a multiple of 4 would split the quads: a clear error, not a wrong mask."""
-    graph, ops = _setup("bert", QUADS["bert"])
+def test_octets_refuse_a_misaligned_offset():
+    """A counter offset that is not a multiple of 8 would split the octets: a clear error, not a wrong mask."""
+    graph, ops = _setup("bert", OCTETS["bert"])
     config = _configured(graph, ops["alpha"])
     compiled = compile_operator(graph, ops["alpha"], config)
     inputs = {t: torch.randn(*(graph.dim_values[graph.letter_dims[l]] for l in graph.tensors[t].letters))
               for t in ops["alpha"].inputs if graph.tensors[t].role != "dropout"}
-    with pytest.raises(ValueError, match="not a multiple of 4"):
-        compiled.run(inputs, {"drop_attn": (7, 1002)})
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        compiled.run(inputs, {"drop_attn": (7, 1004)})

@@ -12,7 +12,7 @@ from dataflow.dropout_mask import keep_mask
 from kernels.accuracy import assert_closer
 from kernels.contraction import (Epilogue, GemmPlan, NotAGemm, contract, dropout_digits, empty_in_layout, enumerate_variants,
                                  layout_of, map_layouts, parse, run_cublas, run_triton, stacked_projection, stacked_spec)
-from kernels.gemm import GemmShape, _quads, tma_compatible, valid_configs
+from kernels.gemm import GemmConfig, GemmShape, _epilogue_split, _octets, tma_compatible, valid_configs
 
 SMALL = dict(p=5, h=3, i=37, b=2, j=29, k=23, w=5, u=41, s=3)
 # Ragged against the interpreter's tiles, yet every stride a multiple of 16 bytes (TMA descriptors).
@@ -343,31 +343,47 @@ def test_dropout_mask_independent_of_layout():
     assert torch.equal(masks[0], expected)
 
 
-QUAD_SIZES = {**SMALL, "j": 28, "k": 20}  # j, k multiples of 4 (still ragged against every tile)
+OCTET_SIZES = {**SMALL, "j": 24, "k": 24}  # j, k multiples of 8 (still ragged against every tile)
+NARROW_SLICES = GemmConfig(16, 16, 16, 1, 1, 4, epilogue_split=4)  # epilogue on slices of 4 columns
 
 
-@pytest.mark.parametrize("spec,layouts,offset,mode", [
-    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), 1000, "n"),  # n = (b, j), j innermost
-    ("ui,ibj->ubj", ("iu", "bji", "bju"), 1000, "n"),  # C stored u-contiguous
-    ("phbk,phbj->hbjk", ("hpbk", "phbj", "hbjk"), 1000, "m"),  # m = k, two batch dims
-    ("ui,ibj->ubj", ("ui", "ijb", "ujb"), 1000, "none"),  # n = (j, b): b innermost
-    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), 1002, "none"),  # the mask does not start on a Philox call
+def _check_dropout(spec, plan, sizes, offset, config):
+    """The epilogue's dropout under ``config`` is exactly ``keep_mask``, its values the float64 reference's."""
+    a, b = _operands(plan, sizes, torch.float32, seed=9)
+    ep = Epilogue(alpha=0.5, dropout_p=0.3, seed=4242, offset=offset)
+    out = run_triton(plan, a, b, _poisoned(plan.contraction.out, plan.layouts[2], sizes, torch.float32), ep, config)
+    keep = torch.from_numpy(keep_mask(ep.seed, offset, tuple(out.shape), ep.dropout_p))
+    assert torch.equal((out != 0).cpu(), keep)
+    assert _rel(out, _epilogue_reference(spec, a, b, sizes, ep)[0]) < 1e-6
+
+
+@pytest.mark.parametrize("spec,layouts,sizes,offset,mode", [
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES, 1000, "n"),  # n = (b, j), j innermost
+    ("ui,ibj->ubj", ("iu", "bji", "bju"), OCTET_SIZES, 1000, "n"),  # C stored u-contiguous
+    ("phbk,phbj->hbjk", ("hpbk", "phbj", "hbjk"), OCTET_SIZES, 1000, "m"),  # m = k, two batch dims
+    ("ui,ibj->ubj", ("ui", "ijb", "ujb"), OCTET_SIZES, 1000, "none"),  # n = (j, b): b innermost
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES, 1004, "none"),  # the mask does not start on a Philox call
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), {**OCTET_SIZES, "j": 22}, 1000, "none"),  # rows of 44 (b, j) split calls
 ])
-def test_dropout_quads_and_per_element(spec, layouts, offset, mode):
-    """Four decisions per Philox call along C's n or m dim where it runs along the output's last
-    letter, else one per element: either way exactly ``keep_mask`` (whole and sliced epilogue)."""
-    plan = map_layouts(spec, layouts, QUAD_SIZES)
-    assert isinstance(plan, GemmPlan) and _quads(dropout_digits(plan, QUAD_SIZES), offset) == mode
-    c = plan.contraction
+def test_dropout_octets_and_per_element(spec, layouts, sizes, offset, mode):
+    """Eight decisions per Philox call along C's n or m dim where it runs along the output's last
+    letter over a multiple of 8, else one per element: either way exactly ``keep_mask`` (whole and
+    sliced epilogue)."""
+    plan = map_layouts(spec, layouts, sizes)
     whole = _configs(tma=False)[0]
     sliced = next(cfg for cfg in valid_configs() if cfg.epilogue_split == 4) if _device() == "cpu" else whole
+    assert isinstance(plan, GemmPlan)
     for config in (whole, sliced):
-        a, b = _operands(plan, QUAD_SIZES, torch.float32, seed=9)
-        ep = Epilogue(alpha=0.5, dropout_p=0.3, seed=4242, offset=offset)
-        out = run_triton(plan, a, b, _poisoned(c.out, plan.layouts[2], QUAD_SIZES, torch.float32), ep, config)
-        keep = torch.from_numpy(keep_mask(ep.seed, offset, tuple(out.shape), ep.dropout_p))
-        assert torch.equal((out != 0).cpu(), keep)
-        assert _rel(out, _epilogue_reference(spec, a, b, QUAD_SIZES, ep)[0]) < 1e-6
+        tile = (config.block_m, config.block_n // _epilogue_split(config, dropout=True))
+        assert _octets(dropout_digits(plan, sizes), offset, tile) == mode
+        _check_dropout(spec, plan, sizes, offset, config)
+
+
+def test_dropout_octets_split_by_narrow_epilogue_slices():
+    """Epilogue slices of 4 columns would split the calls' octets along n: one call per element."""
+    plan = map_layouts("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES)
+    assert _octets(dropout_digits(plan, OCTET_SIZES), 1000, (16, 4)) == "none"
+    _check_dropout("ui,ibj->ubj", plan, OCTET_SIZES, 1000, NARROW_SLICES)
 
 
 # ---------------------------------------------------------------------------------------------
