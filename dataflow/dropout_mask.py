@@ -3,26 +3,34 @@
 Convention (shared by the reference executor and every Triton kernel, forward or backward, in
 any layout).  The element of a dropout-masked tensor with *logical* row-major index ``n`` over the
 tensor's named dims in spec order has the global counter ``g = offset + n``.  One Philox-4x32-10
-call on the 64-bit counter ``g // 4`` (as Triton's ``tl.randint4x``: counter words (lo, hi, 0, 0),
-the 64-bit seed as key) yields four 32-bit words; the element takes word ``g % 4``, maps it to
-[0, 1) as ``tl.rand`` does, and is kept iff that value is ``> p``.  Kept elements are scaled by
-``1 / (1 - p)``.  Four consecutive logical elements thus share one Philox call (what PyTorch's
-and FlashAttention's dropout do too): a kernel whose tile runs along the tensor's last logical
-dim draws a quarter of the calls (``kernels.philox.dropout_keep_quads``); any other kernel can
-still decide element by element (``kernels.philox.dropout_keep``).  Word 0 of counter ``c`` is
-``tl.rand(seed, c)``.  This module reproduces the convention bit for bit in NumPy so the float64
-reference sees the same mask.
+call on the 64-bit counter ``g // 8`` (as Triton's ``tl.randint4x``: counter words (lo, hi, 0, 0),
+the 64-bit seed as key) yields four 32-bit words, i.e. eight 16-bit halves (word ``w``'s low half
+is half ``2 w``, its high half ``2 w + 1``); the element takes half ``g % 8`` and is kept iff that
+16-bit value is ``>= keep_threshold(p) = round(p * 65536)``, so it is dropped with probability
+``round(p * 65536) / 65536`` (p = 0.1: 0.1000061).  Kept elements are scaled by ``1 / (1 - p)``.
+Eight consecutive logical elements thus share one Philox call: a kernel whose tile runs along the
+tensor's last logical letter makes an eighth of the calls (``kernels.philox.dropout_keep_octets``);
+any other kernel can still decide element by element (``kernels.philox.dropout_keep``).  This
+module reproduces the convention bit for bit in NumPy so the float64 reference sees the same mask.
 """
 from __future__ import annotations
 
 import numpy as np
 
-DECISIONS_PER_CALL = 4  # keep decisions drawn from one Philox-4x32-10 call (its four output words)
+DECISIONS_PER_CALL = 8  # keep decisions drawn from one Philox-4x32-10 call (its eight 16-bit halves)
+DECISION_LEVELS = 1 << 16  # each decision compares a 16-bit value
 _KEY_A = np.uint32(0x9E3779B9)
 _KEY_B = np.uint32(0xBB67AE85)
 _ROUND_A = np.uint64(0xD2511F53)
 _ROUND_B = np.uint64(0xCD9E8D57)
 _TO_UNIFORM = np.float32(4.6566127342e-10)
+
+
+def keep_threshold(p: float) -> int:
+    """The 16-bit level at or above which an element is kept: ``round(p * 65536)``."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability {p} is not in [0, 1)")
+    return int(round(p * DECISION_LEVELS))
 
 
 def _mulhilo(a: np.uint64, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -50,31 +58,28 @@ def philox_words(seed: int, counters: np.ndarray) -> np.ndarray:
     return np.stack([c0, c1, c2, c3], axis=-1)
 
 
-def to_uniform(words: np.ndarray) -> np.ndarray:
-    """uint32 Philox words -> float32 in [0, 1), as ``tl.rand`` maps them."""
-    x = words.view(np.int32)
+def philox_uniform(seed: int, counters: np.ndarray) -> np.ndarray:
+    """``tl.rand(seed, counters)`` for int64 ``counters`` (any shape), as float32 in [0, 1)."""
+    x = philox_words(seed, counters)[..., 0].view(np.int32)
     x = np.where(x < 0, ~x, x)
     return x.astype(np.float32) * _TO_UNIFORM
 
 
-def philox_uniform(seed: int, counters: np.ndarray) -> np.ndarray:
-    """``tl.rand(seed, counters)`` for int64 ``counters`` (any shape), as float32 in [0, 1)."""
-    return to_uniform(philox_words(seed, counters)[..., 0])
-
-
-def dropout_uniform(seed: int, offset: int, shape: tuple[int, ...]) -> np.ndarray:
-    """The convention's uniform value of every element of a mask of ``shape`` (spec order) at ``offset``."""
+def decision_values(seed: int, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The convention's 16-bit value (uint16) of every element of a mask of ``shape`` (spec order) at ``offset``."""
     g = offset + np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)
-    first = g[0] // DECISIONS_PER_CALL if g.size else 0
-    calls = np.arange(first, (g[-1] // DECISIONS_PER_CALL + 1) if g.size else first, dtype=np.int64)
-    words = philox_words(seed, calls)  # each call once, then each element picks its word
-    picked = words[g // DECISIONS_PER_CALL - first, g % DECISIONS_PER_CALL]
-    return to_uniform(picked).reshape(shape)
+    if not g.size:
+        return np.zeros(shape, dtype=np.uint16)
+    first = g[0] // DECISIONS_PER_CALL
+    calls = np.arange(first, g[-1] // DECISIONS_PER_CALL + 1, dtype=np.int64)
+    words = philox_words(seed, calls)
+    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(len(calls), DECISIONS_PER_CALL)
+    return halves[g // DECISIONS_PER_CALL - first, g % DECISIONS_PER_CALL].astype(np.uint16).reshape(shape)
 
 
 def keep_mask(seed: int, offset: int, shape: tuple[int, ...], p: float) -> np.ndarray:
     """Boolean keep-mask of ``shape`` (logical dims in spec order): True where the element survives."""
-    return dropout_uniform(seed, offset, shape) > np.float32(p)
+    return decision_values(seed, offset, shape) >= keep_threshold(p)
 
 
 def dropout_scale_mask(seed: int, offset: int, shape: tuple[int, ...], p: float) -> np.ndarray:

@@ -36,7 +36,7 @@ def tensor_shape(graph, name: str) -> tuple[int, ...]:
 def dropout_offsets(graph) -> dict[str, int]:
     """Philox counter offset of every dropout tensor: cumulative element counts in graph order,
     each rounded up to a multiple of ``DECISIONS_PER_CALL`` so that every mask starts on a fresh
-    Philox call (kernels then draw four consecutive decisions per call, ``dataflow.dropout_mask``)."""
+    Philox call (kernels then draw consecutive decisions from one call, ``dataflow.dropout_mask``)."""
     offsets, offset = {}, 0
     for name, info in graph.tensors.items():
         if info.role == "dropout":

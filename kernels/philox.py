@@ -5,38 +5,20 @@ logical row-major index over the tensor's named dims in spec order, independent 
 layout) and gets the keep decision that ``dataflow.dropout_mask.keep_mask`` computes in NumPy.
 
 - ``dropout_keep(seed, offset, logical_index, threshold)``: any block of elements, one Philox call
-  per element (the word picked by the counter's low two bits).
-- ``dropout_keep_quads(seed, quad_counter, threshold)``: a [R, C] block of Philox calls whose four
-  words cover four consecutive elements each; returns the [R, 4 C] keep block, column ``4 c + w``
-  from word ``w`` of call (r, c).  The caller passes ``(offset + n) // 4`` for the element n at
-  column 4 c (which must have ``(offset + n) % 4 == 0``): a quarter of the calls.
+  per element (the 16-bit half picked by the counter's low three bits).
+- ``dropout_keep_octets(seed, call_counter, threshold)``: a [R, C] block of Philox calls whose
+  eight halves cover eight consecutive elements each; returns the [R, 8 C] keep block, column
+  ``8 c + h`` from half ``h`` of call (r, c).  The caller passes ``(offset + n) // 8`` for the
+  element n at column 8 c (which must have ``(offset + n) % 8 == 0``): an eighth of the calls.
+- ``keep_halves(word, threshold)``: the (low, high) decisions of one word, for kernels that pack
+  decisions themselves.
 
-``threshold`` is ``keep_threshold(p)``: the comparison with ``p`` done on the integers
-(``keep_word`` decides one word; kernels that pack or store decisions use it directly).
+``threshold`` is ``keep_threshold(p)`` (host side): an element is kept iff its 16-bit value is ``>= threshold``.
 """
-import functools
-
-import numpy as np
 import triton
 import triton.language as tl
 
-_TO_UNIFORM = np.float32(4.6566127342e-10)  # tl.rand's int32 -> [0, 1) factor
-
-
-@functools.lru_cache(maxsize=64)
-def keep_threshold(p: float) -> int:
-    """The int32 T with ``uniform(word) > p  <=>  |x| > T``, x = the Philox word as int32 and
-    |x| = ``x ^ (x >> 31)`` (what tl.rand scales): the largest |x| that float32(|x|) * 2^-31 maps
-    to at most float32(p); the map is monotone, so a bisection finds it."""
-    p = np.float32(p)
-    low, high = -1, 2**31 - 1
-    while low < high:
-        mid = (low + high + 1) // 2
-        if np.float32(mid) * _TO_UNIFORM <= p:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+from dataflow.dropout_mask import keep_threshold  # noqa: F401 - the host-side half of the convention, for kernels
 
 
 @triton.jit
@@ -66,10 +48,9 @@ def philox4(seed, counter):
 
 
 @triton.jit
-def keep_word(word, threshold):
-    """True where the uint32 Philox ``word`` keeps its element (``tl.rand``'s |x| against ``threshold``)."""
-    x = word.to(tl.int32, bitcast=True)
-    return (x ^ (x >> 31)) > threshold
+def keep_halves(word, threshold):
+    """(low, high): True where the uint32 ``word``'s low / high 16-bit half keeps its element."""
+    return (word & 0xFFFF) >= threshold, (word >> 16) >= threshold
 
 
 @triton.jit
@@ -77,16 +58,18 @@ def dropout_keep(seed, offset, logical_index, threshold):
     """Boolean block: True where the element at ``logical_index`` (int32/int64 block) of the mask
     at counter ``offset`` survives; one Philox call per element."""
     g = offset + logical_index
-    c0, c1, c2, c3 = philox4(seed, g >> 2)
-    word = g & 3
+    c0, c1, c2, c3 = philox4(seed, g >> 3)
+    word = (g >> 1) & 3
     picked = tl.where(word == 0, c0, tl.where(word == 1, c1, tl.where(word == 2, c2, c3)))
-    return keep_word(picked, threshold)
+    return ((picked >> ((g & 1) * 16).to(tl.uint32)) & 0xFFFF) >= threshold
 
 
 @triton.jit
-def dropout_keep_quads(seed, quad_counter, threshold):
-    """Boolean [R, 4 C] block from the [R, C] block of Philox counters ``quad_counter``: column
-    ``4 c + w`` is word ``w`` of call (r, c) (see the module doc)."""
-    c0, c1, c2, c3 = philox4(seed, quad_counter)
-    words = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [R, C, 2, 2]: [.., i, j] = word 2 i + j
-    return keep_word(tl.reshape(words, (words.shape[0], 4 * words.shape[1])), threshold)
+def dropout_keep_octets(seed, call_counter, threshold):
+    """Boolean [R, 8 C] block from the [R, C] block of Philox counters ``call_counter``: column
+    ``8 c + h`` is half ``h`` of call (r, c) (see the module doc)."""
+    c0, c1, c2, c3 = philox4(seed, call_counter)
+    # [R, C, 2, 2, 2]: [.., i, j, k] = half 4 i + 2 j + k, the low (k = 0) or high (k = 1) half of word 2 i + j
+    halves = tl.join(tl.join(tl.join(c0 & 0xFFFF, c2 & 0xFFFF), tl.join(c1 & 0xFFFF, c3 & 0xFFFF)),
+                     tl.join(tl.join(c0 >> 16, c2 >> 16), tl.join(c1 >> 16, c3 >> 16)))
+    return tl.reshape(halves, (halves.shape[0], 8 * halves.shape[1])) >= threshold

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dataflow.dropout_mask import dropout_uniform, keep_mask, philox_uniform, philox_words
-from kernels.philox import dropout_keep, dropout_keep_quads, keep_threshold
+from dataflow.dropout_mask import decision_values, keep_mask, keep_threshold, philox_uniform, philox_words
+from kernels.philox import dropout_keep, dropout_keep_octets, keep_halves
 
 
 def _device():
@@ -15,7 +15,7 @@ def _device():
 
 
 @triton.jit
-def _rand_kernel(out_ptr, words_ptr, keep_ptr, n, seed, offset, threshold, BLOCK: tl.constexpr):
+def _rand_kernel(out_ptr, words_ptr, keep_ptr, halves_ptr, n, seed, offset, threshold, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = idx < n
     tl.store(out_ptr + idx, tl.rand(seed, offset + idx), mask=inside)
@@ -25,6 +25,9 @@ def _rand_kernel(out_ptr, words_ptr, keep_ptr, n, seed, offset, threshold, BLOCK
     tl.store(words_ptr + 4 * idx + 2, w2.to(tl.int32, bitcast=True), mask=inside)
     tl.store(words_ptr + 4 * idx + 3, w3.to(tl.int32, bitcast=True), mask=inside)
     tl.store(keep_ptr + idx, dropout_keep(seed, offset, idx, threshold).to(tl.int8), mask=inside)
+    low, high = keep_halves(w1, threshold)
+    tl.store(halves_ptr + 2 * idx, low.to(tl.int8), mask=inside)
+    tl.store(halves_ptr + 2 * idx + 1, high.to(tl.int8), mask=inside)
 
 
 def test_philox_matches_triton_rand_and_convention():
@@ -32,50 +35,56 @@ def test_philox_matches_triton_rand_and_convention():
     out = torch.empty(n, dtype=torch.float32, device=_device())
     words = torch.empty(n, 4, dtype=torch.int32, device=_device())
     keep = torch.empty(n, dtype=torch.int8, device=_device())
-    _rand_kernel[(triton.cdiv(n, 256),)](out, words, keep, n, seed, offset, keep_threshold(p), BLOCK=256)
+    halves = torch.empty(n, 2, dtype=torch.int8, device=_device())
+    _rand_kernel[(triton.cdiv(n, 256),)](out, words, keep, halves, n, seed, offset, keep_threshold(p), BLOCK=256)
     counters = offset + np.arange(n)
     np.testing.assert_array_equal(out.cpu().numpy(), philox_uniform(seed, counters))
-    np.testing.assert_array_equal(words.cpu().numpy().view(np.uint32), philox_words(seed, counters))
+    expected_words = philox_words(seed, counters)
+    np.testing.assert_array_equal(words.cpu().numpy().view(np.uint32), expected_words)
     expected = keep_mask(seed, offset, (n,), p)
     np.testing.assert_array_equal(keep.cpu().numpy().astype(bool), expected)
+    w1 = expected_words[:, 1]
+    np.testing.assert_array_equal(halves.cpu().numpy().astype(bool),
+                                  np.stack([(w1 & 0xFFFF) >= keep_threshold(p), (w1 >> 16) >= keep_threshold(p)], axis=1))
     assert 0.85 < expected.mean() < 0.95
 
 
-def test_convention_four_elements_per_call():
-    """Element g takes word g % 4 of the call on counter g // 4; the offset shifts the counters."""
+def test_convention_eight_16_bit_decisions_per_call():
+    """Element g takes half g % 8 of the call on counter g // 8 (low half of word w = half 2w);
+    kept iff that value >= round(p * 65536); the offset shifts the counters."""
     seed, offset = 77, 6
-    u = dropout_uniform(seed, offset, (3, 5))
-    g = offset + np.arange(15)
-    words = philox_words(seed, g // 4)[np.arange(15), g % 4]
-    np.testing.assert_array_equal(u.ravel(), ((words.view(np.int32) ^ (words.view(np.int32) >> 31))
-                                              .astype(np.float32) * np.float32(4.6566127342e-10)))
-    assert len(np.unique(u)) == 15
+    values = decision_values(seed, offset, (3, 7))
+    g = offset + np.arange(21)
+    words = philox_words(seed, g // 8)[np.arange(21), (g % 8) // 2]
+    np.testing.assert_array_equal(values.ravel(), np.where(g % 2 == 0, words & 0xFFFF, words >> 16))
+    assert len(np.unique(values)) == 21
+    assert keep_threshold(0.1) == 6554 and keep_threshold(0.0) == 0
+    np.testing.assert_array_equal(keep_mask(seed, offset, (3, 7), 0.3), values >= 19661)
+    assert keep_mask(seed, offset, (3, 7), 0.0).all()
+    with pytest.raises(ValueError, match="not in"):
+        keep_threshold(1.0)
 
 
-@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9])
-def test_threshold_is_the_float_comparison(p):
-    x = np.random.default_rng(1).integers(-2**31, 2**31, 200_000).astype(np.int64)
-    x = np.concatenate([x, [keep_threshold(p) - 1, keep_threshold(p), keep_threshold(p) + 1]])
-    mag = np.where(x < 0, ~x, x)
-    assert np.array_equal(mag.astype(np.float32) * np.float32(4.6566127342e-10) > np.float32(p),
-                          mag > keep_threshold(p))
+def test_drop_rate_is_p_to_within_one_level():
+    kept = keep_mask(3, 0, (400_000,), 0.1).mean()
+    assert abs((1 - kept) - 0.1) < 4 * (0.1 * 0.9 / 400_000) ** 0.5 + 1 / 65536
 
 
 @triton.jit
-def _quads_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """keep[r, c] of a (rows, cols) mask, cols % 4 == 0, from one call per four columns."""
+def _octets_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """keep[r, c] of a (rows, cols) mask, cols % 8 == 0, from one call per eight columns."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    keep = dropout_keep_quads(seed, (offset + r[:, None] * cols + 4 * q[None, :]) >> 2, threshold)
-    c = tl.program_id(1) * 4 * BLOCK_Q + tl.arange(0, 4 * BLOCK_Q)
+    keep = dropout_keep_octets(seed, (offset + r[:, None] * cols + 8 * q[None, :]) >> 3, threshold)
+    c = tl.program_id(1) * 8 * BLOCK_Q + tl.arange(0, 8 * BLOCK_Q)
     tl.store(keep_ptr + r[:, None] * cols + c[None, :], keep.to(tl.int8), mask=(r[:, None] < rows) & (c[None, :] < cols))
 
 
-def test_quads_match_convention():
-    rows, cols, seed, offset, p = 37, 52, 0xABCDEF, 1024 + 8, 0.3
+def test_octets_match_convention():
+    rows, cols, seed, offset, p = 37, 56, 0xABCDEF, 1024 + 16, 0.3
     keep = torch.empty(rows, cols, dtype=torch.int8, device=_device())
-    _quads_kernel[(triton.cdiv(rows, 16), triton.cdiv(cols, 32))](keep, rows, cols, seed, offset, keep_threshold(p),
-                                                                   BLOCK_R=16, BLOCK_Q=8)
+    _octets_kernel[(triton.cdiv(rows, 16), triton.cdiv(cols, 64))](keep, rows, cols, seed, offset, keep_threshold(p),
+                                                                    BLOCK_R=16, BLOCK_Q=8)
     np.testing.assert_array_equal(keep.cpu().numpy().astype(bool), keep_mask(seed, offset, (rows, cols), p))
 
 
@@ -85,10 +94,10 @@ def _keep_kernel(keep_ptr, n, seed, offset, threshold, BLOCK: tl.constexpr):
     tl.store(keep_ptr + idx, dropout_keep(seed, offset, idx, threshold).to(tl.int8), mask=idx < n)
 
 
-@pytest.mark.parametrize("seed,offset,p", [(0x5EED, 0, 0.1), (1, 1, 0.25), (2**40 + 3, 977, 0.5), (7, 2**33 + 5, 0.9),
+@pytest.mark.parametrize("seed,offset,p", [(0x5EED, 0, 0.1), (1, 1, 0.25), (2**40 + 3, 977, 0.5), (7, 2**35 + 5, 0.9),
                                            (2**63 - 1, 123, 1e-3)])
 def test_keep_extreme_seeds_and_offsets(seed, offset, p):
-    """64-bit seeds and counters past 2**32 (the counter's high word) decide as in NumPy."""
+    """64-bit seeds and call counters past 2**32 (the counter's high word) decide as in NumPy."""
     n = 3001
     keep = torch.empty(n, dtype=torch.int8, device=_device())
     _keep_kernel[(triton.cdiv(n, 1024),)](keep, n, seed, offset, keep_threshold(p), BLOCK=1024)
