@@ -8,15 +8,18 @@ views.  Every implementation is a ``kernels.attention_variants`` variant that go
 ``kernels.bench.Sweep`` into the tuning DB (checked against float64 before it is timed; each
 record committed as it is made, so a rerun resumes and a repeated run only reads the DB):
 (1) every forward and every backward knob configuration of the fused kernels
-(``attention_configs``, compiled ahead in worker processes by ``Sweep(compile_workers=)``), SDPA
-forward and forward + backward with each backend forced and with PyTorch's own choice, the
-eager chain; (2) the fused forward + backward with the fastest forward and backward configs
-and with the default ones, and, without dropout, the fused pair and SDPA's default; all of
-these timed as CUDA-graph replays (``Sweep(cuda_graph=True)``: GPU time, no host gaps);
-(3) the forward + backward variants again launched from Python (``cuda_graph=False``: host
+(``attention_configs``, compiled ahead in worker processes by ``Sweep(compile_workers=)``; the
+forward once per dropout-mask option, writing the mask for "saved" or not for "regenerate", the
+backward with the option among its knobs), SDPA forward and forward + backward with each backend
+forced and with PyTorch's own choice, the eager chain; (2) per dropout-mask option
+(``kernels.attention.DROPOUT_MASK_OPTIONS``: the backward regenerates the mask, or reads the one
+the forward saved), the fused forward + backward with the fastest forward and backward configs of
+that option, the one with the default configs, and, without dropout, the fused pair and SDPA's
+default; all of these timed as CUDA-graph replays (``Sweep(cuda_graph=True)``: GPU time, no host
+gaps); (3) the forward + backward variants again launched from Python (``cuda_graph=False``: host
 overhead included); (4) the Philox floor: one pass of mask generation alone over the B*H*L*L
-probabilities, as the forward draws and saves it (``kernels.attention.keep_nibbles``: four
-decisions per Philox call, written as nibbles, B*H*L*L/4 bytes).  Times:
+probabilities, drawn and stored as the forward saves it for "saved" (``kernels.attention.keep_bytes``:
+eight decisions per Philox call, written as one byte per call, B*H*L*L/8 bytes).  Times:
 ``kernels.bench.time_cuda`` medians, L2 flushed before each repetition.  Flop: forward 4*B*H*L*L*P, backward 10*B*H*L*L*P.  The report (from the DB
 records) is written as ``attention.md`` / ``.json`` under ``--out`` on a GPU only; without one,
 small setups run through the Triton interpreter in float32 and nothing is measured or written.
@@ -37,7 +40,7 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.attention import keep_nibbles  # noqa: E402
+from kernels.attention import DROPOUT_MASK_OPTIONS, keep_bytes  # noqa: E402
 from kernels.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
                                         FusedVariant, SdpaVariant, Workspace, baseline_variants, config_variants)
 from kernels.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
@@ -51,21 +54,22 @@ COMPILE_WORKERS = max(1, min(16, (os.cpu_count() or 2) - 2))  # fused variants c
 
 
 @triton.jit
-def _mask_pass_kernel(nibbles_ptr, seed, threshold, BLOCK: tl.constexpr):
-    """The nibbles of Philox calls pid * BLOCK .. pid * BLOCK + BLOCK - 1 (what the forward draws and saves)."""
+def _mask_pass_kernel(bytes_ptr, seed, threshold, BLOCK: tl.constexpr):
+    """The decision bytes of Philox calls pid * BLOCK .. pid * BLOCK + BLOCK - 1 (what the forward
+    draws and saves for a backward with dropout_mask "saved")."""
     calls = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(nibbles_ptr + calls, keep_nibbles(seed, threshold, calls))
+    tl.store(bytes_ptr + calls, keep_bytes(seed, threshold, calls))
 
 
 def philox_floor(elements: int, dropout_p: float) -> tuple[float, float]:
-    """(median ms of one mask pass over ``elements`` decisions, kept fraction); elements % 4096 == 0."""
-    nibbles = torch.empty(elements // 4, dtype=torch.uint8, device="cuda")
+    """(median ms of one mask pass over ``elements`` decisions, kept fraction); elements % 8192 == 0."""
+    decision_bytes = torch.empty(elements // 8, dtype=torch.uint8, device="cuda")
     block = 1024
 
     def run():
-        _mask_pass_kernel[(elements // (4 * block),)](nibbles, SEED, keep_threshold(dropout_p), BLOCK=block)
+        _mask_pass_kernel[(elements // (8 * block),)](decision_bytes, SEED, keep_threshold(dropout_p), BLOCK=block)
     run()
-    kept = sum(int(((nibbles >> w) & 1).sum()) for w in range(4)) / elements
+    kept = sum(int(((decision_bytes >> h) & 1).sum()) for h in range(8)) / elements
     return time_cuda(run).median_ms, kept
 
 
@@ -104,27 +108,35 @@ def bench_setup(bench: Bench, setup: dict, dropout_p: float, dtype, device: str,
     case = AttentionCase(**setup, dropout_p=dropout_p, dtype=dtype)
     ws = Workspace(case, device)
     configs = config_variants(ws)
-    forward = [v for v in configs if v.direction == "forward"][:limit_configs]
-    backward = [v for v in configs if v.direction == "backward"][:limit_configs]
+    forward, backward = [], []
+    for option in DROPOUT_MASK_OPTIONS:  # --limit-configs: the first N of each direction and option
+        forward += [v for v in configs if v.direction == "forward" and v.dropout_mask == option][:limit_configs]
+        backward += [v for v in configs if v.direction == "backward" and v.dropout_mask == option][:limit_configs]
     baselines = baseline_variants(ws, launches=("cuda-graph",))
     bench.run(forward + backward + baselines, cuda_graph=True)
-    best_forward = next(iter(bench.sweep.ranked(forward)), None)
-    best_backward = next(iter(bench.sweep.ranked(backward)), None)
+    pairs = {}  # dropout-mask option -> the fastest forward and backward configs of that option
+    for option in DROPOUT_MASK_OPTIONS:
+        best_forward = next(iter(bench.sweep.ranked([v for v in forward if v.dropout_mask == option])), None)
+        best_backward = next(iter(bench.sweep.ranked([v for v in backward if v.dropout_mask == option])), None)
+        if best_forward is not None and best_backward is not None:
+            pairs[option] = (best_forward, best_backward)
     roles = {"forward_configs": forward, "backward_configs": backward}
-    if best_forward is None or best_backward is None:
-        return dict(roles, case=case, error="no forward or no backward configuration passed")
-    pair = dict(forward=best_forward.forward, backward=best_backward.backward)
+    if not pairs:
+        return dict(roles, case=case, error="no option with a forward and a backward configuration that passed")
+    fused = {f"fused_{option}": dict(forward=f.forward, backward=b.backward) for option, (f, b) in pairs.items()}
     no_drop_ws = Workspace(AttentionCase(**setup, dropout_p=0.0, dtype=dtype), device)
     for launch in ("cuda-graph", "python"):
-        roles[launch] = {"fused": FusedVariant(ws, "fwd+bwd", **pair, launch=launch),
+        roles[launch] = {**{name: FusedVariant(ws, "fwd+bwd", **pair, launch=launch) for name, pair in fused.items()},
                          "fused_default": FusedVariant(ws, "fwd+bwd", launch=launch),
                          **{f"sdpa_{b}": SdpaVariant(ws, "fwd+bwd", b, launch) for b in SDPA_BACKENDS},
                          "eager": EagerVariant(ws, "fwd+bwd", launch)}
-    roles["forward"] = {"fused": best_forward, **{f"sdpa_{b}": SdpaVariant(ws, "forward", b) for b in SDPA_BACKENDS},
+    roles["forward"] = {**{f"fused_{option}": f for option, (f, _) in pairs.items()},
+                        **{f"sdpa_{b}": SdpaVariant(ws, "forward", b) for b in SDPA_BACKENDS},
                         "eager": EagerVariant(ws, "forward")}
-    roles["no_dropout"] = {"fused": FusedVariant(no_drop_ws, "fwd+bwd", **pair),
+    roles["no_dropout"] = {"fused": FusedVariant(no_drop_ws, "fwd+bwd", **next(iter(fused.values()))),
                            "sdpa_default": SdpaVariant(no_drop_ws, "fwd+bwd", "default")}
-    bench.run([roles["cuda-graph"]["fused"], roles["cuda-graph"]["fused_default"], *roles["no_dropout"].values()], cuda_graph=True)
+    fused_graph = [v for name, v in roles["cuda-graph"].items() if name.startswith("fused")]
+    bench.run([*fused_graph, *roles["no_dropout"].values()], cuda_graph=True)
     bench.run(list(roles["python"].values()), cuda_graph=False)
     if device == "cuda" and dropout_p > 0:
         roles["philox_floor"] = philox_floor(case.B * case.H * case.L * case.L, dropout_p)
@@ -141,7 +153,8 @@ def setup_report(bench: Bench, roles: dict) -> dict:
         rows = []
         for v in variants:
             r = bench.record(v)
-            rows.append({"config": getattr(v, which), "status": None if r is None else r.status,
+            rows.append({"config": getattr(v, which), "dropout_mask": v.dropout_mask,
+                         "status": None if r is None else r.status,
                          "ms": None if r is None else r.median_ms, "detail": None if r is None else (r.detail or "")[:300]})
         return rows
 
@@ -162,9 +175,13 @@ def setup_report(bench: Bench, roles: dict) -> dict:
     result["no_dropout"] = {name: bench.ms(v) for name, v in roles["no_dropout"].items()}
     if "philox_floor" in roles:
         result["philox_floor_ms"], result["kept_fraction"] = roles["philox_floor"]
-    fused = impls["fused"]["ms"]
+    pairs = {n: r["ms"] for n, r in impls.items()
+             if r["ms"] is not None and n.startswith("fused_") and n != "fused_default"}
     timed = {n: r["ms"] for n, r in impls.items() if r["ms"] is not None and n.startswith("sdpa_")}
-    if fused and timed:
+    if pairs:  # the fastest dropout-mask option's pair is "the fused kernel" of the ratios
+        result["fused_best"] = min(pairs, key=pairs.get)
+    if pairs and timed:
+        fused = pairs[result["fused_best"]]
         best = min(timed, key=timed.get)
         result["ratios"] = {"sdpa_best_over_fused": timed[best] / fused, "sdpa_best_backend": best.removeprefix("sdpa_"),
                             "sdpa_default_over_fused": timed["sdpa_default"] / fused if "sdpa_default" in timed else None,
@@ -190,15 +207,19 @@ def markdown(report: dict) -> str:
             lines += [f"No result: {r['error']}.", ""]
             continue
         impls = r["implementations"]
-        base = impls["fused"]["ms"]
+        base = impls[r["fused_best"]]["ms"] if "fused_best" in r else None
         total = r["flop_forward"] + r["flop_backward"]
-        lines += ["| implementation | fwd+bwd GPU ms | fwd+bwd launch ms | fwd GPU ms | TFLOP/s | time / fused |",
+        lines += ["| implementation | fwd+bwd GPU ms | fwd+bwd launch ms | fwd GPU ms | TFLOP/s "
+                  "| time / fastest fused |",
                   "|---|---|---|---|---|---|"]
 
         def cell(x):
             return "" if x is None else f"{x:.4f}"
 
-        labels = {"fused": "fused (this kernel, best knobs)", "fused_default": "fused, default knobs",
+        labels = {"fused_regenerate": "fused, best knobs, the backward regenerates the mask",
+                  "fused_saved": "fused, best knobs, the forward saves the mask (a byte per 8 keys), "
+                                 "the backward reads it",
+                  "fused_default": "fused, default knobs",
                   "eager": "eager chain (einsum, scale, softmax, native_dropout, einsum)"}
         for name, row in impls.items():
             label = labels.get(name, f"SDPA {name.removeprefix('sdpa_')}")
@@ -211,18 +232,23 @@ def markdown(report: dict) -> str:
             ratio = f"{row['ms'] / base:.2f}" if base else ""
             lines.append(f"| {label} | {row['ms']:.4f} | {cell(row['launch_ms'])} | {cell(row['forward_ms'])} | "
                          f"{total / row['ms'] / 1e9:.0f} | {ratio} |")
-        f = impls["fused"]["knobs"]
         nd = r["no_dropout"]
-        lines += ["", f"Best forward knobs {f['forward']}; best backward knobs {f['backward']} "
-                  f"(of {len(r['sweep']['forward'])} forward and {len(r['sweep']['backward'])} backward configurations).",
-                  f"Without dropout (GPU ms): fused {cell(nd['fused'])} (same knobs), SDPA default {cell(nd['sdpa_default'])}."]
+        lines.append("")
+        for name in [n for n in impls if n.startswith("fused_") and n != "fused_default"]:
+            f = impls[name]["knobs"]
+            lines.append(f"{labels[name]}: forward knobs {f['forward']}, backward knobs {f['backward']}.")
+        lines += [f"(Of {len(r['sweep']['forward'])} forward and {len(r['sweep']['backward'])} backward "
+                  "configurations.)",
+                  f"Without dropout (GPU ms): fused {cell(nd['fused'])} (the first pair's knobs), "
+                  f"SDPA default {cell(nd['sdpa_default'])}."]
         if "philox_floor_ms" in r:
             elements = d["B"] * d["H"] * d["L"] * d["L"]
             lines.append(f"Philox floor: one pass of mask generation alone over B*H*L*L = {elements} probabilities "
-                         f"({elements // 4} Philox-4x32-10 calls, four decisions per call, written as "
-                         f"nibbles by kernels.attention.keep_nibbles) takes {r['philox_floor_ms']:.4f} ms (kept fraction "
-                         f"{r['kept_fraction']:.4f}). The fused forward draws the mask once and saves it as nibbles "
-                         f"(1/8 byte per probability); the backward reads them instead of drawing it again.")
+                         f"({elements // 8} Philox-4x32-10 calls, eight 16-bit decisions per call, written as one "
+                         f"byte per call by kernels.attention.keep_bytes) takes {r['philox_floor_ms']:.4f} ms (kept "
+                         f"fraction {r['kept_fraction']:.4f}). With dropout_mask 'regenerate' the backward draws the "
+                         f"mask again (the dK/dV kernel, and with dQ 'split' the dQ kernel too); with 'saved' the "
+                         f"forward writes these bytes (1/8 byte per probability) and the backward reads them.")
         lines.append("")
     return "\n".join(lines) + "\n"
 

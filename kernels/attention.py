@@ -23,17 +23,26 @@ without copies. The launchers take torch tensors whose ``.shape`` is the logical
 Dropout convention (``kernels.philox`` / ``dataflow.dropout_mask``): the probability at logical
 position (b, h, j, k) has logical index ``n = b*sb + h*sh + j*sj + k*sk``, where (sb, sh, sj, sk)
 are the row-major strides of the probabilities' dims in their spec order (``dropout_strides_for``);
-it is kept iff the convention's uniform value of counter ``offset + n`` is ``> dropout_p``.
-Where k is the mask's last logical letter and every row starts on a whole Philox call
-(``dropout_quads``: BERT's (h, b, j, k) and (b, h, j, k) masks with L % 4 == 0), the kernels draw
-one Philox call per four keys and keep the decisions as nibbles; elsewhere they draw one call per
-element (``kernels.philox.dropout_keep``). Saved mask (quads layouts): the forward can write the
-nibbles, uint8 (b, h, j, k // 4) contiguous, bit w of [b, h, j, c] = decision of key 4 c + w
-(``new_saved_mask``; 1/8 byte per probability; blocks a causal forward skips stay unwritten and
-are never read unmasked), and the backward then reads them instead of drawing the mask again: one
-Philox pass per training step. Without a saved mask the backward draws it once: with dQ "split"
-the dK/dV kernel writes the nibbles to a scratch buffer that the dQ kernel reads (only the
-per-element fallback draws it in both kernels).
+it is kept iff the convention's 16-bit value of counter ``offset + n`` (half ``(offset + n) % 8``
+of Philox call ``(offset + n) // 8``) is ``>= keep_threshold(dropout_p)``.  Where k is the mask's
+last logical letter and every row starts on a whole Philox call (``dropout_octets``: the offset and
+the strides of b, h, j multiples of 8, e.g. BERT's (h, b, j, k) and (b, h, j, k) masks with
+L % 8 == 0), the kernels draw one Philox call per eight keys
+(``kernels.philox.dropout_keep_octets``); elsewhere one call per element
+(``kernels.philox.dropout_keep``).
+
+How the backward gets the mask is the knob ``dropout_mask`` of its configuration
+(``attention_configs``, ``attention_backward``, ``fused_attention``'s ``backward_config``):
+
+- "regenerate" (the default): the backward saves nothing and reads nothing; every kernel that
+  needs the mask draws it again from (seed, offset): the dK/dV kernel, and with dQ "split" the
+  dQ kernel too.
+- "saved": the forward writes the decisions, one byte per Philox call: uint8 (b, h, j, k // 8)
+  contiguous, bit ``h`` of [b, h, j, c] = the decision of key ``8 c + h`` (``new_saved_mask``;
+  1/8 byte per probability; blocks a causal forward skips stay unwritten and are never read
+  unmasked), and the backward kernels read it instead of drawing.  Only where the kernels draw
+  one call per eight keys; elsewhere nothing is saved and the backward draws the mask (as
+  "regenerate").
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 
@@ -49,61 +58,71 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.philox import dropout_keep, keep_threshold, keep_word, philox4
+from kernels.philox import dropout_keep, dropout_keep_octets, keep_halves, keep_threshold, philox4
 
 LOG2E = 1.4426950408889634
+DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the dropout mask (module doc)
 
 
 @triton.jit
-def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.constexpr, QUADS: tl.constexpr):
-    """Dropout counter (offset + logical index) of each row's element at column 0; with QUADS the
-    Philox call counter of that element (counter // 4, exact: the counter is a multiple of 4)."""
+def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.constexpr, OCTETS: tl.constexpr):
+    """Dropout counter (offset + logical index) of each row's element at column 0; with OCTETS the
+    Philox call counter of that element (counter // 8, exact: the counter is a multiple of 8)."""
     if INDEX_64:
         g = offset + b * drop_sb + h * drop_sh + rows.to(tl.int64) * drop_srow
     else:
         g = offset + b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + rows * drop_srow
-    if QUADS:
-        g = g >> 2
+    if OCTETS:
+        g = g >> 3
     return g
 
 
 @triton.jit
-def keep_nibbles(seed, threshold, calls):
-    """uint8 block: bit w of element (r, c) = keep decision from word w of Philox call calls[r, c]."""
-    w0, w1, w2, w3 = philox4(seed, calls)
-    return (keep_word(w0, threshold).to(tl.uint8) | (keep_word(w1, threshold).to(tl.uint8) << 1)
-            | (keep_word(w2, threshold).to(tl.uint8) << 2) | (keep_word(w3, threshold).to(tl.uint8) << 3))
+def _keep_bit_pair(word, threshold, SHIFT: tl.constexpr):
+    """uint8 block: the decisions of ``word``'s low / high half at bits SHIFT / SHIFT + 1."""
+    low, high = keep_halves(word, threshold)
+    return (low.to(tl.uint8) << SHIFT) | (high.to(tl.uint8) << (SHIFT + 1))
 
 
 @triton.jit
-def _unpack(nibbles):
-    """[R, C] uint8 nibbles -> [R, 4 C] bool, column 4 c + w = bit w of nibbles[r, c]."""
-    R: tl.constexpr = nibbles.shape[0]
-    C: tl.constexpr = nibbles.shape[1]
-    bits = (nibbles[:, :, None] >> tl.arange(0, 4).to(tl.uint8)[None, None, :]) & 1
-    return tl.reshape(bits, (R, 4 * C)) != 0
+def keep_bytes(seed, threshold, calls):
+    """uint8 block: bit h of element (r, c) = the keep decision from half h of Philox call calls[r, c]."""
+    w0, w1, w2, w3 = philox4(seed, calls)
+    return (_keep_bit_pair(w0, threshold, 0) | _keep_bit_pair(w1, threshold, 2)
+            | _keep_bit_pair(w2, threshold, 4) | _keep_bit_pair(w3, threshold, 6))
+
+
+@triton.jit
+def _unpack(decision_bytes):
+    """[R, C] uint8 -> [R, 8 C] bool, column 8 c + h = bit h of decision_bytes[r, c]."""
+    R: tl.constexpr = decision_bytes.shape[0]
+    C: tl.constexpr = decision_bytes.shape[1]
+    bits = (decision_bytes[:, :, None] >> tl.arange(0, 8).to(tl.uint8)[None, None, :]) & 1
+    return tl.reshape(bits, (R, 8 * C)) != 0
 
 
 @triton.jit
 def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, mask_rows, Lk,
-                BLOCK_C: tl.constexpr, QUADS: tl.constexpr, MASK_IO: tl.constexpr):
+                BLOCK_C: tl.constexpr, OCTETS: tl.constexpr, MASK_IO: tl.constexpr):
     """Boolean [R, BLOCK_C] keep block of the rows with dropout counters ``row_counter`` ([R],
     ``_row_counters``) and the keys col_start .. col_start + BLOCK_C - 1 (logical stride
-    ``drop_scol``). QUADS (``dropout_quads``; drop_scol == 1, col_start % 4 == 0): one Philox call
-    per four keys, and ``MASK_IO`` 1 writes the nibbles to the saved mask, 2 reads them from it
-    instead of drawing (``mask_rows``: [R] int64 row indices into it, -1 for rows outside the
-    mask). Else one call per element."""
-    if QUADS:
-        quads = col_start // 4 + tl.arange(0, BLOCK_C // 4)
-        io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 4) + quads[None, :]
-        io_ok = (mask_rows >= 0)[:, None] & (quads < Lk // 4)[None, :]
-        if MASK_IO == 2:
-            nibbles = tl.load(io_ptrs, mask=io_ok, other=0)
+    ``drop_scol``). OCTETS (``dropout_octets``; drop_scol == 1, col_start % 8 == 0): one Philox
+    call per eight keys; ``MASK_IO`` 1 also writes their bytes to the saved mask, 2 reads the
+    bytes from it instead of drawing (``mask_rows``: [R] int64 row indices into it, -1 for rows
+    outside the mask). Else one call per element."""
+    if OCTETS:
+        calls = col_start // 8 + tl.arange(0, BLOCK_C // 8)
+        if MASK_IO == 0:
+            keep = dropout_keep_octets(seed, row_counter[:, None] + calls[None, :], threshold)
         else:
-            nibbles = keep_nibbles(seed, threshold, row_counter[:, None] + quads[None, :])
-            if MASK_IO == 1:
-                tl.store(io_ptrs, nibbles, mask=io_ok)
-        keep = _unpack(nibbles)
+            io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 8) + calls[None, :]
+            io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 8)[None, :]
+            if MASK_IO == 2:
+                decision_bytes = tl.load(io_ptrs, mask=io_ok, other=0)
+            else:
+                decision_bytes = keep_bytes(seed, threshold, row_counter[:, None] + calls[None, :])
+                tl.store(io_ptrs, decision_bytes, mask=io_ok)
+            keep = _unpack(decision_bytes)
     else:
         cols = (col_start + tl.arange(0, BLOCK_C)).to(row_counter.dtype) * drop_scol
         keep = dropout_keep(seed, 0, row_counter[:, None] + cols[None, :], threshold)
@@ -118,7 +137,7 @@ def _attn_fwd_kernel(
     o_ptr,  # (b, h, j, p) any strides
     lse_ptr,  # (b, h, j) float32, contiguous
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
-    mask_ptr,  # (b, h, j, k // 4) uint8 contiguous: the saved mask, written if MASK_IO == 1
+    mask_ptr,  # (b, h, j, k // 8) uint8 contiguous: the saved mask, written if MASK_IO == 1
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -130,7 +149,7 @@ def _attn_fwd_kernel(
     drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    QUADS: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr,
+    OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -145,7 +164,7 @@ def _attn_fwd_kernel(
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
-        drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, QUADS)
+        drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, OCTETS)
         mask_rows = tl.where(row_ok, pid_bh.to(tl.int64) * Lq + offs_j, -1)
 
     m_i = tl.full([BLOCK_J], float("-inf"), tl.float32)
@@ -176,7 +195,7 @@ def _attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             keep = _keep_block(seed, drop_threshold, drop_row, start_k, drop_sk, mask_ptr, mask_rows, Lk,
-                               BLOCK_K, QUADS, MASK_IO)
+                               BLOCK_K, OCTETS, MASK_IO)
             p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -232,7 +251,7 @@ def _attn_bwd_dkdv_kernel(
     dk_ptr,  # (b, h, k, p) any strides
     dv_ptr,  # (b, h, k, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
-    mask_ptr,  # (b, h, j, k // 4) uint8 contiguous: saved mask, written if MASK_IO == 1, read if MASK_IO == 2
+    mask_ptr,  # (b, h, j, k // 8) uint8 contiguous: the saved mask, read if MASK_IO == 2
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -246,7 +265,7 @@ def _attn_bwd_dkdv_kernel(
     drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    QUADS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     pid_k = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -283,10 +302,10 @@ def _attn_bwd_dkdv_kernel(
         st = tl.dot(k, tl.trans(q))
         dpt = tl.dot(v, tl.trans(do))  # dL/dP~ (k, j)
         if HAS_DROPOUT:  # the mask's (j, k) block, transposed
-            drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, QUADS)
+            drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, OCTETS)
             mask_rows = tl.where(row_ok, stat_base + offs_j, -1)
             keep = tl.trans(_keep_block(seed, drop_threshold, drop_row, pid_k * BLOCK_K, drop_sk, mask_ptr, mask_rows,
-                                        Lk, BLOCK_K, QUADS, MASK_IO))
+                                        Lk, BLOCK_K, OCTETS, MASK_IO))
         pt = tl.math.exp2(st * qk_scale - lse2[None, :])
         if CAUSAL or HAS_KPM or not EVEN:
             valid = key_ok[:, None] & row_ok[None, :]
@@ -321,7 +340,7 @@ def _attn_bwd_dq_kernel(
     delta_ptr,  # (b, h, j) float32, contiguous
     dq_ptr,  # (b, h, j, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
-    mask_ptr,  # (b, h, j, k // 4) uint8 contiguous: saved mask, written if MASK_IO == 1, read if MASK_IO == 2
+    mask_ptr,  # (b, h, j, k // 8) uint8 contiguous: the saved mask, read if MASK_IO == 2
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -334,7 +353,7 @@ def _attn_bwd_dq_kernel(
     drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    QUADS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr,
+    OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -352,7 +371,7 @@ def _attn_bwd_dq_kernel(
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
-        drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, QUADS)
+        drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, OCTETS)
         mask_rows = tl.where(row_ok, pid_bh.to(tl.int64) * Lq + offs_j, -1)
 
     dq = tl.zeros([BLOCK_J, P], tl.float32)
@@ -376,7 +395,7 @@ def _attn_bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
         if HAS_DROPOUT:
             keep = _keep_block(seed, drop_threshold, drop_row, start_k, drop_sk, mask_ptr, mask_rows, Lk,
-                               BLOCK_K, QUADS, MASK_IO)
+                               BLOCK_K, OCTETS, MASK_IO)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq += tl.dot(ds, k)
@@ -402,7 +421,8 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
 
     Each is a dict of ``block_j``, ``block_k`` (rows of the j / k tiles), ``num_warps``,
     ``num_stages`` and, for "backward", ``dq_mode`` ("atomic": one kernel over k-blocks that also
-    adds dQ with fp32 atomics; "split": a second kernel over j-blocks computes dQ). On a GPU the
+    adds dQ with fp32 atomics; "split": a second kernel over j-blocks computes dQ) and
+    ``dropout_mask`` (``DROPOUT_MASK_OPTIONS``: "regenerate" or "saved", see the module doc). On a GPU the
     list keeps tiles whose pipelined operand buffers fit the device's shared memory and whose fp32
     tiles fit the registers (per thread: at most 64 score-tile elements, at most 64 forward / 128
     backward accumulator elements; beyond them ptxas spills), with 4 warps for 64-row tiles (a
@@ -437,18 +457,23 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     configs = []
     for bj, bk, warps, stages, mode in tiles:
         config = dict(block_j=bj, block_k=bk, num_warps=warps, num_stages=stages)
-        if mode is not None:
-            config["dq_mode"] = mode
-        configs.append(config)
+        if mode is None:
+            configs.append(config)
+        else:
+            configs += [dict(config, dq_mode=mode, dropout_mask=option) for option in DROPOUT_MASK_OPTIONS]
     return configs
 
 
-# Defaults: fastest in the sweeps of benchmarks/attention.py on an H200 (results/attention.md), per head dim.
+# Defaults: tiles and dQ modes fastest in the sweeps of benchmarks/attention.py on an H200
+# (results/attention.md, measured with the mask saved as nibbles, four decisions per Philox call),
+# per head dim; dropout_mask "regenerate" is the default by design, not yet measured against "saved".
 _GPU_DEFAULTS = {
     "forward": {64: dict(block_j=64, block_k=32, num_warps=4, num_stages=3),
                 128: dict(block_j=64, block_k=64, num_warps=4, num_stages=2)},
-    "backward": {64: dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="split"),
-                 128: dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="atomic")},
+    "backward": {64: dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="split",
+                          dropout_mask="regenerate"),
+                 128: dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="atomic",
+                           dropout_mask="regenerate")},
 }
 
 
@@ -458,7 +483,7 @@ def default_config(head_dim: int, direction: str, *, interpret: bool | None = No
     interpret = _interpreting() if interpret is None else interpret
     if interpret:
         config = dict(block_j=16, block_k=16, num_warps=4, num_stages=1)
-        return dict(config, dq_mode="atomic") if direction == "backward" else config
+        return dict(config, dq_mode="atomic", dropout_mask="regenerate") if direction == "backward" else config
     table = _GPU_DEFAULTS[direction]
     if head_dim in table:
         return dict(table[head_dim])
@@ -485,24 +510,25 @@ def dropout_strides_for(order: str, B: int, H: int, Lq: int, Lk: int) -> tuple[i
     return strides["b"], strides["h"], strides["j"], strides["k"]
 
 
-def dropout_quads(dropout_strides, offset: int) -> bool:
-    """Whether the kernels draw the mask one Philox call per four keys: k is the mask's last
+def dropout_octets(dropout_strides, offset: int) -> bool:
+    """Whether the kernels draw the mask one Philox call per eight keys: k is the mask's last
     logical letter (stride 1) and every row (b, h, j) starts on a whole call (the offset and the
-    other logical strides are multiples of 4; then L_k % 4 == 0 too). Else one call per element."""
+    other logical strides are multiples of 8; then L_k % 8 == 0 too). Else one call per element."""
     sb, sh, sj, sk = dropout_strides
-    return sk == 1 and all(x % 4 == 0 for x in (offset, sb, sh, sj))
+    return sk == 1 and all(x % 8 == 0 for x in (offset, sb, sh, sj))
 
 
 def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=None):
-    """A buffer for ``attention_forward(saved_mask=...)``: uint8 (b, h, j, k // 4) on q's device
+    """A buffer for ``attention_forward(saved_mask=...)`` and ``attention_backward(dropout_mask=
+    "saved", saved_mask=...)``: uint8 (b, h, j, k // 8) on q's device, one byte per Philox call
     (see the module doc), or None where nothing is saved (dropout_p == 0, or a layout where the
     kernels draw one Philox call per element)."""
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     drop = tuple(dropout_strides or dropout_strides_for("bhjk", B, H, Lq, Lk))
-    if dropout_p == 0.0 or not dropout_quads(drop, offset):
+    if dropout_p == 0.0 or not dropout_octets(drop, offset):
         return None
-    return torch.empty((B, H, Lq, Lk // 4), device=q.device, dtype=torch.uint8)
+    return torch.empty((B, H, Lq, Lk // 8), device=q.device, dtype=torch.uint8)
 
 
 def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, saved_mask):
@@ -525,12 +551,12 @@ def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, save
         kpm = key_padding_mask.view(torch.uint8)
         kpm_strides = kpm.stride()
     drop = tuple(dropout_strides or dropout_strides_for("bhjk", B, H, Lq, Lk))
-    quads = dropout_p > 0.0 and dropout_quads(drop, offset)
-    if saved_mask is not None and (not quads or saved_mask.shape != (B, H, Lq, Lk // 4)
+    octets = dropout_p > 0.0 and dropout_octets(drop, offset)
+    if saved_mask is not None and (not octets or saved_mask.shape != (B, H, Lq, Lk // 8)
                                    or saved_mask.dtype != torch.uint8 or not saved_mask.is_contiguous()):
         raise ValueError("saved_mask must come from new_saved_mask with the same arguments")
     last = offset + sum((n - 1) * s for n, s in zip((B, H, Lq, Lk), drop))
-    return B, H, Lq, Lk, P, kpm, kpm_strides, drop, quads, last >= 2**31
+    return B, H, Lq, Lk, P, kpm, kpm_strides, drop, octets, last >= 2**31
 
 
 def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
@@ -541,11 +567,12 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     ``key_padding_mask``: bool (b, k), True = key excluded. ``dropout_strides``: logical strides
     (sb, sh, sj, sk) of the probabilities' dropout index (default: (b, h, j, k) row-major).
     ``o``: optional output (b, h, j, p) of any strides, else allocated like ``q``.
-    ``saved_mask``: optional ``new_saved_mask`` buffer the kernel writes the keep decisions to.
+    ``saved_mask``: optional ``new_saved_mask`` buffer the kernel writes the keep decisions to
+    (for a backward with ``dropout_mask="saved"``).
     Returns ``(o, lse)``, lse float32 (b, h, j) contiguous, natural log.
     """
-    B, H, Lq, Lk, P, kpm, kpm_strides, drop, quads, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
-                                                                       dropout_strides, saved_mask)
+    B, H, Lq, Lk, P, kpm, kpm_strides, drop, octets, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
+                                                                        dropout_strides, saved_mask)
     config = default_config(P, "forward")
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
     o = torch.empty_like(q) if o is None else o
@@ -558,7 +585,7 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
         keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset,
         P=P, BLOCK_J=block_j, BLOCK_K=block_k,
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
-        QUADS=quads, MASK_IO=0 if saved_mask is None else 1, EVEN_K=Lk % block_k == 0,
+        OCTETS=octets, MASK_IO=0 if saved_mask is None else 1, EVEN_K=Lk % block_k == 0,
         num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
     )
     return o, lse
@@ -567,48 +594,51 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
 def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 0.0, seed: int = 0,
                        offset: int = 0, causal: bool = False, key_padding_mask=None, dropout_strides=None,
                        saved_mask=None, dq=None, dk=None, dv=None, block_j=None, block_k=None, num_warps=None,
-                       num_stages=None, dq_mode=None):
+                       num_stages=None, dq_mode=None, dropout_mask=None):
     """Backward pass: ``(dq, dk, dv)`` for upstream ``do`` (b, h, j, p) of any strides.
 
-    ``o``, ``lse`` (and ``saved_mask``, if the forward wrote one) come from ``attention_forward``
-    with the same arguments. ``dq``/``dk``/``dv``: optional outputs of any strides, else allocated
-    like ``q``/``k``/``v``. ``dq_mode``: "atomic" (dQ added with fp32 atomics inside the dK/dV
-    kernel, then cast) or "split" (own kernel). The mask: read from ``saved_mask``; else drawn
-    once (with "split", the dK/dV kernel saves the nibbles for the dQ kernel), except with "split"
-    where the kernels draw one Philox call per element (``dropout_quads`` false): drawn in both.
+    ``o``, ``lse`` (and ``saved_mask``) come from ``attention_forward`` with the same arguments.
+    ``dq``/``dk``/``dv``: optional outputs of any strides, else allocated like ``q``/``k``/``v``.
+    ``dq_mode``: "atomic" (dQ added with fp32 atomics inside the dK/dV kernel, then cast) or
+    "split" (own kernel). ``dropout_mask`` (module doc): "regenerate" (``saved_mask`` None: the
+    dK/dV kernel, and with "split" the dQ kernel, draw the mask from (seed, offset)) or "saved"
+    (the kernels read ``saved_mask``, the forward's ``new_saved_mask`` buffer; None only where
+    ``new_saved_mask`` gives None, and then the mask is drawn as with "regenerate").
     """
-    B, H, Lq, Lk, P, kpm, kpm_strides, drop, quads, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
-                                                                       dropout_strides, saved_mask)
+    B, H, Lq, Lk, P, kpm, kpm_strides, drop, octets, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
+                                                                        dropout_strides, saved_mask)
     config = default_config(P, "backward")
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
     num_warps, num_stages = num_warps or config["num_warps"], num_stages or config["num_stages"]
-    dq_mode = dq_mode or config["dq_mode"]
+    dq_mode, dropout_mask = dq_mode or config["dq_mode"], dropout_mask or config["dropout_mask"]
     if dq_mode not in ("atomic", "split"):
         raise ValueError(f"dq_mode must be 'atomic' or 'split', not {dq_mode!r}")
+    if dropout_mask not in DROPOUT_MASK_OPTIONS:
+        raise ValueError(f"dropout_mask must be one of {DROPOUT_MASK_OPTIONS}, not {dropout_mask!r}")
+    if (saved_mask is not None) != (dropout_mask == "saved" and octets):
+        given = "given" if saved_mask is not None else "None"
+        raise ValueError(f"dropout_mask={dropout_mask!r} with saved_mask {given}: "
+                         "'saved' reads the forward's new_saved_mask buffer (None where that is None), "
+                         "'regenerate' takes none")
     atomic = dq_mode == "atomic"
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     delta = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
     dq_acc = torch.empty((B, H, Lq, P), device=q.device, dtype=torch.float32) if atomic else delta
-    if saved_mask is not None:
-        mask, dkdv_io, dq_io = saved_mask, 2, 2
-    elif quads and not atomic:  # drawn once, by the dK/dV kernel, read by the dQ kernel
-        mask, dkdv_io, dq_io = torch.empty((B, H, Lq, Lk // 4), device=q.device, dtype=torch.uint8), 1, 2
-    else:
-        mask, dkdv_io, dq_io = delta, 0, 0  # placeholder pointer, never read
+    mask, mask_io = (delta, 0) if saved_mask is None else (saved_mask, 2)  # delta: a placeholder pointer, never read
     _attn_bwd_preprocess_kernel[(triton.cdiv(Lq, block_j), B * H)](
         o, do, delta, dq_acc, *o.stride(), *do.stride(), H, Lq,
         P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4,
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, QUADS=quads,
+                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, OCTETS=octets, MASK_IO=mask_io,
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
         q, k, v, do, lse, delta, dq_acc, dk, dv, kpm, mask,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *kpm_strides, *drop,
-        *scalars, MASK_IO=dkdv_io, DQ_ATOMIC=atomic, **flags,
+        *scalars, DQ_ATOMIC=atomic, **flags,
     )
     if atomic:
         dq.copy_(dq_acc)
@@ -616,26 +646,31 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
         _attn_bwd_dq_kernel[(triton.cdiv(Lq, block_j), B * H)](
             q, k, v, do, lse, delta, dq, kpm, mask,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *kpm_strides, *drop,
-            *scalars, MASK_IO=dq_io, **flags,
+            *scalars, **flags,
         )
     return dq, dk, dv
 
 
 class FusedAttention(torch.autograd.Function):
     """Autograd wrapper: ``FusedAttention.apply(q, k, v, scale, dropout_p, seed, offset, causal,
-    key_padding_mask, dropout_strides, forward_config, backward_config)`` -> o (b, h, j, p). The
-    forward saves the mask (``new_saved_mask``) where the layout allows; the backward reads it."""
+    key_padding_mask, dropout_strides, forward_config, backward_config)`` -> o (b, h, j, p). With
+    the backward configuration's ``dropout_mask`` "saved" the forward writes the mask
+    (``new_saved_mask``, where the layout allows) and the backward reads it; with "regenerate"
+    the backward draws it again."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, dropout_p, seed, offset, causal, key_padding_mask, dropout_strides,
                 forward_config, backward_config):
-        saved_mask = new_saved_mask(q, k, dropout_p=dropout_p, offset=offset, dropout_strides=dropout_strides)
+        backward_config = dict(default_config(q.shape[-1], "backward"), **(backward_config or {}))
+        saved_mask = None
+        if backward_config["dropout_mask"] == "saved":
+            saved_mask = new_saved_mask(q, k, dropout_p=dropout_p, offset=offset, dropout_strides=dropout_strides)
         o, lse = attention_forward(q, k, v, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset,
                                    causal=causal, key_padding_mask=key_padding_mask, dropout_strides=dropout_strides,
                                    saved_mask=saved_mask, **(forward_config or {}))
         ctx.save_for_backward(q, k, v, o, lse, key_padding_mask, saved_mask)
         ctx.args = dict(scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, causal=causal,
-                        dropout_strides=dropout_strides, **(backward_config or {}))
+                        dropout_strides=dropout_strides, **backward_config)
         return o
 
     @staticmethod
@@ -652,7 +687,9 @@ def fused_attention(q, k, v, *, scale: float | None = None, dropout_p: float = 0
     """Differentiable fused attention over logical (b, h, j, p) views; returns O (b, h, j, p).
 
     ``scale`` defaults to 1/sqrt(p); ``seed`` defaults to a draw from torch's default generator.
-    ``forward_config``/``backward_config``: knob dicts as listed by ``attention_configs``.
+    ``forward_config``/``backward_config``: knob dicts as listed by ``attention_configs`` (a partial
+    dict takes the rest from ``default_config``); ``backward_config["dropout_mask"]`` chooses
+    whether the forward saves the dropout mask for the backward or the backward regenerates it.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if seed is None:

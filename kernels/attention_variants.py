@@ -5,10 +5,11 @@ dtype and the storage order of Q, K, V, O, dO and the gradients (``layout``, ove
 e.g. BERT's ``"bjhp"`` = ``[B, L, H*P]``).  Implementations:
 
 - ``FusedVariant``: ``kernels.attention`` with one knob configuration (``attention_configs``) per
-  pass: direction "forward" (``attention_forward`` as training runs it: writing the saved dropout
-  mask, ``new_saved_mask``), "backward" (``attention_backward`` on O, lse and the saved mask of a
-  default-knob forward), or "fwd+bwd" (``fused_attention`` + ``.backward(dO)``, a pair of
-  configurations);
+  pass: direction "forward" (``attention_forward`` as training runs it with the backward
+  configuration's ``dropout_mask``, by default "regenerate": nothing saved; "saved": writing the
+  dropout mask, ``new_saved_mask``), "backward" (``attention_backward`` on O, lse and, with
+  ``dropout_mask`` "saved", the saved mask of a default-knob forward), or "fwd+bwd"
+  (``fused_attention`` + ``.backward(dO)``, a pair of configurations);
 - ``SdpaVariant``: ``torch.nn.functional.scaled_dot_product_attention`` with one backend forced
   through ``torch.nn.attention.sdpa_kernel`` ("flash", "efficient", "cudnn", "math"), or
   "default" (PyTorch's choice); a backend that refuses the inputs fails at build;
@@ -23,7 +24,8 @@ regenerated, so the check runs it with dropout 0 against the dropout-0 reference
 uses ``dropout_p``), and on a GPU the verdict names the attention kernels the timed call launched.
 
 Keys: ``op`` = ``"attention:<direction>:dropout=<p>"``, ``dims`` = {b, h, j, k, p}, ``layout`` =
-{tensor: storage order}, ``knobs`` = {"impl": "fused", "forward": {...}, "backward": {...}} /
+{tensor: storage order}, ``knobs`` = {"impl": "fused", "forward": {...}, "backward": {...}} (direction
+"forward": {"impl": "fused", "forward": {...}, "dropout_mask": ...}) /
 {"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
 (how the benchmark times it: ``Sweep(cuda_graph=True/False)``).  ``flop``: forward 4 BHLLP,
 backward 10 BHLLP (five products), both 14 BHLLP; ``bytes``: Q, K, V, O (forward) and dO, dQ, dK,
@@ -37,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import (attention_backward, attention_configs, attention_forward, default_config,
-                               fused_attention, new_saved_mask)
+from kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
+                               default_config, fused_attention, new_saved_mask)
 from kernels.sweep_variants import Verdict, judge
 from kernels.torch_eval import keep_mask_torch
 
@@ -198,15 +200,19 @@ class _Base:
 
 
 class FusedVariant(_Base):
-    """``kernels.attention`` with knob configurations ``forward`` / ``backward`` (None: the default)."""
+    """``kernels.attention`` with knob configurations ``forward`` / ``backward`` (None: the default).
+    Direction "forward" keeps only ``backward``'s ``dropout_mask`` (knob "dropout_mask": whether the
+    forward writes the mask for the backward, "saved", or not, "regenerate")."""
 
     def __init__(self, ws: Workspace, direction: str, forward: dict | None = None, backward: dict | None = None,
                  launch: str = "cuda-graph"):
         P = ws.case.P
+        backward = dict(default_config(P, "backward"), **(backward or {}))
         self.forward = dict(forward or default_config(P, "forward")) if direction != "backward" else None
-        self.backward = dict(backward or default_config(P, "backward")) if direction != "forward" else None
+        self.backward = backward if direction != "forward" else None
+        self.dropout_mask = backward["dropout_mask"]
         self.impl = {"impl": "fused", **({"forward": self.forward} if self.forward else {}),
-                     **({"backward": self.backward} if self.backward else {})}
+                     **({"backward": self.backward} if self.backward else {"dropout_mask": self.dropout_mask})}
         super().__init__(ws, direction, launch)
 
     def _forward(self):
@@ -218,7 +224,8 @@ class FusedVariant(_Base):
         if self.direction == "fwd+bwd":
             return self._fwd_bwd()
         if "saved_mask" not in x:
-            x["saved_mask"] = new_saved_mask(x["q"], x["k"], dropout_p=args["dropout_p"], offset=args["offset"])
+            x["saved_mask"] = new_saved_mask(x["q"], x["k"], dropout_p=args["dropout_p"],
+                                             offset=args["offset"]) if self.dropout_mask == "saved" else None
         if self.direction == "forward":
             return dict(o=attention_forward(x["q"], x["k"], x["v"], **args, saved_mask=x["saved_mask"], **self.forward)[0])
         if "o" not in x:
@@ -232,10 +239,11 @@ class FusedVariant(_Base):
 
     def compile_task(self) -> tuple:
         """(function, args) compiling this variant's kernels in another process (``kernels.bench.Sweep``)."""
-        return _compile_ahead, (self.ws.case, self.direction, self.forward, self.backward)
+        return _compile_ahead, (self.ws.case, self.direction, self.forward, self.backward or
+                                {"dropout_mask": self.dropout_mask})
 
 
-def _compile_ahead(case: AttentionCase, direction: str, forward: dict | None, backward: dict | None) -> None:
+def _compile_ahead(case: AttentionCase, direction: str, forward: dict | None, backward: dict) -> None:
     """Build (the kernels compile at their first launch, into Triton's disk cache) one fused variant."""
     FusedVariant(Workspace(case, "cuda"), direction, forward, backward).build()
     torch.cuda.synchronize()
@@ -307,9 +315,12 @@ class EagerVariant(_Base):
 
 
 def config_variants(ws: Workspace) -> list:
-    """Every forward and every backward knob configuration of the fused kernels (``attention_configs``)."""
+    """Every forward configuration of the fused kernels (``attention_configs``) per dropout-mask
+    option (``DROPOUT_MASK_OPTIONS``: writing the mask or not), and every backward configuration
+    (the option among its knobs)."""
     P = ws.case.P
-    return ([FusedVariant(ws, "forward", forward=c) for c in attention_configs(P, "forward")]
+    return ([FusedVariant(ws, "forward", forward=c, backward=dict(dropout_mask=option))
+             for option in DROPOUT_MASK_OPTIONS for c in attention_configs(P, "forward")]
             + [FusedVariant(ws, "backward", backward=c) for c in attention_configs(P, "backward")])
 
 
