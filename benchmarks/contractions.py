@@ -112,7 +112,7 @@ def gemm_summary(rows: list[dict]) -> list[dict]:
             entry["triton"] = {"layouts": triton["layouts"], "ms": triton["triton_ms"], "config": triton["triton_best_config"]}
         if cublas and triton:
             entry["triton_over_cublas_time"] = triton["triton_ms"] / cublas["cublas_ms"]
-        candidates = [("cuBLAS", e) for e in [entry.get("cublas")] if e] + [("Triton", e) for e in [entry.get("triton")] if e]
+        candidates = [(impl, entry[key]) for impl, key in (("cuBLAS", "cublas"), ("Triton", "triton")) if key in entry]
         if "cublas_ms" in mine[0] and candidates:
             impl, best = min(candidates, key=lambda c: c[1]["ms"])
             reference = mine[0]["cublas_ms"]

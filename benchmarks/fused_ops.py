@@ -35,7 +35,7 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
+from kernels.bench import CPU_DEVICE, GRAPH_BELOW_MS, Sweep, measure_ceilings, write_results  # noqa: E402
 from kernels.device import query_device, versions  # noqa: E402
 from kernels.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
 from kernels.tuning_db import TuningDB  # noqa: E402
@@ -219,7 +219,8 @@ def main() -> int:
         f"Sweep ({args.search}, {'exhaustive' if args.exhaustive else 'pruned'} spaces: {total} configurations "
         f"in {patterns} access patterns, top {args.top} patterns tuned): {report.summary()}; "
         f"{sweep_wall_s:.0f} s wall with {args.compile_workers} compile workers.\n\n"
-        "Times: medians of CUDA-event timings with L2 flushed (``kernels.bench.time_cuda``). Bytes: distinct "
+        "Times: medians of CUDA-event timings with L2 flushed (``kernels.bench.time_cuda``; calls under "
+        f"{GRAPH_BELOW_MS:g} ms, fused or eager, replayed from a CUDA graph: GPU time). Bytes: distinct "
         "input + output elements x 2 (dropout masks regenerated, not read). Eager: the unfused member "
         "operators as PyTorch calls (``kernels.eager``), measured in the same sweep.\n\n" + text + "\n")
     print(text)

@@ -130,6 +130,43 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
 
 
 @triton.jit
+def _query_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp, H, Lq, BLOCK_J: tl.constexpr, P: tl.constexpr):
+    """The program's (b, h) and block of query rows (grid: j-blocks x b*h): ``(pid_j, pid_bh, b, h,
+    offs_j, offs_p, row_ok, q)``, q the [BLOCK_J, P] tile (zeros beyond Lq)."""
+    pid_j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_p = tl.arange(0, P)
+    row_ok = offs_j < Lq
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp,
+                mask=row_ok[:, None], other=0.0)
+    return pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q
+
+
+@triton.jit
+def _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
+                  INDEX_64: tl.constexpr, OCTETS: tl.constexpr):
+    """(``_row_counters`` of the rows ``offs_j``, their row indices into a saved mask: ``stat_base``
+    (= (b * H + h) * Lq) + j, -1 beyond Lq), what ``_keep_block`` takes."""
+    drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, OCTETS)
+    return drop_row, tl.where(row_ok, stat_base + offs_j, -1)
+
+
+@triton.jit
+def _visible(valid, b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr):
+    """``valid`` ([J, K] bool) narrowed to the scores a query row j may see of key k: k <= j if
+    CAUSAL, keys the padding mask keeps if HAS_KPM."""
+    if CAUSAL:
+        valid = valid & (offs_k[None, :] <= offs_j[:, None])
+    if HAS_KPM:
+        pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=offs_k < Lk, other=1)
+        valid = valid & (pad == 0)[None, :]
+    return valid
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr,  # (b, h, j, p) any strides
     k_ptr,  # (b, h, k, p) any strides
@@ -151,21 +188,13 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    pid_j = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
-    offs_p = tl.arange(0, P)
-    row_ok = offs_j < Lq
-
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp,
-                mask=row_ok[:, None], other=0.0)
+    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _query_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
+                                                                 H, Lq, BLOCK_J, P)
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
-        drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, OCTETS)
-        mask_rows = tl.where(row_ok, pid_bh.to(tl.int64) * Lq + offs_j, -1)
+        drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, pid_bh.to(tl.int64) * Lq, offset, drop_sb, drop_sh,
+                                            drop_sj, INDEX_64, OCTETS)
 
     m_i = tl.full([BLOCK_J], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_J], tl.float32)
@@ -179,12 +208,7 @@ def _attn_fwd_kernel(
         kt = tl.load(k_base + offs_k[None, :] * stride_kk + offs_p[:, None] * stride_kp, mask=col_ok[None, :], other=0.0)
         s = tl.dot(q, kt) * qk_scale  # (j, k), log2 units
         if CAUSAL or HAS_KPM or not EVEN_K:
-            valid = col_ok[None, :]
-            if CAUSAL:
-                valid = valid & (offs_k[None, :] <= offs_j[:, None])
-            if HAS_KPM:
-                pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
-                valid = valid & (pad == 0)[None, :]
+            valid = _visible(col_ok[None, :], b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk, CAUSAL, HAS_KPM)
             s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = m_new
@@ -302,8 +326,8 @@ def _attn_bwd_dkdv_kernel(
         st = tl.dot(k, tl.trans(q))
         dpt = tl.dot(v, tl.trans(do))  # dL/dP~ (k, j)
         if HAS_DROPOUT:  # the mask's (j, k) block, transposed
-            drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, OCTETS)
-            mask_rows = tl.where(row_ok, stat_base + offs_j, -1)
+            drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
+                                                INDEX_64, OCTETS)
             keep = tl.trans(_keep_block(seed, drop_threshold, drop_row, pid_k * BLOCK_K, drop_sk, mask_ptr, mask_rows,
                                         Lk, BLOCK_K, OCTETS, MASK_IO))
         pt = tl.math.exp2(st * qk_scale - lse2[None, :])
@@ -355,15 +379,8 @@ def _attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr,
 ):
-    pid_j = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
-    offs_p = tl.arange(0, P)
-    row_ok = offs_j < Lq
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp,
-                mask=row_ok[:, None], other=0.0)
+    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _query_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
+                                                                 H, Lq, BLOCK_J, P)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -371,8 +388,8 @@ def _attn_bwd_dq_kernel(
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
-        drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, OCTETS)
-        mask_rows = tl.where(row_ok, pid_bh.to(tl.int64) * Lq + offs_j, -1)
+        drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, pid_bh.to(tl.int64) * Lq, offset, drop_sb, drop_sh,
+                                            drop_sj, INDEX_64, OCTETS)
 
     dq = tl.zeros([BLOCK_J, P], tl.float32)
     k_end = Lk
@@ -385,12 +402,8 @@ def _attn_bwd_dq_kernel(
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if CAUSAL or HAS_KPM or not EVEN:
-            valid = col_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                valid = valid & (offs_k[None, :] <= offs_j[:, None])
-            if HAS_KPM:
-                pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
-                valid = valid & (pad == 0)[None, :]
+            valid = _visible(col_ok[None, :] & row_ok[:, None], b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk,
+                             CAUSAL, HAS_KPM)
             p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
         if HAS_DROPOUT:

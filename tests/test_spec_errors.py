@@ -10,6 +10,11 @@ B, L, N = dims(B=2, L=3, N=4)
 INDEX = {"b": B, "l": L, "n": N, "m": N}
 '''
 
+SCALE_LAYER = '''
+def layer(x: Tensor("bln")):
+    return x * np.float32(2)
+'''  # a valid layer: the errors below come from the dims
+
 
 def _run(tmp_path, capsys, body, *args, header=GOOD_HEADER):
     path = tmp_path / "spec.py"
@@ -56,26 +61,17 @@ def test_keepdims_named_with_hint(tmp_path, capsys):
 
 def test_missing_dims_listed(tmp_path, capsys):
     header = GOOD_HEADER.replace("B, L, N = dims(B=2, L=3, N=4)", "B, L, N = dims(B=None, L=None, N=4)")
-    _, err = _run(tmp_path, capsys, '''
-        def layer(x: Tensor("bln")):
-            return x * np.float32(2)
-        ''', header=header)
+    _, err = _run(tmp_path, capsys, SCALE_LAYER, header=header)
     assert "missing dims: B, L" in err
 
 
 def test_non_positive_dims_listed(tmp_path, capsys):
-    _, err = _run(tmp_path, capsys, '''
-        def layer(x: Tensor("bln")):
-            return x * np.float32(2)
-        ''', "--dims", "B=0,L=-3")
+    _, err = _run(tmp_path, capsys, SCALE_LAYER, "--dims", "B=0,L=-3")
     assert "positive" in err and "B=0" in err and "L=-3" in err
 
 
 def test_contradictory_dims_on_command_line(tmp_path, capsys):
-    _, err = _run(tmp_path, capsys, '''
-        def layer(x: Tensor("bln")):
-            return x * np.float32(2)
-        ''', "--dims", "B=2,B=3")
+    _, err = _run(tmp_path, capsys, SCALE_LAYER, "--dims", "B=2,B=3")
     assert "contradictory" in err and "B" in err
 
 
@@ -88,10 +84,7 @@ def test_contradictory_letter_sizes(tmp_path, capsys):
 
 
 def test_unknown_dim_on_command_line(tmp_path, capsys):
-    _, err = _run(tmp_path, capsys, '''
-        def layer(x: Tensor("bln")):
-            return x * np.float32(2)
-        ''', "--dims", "Q=2")
+    _, err = _run(tmp_path, capsys, SCALE_LAYER, "--dims", "Q=2")
     assert "unknown dims Q" in err
 
 
