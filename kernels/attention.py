@@ -93,6 +93,15 @@ def keep_bytes(seed, threshold, calls):
 
 
 @triton.jit
+def _pack(keep):
+    """[R, 8 C] bool -> [R, C] uint8, bit h of column c = keep[r, 8 c + h] (inverse of ``_unpack``)."""
+    R: tl.constexpr = keep.shape[0]
+    C: tl.constexpr = keep.shape[1] // 8
+    bits = tl.reshape(keep, (R, C, 8)).to(tl.uint8) << tl.arange(0, 8).to(tl.uint8)[None, None, :]
+    return tl.sum(bits, 2).to(tl.uint8)
+
+
+@triton.jit
 def _unpack(decision_bytes):
     """[R, C] uint8 -> [R, 8 C] bool, column 8 c + h = bit h of decision_bytes[r, c]."""
     R: tl.constexpr = decision_bytes.shape[0]
@@ -112,17 +121,14 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
     outside the mask). Else one call per element."""
     if OCTETS:
         calls = col_start // 8 + tl.arange(0, BLOCK_C // 8)
-        if MASK_IO == 0:
-            keep = dropout_keep_octets(seed, row_counter[:, None] + calls[None, :], threshold)
+        io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 8) + calls[None, :]
+        io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 8)[None, :]
+        if MASK_IO == 2:
+            keep = _unpack(tl.load(io_ptrs, mask=io_ok, other=0))
         else:
-            io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 8) + calls[None, :]
-            io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 8)[None, :]
-            if MASK_IO == 2:
-                decision_bytes = tl.load(io_ptrs, mask=io_ok, other=0)
-            else:
-                decision_bytes = keep_bytes(seed, threshold, row_counter[:, None] + calls[None, :])
-                tl.store(io_ptrs, decision_bytes, mask=io_ok)
-            keep = _unpack(decision_bytes)
+            keep = dropout_keep_octets(seed, row_counter[:, None] + calls[None, :], threshold)
+            if MASK_IO == 1:
+                tl.store(io_ptrs, _pack(keep), mask=io_ok)
     else:
         cols = (col_start + tl.arange(0, BLOCK_C)).to(row_counter.dtype) * drop_scol
         keep = dropout_keep(seed, 0, row_counter[:, None] + cols[None, :], threshold)
