@@ -483,13 +483,14 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     return configs
 
 
-# Defaults: tiles and dQ modes fastest in the sweeps of benchmarks/attention.py on an H200
-# (results/attention.md, measured with the mask saved as nibbles, four decisions per Philox call),
-# per head dim; dropout_mask "regenerate" is the default by design, not yet measured against "saved".
+# Defaults: the fastest configurations of benchmarks/attention.py's sweeps on an H200
+# (results/attention.md). Head dim 64: measured with eight decisions per Philox call, the backward
+# regenerating the mask (the fastest pair: 0.205 ms for BERT-large); head dim 128: measured in an
+# earlier run with the mask saved as 4-bit nibbles (four decisions per call), not yet rerun.
 _GPU_DEFAULTS = {
-    "forward": {64: dict(block_j=64, block_k=32, num_warps=4, num_stages=3),
+    "forward": {64: dict(block_j=64, block_k=128, num_warps=4, num_stages=3),
                 128: dict(block_j=64, block_k=64, num_warps=4, num_stages=2)},
-    "backward": {64: dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="split",
+    "backward": {64: dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="atomic",
                           dropout_mask="regenerate"),
                  128: dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="atomic",
                            dropout_mask="regenerate")},
