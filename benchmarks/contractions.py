@@ -13,7 +13,9 @@ cuBLAS and every Triton config of ``valid_configs`` (the first ``--limit-configs
 other ``--layouts`` - 1 combinations with cuBLAS and the ``--other-configs`` configs fastest on
 the first layout (read from the DB; without a GPU, the first ones checked), and each epilogue
 the template can fuse (linear1 + bias + ReLU + dropout, found structurally) as one Triton kernel
-(the GEMM's ``EPILOGUE_CONFIGS`` fastest configs) vs the cuBLAS GEMM then PyTorch eager.  Every
+(the GEMM's ``EPILOGUE_CONFIGS`` fastest configs) vs the cuBLAS GEMM then PyTorch eager and vs
+the cuBLAS GEMM then the consumer's generated kernel (``kernels.codegen``; every configuration
+with spec-order layouts, the report keeps the fastest).  Every
 variant is checked against a float64 einsum (``kernels.accuracy``'s rule, baseline: torch's
 einsum in bf16 on the same operands) before it is timed.  Times: ``kernels.bench.time_cuda``
 medians (CUDA events, L2 flushed before every repetition).  Then the report from the DB records:
@@ -38,7 +40,8 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
 
 from dataflow import snapshot  # noqa: E402
 from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
-from kernels.contraction_variants import (DTYPE, Operands, epilogue_of, epilogue_variants, gemm_variants,  # noqa: E402
+from kernels.contraction_variants import (DTYPE, Operands, consumer_configurations, epilogue_of, epilogue_variants,
+                                          gemm_variants,  # noqa: E402
                                           pick_layouts, training_gemms)
 from kernels.device import query_device, versions  # noqa: E402
 from kernels.gemm import valid_configs  # noqa: E402
@@ -124,23 +127,34 @@ def gemm_summary(rows: list[dict]) -> list[dict]:
     return result
 
 
+def _consumer_knobs(knobs: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in knobs.items() if k not in ("backend", "dropout"))
+
+
 def epilogue_rows(db: TuningDB, device: str, variants, dtype: str) -> list[dict]:
-    """Per fused-epilogue op: cuBLAS + eager vs the fastest fused Triton config."""
+    """Per fused-epilogue op: the fused Triton configs vs cuBLAS + eager and vs cuBLAS + the
+    consumer's generated kernel (its fastest configuration)."""
     rows = []
     for op in dict.fromkeys(v.op for v in variants):
         v = next(x for x in variants if x.op == op)
         records = db.query(op=op, device=device, versions=versions(), dims=v.dims, dtype=dtype)
         eager = next((r for r in records if r.key.knobs["backend"] == "cublas+eager"), None)
         fused = [r for r in records if r.key.knobs["backend"] == "triton"]
+        generated = [r for r in records if r.key.knobs["backend"] == "cublas+fused" and r.status == "ok"]
         best = next((r for r in fused if r.status == "ok"), None)
         row = {"op": op, "gemm": v.operands.gemm.name, "consumer": v.epilogue.consumer, "layouts": v.layout,
                "fused_ms_by_config": {config_text(r.key.knobs): r.median_ms if r.status == "ok" else r.status for r in fused}}
         if eager is not None:
             row["cublas_then_eager"] = {"ms": eager.median_ms, "status": eager.status, "check": eager.detail}
+        if generated:
+            row["cublas_then_generated"] = {"ms": generated[0].median_ms, "knobs": _consumer_knobs(generated[0].key.knobs),
+                                            "check": generated[0].detail, "configs": len(generated)}
         if best is not None:
             row["fused"] = {"ms": best.median_ms, "config": config_text(best.key.knobs), "check": best.detail}
             if eager is not None and eager.status == "ok":
                 row["fused_speedup_vs_eager"] = eager.median_ms / best.median_ms
+            if generated:
+                row["fused_speedup_vs_generated"] = generated[0].median_ms / best.median_ms
         rows.append(row)
     return rows
 
@@ -206,8 +220,14 @@ def markdown(report: dict) -> str:
             ce = e["cublas_then_eager"]
             lines.append(f"| cuBLAS GEMM then eager bias, ReLU, dropout | {ce['ms']:.4f} |" if ce["ms"] is not None
                          else f"| cuBLAS GEMM then eager | {ce['status']} |")
+        if "cublas_then_generated" in e:
+            cg = e["cublas_then_generated"]
+            lines.append(f"| cuBLAS GEMM then the generated {e['consumer']} kernel (fastest of {cg['configs']} "
+                         f"configurations: {cg['knobs']}) | {cg['ms']:.4f} |")
         if "fused_speedup_vs_eager" in e:
             lines += ["", f"Fused vs cuBLAS + eager: **{e['fused_speedup_vs_eager']:.2f}x** (fused check: {e['fused']['check']})."]
+        if "fused_speedup_vs_generated" in e:
+            lines += [f"Fused vs cuBLAS + the generated element-wise kernel: **{e['fused_speedup_vs_generated']:.2f}x**."]
     return "\n".join(lines) + "\n"
 
 
@@ -250,7 +270,8 @@ def main() -> int:
                                 other_configs=ranked[:args.other_configs])[len(first[g.name]):]
         fusable = epilogue_of(training, g)
         if fusable is not None:
-            epilogue += epilogue_variants(Operands(g, device, seed=1), fusable, ranked[:EPILOGUE_CONFIGS])
+            epilogue += epilogue_variants(Operands(g, device, seed=1), fusable, ranked[:EPILOGUE_CONFIGS],
+                                          consumer_configurations(training, fusable))
     phase2 = sweep(second + epilogue)
     print(f"phase 2: {len(second)} variants over the other layouts, {len(epilogue)} epilogue-fusion variants", file=sys.stderr)
     report2 = phase2.run()

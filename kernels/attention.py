@@ -52,12 +52,12 @@ the softmax runs in base 2 with log2(e) folded into the scale.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.interpreter import interpreted
 from kernels.philox import dropout_keep, dropout_keep_octets, keep_halves, keep_threshold, philox4
 
 LOG2E = 1.4426950408889634
@@ -426,10 +426,6 @@ def _attn_bwd_dq_kernel(
 # ----------------------------------------------------------------------------------------------
 # knobs
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _max_shared_memory() -> int:
     device = torch.cuda.current_device()
     return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
@@ -451,7 +447,7 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     _check_head_dim(head_dim)
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', not {direction!r}")
-    interpret = _interpreting() if interpret is None else interpret
+    interpret = interpreted() if interpret is None else interpret
     dq_modes = ("atomic", "split") if direction == "backward" else (None,)
     if interpret:
         tiles = [(bj, bk, 4, 1, mode) for bj in (16, 32, 64) for bk in (16, 32, 64) for mode in dq_modes]
@@ -500,7 +496,7 @@ _GPU_DEFAULTS = {
 def default_config(head_dim: int, direction: str, *, interpret: bool | None = None) -> dict:
     """The knob configuration the launchers use when none is given."""
     _check_head_dim(head_dim)
-    interpret = _interpreting() if interpret is None else interpret
+    interpret = interpreted() if interpret is None else interpret
     if interpret:
         config = dict(block_j=16, block_k=16, num_warps=4, num_stages=1)
         return dict(config, dq_mode="atomic", dropout_mask="regenerate") if direction == "backward" else config

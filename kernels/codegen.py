@@ -44,6 +44,7 @@ import torch
 import triton
 
 from dataflow.dropout_mask import DECISIONS_PER_CALL
+from kernels.interpreter import interpreted
 from kernels.philox import keep_threshold
 from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
 
@@ -307,7 +308,8 @@ Knobs: {knobs}"""
     def emit_store(t: str, depth: int):
         mask = mask_of(axes[t])
         extra = f", mask={mask}" if mask else ""
-        w(f"tl.store({t}_ptr + {offset_of(t)}, {_var(t)}.to({t}_ptr.dtype.element_ty){extra})", depth)
+        value = f"store_cast({_var(t)}, {t}_ptr)" if interpreted() else f"{_var(t)}.to({t}_ptr.dtype.element_ty)"
+        w(f"tl.store({t}_ptr + {offset_of(t)}, {value}{extra})", depth)
 
     def needed(targets: list[str], available: set) -> list:
         """Primitives (in order) computing ``targets`` from the ``available`` values and inputs."""
@@ -424,6 +426,7 @@ Knobs: {knobs}"""
 _PRELUDE = '''import triton
 import triton.language as tl
 
+from kernels.interpreter import store_cast
 from kernels.philox import dropout_keep, dropout_keep_octets
 
 

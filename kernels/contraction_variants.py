@@ -40,9 +40,11 @@ import torch
 
 from kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
                                  run_cublas, run_triton, stacked_spec)
+from kernels.codegen import compile_operator
 from kernels.gemm import GemmConfig, GemmShape, tma_compatible, valid_configs
 from kernels.sweep_variants import MASK_SEED, Verdict, judge
 from kernels.torch_eval import dropout_offsets, keep_mask_torch
+from layouts.space import configurations
 
 DTYPE = torch.bfloat16
 STACK_LETTERS = "stuvwxyz"  # the first one not in the einsum becomes the stack letter
@@ -237,7 +239,9 @@ class FusableEpilogue:
 
     ``bias``: graph tensor over ``bias_letters`` (output letters, spec letter names of the GEMM);
     ``mask``: dropout tensor (logical index over the output letters in spec order), ``p``, ``offset``;
-    ``save``: what else the consumer writes ("pre_activation" / "pre_dropout") or None."""
+    ``save``: what else the consumer writes ("pre_activation" / "pre_dropout") or None.
+    ``produced`` / ``output`` / ``saved``: the graph tensors the consumer reads from the GEMM,
+    writes as its result and (with ``save``) writes as the saved value."""
 
     consumer: str
     bias: str
@@ -247,6 +251,9 @@ class FusableEpilogue:
     p: float
     offset: int
     save: str | None
+    produced: str
+    output: str
+    saved: str | None
 
 
 def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
@@ -292,24 +299,34 @@ def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
             return None
         offset = dropout_offsets(graph)[mask] if mask is not None else 0
         return FusableEpilogue(consumer.name, bias.tensor, "".join(rename[x] for x in bias.letters), activation,
-                               mask, p, offset, saves[0] if saves else None)
+                               mask, p, offset, saves[0] if saves else None, produced, current,
+                               extra[0] if extra else None)
     return None
 
 
 class EpilogueVariant:
-    """``gemm`` + the fused epilogue: one Triton kernel (``config``), or ``config`` None: cuBLAS GEMM
-    then PyTorch eager (bias add, activation, dropout applying the same regenerated mask)."""
+    """``gemm`` + its epilogue, three ways: one Triton kernel (``config``, the epilogue fused); the
+    cuBLAS GEMM then the consumer's generated kernel (``consumer``: (graph, operator, its
+    ``layouts.space.Configuration`` with spec-order layouts), i.e. "GEMM then fused element-wise
+    kernel"); neither: the cuBLAS GEMM then PyTorch eager (bias add, activation, dropout). All
+    apply the same regenerated mask."""
 
-    def __init__(self, operands: Operands, epilogue: FusableEpilogue, config: GemmConfig | None = None):
+    def __init__(self, operands: Operands, epilogue: FusableEpilogue, config: GemmConfig | None = None,
+                 consumer: tuple | None = None):
         gemm, c = operands.gemm, operands.c
-        self.operands, self.epilogue, self.config = operands, epilogue, config
+        self.operands, self.epilogue, self.config, self.consumer = operands, epilogue, config, consumer
         self.plan = map_layouts(c, (c.a, c.b, c.out), gemm.sizes)
         tail = f"+bias[{epilogue.bias_letters}]" + (f"+{epilogue.activation}" if epilogue.activation != "none" else "")
         tail += f"+dropout({epilogue.p:g})" if epilogue.mask else ""
         tail += f"+save({epilogue.save})" if epilogue.save else ""
         self.op, self.dims, self.dtype = gemm.op + tail, dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
         self.layout = _layout_key(self.plan)
-        self.knobs = {"backend": "cublas+eager"} if config is None else _config_knobs(config)
+        if config is not None:
+            self.knobs = _config_knobs(config)
+        elif consumer is not None:
+            self.knobs = {"backend": "cublas+fused", **consumer[2].knobs}
+        else:
+            self.knobs = {"backend": "cublas+eager"}
         self.flop = gemm.flop
         outputs = 2 if epilogue.save else 1
         self.bytes = operands.dtype.itemsize * (_numel(c.a, gemm.sizes) + _numel(c.b, gemm.sizes)
@@ -336,6 +353,8 @@ class EpilogueVariant:
         self.tensors = dict(a=a, b=b, bias=bias, out=out)
         self.fused = Epilogue(bias=bias, bias_letters=ep.bias_letters, activation=ep.activation, dropout_p=ep.p,
                               seed=MASK_SEED, offset=ep.offset, save=ep.save)
+        if self.consumer is not None:
+            self.compiled = compile_operator(*self.consumer)
         self.run()
 
     def _broadcast_bias(self, bias: torch.Tensor) -> torch.Tensor:
@@ -355,10 +374,18 @@ class EpilogueVariant:
             result[ep.save] = pre if ep.save == "pre_activation" else act
         return result
 
+    def _generated(self, y: torch.Tensor, bias: torch.Tensor) -> dict:
+        """The consumer's generated kernel on the GEMM's output ``y`` (spec-order letters)."""
+        ep = self.epilogue
+        seeds = {ep.mask: (MASK_SEED, ep.offset)} if ep.mask else {}
+        outputs = self.compiled.run({ep.produced: y, ep.bias: bias}, seeds)
+        return {"out": outputs[ep.output], **({ep.save: outputs[ep.saved]} if ep.save else {})}
+
     def run(self) -> dict:
         t = self.tensors
         if self.config is None:
-            return self._eager(run_cublas(self.plan, t["a"], t["b"], t["out"]), t["bias"])
+            finish = self._eager if self.consumer is None else self._generated
+            return finish(run_cublas(self.plan, t["a"], t["b"], t["out"]), t["bias"])
         result = run_triton(self.plan, t["a"], t["b"], t["out"], self.fused, self.config)
         return {"out": result[0], self.epilogue.save: result[1]} if self.epilogue.save else {"out": result}
 
@@ -371,8 +398,22 @@ class EpilogueVariant:
         return Verdict(tuple((name, judge(results[name], baseline[name], reference[name])) for name in results))
 
 
-def epilogue_variants(operands: Operands, epilogue: FusableEpilogue, configs) -> list[EpilogueVariant]:
-    """cuBLAS + eager, then the fused kernel with each of ``configs`` (TMA ones where allowed), in spec-order layouts."""
+def consumer_configurations(training, epilogue: FusableEpilogue) -> list[tuple]:
+    """(graph, operator, configuration) of the epilogue's consumer for every configuration of its
+    generated kernel that keeps the spec-order layouts (the GEMM writes its output in spec order)
+    and regenerates the dropout mask."""
+    graph = training.graph
+    op = next(o for o in training.operators if o.name == epilogue.consumer)
+    return [(graph, op, config) for config in configurations(graph, op)
+            if all(layout == graph.tensors[t].letters for t, layout in config.layouts.items())
+            and config.knobs.get("dropout", "regenerate") == "regenerate"]
+
+
+def epilogue_variants(operands: Operands, epilogue: FusableEpilogue, configs, consumers=()) -> list[EpilogueVariant]:
+    """cuBLAS + eager, cuBLAS + the consumer's generated kernel per ``consumers`` entry
+    (``consumer_configurations``), then the fused kernel with each of ``configs`` (TMA ones where
+    allowed), in spec-order layouts."""
     variants = [EpilogueVariant(operands, epilogue)]
+    variants += [EpilogueVariant(operands, epilogue, consumer=consumer) for consumer in consumers]
     tma = _tma_possible(variants[0].plan, operands.dtype)
     return variants + [EpilogueVariant(operands, epilogue, cfg) for cfg in configs if tma or not cfg.tma]

@@ -33,7 +33,6 @@ Offsets inside a batch are int32: each operand must hold fewer than 2**31 elemen
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,6 +42,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dataflow.dropout_mask import DECISIONS_PER_CALL
+from kernels.interpreter import interpreted, round_bf16
 from kernels.philox import dropout_keep, dropout_keep_octets, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -97,10 +97,6 @@ INTERPRETER_CONFIGS = (
 )
 
 
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def valid_configs(dtype: torch.dtype = torch.bfloat16) -> tuple[GemmConfig, ...]:
     """The configs to try on this machine for inputs of ``dtype``: the interpreter's tiny set, or
     the Hopper configs whose pipeline buffers (stages x (BM + BN) x BK elements) fit in shared memory."""
@@ -150,14 +146,6 @@ class GemmShape(NamedTuple):
 def _digits(f, q1, q2, l0, l1, l2):
     """Logical-index term (int32) of a GEMM dim's flat index ``f`` (scalar or block)."""
     return (f % q1) * l0 + ((f // q1) % q2) * l1 + (f // (q1 * q2)) * l2
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 block rounded to the nearest bf16 value (ties to even), still fp32: the interpreter's cast truncates."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits += 0x7FFF + ((bits >> 16) & 1)
-    return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -295,14 +283,14 @@ def _epilogue(acc, m_start, n_start, M, N,
         acc += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
     saved_ptrs = saved_ptr + offs_m[:, None] * stride_sm + offs_n[None, :] * stride_sn
     if SAVE == "pre_activation":
-        tl.store(saved_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
+        tl.store(saved_ptrs, (round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
     if ACTIVATION == "relu":
         acc = tl.maximum(acc, 0.0)
     elif ACTIVATION == "gelu":
         # 0.5 x (1 + tanh(z)) == x sigmoid(2z), z = sqrt(2/pi) (x + 0.044715 x^3)
         acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc))
     if SAVE == "pre_dropout":
-        tl.store(saved_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
+        tl.store(saved_ptrs, (round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
     if HAS_DROPOUT:
         if OCTETS == "n":  # call (r, c) covers columns n_start + 8c .. + 7 of row r: logical indices first .. first + 7
             octet_n = n_start + 8 * tl.arange(0, acc.shape[1] // 8)
@@ -325,7 +313,7 @@ def _epilogue(acc, m_start, n_start, M, N,
             keep = dropout_keep(seed, offset, first, threshold)
         acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, (_round_bf16(acc) if ROUND_BF16 else acc).to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptrs, (round_bf16(acc) if ROUND_BF16 else acc).to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def _octets(digits: tuple, offset: int, tile: tuple[int, int]) -> str:

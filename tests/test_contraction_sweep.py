@@ -47,7 +47,10 @@ def test_sweep_records_checked_failed_and_resumes(tmp_path):
         variants += cv.gemm_variants(gemms[name], DEVICE, layouts=2, first_configs=configs, other_configs=configs[:1])
     variants += cv.gemm_variants(gemms["d_w1"], DEVICE, layouts=1, first_configs=[broken])
     linear1 = gemms["w1_x1"]
-    variants += cv.epilogue_variants(cv.Operands(linear1, DEVICE), cv.epilogue_of(training, linear1), configs[:1])
+    epilogue = cv.epilogue_of(training, linear1)
+    consumers = cv.consumer_configurations(training, epilogue)
+    assert consumers and all(c.layouts[t] == training.graph.tensors[t].letters for _, _, c in consumers for t in c.layouts)
+    variants += cv.epilogue_variants(cv.Operands(linear1, DEVICE), epilogue, configs[:1], consumers[:2])
     ws = av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32), DEVICE)
     variants += av.config_variants(ws)[:1] + [av.FusedVariant(ws, "backward"), av.FusedVariant(ws, "fwd+bwd", launch="python")]
     variants += av.baseline_variants(ws, directions=("fwd+bwd",), launches=("python",), backends=("default", "math"))
@@ -64,6 +67,9 @@ def test_sweep_records_checked_failed_and_resumes(tmp_path):
         assert "native_dropout" in eager.detail and eager.flop == 14 * 2 * 3 * 21 * 21 * 16
         gemm = db.query(op=linear1.op + "+bias[u]+relu+dropout(0.1)+save(pre_activation)", knobs={"backend": "cublas+eager"})
         assert gemm and gemm[0].status == done and "pre_activation" in gemm[0].detail
+        generated = db.query(op=linear1.op + "+bias[u]+relu+dropout(0.1)+save(pre_activation)")
+        generated = [r for r in generated if r.key.knobs["backend"] == "cublas+fused"]
+        assert len(generated) == 2 and all(r.status == done and "pre_activation" in r.detail for r in generated)
         ranked = sweep.ranked([v for v in variants if v.op == gemms["k_q"].op])
         assert len(ranked) == 2 + 1 + 1 + 1  # both layouts' cuBLAS, their Triton configs
 
