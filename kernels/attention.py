@@ -440,8 +440,8 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
     ``dropout_mask`` (``DROPOUT_MASK_OPTIONS``: "regenerate" or "saved", see the module doc). On a GPU the
     list keeps tiles whose pipelined operand buffers fit the device's shared memory and whose fp32
     tiles fit the registers (per thread: at most 64 score-tile elements, at most 64 forward / 128
-    backward accumulator elements; beyond them ptxas spills), with 4 warps for 64-row tiles (a
-    single warpgroup) and 8 for 128-row ones; in the Triton interpreter (no GPU) warps and stages
+    backward accumulator elements; beyond them ptxas spills), with 4 or 8 warps for 64-row tiles
+    (8: each thread holds half as much of the tiles, e.g. the Philox state) and 8 for 128-row ones; in the Triton interpreter (no GPU) warps and stages
     mean nothing and the list holds small tiles.
     """
     _check_head_dim(head_dim)
@@ -456,9 +456,10 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
         tiles = []
         for bj, bk in ((64, 32), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)) if direction == "forward" else \
                 ((32, 32), (32, 64), (64, 64), (32, 128), (64, 128)):
-            warps = 4 if (bj if direction == "forward" else bk) <= 64 else 8
-            threads = 32 * warps
-            for stages, mode in [(s, m) for s in (2, 3) for m in dq_modes]:
+            rows = bj if direction == "forward" else bk
+            for warps, stages, mode in [(w, s, m) for w in ((4, 8) if rows <= 64 else (8,)) for s in (2, 3)
+                                        for m in dq_modes]:
+                threads = 32 * warps
                 if direction == "forward":
                     buffers = 2 * (bj * head_dim + stages * 2 * bk * head_dim + bj * bk)  # Q, staged K, V, P~
                     fits = bj * bk // threads <= 64 and bj * head_dim // threads <= 64  # S tile, O accumulator
