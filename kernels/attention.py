@@ -138,7 +138,8 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
 @triton.jit
 def _query_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp, H, Lq, BLOCK_J: tl.constexpr, P: tl.constexpr):
     """The program's (b, h) and block of query rows (grid: j-blocks x b*h): ``(pid_j, pid_bh, b, h,
-    offs_j, offs_p, row_ok, q)``, q the [BLOCK_J, P] tile (zeros beyond Lq)."""
+    offs_j, offs_p, row_ok, q)``, q the [BLOCK_J, P] tile of the (b, h, j, p) tensor at ``q_ptr``
+    (zeros beyond Lq)."""
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -251,15 +252,8 @@ def _attn_bwd_preprocess_kernel(
     H, Lq,
     P: tl.constexpr, BLOCK_J: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    pid_j = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
-    offs_p = tl.arange(0, P)
-    row_ok = offs_j < Lq
-    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_j[:, None] * stride_oj + offs_p[None, :] * stride_op,
-                mask=row_ok[:, None], other=0.0)
+    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, o = _query_rows(o_ptr, stride_ob, stride_oh, stride_oj, stride_op,
+                                                                 H, Lq, BLOCK_J, P)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)

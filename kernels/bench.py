@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
@@ -72,7 +71,9 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
     """
     import torch
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    from kernels.interpreter import interpreted
+
+    if interpreted():
         raise RuntimeError("TRITON_INTERPRET=1: Triton kernels run on the CPU interpreter, nothing can be timed")
     index = torch.cuda.current_device() if torch.cuda.is_available() else 0
     facts = _device_facts(index)
@@ -222,6 +223,8 @@ class Sweep:
                  progress: bool = True, console=None, compile_workers: int = 0):
         from rich.console import Console
 
+        from kernels.interpreter import interpreted
+
         self.db = db
         self.variants = list(variants)
         self.budget_s = budget_s
@@ -230,11 +233,11 @@ class Sweep:
         self.compile_workers = compile_workers
         self.console = console or Console(stderr=True)
         facts = query_device()
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        self.measured = isinstance(facts, DeviceFacts) and not interpreted
+        interpreting = interpreted()
+        self.measured = isinstance(facts, DeviceFacts) and not interpreting
         if self.measured:
             self.device = facts.name
-        elif interpreted:
+        elif interpreting:
             self.device = CPU_DEVICE
             self.no_gpu_reason = facts.reason if isinstance(facts, NoDevice) else "TRITON_INTERPRET=1"
         else:
