@@ -136,20 +136,20 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
 
 
 @triton.jit
-def _query_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp, H, Lq, BLOCK_J: tl.constexpr, P: tl.constexpr):
-    """The program's (b, h) and block of query rows (grid: j-blocks x b*h): ``(pid_j, pid_bh, b, h,
-    offs_j, offs_p, row_ok, q)``, q the [BLOCK_J, P] tile of the (b, h, j, p) tensor at ``q_ptr``
-    (zeros beyond Lq)."""
-    pid_j = tl.program_id(0)
+def _head_rows(x_ptr, stride_xb, stride_xh, stride_xr, stride_xp, H, L, BLOCK: tl.constexpr, P: tl.constexpr):
+    """The program's (b, h) and block of rows (grid: row blocks x b*h) of a (b, h, row, p) tensor
+    with L rows (query rows j, or key rows k): ``(pid, pid_bh, b, h, offs, offs_p, row_ok, x)``, x
+    the [BLOCK, P] tile at ``x_ptr`` (zeros beyond L)."""
+    pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
     offs_p = tl.arange(0, P)
-    row_ok = offs_j < Lq
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp,
+    row_ok = offs < L
+    x = tl.load(x_ptr + b * stride_xb + h * stride_xh + offs[:, None] * stride_xr + offs_p[None, :] * stride_xp,
                 mask=row_ok[:, None], other=0.0)
-    return pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q
+    return pid, pid_bh, b, h, offs, offs_p, row_ok, x
 
 
 @triton.jit
@@ -195,7 +195,7 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _query_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
+    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
@@ -252,7 +252,7 @@ def _attn_bwd_preprocess_kernel(
     H, Lq,
     P: tl.constexpr, BLOCK_J: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, o = _query_rows(o_ptr, stride_ob, stride_oh, stride_oj, stride_op,
+    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, o = _head_rows(o_ptr, stride_ob, stride_oh, stride_oj, stride_op,
                                                                  H, Lq, BLOCK_J, P)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
@@ -291,20 +291,12 @@ def _attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
-    pid_k = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_p = tl.arange(0, P)
-    col_ok = offs_k < Lk
+    pid_k, pid_bh, b, h, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
+                                                                H, Lk, BLOCK_K, P)
     key_ok = col_ok
     if HAS_KPM:
         pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
         key_ok = key_ok & (pad == 0)
-
-    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + offs_k[:, None] * stride_kk + offs_p[None, :] * stride_kp,
-                mask=col_ok[:, None], other=0.0)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp,
                 mask=col_ok[:, None], other=0.0)
     q_base = q_ptr + b * stride_qb + h * stride_qh
@@ -379,7 +371,7 @@ def _attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr,
 ):
-    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _query_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
+    pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
