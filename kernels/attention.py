@@ -23,13 +23,13 @@ without copies. The launchers take torch tensors whose ``.shape`` is the logical
 Dropout convention (``kernels.philox`` / ``dataflow.dropout_mask``): the probability at logical
 position (b, h, j, k) has logical index ``n = b*sb + h*sh + j*sj + k*sk``, where (sb, sh, sj, sk)
 are the row-major strides of the probabilities' dims in their spec order (``dropout_strides_for``);
-it is kept iff the convention's 16-bit value of counter ``offset + n`` (half ``(offset + n) % 8``
-of Philox call ``(offset + n) // 8``) is ``>= keep_threshold(dropout_p)``.  Where k is the mask's
-last logical letter and every row starts on a whole Philox call (``dropout_octets``: the offset and
-the strides of b, h, j multiples of 8, e.g. BERT's (h, b, j, k) and (b, h, j, k) masks with
-L % 8 == 0), the kernels draw one Philox call per eight keys
-(``kernels.philox.dropout_keep_octets``); elsewhere one call per element
-(``kernels.philox.dropout_keep``).
+it is kept iff the convention's 16-bit value of counter ``g = offset + n`` (``g = 64 G + 8 h + c``:
+half ``h`` of Philox call ``8 G + c``) is ``>= keep_threshold(dropout_p)``.  Where k is the mask's
+last logical letter and every row starts a group of 64 counters (``dropout_octets``: the offset and
+the strides of b, h, j multiples of 64, e.g. BERT's (h, b, j, k) and (b, h, j, k) masks with
+L % 64 == 0) and the key blocks are whole groups (block_k % 64 == 0), the kernels draw one Philox
+call per eight keys, each in the thread whose accumulator columns it decides (``kernels.philox.
+keep_bytes`` + ``unpack_groups``); elsewhere one call per element (``kernels.philox.dropout_keep``).
 
 How the backward gets the mask is the knob ``dropout_mask`` of its configuration
 (``attention_configs``, ``attention_backward``, ``fused_attention``'s ``backward_config``):
@@ -38,11 +38,11 @@ How the backward gets the mask is the knob ``dropout_mask`` of its configuration
   needs the mask draws it again from (seed, offset): the dK/dV kernel, and with dQ "split" the
   dQ kernel too.
 - "saved": the forward writes the decisions, one byte per Philox call: uint8 (b, h, j, k // 8)
-  contiguous, bit ``h`` of [b, h, j, c] = the decision of key ``8 c + h`` (``new_saved_mask``;
+  contiguous, bit ``h`` of [b, h, j, c] = the decision of key ``64 (c // 8) + 8 h + c % 8`` (``new_saved_mask``;
   1/8 byte per probability; blocks a causal forward skips stay unwritten and are never read
-  unmasked), and the backward kernels read it instead of drawing.  Only where the kernels draw
-  one call per eight keys; elsewhere nothing is saved and the backward draws the mask (as
-  "regenerate").
+  unmasked), and the backward kernels read it instead of drawing.  Only where the layout lets the
+  kernels draw one call per eight keys (elsewhere nothing is saved and the backward draws the mask,
+  as "regenerate"), and only with key blocks of whole groups (block_k % 64 == 0) on both sides.
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 
@@ -57,8 +57,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dataflow.dropout_mask import DECISION_GROUP
 from kernels.interpreter import interpreted
-from kernels.philox import dropout_keep, dropout_keep_octets, keep_halves, keep_threshold, philox4
+from kernels.philox import dropout_keep, keep_bytes, keep_threshold, unpack_groups
 
 LOG2E = 1.4426950408889634
 DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the dropout mask (module doc)
@@ -78,44 +79,11 @@ def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.
 
 
 @triton.jit
-def _keep_bit_pair(word, threshold, SHIFT: tl.constexpr):
-    """uint8 block: the decisions of ``word``'s low / high half at bits SHIFT / SHIFT + 1."""
-    low, high = keep_halves(word, threshold)
-    return (low.to(tl.uint8) << SHIFT) | (high.to(tl.uint8) << (SHIFT + 1))
-
-
-@triton.jit
-def keep_bytes(seed, threshold, calls):
-    """uint8 block: bit h of element (r, c) = the keep decision from half h of Philox call calls[r, c]."""
-    w0, w1, w2, w3 = philox4(seed, calls)
-    return (_keep_bit_pair(w0, threshold, 0) | _keep_bit_pair(w1, threshold, 2)
-            | _keep_bit_pair(w2, threshold, 4) | _keep_bit_pair(w3, threshold, 6))
-
-
-@triton.jit
-def _pack(keep):
-    """[R, 8 C] bool -> [R, C] uint8, bit h of column c = keep[r, 8 c + h] (inverse of ``_unpack``)."""
-    R: tl.constexpr = keep.shape[0]
-    C: tl.constexpr = keep.shape[1] // 8
-    bits = tl.reshape(keep, (R, C, 8)).to(tl.uint8) << tl.arange(0, 8).to(tl.uint8)[None, None, :]
-    return tl.sum(bits, 2).to(tl.uint8)
-
-
-@triton.jit
-def _unpack(decision_bytes):
-    """[R, C] uint8 -> [R, 8 C] bool, column 8 c + h = bit h of decision_bytes[r, c]."""
-    R: tl.constexpr = decision_bytes.shape[0]
-    C: tl.constexpr = decision_bytes.shape[1]
-    bits = (decision_bytes[:, :, None] >> tl.arange(0, 8).to(tl.uint8)[None, None, :]) & 1
-    return tl.reshape(bits, (R, 8 * C)) != 0
-
-
-@triton.jit
 def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, mask_rows, Lk,
                 BLOCK_C: tl.constexpr, OCTETS: tl.constexpr, MASK_IO: tl.constexpr):
     """Boolean [R, BLOCK_C] keep block of the rows with dropout counters ``row_counter`` ([R],
     ``_row_counters``) and the keys col_start .. col_start + BLOCK_C - 1 (logical stride
-    ``drop_scol``). OCTETS (``dropout_octets``; drop_scol == 1, col_start % 8 == 0): one Philox
+    ``drop_scol``). OCTETS (``dropout_octets``; drop_scol == 1, col_start and BLOCK_C multiples of 64): one Philox
     call per eight keys; ``MASK_IO`` 1 also writes their bytes to the saved mask, 2 reads the
     bytes from it instead of drawing (``mask_rows``: [R] int64 row indices into it, -1 for rows
     outside the mask). Else one call per element."""
@@ -124,11 +92,12 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
         io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 8) + calls[None, :]
         io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 8)[None, :]
         if MASK_IO == 2:
-            keep = _unpack(tl.load(io_ptrs, mask=io_ok, other=0))
+            decision_bytes = tl.load(io_ptrs, mask=io_ok, other=0)
         else:
-            keep = dropout_keep_octets(seed, row_counter[:, None] + calls[None, :], threshold)
+            decision_bytes = keep_bytes(seed, row_counter[:, None] + calls[None, :], threshold)
             if MASK_IO == 1:
-                tl.store(io_ptrs, _pack(keep), mask=io_ok)
+                tl.store(io_ptrs, decision_bytes, mask=io_ok)
+        keep = unpack_groups(decision_bytes)
     else:
         cols = (col_start + tl.arange(0, BLOCK_C)).to(row_counter.dtype) * drop_scol
         keep = dropout_keep(seed, 0, row_counter[:, None] + cols[None, :], threshold)
@@ -476,7 +445,8 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
         if mode is None:
             configs.append(config)
         else:
-            configs += [dict(config, dq_mode=mode, dropout_mask=option) for option in DROPOUT_MASK_OPTIONS]
+            configs += [dict(config, dq_mode=mode, dropout_mask=option) for option in DROPOUT_MASK_OPTIONS
+                        if option != "saved" or bk % DECISION_GROUP == 0]  # a saved mask: whole groups
     return configs
 
 
@@ -499,7 +469,7 @@ def default_config(head_dim: int, direction: str, *, interpret: bool | None = No
     _check_head_dim(head_dim)
     interpret = interpreted() if interpret is None else interpret
     if interpret:
-        config = dict(block_j=16, block_k=16, num_warps=4, num_stages=1)
+        config = dict(block_j=16, block_k=DECISION_GROUP, num_warps=4, num_stages=1)  # whole groups: saved masks work
         return dict(config, dq_mode="atomic", dropout_mask="regenerate") if direction == "backward" else config
     table = _GPU_DEFAULTS[direction]
     if head_dim in table:
@@ -528,11 +498,22 @@ def dropout_strides_for(order: str, B: int, H: int, Lq: int, Lk: int) -> tuple[i
 
 
 def dropout_octets(dropout_strides, offset: int) -> bool:
-    """Whether the kernels draw the mask one Philox call per eight keys: k is the mask's last
-    logical letter (stride 1) and every row (b, h, j) starts on a whole call (the offset and the
-    other logical strides are multiples of 8; then L_k % 8 == 0 too). Else one call per element."""
+    """Whether the layout lets the kernels draw the mask one Philox call per eight keys: k is the
+    mask's last logical letter (stride 1) and every row (b, h, j) starts a group of 64 counters (the
+    offset and the other logical strides are multiples of 64; then L_k % 64 == 0 too). The kernels
+    then do so with key blocks of whole groups (``_block_octets``). Else one call per element."""
     sb, sh, sj, sk = dropout_strides
-    return sk == 1 and all(x % 8 == 0 for x in (offset, sb, sh, sj))
+    return sk == 1 and all(x % DECISION_GROUP == 0 for x in (offset, sb, sh, sj))
+
+
+def _block_octets(octets: bool, block_k: int, saved_mask) -> bool:
+    """Whether a launch with key blocks of ``block_k`` draws one call per eight keys (``octets``:
+    the layout allows it); a saved mask needs it."""
+    whole = octets and block_k % DECISION_GROUP == 0
+    if saved_mask is not None and not whole:
+        raise ValueError(f"a saved dropout mask needs block_k a multiple of {DECISION_GROUP} (whole groups of "
+                         f"Philox calls), not {block_k}")
+    return whole
 
 
 def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=None):
@@ -602,7 +583,8 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
         keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset,
         P=P, BLOCK_J=block_j, BLOCK_K=block_k,
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
-        OCTETS=octets, MASK_IO=0 if saved_mask is None else 1, EVEN_K=Lk % block_k == 0,
+        OCTETS=_block_octets(octets, block_k, saved_mask), MASK_IO=0 if saved_mask is None else 1,
+        EVEN_K=Lk % block_k == 0,
         num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
     )
     return o, lse
@@ -649,7 +631,8 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
         P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4,
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, OCTETS=octets, MASK_IO=mask_io,
+                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, OCTETS=_block_octets(octets, block_k, saved_mask),
+                 MASK_IO=mask_io,
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
