@@ -68,7 +68,7 @@ DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the drop
 @triton.jit
 def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.constexpr, OCTETS: tl.constexpr):
     """Dropout counter (offset + logical index) of each row's element at column 0; with OCTETS the
-    Philox call counter of that element (counter // 8, exact: the counter is a multiple of 8)."""
+    Philox call counter of that element (counter // 8 = 8 G: the counter starts group G of 64)."""
     if INDEX_64:
         g = offset + b * drop_sb + h * drop_sh + rows.to(tl.int64) * drop_srow
     else:

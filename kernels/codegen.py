@@ -21,9 +21,9 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   counter ``offset_<mask> + n`` (``n`` the element's row-major index over the mask's letters in
   spec order, ``dataflow.dropout_mask``), scaled by 1/(1-p).  When the tile's column letters are
   the mask's trailing letters in spec order (consecutive columns = consecutive n), their extent is
-  a multiple of 8 and BLOCK_COL too, the mask takes one Philox call per eight columns
-  (``kernels.philox.dropout_keep_octets`` on a [rows, BLOCK_COL // 8] block of call counters; this
-  needs ``offset_<mask> % 8 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
+  a multiple of 64 and BLOCK_COL too, the mask takes one Philox call per eight columns
+  (``kernels.philox.dropout_keep_octets`` on a [rows, BLOCK_COL // 8] block of call counters, whole
+  groups of 64 counters; this needs ``offset_<mask> % 64 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
   ``CompiledOperator.run`` checks); the same along the tile's rows when its row letters are the
   mask's trailing letters (one call per eight rows, on the transposed block of calls: layernorms
   over i of BERT's ibj masks); otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import triton
 
-from dataflow.dropout_mask import DECISIONS_PER_CALL
+from dataflow.dropout_mask import DECISION_GROUP
 from kernels.interpreter import interpreted
 from kernels.philox import keep_threshold
 from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
@@ -74,13 +74,13 @@ class _Plan:
 def _octet_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
     """The masks of ``regenerated`` whose decisions can come eight per Philox call along the tile's
     columns: the column letters ``cols`` are the mask's trailing letters in spec order (column c of
-    a row is logical index ``row base + c``), their extent is a multiple of 8 (so is every other
-    logical stride: each row base starts a Philox call) and so is ``block_col`` (each block of
-    columns starts one)."""
+    a row is logical index ``row base + c``), their extent is a multiple of 64 (so is every other
+    logical stride: each row base starts a group of 64 counters, ``dataflow.dropout_mask``) and so is
+    ``block_col`` (each block of columns is whole groups)."""
     extent = 1
     for letter in cols:
         extent *= graph.dim_values[letters.dims[letter]]
-    if not cols or extent % DECISIONS_PER_CALL or block_col % DECISIONS_PER_CALL:
+    if not cols or extent % DECISION_GROUP or block_col % DECISION_GROUP:
         return ()
     return tuple(t for t in regenerated if letters.tensor_axes[t].endswith(cols))
 
@@ -280,7 +280,7 @@ Knobs: {knobs}"""
         if t in plan.regenerated:
             info = graph.tensors[t]
             scale, threshold = 1.0 / (1.0 - info.p), keep_threshold(info.p)
-            if t in plan.octets:  # column c of the block: half c % 8 of the call on counter (row start + c) // 8
+            if t in plan.octets:  # column 64 G + 8 h + c of the block: half h of call (row start) // 8 + 8 G + c
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.cols)
                 calls = f"((offset_{t} + {base}col_start) >> 3) + tl.arange(0, BLOCK_COL // 8)[None, :]"
                 keep = f"dropout_keep_octets(seed_{t}, {calls}, {threshold})"
@@ -632,9 +632,9 @@ class CompiledOperator:
             args += [float(self.graph.dim_values[d]) for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
-                if offset % DECISIONS_PER_CALL and t in plan.octets + plan.row_octets:
-                    raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISIONS_PER_CALL}, "
-                                     f"which {DECISIONS_PER_CALL} decisions per Philox call need (dataflow.executor.dropout_offsets)")
+                if offset % DECISION_GROUP and t in plan.octets + plan.row_octets:
+                    raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISION_GROUP}, "
+                                     f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
                 args += [int(seed), int(offset)]
             suffix = "" if len(self.plans) == 1 else f"_{k}"
             blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]
