@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import triton
 
-from dataflow.dropout_mask import DECISION_GROUP
+from dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from kernels.interpreter import interpreted
 from kernels.philox import keep_threshold
 from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
@@ -69,6 +69,7 @@ class _Plan:
     dim_names: tuple  # dim names used in expressions -> dim_<name> float args
     octets: tuple  # the regenerated masks drawn one Philox call per eight columns (``_octet_masks``)
     row_octets: tuple  # ... per eight rows (the same rule along the tile's rows)
+    row_groups: tuple  # ... per column for 8 rows c, c + 8, ..., c + 56 of a group of 64 (``_row_group_masks``)
 
 
 def _octet_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
@@ -83,6 +84,16 @@ def _octet_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple,
     if not cols or extent % DECISION_GROUP or block_col % DECISION_GROUP:
         return ()
     return tuple(t for t in regenerated if letters.tensor_axes[t].endswith(cols))
+
+
+def _row_group_masks(graph, letters: OperatorLetters, rows: str, regenerated: tuple, block_row: int) -> tuple:
+    """The masks of ``regenerated`` whose decisions can come eight per Philox call along the rows of
+    a row-reduction tile of 8 rows: the row letters are the mask's trailing letters in spec order,
+    their extent a multiple of 64, and the program takes rows c, c + 8, ..., c + 56 of a group of
+    64 (``STRIDED_ROWS``) instead of eight consecutive ones: one call, every one of its halves."""
+    if block_row != DECISIONS_PER_CALL:
+        return ()
+    return _octet_masks(graph, letters, rows, regenerated, DECISION_GROUP)
 
 
 def _plan(graph, op, knobs: dict) -> _Plan:
@@ -109,8 +120,10 @@ def _plan(graph, op, knobs: dict) -> _Plan:
                     dim_names.add(node.id)
     octets = _octet_masks(graph, letters, cols, regenerated, knobs["block_col"])
     row_octets = tuple(t for t in _octet_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in octets)
+    row_groups = () if reduce_axis != 1 else tuple(
+        t for t in _row_group_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in octets + row_octets)
     return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),
-                 octets, row_octets)
+                 octets, row_octets, row_groups)
 
 
 class _Expr(ast.NodeTransformer):
@@ -232,6 +245,9 @@ Knobs: {knobs}"""
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
         w("cols = col_start + tl.arange(0, BLOCK_COL)")
+    elif plan.reduce_axis == 1 and plan.row_groups:  # rows c, c + 8, ..., c + 56 of group pid // 8 (c = pid % 8)
+        w("row_start = (pid // 8) * 64 + pid % 8")
+        w("rows = row_start + 8 * tl.arange(0, BLOCK_ROW)")
     elif plan.reduce_axis == 1:
         w("row_start = pid * BLOCK_ROW")
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
@@ -290,6 +306,11 @@ Knobs: {knobs}"""
                 calls = f"((offset_{t} + {base}row_start) >> 3) + tl.arange(0, BLOCK_ROW // 8)[:, None]"
                 keep = f"tl.trans(dropout_keep_octets(seed_{t}, tl.trans({calls}), {threshold}))"
                 note = "one Philox call per eight rows"
+            elif t in plan.row_groups:  # row 8 r of the block: half r of the one call of its column
+                base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
+                calls = f"((offset_{t} + {base}(pid // 8) * 64) >> 3) + pid % 8"
+                keep = f"unpack_rows(keep_bytes(seed_{t}, {calls}, {threshold}))"
+                note = "one Philox call per column for eight rows"
             else:
                 index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
                 keep = f"dropout_keep(seed_{t}, offset_{t}, {index}, {threshold})"
@@ -427,7 +448,7 @@ _PRELUDE = '''import triton
 import triton.language as tl
 
 from kernels.interpreter import store_cast
-from kernels.philox import dropout_keep, dropout_keep_octets
+from kernels.philox import dropout_keep, dropout_keep_octets, keep_bytes, unpack_rows
 
 
 @triton.jit
@@ -632,7 +653,7 @@ class CompiledOperator:
             args += [float(self.graph.dim_values[d]) for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
-                if offset % DECISION_GROUP and t in plan.octets + plan.row_octets:
+                if offset % DECISION_GROUP and t in plan.octets + plan.row_octets + plan.row_groups:
                     raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISION_GROUP}, "
                                      f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
                 args += [int(seed), int(offset)]

@@ -95,6 +95,12 @@ def unpack_groups(decision_bytes):
 
 
 @triton.jit
+def unpack_rows(decision_bytes):
+    """[1, C] uint8 -> [8, C] bool: row h is bit h (the decision of half h of each column's call)."""
+    return ((decision_bytes >> tl.arange(0, 8).to(tl.uint8)[:, None]) & 1) != 0
+
+
+@triton.jit
 def dropout_keep_octets(seed, call_counter, threshold):
     """Boolean [R, 8 C] block from the [R, C] block of Philox counters ``call_counter`` (whole
     groups, see the module doc): column ``64 (c // 8) + 8 h + c % 8`` is half ``h`` of call (r, c)."""

@@ -179,10 +179,12 @@ DROPOUT = [(s, n) for s, n in CASES if any(_setup(s)[0].tensors[t].role == "drop
 # At OCTETS dims in the default layouts: the operators whose tile columns run along their mask's
 # last logical letters (k, t, j, d; the reduced b, j of d_b1's second part) draw one call per eight
 # columns when a block holds whole groups of 64 columns; x1, y, d_ffn, d_attn (BERT, vector i of an
-# ibj mask: rows b, j) and d_bout (GPT-2) run their masks' last letters along rows, in blocks of 8
-# rows: eight calls for eight rows there, so one call per element.
+# ibj mask: rows b, j) and GPT-2's d_bout (rows d of a bsd mask), reduced along columns in blocks of 8
+# rows, take rows c, c + 8, ..., c + 56 of a group of 64 and one call per column for them; blocks of
+# other row counts draw one call per element.
 OCTET_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "d_k_q"), ("gpt2", "attention"),
              ("gpt2", "h2"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}  # GPT-2 y: tiles of 32 columns
+ROW_GROUP_OPS = {("bert", "x1"), ("bert", "y"), ("bert", "d_ffn"), ("bert", "d_attn"), ("gpt2", "d_bout")}
 
 
 @pytest.mark.parametrize("spec,name", DROPOUT)
@@ -197,9 +199,11 @@ def test_dropout_octets(spec, name, chunk):
     config = _configured(graph, ops[name], loop_chunk=chunk, block_col=chunk, loop_rows=16, row_rows=8)
     source = _check(spec, name, config, dims="octets").source
     octets = (spec, name) in OCTET_OPS and chunk is None
+    row_groups = (spec, name) in ROW_GROUP_OPS and chunk is None
     assert ("one Philox call per eight columns" in source) == octets
+    assert ("one Philox call per column for eight rows" in source) == row_groups
     assert "one Philox call per eight rows" not in source
-    assert octets or "dropout_keep(" in source
+    assert octets or row_groups or "dropout_keep(" in source
 
 
 @pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "x1")])
