@@ -18,7 +18,7 @@ that option, the one with the default configs, and, without dropout, the fused p
 default; all of these timed as CUDA-graph replays (``Sweep(cuda_graph=True)``: GPU time, no host
 gaps); (3) the forward + backward variants again launched from Python (``cuda_graph=False``: host
 overhead included); (4) the Philox floor: one pass of mask generation alone over the B*H*L*L
-probabilities, drawn and stored as the forward saves it for "saved" (``kernels.attention.keep_bytes``:
+probabilities, drawn and stored as the forward saves it for "saved" (``kernels.philox.keep_bytes``:
 eight decisions per Philox call, written as one byte per call, B*H*L*L/8 bytes).  Times:
 ``kernels.bench.time_cuda`` medians, L2 flushed before each repetition.  Flop: forward 4*B*H*L*L*P, backward 10*B*H*L*L*P.  The report (from the DB
 records) is written as ``attention.md`` / ``.json`` under ``--out`` on a GPU only; without one,
@@ -40,12 +40,12 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.attention import DROPOUT_MASK_OPTIONS, keep_bytes  # noqa: E402
+from kernels.attention import DROPOUT_MASK_OPTIONS  # noqa: E402
 from kernels.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
                                         FusedVariant, SdpaVariant, Workspace, baseline_variants, config_variants)
 from kernels.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
 from kernels.device import query_device, versions  # noqa: E402
-from kernels.philox import keep_threshold  # noqa: E402
+from kernels.philox import keep_bytes, keep_threshold  # noqa: E402
 from kernels.tuning_db import TuningDB  # noqa: E402
 
 GPU_SETUPS = ["B=8,H=16,L=512,P=64", "B=8,H=8,L=512,P=128"]
@@ -58,7 +58,7 @@ def _mask_pass_kernel(bytes_ptr, seed, threshold, BLOCK: tl.constexpr):
     """The decision bytes of Philox calls pid * BLOCK .. pid * BLOCK + BLOCK - 1 (what the forward
     draws and saves for a backward with dropout_mask "saved")."""
     calls = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(bytes_ptr + calls, keep_bytes(seed, threshold, calls))
+    tl.store(bytes_ptr + calls, keep_bytes(seed, calls, threshold))
 
 
 def philox_floor(elements: int, dropout_p: float) -> tuple[float, float]:
@@ -245,7 +245,7 @@ def markdown(report: dict) -> str:
             elements = d["B"] * d["H"] * d["L"] * d["L"]
             lines.append(f"Philox floor: one pass of mask generation alone over B*H*L*L = {elements} probabilities "
                          f"({elements // 8} Philox-4x32-10 calls, eight 16-bit decisions per call, written as one "
-                         f"byte per call by kernels.attention.keep_bytes) takes {r['philox_floor_ms']:.4f} ms (kept "
+                         f"byte per call by kernels.philox.keep_bytes) takes {r['philox_floor_ms']:.4f} ms (kept "
                          f"fraction {r['kept_fraction']:.4f}). With dropout_mask 'regenerate' the backward draws the "
                          f"mask again (the dK/dV kernel, and with dQ 'split' the dQ kernel too); with 'saved' the "
                          f"forward writes these bytes (1/8 byte per probability) and the backward reads them.")

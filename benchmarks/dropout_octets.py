@@ -11,7 +11,7 @@ Two consumers of the dropout convention (``dataflow.dropout_mask``) are timed wi
 - the linear1 GEMM (``ui,ibj->ubj``) with its fused epilogue (bias[u] + ReLU + dropout p=0.1,
   with and without the saved pre-activation) through the Triton template, next to cuBLAS +
   PyTorch eager (``kernels.contraction_variants.EpilogueVariant``).
-"octets" is the path the generators choose (one Philox call per eight consecutive elements,
+"octets" is the path the generators choose (one Philox call per eight elements of a group of 64,
 ``kernels.philox.dropout_keep_octets``); "per element" is their fallback (one call per element,
 ``kernels.philox.dropout_keep``), forced by making the octet tests answer no
 (``kernels.codegen._octet_masks`` returning no mask while the kernel is generated;

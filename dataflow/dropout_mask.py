@@ -2,22 +2,30 @@
 
 Convention (shared by the reference executor and every Triton kernel, forward or backward, in
 any layout).  The element of a dropout-masked tensor with *logical* row-major index ``n`` over the
-tensor's named dims in spec order has the global counter ``g = offset + n``.  One Philox-4x32-10
-call on the 64-bit counter ``g // 8`` (as Triton's ``tl.randint4x``: counter words (lo, hi, 0, 0),
-the 64-bit seed as key) yields four 32-bit words, i.e. eight 16-bit halves (word ``w``'s low half
-is half ``2 w``, its high half ``2 w + 1``); the element takes half ``g % 8`` and is kept iff that
-16-bit value is ``>= keep_threshold(p) = round(p * 65536)``, so it is dropped with probability
-``round(p * 65536) / 65536`` (p = 0.1: 0.1000061).  Kept elements are scaled by ``1 / (1 - p)``.
-Eight consecutive logical elements thus share one Philox call: a kernel whose tile runs along the
-tensor's last logical letter makes an eighth of the calls (``kernels.philox.dropout_keep_octets``);
-any other kernel can still decide element by element (``kernels.philox.dropout_keep``).  This
-module reproduces the convention bit for bit in NumPy so the float64 reference sees the same mask.
+tensor's named dims in spec order has the global counter ``g = offset + n``.  Counters come in
+groups of 64 (``DECISION_GROUP``): counter ``g = 64 G + 8 h + c`` (``c = g % 8``, ``h = (g // 8) % 8``)
+takes half ``h`` of Philox-4x32-10 call ``8 G + c`` on that 64-bit call counter (as Triton's
+``tl.randint4x``: counter words (lo, hi, 0, 0), the 64-bit seed as key), whose four 32-bit words
+are eight 16-bit halves (word ``w``'s low half is half ``2 w``, its high half ``2 w + 1``).  The
+element is kept iff that 16-bit value is ``>= keep_threshold(p) = round(p * 65536)``, so it is
+dropped with probability ``round(p * 65536) / 65536`` (p = 0.1: 0.1000061).  Kept elements are
+scaled by ``1 / (1 - p)``.
+
+So a group of 64 consecutive elements is eight calls, call ``c`` deciding the elements ``c, c + 8,
+..., c + 56`` of the group.  That is the element order of a tensor-core (MMA) accumulator tile:
+each thread holds, per row, column pairs ``2 q, 2 q + 1`` of every eight columns, i.e. every
+decision of two whole calls, so a kernel whose tile runs along the tensor's last logical letter in
+whole groups draws each call once, in the thread that uses it, without moving decisions between
+threads (``kernels.philox.dropout_keep_octets``).  Any other kernel can decide element by element
+(``kernels.philox.dropout_keep``).  This module reproduces the convention bit for bit in NumPy so
+the float64 reference sees the same mask.
 """
 from __future__ import annotations
 
 import numpy as np
 
 DECISIONS_PER_CALL = 8  # keep decisions drawn from one Philox-4x32-10 call (its eight 16-bit halves)
+DECISION_GROUP = DECISIONS_PER_CALL * DECISIONS_PER_CALL  # counters 64 G .. 64 G + 63: calls 8 G .. 8 G + 7
 DECISION_LEVELS = 1 << 16  # each decision compares a 16-bit value
 _KEY_A = np.uint32(0x9E3779B9)
 _KEY_B = np.uint32(0xBB67AE85)
@@ -70,11 +78,18 @@ def decision_values(seed: int, offset: int, shape: tuple[int, ...]) -> np.ndarra
     g = offset + np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)
     if not g.size:
         return np.zeros(shape, dtype=np.uint16)
-    first = g[0] // DECISIONS_PER_CALL
-    calls = np.arange(first, g[-1] // DECISIONS_PER_CALL + 1, dtype=np.int64)
+    call, half = call_and_half(g)
+    first = call.min()
+    calls = np.arange(first, call.max() + 1, dtype=np.int64)
     words = philox_words(seed, calls)
     halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(len(calls), DECISIONS_PER_CALL)
-    return halves[g // DECISIONS_PER_CALL - first, g % DECISIONS_PER_CALL].astype(np.uint16).reshape(shape)
+    return halves[call - first, half].astype(np.uint16).reshape(shape)
+
+
+def call_and_half(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(Philox call counter, half 0..7) of each int64 counter ``g``: ``g = 64 G + 8 h + c`` -> (8 G + c, h)."""
+    g = np.asarray(g, dtype=np.int64)
+    return (g // DECISION_GROUP) * DECISIONS_PER_CALL + g % DECISIONS_PER_CALL, (g // DECISIONS_PER_CALL) % DECISIONS_PER_CALL
 
 
 def keep_mask(seed: int, offset: int, shape: tuple[int, ...], p: float) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Iterable
 
 import numpy as np
 
-from dataflow.dropout_mask import DECISIONS_PER_CALL, dropout_scale_mask
+from dataflow.dropout_mask import DECISION_GROUP, dropout_scale_mask
 
 _FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "maximum": np.maximum,
               "minimum": np.minimum, "abs": np.abs, "where": np.where, "sign": np.sign}
@@ -35,13 +35,13 @@ def tensor_shape(graph, name: str) -> tuple[int, ...]:
 
 def dropout_offsets(graph) -> dict[str, int]:
     """Philox counter offset of every dropout tensor: cumulative element counts in graph order,
-    each rounded up to a multiple of ``DECISIONS_PER_CALL`` so that every mask starts on a fresh
-    Philox call (kernels then draw consecutive decisions from one call, ``dataflow.dropout_mask``)."""
+    each rounded up to a multiple of ``DECISION_GROUP`` so that every mask starts on a fresh group
+    of Philox calls (kernels then draw whole groups, ``dataflow.dropout_mask``)."""
     offsets, offset = {}, 0
     for name, info in graph.tensors.items():
         if info.role == "dropout":
             offsets[name] = offset
-            offset += -(-graph.size(info.letters) // DECISIONS_PER_CALL) * DECISIONS_PER_CALL
+            offset += -(-graph.size(info.letters) // DECISION_GROUP) * DECISION_GROUP
     return offsets
 
 

@@ -12,8 +12,10 @@ k (key position), p (head dim):
 The forward pass streams K/V blocks through an online softmax; P never reaches memory. It saves
 the logsumexp ``lse[b,h,j] = log sum_k exp(S)`` (float32, natural log) for the backward pass,
 which recomputes P from Q, K and lse. Backward: a preprocess kernel (delta = rowsum(dO * O)), a
-kernel over key blocks for dK and dV (transposed tiles: rows k, columns j) that also adds dQ with
-fp32 atomics ("atomic"), or a second kernel over query blocks for dQ ("split").
+kernel over key blocks for dK and dV that also adds dQ with fp32 atomics ("atomic"), or a second
+kernel over query blocks for dQ ("split"). Every kernel computes score tiles (j, k), rows j: the
+dropout decisions of a Philox call then lie in the accumulator columns of the thread that draws
+it (module doc below); the dK/dV kernel feeds P~ and dS to its MMAs transposed.
 
 Layouts: every tensor is addressed through one stride per named dim, so any permuted storage
 (``(b,h,j,p)``, BERT's ``(b,j,h,p)`` = ``[B, L, H*P]`` view, the paper's ``(p,h,b,j)``) works
@@ -23,13 +25,13 @@ without copies. The launchers take torch tensors whose ``.shape`` is the logical
 Dropout convention (``kernels.philox`` / ``dataflow.dropout_mask``): the probability at logical
 position (b, h, j, k) has logical index ``n = b*sb + h*sh + j*sj + k*sk``, where (sb, sh, sj, sk)
 are the row-major strides of the probabilities' dims in their spec order (``dropout_strides_for``);
-it is kept iff the convention's 16-bit value of counter ``offset + n`` (half ``(offset + n) % 8``
-of Philox call ``(offset + n) // 8``) is ``>= keep_threshold(dropout_p)``.  Where k is the mask's
-last logical letter and every row starts on a whole Philox call (``dropout_octets``: the offset and
-the strides of b, h, j multiples of 8, e.g. BERT's (h, b, j, k) and (b, h, j, k) masks with
-L % 8 == 0), the kernels draw one Philox call per eight keys
-(``kernels.philox.dropout_keep_octets``); elsewhere one call per element
-(``kernels.philox.dropout_keep``).
+it is kept iff the convention's 16-bit value of counter ``g = offset + n`` (``g = 64 G + 8 h + c``:
+half ``h`` of Philox call ``8 G + c``) is ``>= keep_threshold(dropout_p)``.  Where k is the mask's
+last logical letter and every row starts a group of 64 counters (``dropout_octets``: the offset and
+the strides of b, h, j multiples of 64, e.g. BERT's (h, b, j, k) and (b, h, j, k) masks with
+L % 64 == 0) and the key blocks are whole groups (block_k % 64 == 0), the kernels draw one Philox
+call per eight keys, each in the thread whose accumulator columns it decides (``kernels.philox.
+keep_bytes`` + ``unpack_groups``); elsewhere one call per element (``kernels.philox.dropout_keep``).
 
 How the backward gets the mask is the knob ``dropout_mask`` of its configuration
 (``attention_configs``, ``attention_backward``, ``fused_attention``'s ``backward_config``):
@@ -38,11 +40,11 @@ How the backward gets the mask is the knob ``dropout_mask`` of its configuration
   needs the mask draws it again from (seed, offset): the dK/dV kernel, and with dQ "split" the
   dQ kernel too.
 - "saved": the forward writes the decisions, one byte per Philox call: uint8 (b, h, j, k // 8)
-  contiguous, bit ``h`` of [b, h, j, c] = the decision of key ``8 c + h`` (``new_saved_mask``;
+  contiguous, bit ``h`` of [b, h, j, c] = the decision of key ``64 (c // 8) + 8 h + c % 8`` (``new_saved_mask``;
   1/8 byte per probability; blocks a causal forward skips stay unwritten and are never read
-  unmasked), and the backward kernels read it instead of drawing.  Only where the kernels draw
-  one call per eight keys; elsewhere nothing is saved and the backward draws the mask (as
-  "regenerate").
+  unmasked), and the backward kernels read it instead of drawing.  Only where the layout lets the
+  kernels draw one call per eight keys (elsewhere nothing is saved and the backward draws the mask,
+  as "regenerate"), and only with key blocks of whole groups (block_k % 64 == 0) on both sides.
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 
@@ -57,8 +59,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dataflow.dropout_mask import DECISION_GROUP
 from kernels.interpreter import interpreted
-from kernels.philox import dropout_keep, dropout_keep_octets, keep_halves, keep_threshold, philox4
+from kernels.philox import dropout_keep, keep_bytes, keep_threshold, unpack_groups
 
 LOG2E = 1.4426950408889634
 DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the dropout mask (module doc)
@@ -67,7 +70,7 @@ DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the drop
 @triton.jit
 def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.constexpr, OCTETS: tl.constexpr):
     """Dropout counter (offset + logical index) of each row's element at column 0; with OCTETS the
-    Philox call counter of that element (counter // 8, exact: the counter is a multiple of 8)."""
+    Philox call counter of that element (counter // 8 = 8 G: the counter starts group G of 64)."""
     if INDEX_64:
         g = offset + b * drop_sb + h * drop_sh + rows.to(tl.int64) * drop_srow
     else:
@@ -78,44 +81,11 @@ def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.
 
 
 @triton.jit
-def _keep_bit_pair(word, threshold, SHIFT: tl.constexpr):
-    """uint8 block: the decisions of ``word``'s low / high half at bits SHIFT / SHIFT + 1."""
-    low, high = keep_halves(word, threshold)
-    return (low.to(tl.uint8) << SHIFT) | (high.to(tl.uint8) << (SHIFT + 1))
-
-
-@triton.jit
-def keep_bytes(seed, threshold, calls):
-    """uint8 block: bit h of element (r, c) = the keep decision from half h of Philox call calls[r, c]."""
-    w0, w1, w2, w3 = philox4(seed, calls)
-    return (_keep_bit_pair(w0, threshold, 0) | _keep_bit_pair(w1, threshold, 2)
-            | _keep_bit_pair(w2, threshold, 4) | _keep_bit_pair(w3, threshold, 6))
-
-
-@triton.jit
-def _pack(keep):
-    """[R, 8 C] bool -> [R, C] uint8, bit h of column c = keep[r, 8 c + h] (inverse of ``_unpack``)."""
-    R: tl.constexpr = keep.shape[0]
-    C: tl.constexpr = keep.shape[1] // 8
-    bits = tl.reshape(keep, (R, C, 8)).to(tl.uint8) << tl.arange(0, 8).to(tl.uint8)[None, None, :]
-    return tl.sum(bits, 2).to(tl.uint8)
-
-
-@triton.jit
-def _unpack(decision_bytes):
-    """[R, C] uint8 -> [R, 8 C] bool, column 8 c + h = bit h of decision_bytes[r, c]."""
-    R: tl.constexpr = decision_bytes.shape[0]
-    C: tl.constexpr = decision_bytes.shape[1]
-    bits = (decision_bytes[:, :, None] >> tl.arange(0, 8).to(tl.uint8)[None, None, :]) & 1
-    return tl.reshape(bits, (R, 8 * C)) != 0
-
-
-@triton.jit
 def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, mask_rows, Lk,
                 BLOCK_C: tl.constexpr, OCTETS: tl.constexpr, MASK_IO: tl.constexpr):
     """Boolean [R, BLOCK_C] keep block of the rows with dropout counters ``row_counter`` ([R],
     ``_row_counters``) and the keys col_start .. col_start + BLOCK_C - 1 (logical stride
-    ``drop_scol``). OCTETS (``dropout_octets``; drop_scol == 1, col_start % 8 == 0): one Philox
+    ``drop_scol``). OCTETS (``dropout_octets``; drop_scol == 1, col_start and BLOCK_C multiples of 64): one Philox
     call per eight keys; ``MASK_IO`` 1 also writes their bytes to the saved mask, 2 reads the
     bytes from it instead of drawing (``mask_rows``: [R] int64 row indices into it, -1 for rows
     outside the mask). Else one call per element."""
@@ -124,11 +94,12 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
         io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 8) + calls[None, :]
         io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 8)[None, :]
         if MASK_IO == 2:
-            keep = _unpack(tl.load(io_ptrs, mask=io_ok, other=0))
+            decision_bytes = tl.load(io_ptrs, mask=io_ok, other=0)
         else:
-            keep = dropout_keep_octets(seed, row_counter[:, None] + calls[None, :], threshold)
+            decision_bytes = keep_bytes(seed, row_counter[:, None] + calls[None, :], threshold)
             if MASK_IO == 1:
-                tl.store(io_ptrs, _pack(keep), mask=io_ok)
+                tl.store(io_ptrs, decision_bytes, mask=io_ok)
+        keep = unpack_groups(decision_bytes)
     else:
         cols = (col_start + tl.arange(0, BLOCK_C)).to(row_counter.dtype) * drop_scol
         keep = dropout_keep(seed, 0, row_counter[:, None] + cols[None, :], threshold)
@@ -314,29 +285,29 @@ def _attn_bwd_dkdv_kernel(
         do = tl.load(do_base + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop, mask=row_ok[:, None], other=0.0)
         lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
-        # transposed tiles: rows k, columns j
-        st = tl.dot(k, tl.trans(q))
-        dpt = tl.dot(v, tl.trans(do))  # dL/dP~ (k, j)
-        if HAS_DROPOUT:  # the mask's (j, k) block, transposed
+        # (j, k) tiles, as the forward's: the dropout groups lie along the accumulator's columns
+        s_jk = tl.dot(q, tl.trans(k))
+        dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
+        if HAS_DROPOUT:
             drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
                                                 INDEX_64, OCTETS)
-            keep = tl.trans(_keep_block(seed, drop_threshold, drop_row, pid_k * BLOCK_K, drop_sk, mask_ptr, mask_rows,
-                                        Lk, BLOCK_K, OCTETS, MASK_IO))
-        pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+            keep = _keep_block(seed, drop_threshold, drop_row, pid_k * BLOCK_K, drop_sk, mask_ptr, mask_rows, Lk,
+                               BLOCK_K, OCTETS, MASK_IO)
+        p = tl.math.exp2(s_jk * qk_scale - lse2[:, None])
         if CAUSAL or HAS_KPM or not EVEN:
-            valid = key_ok[:, None] & row_ok[None, :]
+            valid = key_ok[None, :] & row_ok[:, None]
             if CAUSAL:
-                valid = valid & (offs_k[:, None] <= offs_j[None, :])
-            pt = tl.where(valid, pt, 0.0)
+                valid = valid & (offs_k[None, :] <= offs_j[:, None])
+            p = tl.where(valid, p, 0.0)
         if HAS_DROPOUT:
-            dv += tl.dot(tl.where(keep, pt, 0.0).to(do.dtype), do)
-            dpt = tl.where(keep, dpt * dropout_scale, 0.0)
+            dv += tl.dot(tl.trans(tl.where(keep, p, 0.0).to(do.dtype)), do)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         else:
-            dv += tl.dot(pt.to(do.dtype), do)
-        dst = (pt * (dpt - delta[None, :])).to(q.dtype)  # dL/dS (k, j), without the scale
-        dk += tl.dot(dst, q)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        ds = (p * (dp - delta[:, None])).to(q.dtype)  # dL/dS (j, k), without the scale
+        dk += tl.dot(tl.trans(ds), q)
         if DQ_ATOMIC:
-            dq = tl.dot(tl.trans(dst), k) * scale
+            dq = tl.dot(ds, k) * scale
             tl.atomic_add(dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :], dq,
                           mask=row_ok[:, None], sem="relaxed")
 
@@ -462,7 +433,8 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
         if mode is None:
             configs.append(config)
         else:
-            configs += [dict(config, dq_mode=mode, dropout_mask=option) for option in DROPOUT_MASK_OPTIONS]
+            configs += [dict(config, dq_mode=mode, dropout_mask=option) for option in DROPOUT_MASK_OPTIONS
+                        if option != "saved" or bk % DECISION_GROUP == 0]  # a saved mask: whole groups
     return configs
 
 
@@ -485,7 +457,7 @@ def default_config(head_dim: int, direction: str, *, interpret: bool | None = No
     _check_head_dim(head_dim)
     interpret = interpreted() if interpret is None else interpret
     if interpret:
-        config = dict(block_j=16, block_k=16, num_warps=4, num_stages=1)
+        config = dict(block_j=16, block_k=DECISION_GROUP, num_warps=4, num_stages=1)  # whole groups: saved masks work
         return dict(config, dq_mode="atomic", dropout_mask="regenerate") if direction == "backward" else config
     table = _GPU_DEFAULTS[direction]
     if head_dim in table:
@@ -514,11 +486,22 @@ def dropout_strides_for(order: str, B: int, H: int, Lq: int, Lk: int) -> tuple[i
 
 
 def dropout_octets(dropout_strides, offset: int) -> bool:
-    """Whether the kernels draw the mask one Philox call per eight keys: k is the mask's last
-    logical letter (stride 1) and every row (b, h, j) starts on a whole call (the offset and the
-    other logical strides are multiples of 8; then L_k % 8 == 0 too). Else one call per element."""
+    """Whether the layout lets the kernels draw the mask one Philox call per eight keys: k is the
+    mask's last logical letter (stride 1) and every row (b, h, j) starts a group of 64 counters (the
+    offset and the other logical strides are multiples of 64; then L_k % 64 == 0 too). The kernels
+    then do so with key blocks of whole groups (``_block_octets``). Else one call per element."""
     sb, sh, sj, sk = dropout_strides
-    return sk == 1 and all(x % 8 == 0 for x in (offset, sb, sh, sj))
+    return sk == 1 and all(x % DECISION_GROUP == 0 for x in (offset, sb, sh, sj))
+
+
+def _block_octets(octets: bool, block_k: int, saved_mask) -> bool:
+    """Whether a launch with key blocks of ``block_k`` draws one call per eight keys (``octets``:
+    the layout allows it); a saved mask needs it."""
+    whole = octets and block_k % DECISION_GROUP == 0
+    if saved_mask is not None and not whole:
+        raise ValueError(f"a saved dropout mask needs block_k a multiple of {DECISION_GROUP} (whole groups of "
+                         f"Philox calls), not {block_k}")
+    return whole
 
 
 def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=None):
@@ -588,7 +571,8 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
         keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset,
         P=P, BLOCK_J=block_j, BLOCK_K=block_k,
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
-        OCTETS=octets, MASK_IO=0 if saved_mask is None else 1, EVEN_K=Lk % block_k == 0,
+        OCTETS=_block_octets(octets, block_k, saved_mask), MASK_IO=0 if saved_mask is None else 1,
+        EVEN_K=Lk % block_k == 0,
         num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
     )
     return o, lse
@@ -635,7 +619,8 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
         P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4,
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, OCTETS=octets, MASK_IO=mask_io,
+                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, OCTETS=_block_octets(octets, block_k, saved_mask),
+                 MASK_IO=mask_io,
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](

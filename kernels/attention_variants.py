@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dataflow.dropout_mask import DECISION_GROUP
 from kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
                                default_config, fused_attention, new_saved_mask)
 from kernels.sweep_variants import Verdict, judge
@@ -316,11 +317,12 @@ class EagerVariant(_Base):
 
 def config_variants(ws: Workspace) -> list:
     """Every forward configuration of the fused kernels (``attention_configs``) per dropout-mask
-    option (``DROPOUT_MASK_OPTIONS``: writing the mask or not), and every backward configuration
-    (the option among its knobs)."""
+    option (``DROPOUT_MASK_OPTIONS``: writing the mask or not; writing it needs key blocks of whole
+    groups of Philox calls), and every backward configuration (the option among its knobs)."""
     P = ws.case.P
     return ([FusedVariant(ws, "forward", forward=c, backward=dict(dropout_mask=option))
-             for option in DROPOUT_MASK_OPTIONS for c in attention_configs(P, "forward")]
+             for option in DROPOUT_MASK_OPTIONS for c in attention_configs(P, "forward")
+             if option != "saved" or c["block_k"] % DECISION_GROUP == 0]
             + [FusedVariant(ws, "backward", backward=c) for c in attention_configs(P, "backward")])
 
 

@@ -21,9 +21,9 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   counter ``offset_<mask> + n`` (``n`` the element's row-major index over the mask's letters in
   spec order, ``dataflow.dropout_mask``), scaled by 1/(1-p).  When the tile's column letters are
   the mask's trailing letters in spec order (consecutive columns = consecutive n), their extent is
-  a multiple of 8 and BLOCK_COL too, the mask takes one Philox call per eight columns
-  (``kernels.philox.dropout_keep_octets`` on a [rows, BLOCK_COL // 8] block of call counters; this
-  needs ``offset_<mask> % 8 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
+  a multiple of 64 and BLOCK_COL too, the mask takes one Philox call per eight columns
+  (``kernels.philox.dropout_keep_octets`` on a [rows, BLOCK_COL // 8] block of call counters, whole
+  groups of 64 counters; this needs ``offset_<mask> % 64 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
   ``CompiledOperator.run`` checks); the same along the tile's rows when its row letters are the
   mask's trailing letters (one call per eight rows, on the transposed block of calls: layernorms
   over i of BERT's ibj masks); otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import triton
 
-from dataflow.dropout_mask import DECISIONS_PER_CALL
+from dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from kernels.interpreter import interpreted
 from kernels.philox import keep_threshold
 from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
@@ -69,20 +69,31 @@ class _Plan:
     dim_names: tuple  # dim names used in expressions -> dim_<name> float args
     octets: tuple  # the regenerated masks drawn one Philox call per eight columns (``_octet_masks``)
     row_octets: tuple  # ... per eight rows (the same rule along the tile's rows)
+    row_groups: tuple  # ... per column for 8 rows c, c + 8, ..., c + 56 of a group of 64 (``_row_group_masks``)
 
 
 def _octet_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
     """The masks of ``regenerated`` whose decisions can come eight per Philox call along the tile's
     columns: the column letters ``cols`` are the mask's trailing letters in spec order (column c of
-    a row is logical index ``row base + c``), their extent is a multiple of 8 (so is every other
-    logical stride: each row base starts a Philox call) and so is ``block_col`` (each block of
-    columns starts one)."""
+    a row is logical index ``row base + c``), their extent is a multiple of 64 (so is every other
+    logical stride: each row base starts a group of 64 counters, ``dataflow.dropout_mask``) and so is
+    ``block_col`` (each block of columns is whole groups)."""
     extent = 1
     for letter in cols:
         extent *= graph.dim_values[letters.dims[letter]]
-    if not cols or extent % DECISIONS_PER_CALL or block_col % DECISIONS_PER_CALL:
+    if not cols or extent % DECISION_GROUP or block_col % DECISION_GROUP:
         return ()
     return tuple(t for t in regenerated if letters.tensor_axes[t].endswith(cols))
+
+
+def _row_group_masks(graph, letters: OperatorLetters, rows: str, regenerated: tuple, block_row: int) -> tuple:
+    """The masks of ``regenerated`` whose decisions can come eight per Philox call along the rows of
+    a row-reduction tile of 8 rows: the row letters are the mask's trailing letters in spec order,
+    their extent a multiple of 64, and the program takes rows c, c + 8, ..., c + 56 of a group of
+    64 (``STRIDED_ROWS``) instead of eight consecutive ones: one call, every one of its halves."""
+    if block_row != DECISIONS_PER_CALL:
+        return ()
+    return _octet_masks(graph, letters, rows, regenerated, DECISION_GROUP)
 
 
 def _plan(graph, op, knobs: dict) -> _Plan:
@@ -109,8 +120,10 @@ def _plan(graph, op, knobs: dict) -> _Plan:
                     dim_names.add(node.id)
     octets = _octet_masks(graph, letters, cols, regenerated, knobs["block_col"])
     row_octets = tuple(t for t in _octet_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in octets)
+    row_groups = () if reduce_axis != 1 else tuple(
+        t for t in _row_group_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in octets + row_octets)
     return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),
-                 octets, row_octets)
+                 octets, row_octets, row_groups)
 
 
 class _Expr(ast.NodeTransformer):
@@ -232,6 +245,9 @@ Knobs: {knobs}"""
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
         w("cols = col_start + tl.arange(0, BLOCK_COL)")
+    elif plan.reduce_axis == 1 and plan.row_groups:  # rows c, c + 8, ..., c + 56 of group pid // 8 (c = pid % 8)
+        w("row_start = (pid // 8) * 64 + pid % 8")
+        w("rows = row_start + 8 * tl.arange(0, BLOCK_ROW)")
     elif plan.reduce_axis == 1:
         w("row_start = pid * BLOCK_ROW")
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
@@ -280,7 +296,7 @@ Knobs: {knobs}"""
         if t in plan.regenerated:
             info = graph.tensors[t]
             scale, threshold = 1.0 / (1.0 - info.p), keep_threshold(info.p)
-            if t in plan.octets:  # column c of the block: half c % 8 of the call on counter (row start + c) // 8
+            if t in plan.octets:  # column 64 G + 8 h + c of the block: half h of call (row start) // 8 + 8 G + c
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.cols)
                 calls = f"((offset_{t} + {base}col_start) >> 3) + tl.arange(0, BLOCK_COL // 8)[None, :]"
                 keep = f"dropout_keep_octets(seed_{t}, {calls}, {threshold})"
@@ -290,6 +306,11 @@ Knobs: {knobs}"""
                 calls = f"((offset_{t} + {base}row_start) >> 3) + tl.arange(0, BLOCK_ROW // 8)[:, None]"
                 keep = f"tl.trans(dropout_keep_octets(seed_{t}, tl.trans({calls}), {threshold}))"
                 note = "one Philox call per eight rows"
+            elif t in plan.row_groups:  # row 8 r of the block: half r of the one call of its column
+                base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
+                calls = f"((offset_{t} + {base}(pid // 8) * 64) >> 3) + pid % 8"
+                keep = f"unpack_rows(keep_bytes(seed_{t}, {calls}, {threshold}))"
+                note = "one Philox call per column for eight rows"
             else:
                 index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
                 keep = f"dropout_keep(seed_{t}, offset_{t}, {index}, {threshold})"
@@ -427,7 +448,7 @@ _PRELUDE = '''import triton
 import triton.language as tl
 
 from kernels.interpreter import store_cast
-from kernels.philox import dropout_keep, dropout_keep_octets
+from kernels.philox import dropout_keep, dropout_keep_octets, keep_bytes, unpack_rows
 
 
 @triton.jit
@@ -632,9 +653,9 @@ class CompiledOperator:
             args += [float(self.graph.dim_values[d]) for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
-                if offset % DECISIONS_PER_CALL and t in plan.octets + plan.row_octets:
-                    raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISIONS_PER_CALL}, "
-                                     f"which {DECISIONS_PER_CALL} decisions per Philox call need (dataflow.executor.dropout_offsets)")
+                if offset % DECISION_GROUP and t in plan.octets + plan.row_octets + plan.row_groups:
+                    raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISION_GROUP}, "
+                                     f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
                 args += [int(seed), int(offset)]
             suffix = "" if len(self.plans) == 1 else f"_{k}"
             blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]

@@ -19,9 +19,10 @@ Dropout keeps element e by the convention of ``dataflow.dropout_mask`` at counte
 n(e) is its logical row-major index over the output's letters in spec order, assembled from per-dim
 digits ``(q1, q2, l0, l1, l2)``: a dim's flat index f adds ``(f % q1)*l0 + ((f // q1) % q2)*l1 +
 (f // (q1*q2))*l2`` (``kernels.contraction.dropout_digits`` derives them).  When C's n (or m) dim
-runs along the output's last logical letter with unit logical stride (l0 == 1, q1 % 8 == 0),
-every other logical stride and the offset are multiples of 8 and the epilogue's slices hold whole
-octets, eight consecutive columns (rows) are the eight 16-bit halves of one Philox call
+runs along the output's last logical letter with unit logical stride (l0 == 1, q1 % 64 == 0),
+every other logical stride and the offset are multiples of 64 and the epilogue's slices hold whole
+groups of 64 columns (rows), each group is eight Philox calls, drawn once each in the threads whose
+accumulator columns they decide
 (``kernels.philox.dropout_keep_octets``, see ``_octets``); otherwise each element makes its own
 call (``kernels.philox.dropout_keep``).  The mask equals
 ``dataflow.dropout_mask.keep_mask(seed, offset, out_logical_shape, p)`` in any layout.
@@ -41,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dataflow.dropout_mask import DECISIONS_PER_CALL
+from dataflow.dropout_mask import DECISION_GROUP
 from kernels.interpreter import interpreted, round_bf16
 from kernels.philox import dropout_keep, dropout_keep_octets, keep_threshold
 
@@ -292,7 +293,7 @@ def _epilogue(acc, m_start, n_start, M, N,
     if SAVE == "pre_dropout":
         tl.store(saved_ptrs, (round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
     if HAS_DROPOUT:
-        if OCTETS == "n":  # call (r, c) covers columns n_start + 8c .. + 7 of row r: logical indices first .. first + 7
+        if OCTETS == "n":  # column c of the call block: the logical index of column n_start + 8c, (counter // 8) its call
             octet_n = n_start + 8 * tl.arange(0, acc.shape[1] // 8)
             first = (index_b + _digits(offs_m, q1_m, q2_m, l0_m, l1_m, l2_m)[:, None]
                      + _digits(octet_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
@@ -318,31 +319,32 @@ def _epilogue(acc, m_start, n_start, M, N,
 
 def _octets(digits: tuple, offset: int, tile: tuple[int, int]) -> str:
     """Along which dim of C dropout decisions come eight per Philox call: "n" (or "m") when that
-    dim's inner digit is the output's last logical letter (l0 == 1) over a multiple of 8 (q1),
-    every other logical stride and ``offset`` are multiples of 8 and so is the epilogue's extent
+    dim's inner digit is the output's last logical letter (l0 == 1) over a multiple of 64 (q1),
+    every other logical stride and ``offset`` are multiples of 64 and so is the epilogue's extent
     along that dim (``tile``: its rows and columns, ``BLOCK_M`` and ``BLOCK_N // EPILOGUE_SPLIT``),
-    so that each aligned octet of consecutive columns (rows) is one call's eight halves; "none"
-    otherwise.  ``digits``: the four ``(q1, q2, l0, l1, l2)`` of (b0, b1, m, n)."""
+    so that each aligned group of 64 consecutive columns (rows) is eight calls (``dataflow.dropout_mask``);
+    "none" otherwise.  ``digits``: the four ``(q1, q2, l0, l1, l2)`` of (b0, b1, m, n)."""
     for dim, name, extent in ((3, "n", tile[1]), (2, "m", tile[0])):
         q1, _, l0, l1, l2 = digits[dim]
         others = [l1, l2] + [l for other, d in enumerate(digits) if other != dim for l in d[2:]]
-        if (l0 == 1 and all(x % DECISIONS_PER_CALL == 0 for x in (q1, offset, extent))
-                and all(l % DECISIONS_PER_CALL == 0 for l in others)):
+        if (l0 == 1 and all(x % DECISION_GROUP == 0 for x in (q1, offset, extent))
+                and all(l % DECISION_GROUP == 0 for l in others)):
             return name
     return "none"
 
 
 def _epilogue_split(config: GemmConfig, dropout: bool) -> int:
     """Column slices for the epilogue: dropout on more than ~32 elements per thread at once spills
-    registers (measured with four decisions per Philox call, the former convention:
-    benchmarks/results/dropout_quads.md)."""
+    registers (measured with four decisions per Philox call, an earlier convention:
+    benchmarks/results/dropout_quads.md); slices keep whole groups of 64 columns where the tile has them."""
     if config.epilogue_split:
         return config.epilogue_split
     if not dropout:
         return 1
     per_thread = config.block_m * config.block_n // (32 * config.num_warps)
+    narrowest = DECISION_GROUP if config.block_n >= DECISION_GROUP else 16
     split = 1
-    while split < 4 and per_thread // split > 32 and config.block_n // (2 * split) >= 16:
+    while split < 4 and per_thread // split > 32 and config.block_n // (2 * split) >= narrowest:
         split *= 2
     return split
 

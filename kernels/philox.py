@@ -3,15 +3,18 @@
 A kernel passes the global counter of each element (the mask's ``offset`` plus the element's
 logical row-major index over the tensor's named dims in spec order, independent of the storage
 layout) and gets the keep decision that ``dataflow.dropout_mask.keep_mask`` computes in NumPy.
+Counter ``g = 64 G + 8 h + c`` is half ``h`` of Philox call ``8 G + c``.
 
 - ``dropout_keep(seed, offset, logical_index, threshold)``: any block of elements, one Philox call
-  per element (the 16-bit half picked by the counter's low three bits).
-- ``dropout_keep_octets(seed, call_counter, threshold)``: a [R, C] block of Philox calls whose
-  eight halves cover eight consecutive elements each; returns the [R, 8 C] keep block, column
-  ``8 c + h`` from half ``h`` of call (r, c).  The caller passes ``(offset + n) // 8`` for the
-  element n at column 8 c (which must have ``(offset + n) % 8 == 0``): an eighth of the calls.
-- ``keep_halves(word, threshold)``: the (low, high) decisions of one word, for kernels that pack
-  decisions themselves.
+  per element.
+- ``dropout_keep_octets(seed, call_counter, threshold)``: a [R, C] block of Philox calls (C a
+  multiple of 8; row r's calls ``call_counter[r, 0] + c`` with ``call_counter[r, 0] % 8 == 0``:
+  whole groups); returns the [R, 8 C] keep block, column ``64 (c // 8) + 8 h + c % 8`` from half
+  ``h`` of call (r, c).  The caller passes ``(offset + n) // 8`` for the element n at column 8 c
+  (n at column 0 must have ``(offset + n) % 64 == 0``): an eighth of the calls, and in a
+  tensor-core accumulator's layout every thread draws just the calls of its own columns.
+- ``keep_bytes(seed, calls, threshold)``: one uint8 per call, bit ``h`` the decision of half ``h``.
+- ``keep_halves(word, threshold)``: the (low, high) decisions of one word.
 
 ``threshold`` is ``keep_threshold(p)`` (host side): an element is kept iff its 16-bit value is ``>= threshold``.
 """
@@ -58,18 +61,47 @@ def dropout_keep(seed, offset, logical_index, threshold):
     """Boolean block: True where the element at ``logical_index`` (int32/int64 block) of the mask
     at counter ``offset`` survives; one Philox call per element."""
     g = offset + logical_index
-    c0, c1, c2, c3 = philox4(seed, g >> 3)
-    word = (g >> 1) & 3
+    c0, c1, c2, c3 = philox4(seed, ((g >> 6) << 3) | (g & 7))
+    half = (g >> 3) & 7
+    word = half >> 1
     picked = tl.where(word == 0, c0, tl.where(word == 1, c1, tl.where(word == 2, c2, c3)))
-    return ((picked >> ((g & 1) * 16).to(tl.uint32)) & 0xFFFF) >= threshold
+    return ((picked >> ((half & 1) * 16).to(tl.uint32)) & 0xFFFF) >= threshold
+
+
+@triton.jit
+def _keep_bit_pair(word, threshold, SHIFT: tl.constexpr):
+    """uint8 block: the decisions of ``word``'s low / high half at bits SHIFT / SHIFT + 1."""
+    low, high = keep_halves(word, threshold)
+    return (low.to(tl.uint8) << SHIFT) | (high.to(tl.uint8) << (SHIFT + 1))
+
+
+@triton.jit
+def keep_bytes(seed, calls, threshold):
+    """uint8 block: bit h of element (..) = the keep decision from half h of Philox call calls[..]."""
+    w0, w1, w2, w3 = philox4(seed, calls)
+    return (_keep_bit_pair(w0, threshold, 0) | _keep_bit_pair(w1, threshold, 2)
+            | _keep_bit_pair(w2, threshold, 4) | _keep_bit_pair(w3, threshold, 6))
+
+
+@triton.jit
+def unpack_groups(decision_bytes):
+    """[R, C] uint8 (C % 8 == 0, whole groups of calls) -> [R, 8 C] bool: column 64 (c // 8) + 8 h + c % 8
+    is bit h of decision_bytes[r, c]."""
+    R: tl.constexpr = decision_bytes.shape[0]
+    C: tl.constexpr = decision_bytes.shape[1]
+    grouped = tl.reshape(decision_bytes, (R, C // 8, 8))
+    bits = (grouped[:, :, None, :] >> tl.arange(0, 8).to(tl.uint8)[None, None, :, None]) & 1  # [R, G, h, c]
+    return tl.reshape(bits, (R, 8 * C)) != 0
+
+
+@triton.jit
+def unpack_rows(decision_bytes):
+    """[1, C] uint8 -> [8, C] bool: row h is bit h (the decision of half h of each column's call)."""
+    return ((decision_bytes >> tl.arange(0, 8).to(tl.uint8)[:, None]) & 1) != 0
 
 
 @triton.jit
 def dropout_keep_octets(seed, call_counter, threshold):
-    """Boolean [R, 8 C] block from the [R, C] block of Philox counters ``call_counter``: column
-    ``8 c + h`` is half ``h`` of call (r, c) (see the module doc)."""
-    c0, c1, c2, c3 = philox4(seed, call_counter)
-    # [R, C, 2, 2, 2]: [.., i, j, k] = half 4 i + 2 j + k, the low (k = 0) or high (k = 1) half of word 2 i + j
-    halves = tl.join(tl.join(tl.join(c0 & 0xFFFF, c2 & 0xFFFF), tl.join(c1 & 0xFFFF, c3 & 0xFFFF)),
-                     tl.join(tl.join(c0 >> 16, c2 >> 16), tl.join(c1 >> 16, c3 >> 16)))
-    return tl.reshape(halves, (halves.shape[0], 8 * halves.shape[1])) >= threshold
+    """Boolean [R, 8 C] block from the [R, C] block of Philox counters ``call_counter`` (whole
+    groups, see the module doc): column ``64 (c // 8) + 8 h + c % 8`` is half ``h`` of call (r, c)."""
+    return unpack_groups(keep_bytes(seed, call_counter, threshold))

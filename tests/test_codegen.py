@@ -79,7 +79,7 @@ def _inputs(graph, op, seed=0):
         info = graph.tensors[t]
         shape = [graph.dim_values[graph.letter_dims[l]] for l in info.letters]
         if info.role == "dropout":
-            seeds[t] = (1234 + n, 8 * (77 * n + 5))  # masks start on a Philox call (dataflow.executor.dropout_offsets)
+            seeds[t] = (1234 + n, 64 * (77 * n + 5))  # masks start a group of 64 counters (dataflow.executor.dropout_offsets)
             values[t] = _mask(*seeds[t], tuple(shape), info.p)
         else:
             values[t] = torch.randn(shape, generator=gen, dtype=torch.float64) + 0.1
@@ -176,12 +176,12 @@ def test_stored_dropout_mask():
     assert "drop_attn_ptr" in compiled.source
 
 
-@pytest.mark.parametrize("length,block_col,octets", [(24, 16, True), (12, 16, False), (24, 4, False)])
+@pytest.mark.parametrize("length,block_col,octets", [(192, 128, True), (72, 64, False), (64, 32, False)])
 def test_dropout_octets_in_any_storage_layout(length, block_col, octets):
     """alpha tiled along k (its mask's last letter), every tensor stored in reversed letter order:
-    sequence length 24 in blocks of 16 columns (ragged last block) takes one Philox call per eight
-    columns; length 12 (rows not starting on a call) or blocks of 4 columns (splitting a call) one
-    per element; all the convention's mask."""
+    sequence length 192 in blocks of 128 columns (ragged last block) takes one Philox call per eight
+    columns; length 72 (rows not starting a group of 64 counters) or blocks of 32 columns (splitting
+    groups) one per element; all the convention's mask."""
     graph, ops = _setup("bert", {**SMALL["bert"], "L": length})
     op = ops["alpha"]
     base = default_configuration(graph, op)

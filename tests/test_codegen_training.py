@@ -25,9 +25,9 @@ from dataflow import snapshot
 from tests.test_codegen import evaluate
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
-# Sequence lengths (and GPT-2's D) a multiple of 8: masks along k / t / j / d can take one Philox
-# call per eight columns; QUARTETS: multiples of 4 only, their masks are drawn per element.
-OCTETS = {"bert": dict(B=3, L=24, N=12, H=3, P=4, U=7), "gpt2": dict(B=3, T=24, D=24, H=3, E=8, F=7)}
+# Sequence lengths (and GPT-2's D) a multiple of 64: masks along k / t / j / d can take one Philox
+# call per eight columns (whole groups of 64 counters); QUARTETS: multiples of 4 only, drawn per element.
+OCTETS = {"bert": dict(B=2, L=64, N=12, H=2, P=4, U=7), "gpt2": dict(B=2, T=64, D=64, H=2, E=8, F=7)}
 QUARTETS = {"bert": dict(B=3, L=12, N=12, H=3, P=4, U=7), "gpt2": dict(B=3, T=12, D=12, H=3, E=4, F=7)}
 SEED = 7  # dropout seed of the reference run
 BF16_MARGIN = 1e-4  # the bf16 rule's margin (the generated kernels round bf16 stores under the interpreter too)
@@ -178,28 +178,32 @@ def test_stored_dropout_mask_in_a_part():
 DROPOUT = [(s, n) for s, n in CASES if any(_setup(s)[0].tensors[t].role == "dropout" for t in _setup(s)[1][n].inputs)]
 # At OCTETS dims in the default layouts: the operators whose tile columns run along their mask's
 # last logical letters (k, t, j, d; the reduced b, j of d_b1's second part) draw one call per eight
-# columns; x1, y, d_ffn, d_attn (BERT, vector i of an ibj mask: rows b, j) and d_bout (GPT-2,
-# vector d of a bsd mask reduced over b, s along rows) one per eight rows.
+# columns when a block holds whole groups of 64 columns; x1, y, d_ffn, d_attn (BERT, vector i of an
+# ibj mask: rows b, j) and GPT-2's d_bout (rows d of a bsd mask), reduced along columns in blocks of 8
+# rows, take rows c, c + 8, ..., c + 56 of a group of 64 and one call per column for them; blocks of
+# other row counts draw one call per element.
 OCTET_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "d_k_q"), ("gpt2", "attention"),
-             ("gpt2", "h2"), ("gpt2", "y"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}
-ROW_OCTET_OPS = {("bert", "x1"), ("bert", "y"), ("bert", "d_ffn"), ("bert", "d_attn"), ("gpt2", "d_bout")}
+             ("gpt2", "h2"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}  # GPT-2 y: tiles of 32 columns
+ROW_GROUP_OPS = {("bert", "x1"), ("bert", "y"), ("bert", "d_ffn"), ("bert", "d_attn"), ("gpt2", "d_bout")}
 
 
 @pytest.mark.parametrize("spec,name", DROPOUT)
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_dropout_octets(spec, name, chunk):
-    """Masks regenerated at sequence length 24 (GPT-2: D = 24 too; multiples of 8), in whole rows
-    (default knobs, 8 rows per block where the reduction runs along columns) or in chunks of 16
-    columns (loop mode, ragged last chunk, 16 rows: 72 of b, j or b, s, ragged; element-wise tiles
-    of 16 columns, ragged last block): one Philox call per eight columns where the tile's columns
-    run along the mask's last letters, per eight rows where its rows do; either way the executor's
-    mask (same seed and offsets)."""
+    """Masks regenerated at sequence length 64 (GPT-2: D = 64 too), in whole rows (default knobs,
+    8 rows per block where the reduction runs along columns) or in chunks of 16 columns (loop mode,
+    16 rows; element-wise tiles of 16 columns): one Philox call per eight columns where whole rows
+    run along the mask's last letters, else one per element; either way the executor's mask (same
+    seed and offsets)."""
     graph, ops = _setup(spec, OCTETS[spec])
     config = _configured(graph, ops[name], loop_chunk=chunk, block_col=chunk, loop_rows=16, row_rows=8)
     source = _check(spec, name, config, dims="octets").source
-    assert ("one Philox call per eight columns" in source) == ((spec, name) in OCTET_OPS)
-    assert ("one Philox call per eight rows" in source) == ((spec, name) in ROW_OCTET_OPS)
-    assert "dropout_keep(" not in source
+    octets = (spec, name) in OCTET_OPS and chunk is None
+    row_groups = (spec, name) in ROW_GROUP_OPS and chunk is None
+    assert ("one Philox call per eight columns" in source) == octets
+    assert ("one Philox call per column for eight rows" in source) == row_groups
+    assert "one Philox call per eight rows" not in source
+    assert octets or row_groups or "dropout_keep(" in source
 
 
 @pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "x1")])
@@ -226,13 +230,13 @@ def test_dropout_per_element_at_extents_of_four(spec, name):
 @pytest.mark.parametrize("mode", ["row", "loop"])
 def test_dropout_octets_with_the_vector_letter_not_reduced(mode):
     """GPT-2 d_bout vectorised along d (its bsd mask's last letter, not reduced): tile columns are
-    d in blocks of 16 (ragged: D = 24), the reduction over b, s runs along the tile rows (in one
-    block, or in chunks of 16 rows: 72 rows, ragged)."""
+    d in one block of 64 (D = 64), the reduction over b, s runs along the tile rows (in one block,
+    or in chunks of 16 rows)."""
     graph, ops = _setup("gpt2", OCTETS["gpt2"])
     op = ops["d_bout"]
     knobs = next(k for k in knob_choices(graph, operator_letters(graph, op), "d", "bsd", exhaustive=True)
                  if k["mode"] == mode)
-    config = Configuration({t: graph.tensors[t].letters for t in (*op.inputs, *op.outputs)}, {**knobs, "block_col": 16})
+    config = Configuration({t: graph.tensors[t].letters for t in (*op.inputs, *op.outputs)}, {**knobs, "block_col": 64})
     source = _check("gpt2", "d_bout", config, dims="octets").source
     assert "dropout_keep_octets(" in source and "dropout_keep(" not in source
 
@@ -326,11 +330,11 @@ def test_full_size_gpu(spec, name, dtype):
 
 
 def test_octets_refuse_a_misaligned_offset():
-    """A counter offset that is not a multiple of 8 would split the octets: a clear error, not a wrong mask."""
+    """A counter offset that is not a multiple of 64 would split the groups of calls: a clear error, not a wrong mask."""
     graph, ops = _setup("bert", OCTETS["bert"])
     config = _configured(graph, ops["alpha"])
     compiled = compile_operator(graph, ops["alpha"], config)
     inputs = {t: torch.randn(*(graph.dim_values[graph.letter_dims[l]] for l in graph.tensors[t].letters))
               for t in ops["alpha"].inputs if graph.tensors[t].role != "dropout"}
-    with pytest.raises(ValueError, match="not a multiple of 8"):
+    with pytest.raises(ValueError, match="not a multiple of 64"):
         compiled.run(inputs, {"drop_attn": (7, 1004)})

@@ -343,7 +343,8 @@ def test_dropout_mask_independent_of_layout():
     assert torch.equal(masks[0], expected)
 
 
-OCTET_SIZES = {**SMALL, "j": 24, "k": 24}  # j, k multiples of 8 (still ragged against every tile)
+OCTET_SIZES = {**SMALL, "j": 64, "k": 64}  # j, k whole groups of 64 counters (u, i, p still ragged against the tiles)
+OCTET_CONFIGS = (GemmConfig(64, 64, 16, 1, 1, 4), GemmConfig(64, 128, 16, 1, 1, 4, epilogue_split=2))  # whole groups
 NARROW_SLICES = GemmConfig(16, 16, 16, 1, 1, 4, epilogue_split=4)  # epilogue on slices of 4 columns
 
 
@@ -358,32 +359,30 @@ def _check_dropout(spec, plan, sizes, offset, config):
 
 
 @pytest.mark.parametrize("spec,layouts,sizes,offset,mode", [
-    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES, 1000, "n"),  # n = (b, j), j innermost
-    ("ui,ibj->ubj", ("iu", "bji", "bju"), OCTET_SIZES, 1000, "n"),  # C stored u-contiguous
-    ("phbk,phbj->hbjk", ("hpbk", "phbj", "hbjk"), OCTET_SIZES, 1000, "m"),  # m = k, two batch dims
-    ("ui,ibj->ubj", ("ui", "ijb", "ujb"), OCTET_SIZES, 1000, "none"),  # n = (j, b): b innermost
-    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES, 1004, "none"),  # the mask does not start on a Philox call
-    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), {**OCTET_SIZES, "j": 22}, 1000, "none"),  # rows of 44 (b, j) split calls
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES, 1024, "n"),  # n = (b, j), j innermost
+    ("ui,ibj->ubj", ("iu", "bji", "bju"), OCTET_SIZES, 1024, "n"),  # C stored u-contiguous
+    ("phbk,phbj->hbjk", ("hpbk", "phbj", "hbjk"), OCTET_SIZES, 1024, "m"),  # m = k, two batch dims
+    ("ui,ibj->ubj", ("ui", "ijb", "ujb"), OCTET_SIZES, 1024, "none"),  # n = (j, b): b innermost
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES, 1032, "none"),  # the mask does not start a group of 64
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), {**OCTET_SIZES, "j": 72}, 1024, "none"),  # rows of 72 split groups
 ])
 def test_dropout_octets_and_per_element(spec, layouts, sizes, offset, mode):
     """Eight decisions per Philox call along C's n or m dim where it runs along the output's last
-    letter over a multiple of 8, else one per element: either way exactly ``keep_mask`` (whole and
+    letter over a multiple of 64, else one per element: either way exactly ``keep_mask`` (whole and
     sliced epilogue)."""
     plan = map_layouts(spec, layouts, sizes)
-    whole = _configs(tma=False)[0]
-    sliced = next(cfg for cfg in valid_configs() if cfg.epilogue_split == 4) if _device() == "cpu" else whole
     assert isinstance(plan, GemmPlan)
-    for config in (whole, sliced):
+    for config in OCTET_CONFIGS if _device() == "cpu" else _configs(tma=False)[:1]:
         tile = (config.block_m, config.block_n // _epilogue_split(config, dropout=True))
         assert _octets(dropout_digits(plan, sizes), offset, tile) == mode
         _check_dropout(spec, plan, sizes, offset, config)
 
 
 def test_dropout_octets_split_by_narrow_epilogue_slices():
-    """Epilogue slices of 4 columns would split the calls' octets along n: one call per element."""
+    """Epilogue slices of 4 columns would split the groups of calls along n: one call per element."""
     plan = map_layouts("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES)
-    assert _octets(dropout_digits(plan, OCTET_SIZES), 1000, (16, 4)) == "none"
-    _check_dropout("ui,ibj->ubj", plan, OCTET_SIZES, 1000, NARROW_SLICES)
+    assert _octets(dropout_digits(plan, OCTET_SIZES), 1024, (16, 4)) == "none"
+    _check_dropout("ui,ibj->ubj", plan, OCTET_SIZES, 1024, NARROW_SLICES)
 
 
 # ---------------------------------------------------------------------------------------------

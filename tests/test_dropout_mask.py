@@ -49,18 +49,20 @@ def test_philox_matches_triton_rand_and_convention():
     assert 0.85 < expected.mean() < 0.95
 
 
-def test_convention_eight_16_bit_decisions_per_call():
-    """Element g takes half g % 8 of the call on counter g // 8 (low half of word w = half 2w);
-    kept iff that value >= round(p * 65536); the offset shifts the counters."""
+def test_convention_groups_of_64_counters():
+    """Counter g = 64 G + 8 h + c takes half h of the call on counter 8 G + c (low half of word w =
+    half 2w); kept iff that value >= round(p * 65536); the offset shifts the counters."""
     seed, offset = 77, 6
-    values = decision_values(seed, offset, (3, 7))
-    g = offset + np.arange(21)
-    words = philox_words(seed, g // 8)[np.arange(21), (g % 8) // 2]
-    np.testing.assert_array_equal(values.ravel(), np.where(g % 2 == 0, words & 0xFFFF, words >> 16))
-    assert len(np.unique(values)) == 21
+    values = decision_values(seed, offset, (3, 70))
+    g = offset + np.arange(210)
+    calls, halves = (g // 64) * 8 + g % 8, (g // 8) % 8
+    words = philox_words(seed, calls)[np.arange(210), halves // 2]
+    np.testing.assert_array_equal(values.ravel(), np.where(halves % 2 == 0, words & 0xFFFF, words >> 16))
+    assert len(np.unique(values)) > 200  # 16-bit values: a few birthday collisions
+    assert (calls[8:16] == calls[:8]).all() and calls[64 - offset] == 8  # a group's columns c, c + 8, ... share call c
     assert keep_threshold(0.1) == 6554 and keep_threshold(0.0) == 0
-    np.testing.assert_array_equal(keep_mask(seed, offset, (3, 7), 0.3), values >= 19661)
-    assert keep_mask(seed, offset, (3, 7), 0.0).all()
+    np.testing.assert_array_equal(keep_mask(seed, offset, (3, 70), 0.3), values >= 19661)
+    assert keep_mask(seed, offset, (3, 70), 0.0).all()
     with pytest.raises(ValueError, match="not in"):
         keep_threshold(1.0)
 
@@ -72,7 +74,7 @@ def test_drop_rate_is_p_to_within_one_level():
 
 @triton.jit
 def _octets_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """keep[r, c] of a (rows, cols) mask, cols % 8 == 0, from one call per eight columns."""
+    """keep[r, c] of a (rows, cols) mask, cols % 64 == 0, from one call per eight columns."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     keep = dropout_keep_octets(seed, (offset + r[:, None] * cols + 8 * q[None, :]) >> 3, threshold)
@@ -81,10 +83,10 @@ def _octets_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.co
 
 
 def test_octets_match_convention():
-    rows, cols, seed, offset, p = 37, 56, 0xABCDEF, 1024 + 16, 0.3
+    rows, cols, seed, offset, p = 37, 192, 0xABCDEF, 1024 + 64, 0.3
     keep = torch.empty(rows, cols, dtype=torch.int8, device=_device())
-    _octets_kernel[(triton.cdiv(rows, 16), triton.cdiv(cols, 64))](keep, rows, cols, seed, offset, keep_threshold(p),
-                                                                    BLOCK_R=16, BLOCK_Q=8)
+    _octets_kernel[(triton.cdiv(rows, 16), triton.cdiv(cols, 128))](keep, rows, cols, seed, offset, keep_threshold(p),
+                                                                     BLOCK_R=16, BLOCK_Q=16)
     np.testing.assert_array_equal(keep.cpu().numpy().astype(bool), keep_mask(seed, offset, (rows, cols), p))
 
 

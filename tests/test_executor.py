@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dataflow.autodiff import build_training_graph
-from dataflow.dropout_mask import DECISIONS_PER_CALL, dropout_scale_mask
+from dataflow.dropout_mask import DECISION_GROUP, dropout_scale_mask
 from dataflow.executor import dropout_masks, dropout_offsets, execute, tensor_shape
 from dataflow.fusion import fuse
 from dataflow.pipeline import forward_graph
@@ -158,8 +158,8 @@ def test_dropout_masks_follow_the_seed_offset_convention(graphs):
     assert list(offsets) == names and offsets[names[0]] == 0
     for before, after in zip(names, names[1:]):
         size = graph.size(graph.tensors[before].letters)  # odd test dims: rounded up to whole Philox calls
-        assert offsets[after] == offsets[before] + size + (-size) % DECISIONS_PER_CALL
-        assert offsets[after] % DECISIONS_PER_CALL == 0
+        assert offsets[after] == offsets[before] + size + (-size) % DECISION_GROUP
+        assert offsets[after] % DECISION_GROUP == 0
     result = execute(training.graph, random_inputs(graph, training, np.random.default_rng(3)), SEED)
     mask = dropout_scale_mask(SEED, offsets["drop_attn"], tensor_shape(graph, "drop_attn"), 0.1)
     np.testing.assert_array_equal(result["drop_attn"], mask)
