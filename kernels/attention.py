@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from dataflow.dropout_mask import DECISION_GROUP
-from kernels.interpreter import interpreted
+from kernels.interpreter import interpreted, opaque
 from kernels.philox import dropout_keep, keep_bytes, keep_threshold, unpack_groups
 
 LOG2E = 1.4426950408889634
@@ -97,7 +97,8 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
             decision_bytes = tl.load(io_ptrs, mask=io_ok, other=0)
         else:
             decision_bytes = keep_bytes(seed, row_counter[:, None] + calls[None, :], threshold)
-            if MASK_IO == 1:
+            if MASK_IO == 1:  # drawn once: the store's layout gets the bytes converted, not Philox recomputed
+                decision_bytes = opaque(decision_bytes)
                 tl.store(io_ptrs, decision_bytes, mask=io_ok)
         keep = unpack_groups(decision_bytes)
     else:
