@@ -5,7 +5,8 @@
 BERT-large attention (B=8, H=16, L=512, P=64, bf16, Q/K/V/dO stored [B, L, H*P] and passed as
 (b, h, j, p) views). For each forward knob configuration: ``attention_forward`` without dropout,
 with dropout 0.1 drawing the mask ("regenerate"), and drawing and saving it ("saved"). For each
-backward configuration and dQ mode: ``attention_backward`` (preprocess, dK/dV, dQ kernels) without dropout, regenerating the mask, and reading the saved one. Differences between
+backward configuration and dQ mode: ``attention_backward`` (preprocess, dK/dV, dQ kernels and the
+dQ cast) without dropout, regenerating the mask, and reading the saved one. Differences between
 the columns place the cost of the mask. Medians of ``kernels.bench.time_cuda`` (L2 flushed, CUDA
 graph replay: GPU time) in ms; a configuration that fails to compile or launch shows its error.
 Not checked against float64 here (``benchmarks/attention.py`` and the tests do that). Writes

@@ -12,9 +12,7 @@ k (key position), p (head dim):
 The forward pass streams K/V blocks through an online softmax; P never reaches memory. It saves
 the logsumexp ``lse[b,h,j] = log sum_k exp(S)`` (float32, natural log) for the backward pass,
 which recomputes P from Q, K and lse. Backward: a preprocess kernel (delta = rowsum(dO * O)), a
-kernel over key blocks for dK and dV that also adds dQ with fp32 atomics into a zeroed buffer, the
-last key block to reach a dQ block writing it in dQ's dtype and layout (an arrival counter per
-block: no separate cast; "atomic"), or a second
+kernel over key blocks for dK and dV that also adds dQ with fp32 atomics ("atomic"), or a second
 kernel over query blocks for dQ ("split"). Every kernel computes score tiles (j, k), rows j: the
 dropout decisions of a Philox call then lie in the accumulator columns of the thread that draws
 it (module doc below); the dK/dV kernel feeds P~ and dS to its MMAs transposed.
@@ -221,7 +219,6 @@ def _attn_bwd_preprocess_kernel(
     do_ptr,  # (b, h, j, p) any strides
     delta_ptr,  # (b, h, j) float32, contiguous: rowsum(dO * O)
     dq_acc_ptr,  # (b, h, j, p) float32, contiguous: zeroed here (unused unless ZERO_DQ)
-    arrivals_ptr,  # (b, h, j-block) int32, contiguous: zeroed here (unused unless ZERO_DQ)
     stride_ob, stride_oh, stride_oj, stride_op,
     stride_dob, stride_doh, stride_doj, stride_dop,
     H, Lq,
@@ -236,7 +233,6 @@ def _attn_bwd_preprocess_kernel(
     if ZERO_DQ:
         dq_rows = dq_acc_ptr + (pid_bh.to(tl.int64) * Lq + offs_j[:, None]) * P + offs_p[None, :]
         tl.store(dq_rows, tl.zeros([BLOCK_J, P], tl.float32), mask=row_ok[:, None])
-        tl.store(arrivals_ptr + pid_bh * tl.num_programs(0) + pid_j, 0)
 
 
 @triton.jit
@@ -248,8 +244,6 @@ def _attn_bwd_dkdv_kernel(
     lse_ptr,  # (b, h, j) float32, contiguous
     delta_ptr,  # (b, h, j) float32, contiguous
     dq_acc_ptr,  # (b, h, j, p) float32, contiguous, zeroed: dQ accumulated atomically (unused unless DQ_ATOMIC)
-    arrivals_ptr,  # (b, h, j-block) int32, contiguous, zeroed: key blocks done with each dQ block (DQ_ATOMIC)
-    dq_ptr,  # (b, h, j, p) any strides: dQ, written by the last key block to add to it (DQ_ATOMIC)
     dk_ptr,  # (b, h, k, p) any strides
     dv_ptr,  # (b, h, k, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
@@ -260,7 +254,6 @@ def _attn_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_doj, stride_dop,
     stride_dkb, stride_dkh, stride_dkk, stride_dkp,
     stride_dvb, stride_dvh, stride_dvk, stride_dvp,
-    stride_dqb, stride_dqh, stride_dqj, stride_dqp,
     stride_mb, stride_mk,
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
@@ -316,19 +309,8 @@ def _attn_bwd_dkdv_kernel(
         dk += tl.dot(tl.trans(ds), q)
         if DQ_ATOMIC:
             dq = tl.dot(ds, k) * scale
-            dq_sums = dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :]
-            tl.atomic_add(dq_sums, dq, mask=row_ok[:, None], sem="relaxed")
-            # the last key block to add to this dQ block writes it in dq's dtype and layout
-            tl.debug_barrier()  # every thread's adds precede the release below
-            block_j = start_j // BLOCK_J
-            arrived = tl.atomic_add(arrivals_ptr + pid_bh * tl.cdiv(Lq, BLOCK_J) + block_j, 1, sem="acq_rel")
-            contributors = tl.num_programs(0)  # key blocks visiting this dQ block
-            if CAUSAL:
-                contributors = tl.minimum(contributors, ((block_j + 1) * BLOCK_J - 1) // BLOCK_K + 1)
-            if arrived == contributors - 1:
-                dq_total = tl.load(dq_sums, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + offs_j[:, None] * stride_dqj
-                         + offs_p[None, :] * stride_dqp, dq_total.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.atomic_add(dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :], dq,
+                          mask=row_ok[:, None], sem="relaxed")
 
     tl.store(dk_ptr + b * stride_dkb + h * stride_dkh + offs_k[:, None] * stride_dkk + offs_p[None, :] * stride_dkp,
              (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
@@ -459,8 +441,7 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
 
 # Defaults: the fastest configurations of benchmarks/attention.py's sweep on an H200
 # (results/attention.md, session 4: dropout counters in groups of 64, (j, k) tiles in every kernel,
-# the backward regenerating the mask), before the atomic dQ mode wrote dQ itself (it then also ran
-# a separate fp32 -> dQ cast).
+# the backward regenerating the mask).
 _GPU_DEFAULTS = {
     "forward": {64: dict(block_j=128, block_k=64, num_warps=8, num_stages=3),
                 128: dict(block_j=64, block_k=64, num_warps=4, num_stages=3)},
@@ -605,8 +586,7 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
 
     ``o``, ``lse`` (and ``saved_mask``) come from ``attention_forward`` with the same arguments.
     ``dq``/``dk``/``dv``: optional outputs of any strides, else allocated like ``q``/``k``/``v``.
-    ``dq_mode``: "atomic" (dQ added with fp32 atomics inside the dK/dV kernel, whose last key block
-    per dQ block writes it) or
+    ``dq_mode``: "atomic" (dQ added with fp32 atomics inside the dK/dV kernel, then cast) or
     "split" (own kernel). ``dropout_mask`` (module doc): "regenerate" (``saved_mask`` None: the
     dK/dV kernel, and with "split" the dQ kernel, draw the mask from (seed, offset)) or "saved"
     (the kernels read ``saved_mask``, the forward's ``new_saved_mask`` buffer; None only where
@@ -633,10 +613,9 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     dv = torch.empty_like(v) if dv is None else dv
     delta = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
     dq_acc = torch.empty((B, H, Lq, P), device=q.device, dtype=torch.float32) if atomic else delta
-    arrivals = torch.empty((B, H, triton.cdiv(Lq, block_j)), device=q.device, dtype=torch.int32) if atomic else delta
     mask, mask_io = (delta, 0) if saved_mask is None else (saved_mask, 2)  # delta: a placeholder pointer, never read
     _attn_bwd_preprocess_kernel[(triton.cdiv(Lq, block_j), B * H)](
-        o, do, delta, dq_acc, arrivals, *o.stride(), *do.stride(), H, Lq,
+        o, do, delta, dq_acc, *o.stride(), *do.stride(), H, Lq,
         P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4,
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
@@ -645,11 +624,13 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
-        q, k, v, do, lse, delta, dq_acc, arrivals, dq, dk, dv, kpm, mask,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dq.stride(), *kpm_strides,
-        *drop, *scalars, DQ_ATOMIC=atomic, **flags,
+        q, k, v, do, lse, delta, dq_acc, dk, dv, kpm, mask,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *kpm_strides, *drop,
+        *scalars, DQ_ATOMIC=atomic, **flags,
     )
-    if not atomic:
+    if atomic:
+        dq.copy_(dq_acc)
+    else:
         _attn_bwd_dq_kernel[(triton.cdiv(Lq, block_j), B * H)](
             q, k, v, do, lse, delta, dq, kpm, mask,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *kpm_strides, *drop,

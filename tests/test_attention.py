@@ -39,6 +39,15 @@ def probability_keep(seed, offset, p, B, H, Lq, Lk, order="bhjk"):
     return torch.from_numpy(mask).permute([order.index(d) for d in "bhjk"])
 
 
+def saved_bytes(keep):
+    """The bytes a forward saves for the keep mask ``keep`` (b, h, j, k) bool: bit h of [b, h, j, c] =
+    the decision of key 64 (c // 8) + 8 h + c % 8 (``kernels.attention``'s module doc)."""
+    B, H, Lq, Lk = keep.shape
+    grouped = keep.cpu().numpy().reshape(B, H, Lq, Lk // 64, 8, 8).swapaxes(-1, -2)  # [.., G, c, h]
+    bits = torch.from_numpy(grouped.reshape(B, H, Lq, Lk // 8, 8).astype(np.uint8))
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
 def eager_attention(q, k, v, *, scale, dropout_p, seed, offset, causal=False, key_padding_mask=None, order="bhjk"):
     """The unfused chain at the inputs' precision, with the kernel's dropout mask."""
     B, H, Lq, _ = q.shape
@@ -203,10 +212,7 @@ def test_dropout_paths(Lk, order, offset, octets):
     o, lse = attention_forward(q, k, v, **args, saved_mask=saved)
     assert torch.equal(o, got[0].detach())
     if octets:  # the saved bytes: bit h of [b, h, j, c] = decision of key 64 (c // 8) + 8 h + c % 8
-        keep = probability_keep(4321, offset, 0.3, B, H, Lq, Lk, order)
-        grouped = keep.numpy().reshape(B, H, Lq, Lk // 64, 8, 8).swapaxes(-1, -2)  # [.., G, c, h]
-        bits = torch.from_numpy(grouped.reshape(B, H, Lq, Lk // 8, 8).astype(np.uint8))
-        assert torch.equal(saved.cpu(), (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))
+        assert torch.equal(saved.cpu(), saved_bytes(probability_keep(4321, offset, 0.3, B, H, Lq, Lk, order)))
     do_dev = do.to(DEVICE, torch.float32)
     # per element nothing is saved (new_saved_mask gives None): "saved" launches the kernels "regenerate" does
     backwards = [("split", "regenerate")]
@@ -327,6 +333,4 @@ def test_bert_large_gpu(H, P, causal, backward, dropout_mask):
         q, k = (t.detach() for t in kernel_inputs[:2])
         saved = new_saved_mask(q, k, dropout_p=0.1)
         attention_forward(q, k, k, **args, saved_mask=saved)
-        keep = probability_keep(0x5EED, 0, 0.1, B, H, L, L).to(DEVICE)
-        bits = keep.reshape(B, H, L, L // 8, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=DEVICE)
-        assert torch.equal(saved, bits.sum(-1, dtype=torch.uint8))
+        assert torch.equal(saved.cpu(), saved_bytes(probability_keep(0x5EED, 0, 0.1, B, H, L, L)))
