@@ -12,7 +12,7 @@ Two consumers of the dropout convention (``dataflow.dropout_mask``) are timed wi
   with and without the saved pre-activation) through the Triton template, next to cuBLAS +
   PyTorch eager (``kernels.contraction_variants.EpilogueVariant``).
 "octets" is the path the generators choose (one Philox call per eight elements of a group of 64,
-``kernels.philox.dropout_keep_runs``); "per element" is their fallback (one call per element,
+``kernels.philox.dropout_keep_octets``); "per element" is their fallback (one call per element,
 ``kernels.philox.dropout_keep``), forced by making the octet tests answer no
 (``kernels.codegen._octet_masks`` returning no mask while the kernel is generated;
 ``kernels.gemm._octets`` returning "none" around each launch).  Each variant is checked against the
@@ -36,7 +36,6 @@ import kernels.gemm as gemm
 from dataflow import snapshot
 from kernels import contraction_variants as cv
 from kernels.bench import time_cuda, write_results
-from kernels.codegen import draws_octets
 from kernels.contraction import dropout_digits, map_layouts
 from kernels.device import query_device, versions
 from kernels.gemm import GemmConfig
@@ -101,7 +100,7 @@ def fused_rows(args) -> list[dict]:
             fused, single_fused = FusedVariant(ws, "bert", op, config), FusedVariant(ws, "bert", op, config)
             octets, out_o = measure(fused, args, "octets")
             single, out_s = measure(single_fused, args, "per element")
-            paths = (draws_octets(fused.compiled.source), draws_octets(single_fused.compiled.source))
+            paths = ("dropout_keep_octets(" in fused.compiled.source, "dropout_keep_octets(" in single_fused.compiled.source)
             rows.append({"operator": name, "layouts": dict(config.layouts), "knobs": dict(config.knobs),
                          "octets": octets, "per_element": single, "eager": eager, "bit_identical": identical(out_o, out_s),
                          "paths_as_named": paths == (True, False)})

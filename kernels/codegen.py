@@ -22,9 +22,8 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   spec order, ``dataflow.dropout_mask``), scaled by 1/(1-p).  When the tile's column letters are
   the mask's trailing letters in spec order (consecutive columns = consecutive n), their extent is
   a multiple of 64 and BLOCK_COL too, the mask takes one Philox call per eight columns
-  (``kernels.philox.dropout_keep_runs`` on a [rows, BLOCK_COL // 8] block of call counters, whole
-  groups of 64 counters, with the tile's columns addressed in ``kernels.philox.group_order`` so
-  that each thread's run of eight columns is one call's; this needs ``offset_<mask> % 64 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
+  (``kernels.philox.dropout_keep_octets`` on a [rows, BLOCK_COL // 8] block of call counters, whole
+  groups of 64 counters; this needs ``offset_<mask> % 64 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
   ``CompiledOperator.run`` checks); the same along the tile's rows when its row letters are the
   mask's trailing letters (one call per eight rows, on the transposed block of calls: layernorms
   over i of BERT's ibj masks); otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
@@ -238,7 +237,6 @@ Knobs: {knobs}"""
     def extent(group: str) -> str:
         return " * ".join(f"size_{l}" for l in group) if group else "1"
 
-    col_positions = "group_order(BLOCK_COL)" if plan.octets else "tl.arange(0, BLOCK_COL)"
     w(f"n_rows = {extent(plan.rows)}")
     w(f"n_cols = {extent(plan.cols)}")
     if plan.reduce_axis is None:
@@ -246,7 +244,7 @@ Knobs: {knobs}"""
         w("row_start = (pid // col_blocks) * BLOCK_ROW")
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
-        w(f"cols = col_start + {col_positions}")
+        w("cols = col_start + tl.arange(0, BLOCK_COL)")
     elif plan.reduce_axis == 1 and plan.row_groups:  # rows c, c + 8, ..., c + 56 of group pid // 8 (c = pid % 8)
         w("row_start = (pid // 8) * 64 + pid % 8")
         w("rows = row_start + 8 * tl.arange(0, BLOCK_ROW)")
@@ -256,7 +254,7 @@ Knobs: {knobs}"""
     else:
         w("col_blocks = tl.cdiv(n_cols, BLOCK_COL)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
-        w(f"cols = col_start + {col_positions}")
+        w("cols = col_start + tl.arange(0, BLOCK_COL)")
         w("g = pid // col_blocks")
         decompose("g", plan.grid, "")
     if index64:
@@ -298,10 +296,10 @@ Knobs: {knobs}"""
         if t in plan.regenerated:
             info = graph.tensors[t]
             scale, threshold = 1.0 / (1.0 - info.p), keep_threshold(info.p)
-            if t in plan.octets:  # position 8 i + h (group order): half h of call (row start + col_start) // 8 + i
+            if t in plan.octets:  # column 64 G + 8 h + c of the block: half h of call (row start) // 8 + 8 G + c
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.cols)
                 calls = f"((offset_{t} + {base}col_start) >> 3) + tl.arange(0, BLOCK_COL // 8)[None, :]"
-                keep = f"dropout_keep_runs(seed_{t}, {calls}, {threshold})"
+                keep = f"dropout_keep_octets(seed_{t}, {calls}, {threshold})"
                 note = "one Philox call per eight columns"
             elif t in plan.row_octets:  # the same along rows, on the transposed block of calls
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
@@ -348,7 +346,7 @@ Knobs: {knobs}"""
     if plan.reduce_axis is None or knobs["mode"] == "row":
         if plan.reduce_axis == 1:
             w("col_start = 0")
-            w(f"cols = {col_positions}")
+            w("cols = tl.arange(0, BLOCK_COL)")
             w("col_ok = (cols < n_cols)[None, :]")
             decompose("cols", plan.cols, "[None, :]")
         elif plan.reduce_axis == 0:
@@ -413,7 +411,7 @@ Knobs: {knobs}"""
                 w(f"acc_{prim.output.tensor} = {init}([BLOCK_ROW, BLOCK_COL]{extra}, tl.float32)", 1)
             w(f"for start in range(0, {n}, {block}):", 1)
             w(f"{'col' if plan.reduce_axis == 1 else 'row'}_start = start", 2)
-            w(f"{idx_axis} = start + {col_positions if idx_axis == 'cols' else 'tl.arange(0, BLOCK_ROW)'}", 2)
+            w(f"{idx_axis} = start + tl.arange(0, {block})", 2)
             w(f"{ok} = ({idx_axis} < {n}){shape}", 2)
             decompose(idx_axis, plan.cols if plan.reduce_axis == 1 else plan.rows, shape, 2)
             local = set(done)
@@ -450,7 +448,7 @@ _PRELUDE = '''import triton
 import triton.language as tl
 
 from kernels.interpreter import store_cast
-from kernels.philox import dropout_keep, dropout_keep_octets, dropout_keep_runs, group_order, keep_bytes, unpack_rows
+from kernels.philox import dropout_keep, dropout_keep_octets, keep_bytes, unpack_rows
 
 
 @triton.jit
@@ -480,12 +478,6 @@ def _part_knobs(config: Configuration, count: int) -> list[dict]:
         return [knobs]
     return [{**own, "num_warps": knobs["num_warps"], "dropout": knobs.get("dropout", "regenerate")}
             for own in knobs["parts"]]
-
-
-def draws_octets(source: str) -> bool:
-    """Whether generated kernel ``source`` draws a dropout mask one Philox call per eight elements
-    (along its columns or rows) rather than one per element."""
-    return "dropout_keep_runs(" in source or "dropout_keep_octets(" in source
 
 
 def generate_source(graph, op, config: Configuration, *, index64: bool = False) -> str:

@@ -13,9 +13,6 @@ Counter ``g = 64 G + 8 h + c`` is half ``h`` of Philox call ``8 G + c``.
   ``h`` of call (r, c).  The caller passes ``(offset + n) // 8`` for the element n at column 8 c
   (n at column 0 must have ``(offset + n) % 64 == 0``): an eighth of the calls, and in a
   tensor-core accumulator's layout every thread draws just the calls of its own columns.
-- ``group_order(BLOCK)`` + ``dropout_keep_runs(seed, call_counter, threshold)``: the same calls for a
-  tile that addresses its columns in group order (each run of eight positions = one call's
-  columns), for blocked layouts whose threads hold runs of consecutive positions.
 - ``keep_bytes(seed, calls, threshold)``: one uint8 per call, bit ``h`` the decision of half ``h``.
 - ``keep_halves(word, threshold)``: the (low, high) decisions of one word.
 
@@ -101,28 +98,6 @@ def unpack_groups(decision_bytes):
 def unpack_rows(decision_bytes):
     """[1, C] uint8 -> [8, C] bool: row h is bit h (the decision of half h of each column's call)."""
     return ((decision_bytes >> tl.arange(0, 8).to(tl.uint8)[:, None]) & 1) != 0
-
-
-@triton.jit
-def group_order(BLOCK: tl.constexpr):
-    """The column order ``64 (q // 64) + 8 (q % 8) + (q // 8) % 8`` of positions q = 0 .. BLOCK - 1
-    (BLOCK % 64 == 0): a tile that addresses its columns in this order holds in each run of eight
-    positions 8 i .. 8 i + 7 the eight columns decided by one Philox call (call i of the block,
-    halves 0..7: ``dropout_keep_runs``). A blocked layout gives each thread whole runs, so every
-    thread draws only calls of its own; in plain order a thread's eight columns need eight calls."""
-    q = tl.arange(0, BLOCK)
-    return (q // 64) * 64 + (q % 8) * 8 + (q // 8) % 8
-
-
-@triton.jit
-def dropout_keep_runs(seed, call_counter, threshold):
-    """Boolean [R, 8 C] block from the [R, C] block of Philox counters ``call_counter`` (whole
-    groups) for columns in ``group_order``: position 8 c + h is half ``h`` of call (r, c)."""
-    decision_bytes = keep_bytes(seed, call_counter, threshold)
-    R: tl.constexpr = decision_bytes.shape[0]
-    C: tl.constexpr = decision_bytes.shape[1]
-    bits = (decision_bytes[:, :, None] >> tl.arange(0, 8).to(tl.uint8)[None, None, :]) & 1  # [R, c, h]
-    return tl.reshape(bits, (R, 8 * C)) != 0
 
 
 @triton.jit

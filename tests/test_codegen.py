@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.accuracy import assert_closer
-from kernels.codegen import allocate, compile_operator, draws_octets, generate_source
+from kernels.codegen import allocate, compile_operator, generate_source
 from layouts.space import (Configuration, configurations, default_configuration, knob_choices, operator_letters,
                            tile_axes)
 from dataflow.dropout_mask import dropout_scale_mask
@@ -187,7 +187,7 @@ def test_dropout_octets_in_any_storage_layout(length, block_col, octets):
     base = default_configuration(graph, op)
     layouts = {t: graph.tensors[t].letters[::-1] for t in (*op.inputs, *op.outputs)}
     source = _check(graph, op, Configuration(layouts, {**base.knobs, "block_col": block_col}), seed=5).source
-    assert draws_octets(source) == octets and ("dropout_keep(" in source) != octets
+    assert ("dropout_keep_octets(" in source) == octets and ("dropout_keep(" in source) != octets
 
 
 def test_source_is_readable_and_cached(tmp_path):

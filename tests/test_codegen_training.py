@@ -18,7 +18,7 @@ import torch
 
 from dataflow.executor import dropout_offsets, execute
 from kernels.accuracy import assert_closer
-from kernels.codegen import allocate, compile_operator, draws_octets
+from kernels.codegen import allocate, compile_operator
 from layouts.space import (Configuration, combine_parts, configurations, default_configuration, knob_choices,
                            operator_letters, parts)
 from dataflow import snapshot
@@ -213,7 +213,7 @@ def test_dropout_per_element_in_blocks_of_four(spec, name):
     graph, ops = _setup(spec, OCTETS[spec])
     config = _configured(graph, ops[name], loop_chunk=4, block_col=4, loop_rows=4)
     source = _check(spec, name, config, dims="octets").source
-    assert not draws_octets(source) and "dropout_keep(" in source
+    assert "dropout_keep_octets(" not in source and "dropout_keep(" in source
 
 
 @pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "x1"), ("gpt2", "h2"), ("gpt2", "d_bout")])
@@ -224,7 +224,7 @@ def test_dropout_per_element_at_extents_of_four(spec, name):
     graph, ops = _setup(spec, QUARTETS[spec])
     config = _configured(graph, ops[name], loop_chunk=8, block_col=8, loop_rows=8, row_rows=8)
     source = _check(spec, name, config, dims="quartets").source
-    assert not draws_octets(source) and "dropout_keep(" in source
+    assert "dropout_keep_octets(" not in source and "dropout_keep(" in source
 
 
 @pytest.mark.parametrize("mode", ["row", "loop"])
@@ -238,7 +238,7 @@ def test_dropout_octets_with_the_vector_letter_not_reduced(mode):
                  if k["mode"] == mode)
     config = Configuration({t: graph.tensors[t].letters for t in (*op.inputs, *op.outputs)}, {**knobs, "block_col": 64})
     source = _check("gpt2", "d_bout", config, dims="octets").source
-    assert draws_octets(source) and "dropout_keep(" not in source
+    assert "dropout_keep_octets(" in source and "dropout_keep(" not in source
 
 
 # --- parts and their configuration spaces -------------------------------------------------------

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from dataflow.dropout_mask import decision_values, keep_mask, keep_threshold, philox_uniform, philox_words
-from kernels.philox import dropout_keep, dropout_keep_octets, dropout_keep_runs, group_order, keep_halves
+from kernels.philox import dropout_keep, dropout_keep_octets, keep_halves
 
 
 def _device():
@@ -80,27 +80,6 @@ def _octets_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.co
     keep = dropout_keep_octets(seed, (offset + r[:, None] * cols + 8 * q[None, :]) >> 3, threshold)
     c = tl.program_id(1) * 8 * BLOCK_Q + tl.arange(0, 8 * BLOCK_Q)
     tl.store(keep_ptr + r[:, None] * cols + c[None, :], keep.to(tl.int8), mask=(r[:, None] < rows) & (c[None, :] < cols))
-
-
-@triton.jit
-def _runs_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """keep[r, c] of a (rows, cols) mask, cols % 64 == 0, from one call per eight columns, the tile's
-    columns addressed in group order."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col_start = tl.program_id(1) * BLOCK_C
-    calls = ((offset + r[:, None] * cols + col_start) >> 3) + tl.arange(0, BLOCK_C // 8)[None, :]
-    keep = dropout_keep_runs(seed, calls, threshold)
-    c = col_start + group_order(BLOCK_C)
-    tl.store(keep_ptr + r[:, None] * cols + c[None, :], keep.to(tl.int8), mask=(r[:, None] < rows) & (c[None, :] < cols))
-
-
-@pytest.mark.parametrize("block_c", [64, 128])
-def test_runs_in_group_order_match_convention(block_c):
-    rows, cols, seed, offset, p = 37, 192, 0x5EED, 4096 + 128, 0.3
-    keep = torch.full((rows, cols), -1, dtype=torch.int8, device=_device())
-    _runs_kernel[(triton.cdiv(rows, 16), triton.cdiv(cols, block_c))](keep, rows, cols, seed, offset, keep_threshold(p),
-                                                                       BLOCK_R=16, BLOCK_C=block_c)
-    np.testing.assert_array_equal(keep.cpu().numpy(), keep_mask(seed, offset, (rows, cols), p).astype(np.int8))
 
 
 def test_octets_match_convention():
