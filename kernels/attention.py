@@ -127,6 +127,15 @@ def _head_rows(x_ptr, stride_xb, stride_xh, stride_xr, stride_xp, H, L, BLOCK: t
 
 
 @triton.jit
+def _store_rows(x_ptr, stride_xb, stride_xh, stride_xr, stride_xp, b, h, offs, offs_p, row_ok, x):
+    """Store the fp32 [BLOCK, P] tile ``x`` of rows ``offs`` of head (b, h) into a (b, h, row, p)
+    tensor of any strides, in its dtype; rows beyond the end (``row_ok`` False) untouched. The
+    counterpart of ``_head_rows``'s load."""
+    tl.store(x_ptr + b * stride_xb + h * stride_xh + offs[:, None] * stride_xr + offs_p[None, :] * stride_xp,
+             x.to(x_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
                   INDEX_64: tl.constexpr, OCTETS: tl.constexpr):
     """(``_row_counters`` of the rows ``offs_j``, their row indices into a saved mask: ``stat_base``
@@ -210,8 +219,7 @@ def _attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc * (dropout_scale / l_safe)[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_j[:, None] * stride_oj + offs_p[None, :] * stride_op,
-             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(o_ptr, stride_ob, stride_oh, stride_oj, stride_op, b, h, offs_j, offs_p, row_ok, o)
     tl.store(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, lse, mask=row_ok)
 
 
@@ -320,10 +328,8 @@ def _attn_bwd_dkdv_kernel(
             tl.atomic_add(dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :], dq,
                           mask=row_ok[:, None], sem="relaxed")
 
-    tl.store(dk_ptr + b * stride_dkb + h * stride_dkh + offs_k[:, None] * stride_dkk + offs_p[None, :] * stride_dkp,
-             (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(dv_ptr + b * stride_dvb + h * stride_dvh + offs_k[:, None] * stride_dvk + offs_p[None, :] * stride_dvp,
-             (dv * dropout_scale).to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+    _store_rows(dk_ptr, stride_dkb, stride_dkh, stride_dkk, stride_dkp, b, h, offs_k, offs_p, col_ok, dk * scale)
+    _store_rows(dv_ptr, stride_dvb, stride_dvh, stride_dvk, stride_dvp, b, h, offs_k, offs_p, col_ok, dv * dropout_scale)
     if DQ_ATOMIC:  # the head's last key block to finish writes its dQ
         tl.debug_barrier()  # every thread's adds precede the release below
         arrived = tl.atomic_add(arrivals_ptr + pid_bh, 1, sem="acq_rel")
@@ -333,8 +339,7 @@ def _attn_bwd_dkdv_kernel(
                 row_ok = offs_j < Lq
                 dq = tl.load(dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :], mask=row_ok[:, None],
                              other=0.0, cache_modifier=".cg")
-                tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + offs_j[:, None] * stride_dqj
-                         + offs_p[None, :] * stride_dqp, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+                _store_rows(dq_ptr, stride_dqb, stride_dqh, stride_dqj, stride_dqp, b, h, offs_j, offs_p, row_ok, dq)
 
 
 @triton.jit
@@ -396,8 +401,7 @@ def _attn_bwd_dq_kernel(
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq += tl.dot(ds, k)
 
-    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + offs_j[:, None] * stride_dqj + offs_p[None, :] * stride_dqp,
-             (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _store_rows(dq_ptr, stride_dqb, stride_dqh, stride_dqj, stride_dqp, b, h, offs_j, offs_p, row_ok, dq * scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,9 +457,14 @@ def attention_configs(head_dim: int, direction: str, *, interpret: bool | None =
         if mode is None:
             configs.append(config)
         else:
-            configs += [dict(config, dq_mode=mode, dropout_mask=option) for option in DROPOUT_MASK_OPTIONS
-                        if option != "saved" or bk % DECISION_GROUP == 0]  # a saved mask: whole groups
+            configs += [dict(config, dq_mode=mode, dropout_mask=option) for option in mask_options(bk)]
     return configs
+
+
+def mask_options(block_k: int) -> tuple:
+    """The ``DROPOUT_MASK_OPTIONS`` a kernel with key blocks of ``block_k`` can take: saving (or
+    reading) the mask needs whole groups of Philox calls (``block_k % 64 == 0``)."""
+    return tuple(o for o in DROPOUT_MASK_OPTIONS if o != "saved" or block_k % DECISION_GROUP == 0)
 
 
 def _miscompiled(head_dim: int, block_j: int, dq_mode) -> bool:

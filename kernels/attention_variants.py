@@ -39,9 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dataflow.dropout_mask import DECISION_GROUP
 from kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
-                               default_config, fused_attention, new_saved_mask)
+                               default_config, fused_attention, mask_options, new_saved_mask)
 from kernels.sweep_variants import Verdict, judge
 from kernels.torch_eval import keep_mask_torch
 
@@ -322,7 +321,7 @@ def config_variants(ws: Workspace) -> list:
     P = ws.case.P
     return ([FusedVariant(ws, "forward", forward=c, backward=dict(dropout_mask=option))
              for option in DROPOUT_MASK_OPTIONS for c in attention_configs(P, "forward")
-             if option != "saved" or c["block_k"] % DECISION_GROUP == 0]
+             if option in mask_options(c["block_k"])]
             + [FusedVariant(ws, "backward", backward=c) for c in attention_configs(P, "backward")])
 
 

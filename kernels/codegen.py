@@ -90,7 +90,8 @@ def _row_group_masks(graph, letters: OperatorLetters, rows: str, regenerated: tu
     """The masks of ``regenerated`` whose decisions can come eight per Philox call along the rows of
     a row-reduction tile of 8 rows: the row letters are the mask's trailing letters in spec order,
     their extent a multiple of 64, and the program takes rows c, c + 8, ..., c + 56 of a group of
-    64 (``STRIDED_ROWS``) instead of eight consecutive ones: one call, every one of its halves."""
+    64 (the rows the kernel then takes, see the program-id decomposition in ``generate_source``)
+    instead of eight consecutive ones: one call, every one of its halves."""
     if block_row != DECISIONS_PER_CALL:
         return ()
     return _octet_masks(graph, letters, rows, regenerated, DECISION_GROUP)
