@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from dataflow.dropout_mask import DECISION_GROUP
-from kernels.interpreter import interpreted, opaque
+from kernels.interpreter import interpreted
 from kernels.philox import dropout_keep, keep_bytes, keep_threshold, unpack_groups
 
 LOG2E = 1.4426950408889634
@@ -97,11 +97,12 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
         io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 8)[None, :]
         if MASK_IO == 2:
             decision_bytes = tl.load(io_ptrs, mask=io_ok, other=0)
-        else:
+        elif MASK_IO == 1 and threshold >= 0:  # always true; drawn inside a branch, the bytes get converted to
+            # the store's layout: outside one, the compiler recomputes Philox in that layout (2.5x the calls)
             decision_bytes = keep_bytes(seed, row_counter[:, None] + calls[None, :], threshold)
-            if MASK_IO == 1:  # drawn once: the store's layout gets the bytes converted, not Philox recomputed
-                decision_bytes = opaque(decision_bytes)
-                tl.store(io_ptrs, decision_bytes, mask=io_ok)
+            tl.store(io_ptrs, decision_bytes, mask=io_ok)
+        else:  # MASK_IO 0 (and 1, never reached)
+            decision_bytes = keep_bytes(seed, row_counter[:, None] + calls[None, :], threshold)
         keep = unpack_groups(decision_bytes)
     else:
         cols = (col_start + tl.arange(0, BLOCK_C)).to(row_counter.dtype) * drop_scol
