@@ -63,7 +63,7 @@ import triton.language as tl
 
 from dataflow.dropout_mask import DECISION_GROUP
 from kernels.interpreter import interpreted
-from kernels.philox import dropout_keep, keep_bytes, keep_threshold, unpack_groups
+from kernels.philox import dropout_keep, keep_bytes, keep_bytes_once, keep_threshold, unpack_groups
 
 LOG2E = 1.4426950408889634
 DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the dropout mask (module doc)
@@ -97,11 +97,10 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
         io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 8)[None, :]
         if MASK_IO == 2:
             decision_bytes = tl.load(io_ptrs, mask=io_ok, other=0)
-        elif MASK_IO == 1 and threshold >= 0:  # always true; drawn inside a branch, the bytes get converted to
-            # the store's layout: outside one, the compiler recomputes Philox in that layout (2.5x the calls)
-            decision_bytes = keep_bytes(seed, row_counter[:, None] + calls[None, :], threshold)
+        elif MASK_IO == 1:  # drawn once, converted to the store's layout and to the accumulator's
+            decision_bytes = keep_bytes_once(seed, row_counter[:, None] + calls[None, :], threshold)
             tl.store(io_ptrs, decision_bytes, mask=io_ok)
-        else:  # MASK_IO 0 (and 1, never reached)
+        else:  # in the accumulator's layout each thread draws the calls of its own columns
             decision_bytes = keep_bytes(seed, row_counter[:, None] + calls[None, :], threshold)
         keep = unpack_groups(decision_bytes)
     else:

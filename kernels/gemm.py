@@ -249,7 +249,7 @@ def _gemm_kernel(
     if EPILOGUE_SPLIT == 1:
         _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, base_c, stride_cm, stride_cn, base_bias, stride_biasm, stride_biasn,
                   base_saved, stride_sm, stride_sn, p, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m,
-                  q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT, OCTETS, INDEX_64, SAVE, ROUND_BF16)
+                  q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT, OCTETS, INDEX_64, SAVE, ROUND_BF16, True)
     else:  # column halves (then quarters): [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N)
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
         if EPILOGUE_SPLIT == 2:
@@ -262,7 +262,7 @@ def _gemm_kernel(
             _epilogue(parts[h], pid_m * BLOCK_M, pid_n * BLOCK_N + h * (BLOCK_N // EPILOGUE_SPLIT), M, N,
                       base_c, stride_cm, stride_cn, base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn,
                       p, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
-                      HAS_BIAS, ACTIVATION, HAS_DROPOUT, OCTETS, INDEX_64, SAVE, ROUND_BF16)
+                      HAS_BIAS, ACTIVATION, HAS_DROPOUT, OCTETS, INDEX_64, SAVE, ROUND_BF16, False)
 
 
 @triton.jit
@@ -273,9 +273,11 @@ def _epilogue(acc, m_start, n_start, M, N,
               p, threshold, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
               q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, OCTETS: tl.constexpr,
-              INDEX_64: tl.constexpr, SAVE: tl.constexpr, ROUND_BF16: tl.constexpr):
+              INDEX_64: tl.constexpr, SAVE: tl.constexpr, ROUND_BF16: tl.constexpr, WHOLE_TILE: tl.constexpr):
     """Bias, activation, saves, dropout and the store of the slice of C whose rows start at m_start
-    and columns at n_start (its extents: acc's shape; both starts multiples of the extents)."""
+    and columns at n_start (its extents: acc's shape; both starts multiples of the extents).
+    ``WHOLE_TILE``: acc is the accumulator itself, in whose layout each thread draws the Philox
+    calls of its own columns; a slice of it (EPILOGUE_SPLIT > 1) draws each call once and converts."""
     offs_m = m_start + tl.arange(0, acc.shape[0])
     offs_n = n_start + tl.arange(0, acc.shape[1])
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -307,9 +309,9 @@ def _epilogue(acc, m_start, n_start, M, N,
         if INDEX_64:
             first = first.to(tl.int64)
         if OCTETS == "n":
-            keep = dropout_keep_octets(seed, (offset + first) >> 3, threshold)
+            keep = dropout_keep_octets(seed, (offset + first) >> 3, threshold, not WHOLE_TILE)
         elif OCTETS == "m":
-            keep = tl.trans(dropout_keep_octets(seed, (offset + first) >> 3, threshold))
+            keep = tl.trans(dropout_keep_octets(seed, (offset + first) >> 3, threshold, not WHOLE_TILE))
         else:
             keep = dropout_keep(seed, offset, first, threshold)
         acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)

@@ -13,7 +13,8 @@ Counter ``g = 64 G + 8 h + c`` is half ``h`` of Philox call ``8 G + c``.
   ``h`` of call (r, c).  The caller passes ``(offset + n) // 8`` for the element n at column 8 c
   (n at column 0 must have ``(offset + n) % 64 == 0``): an eighth of the calls, and in a
   tensor-core accumulator's layout every thread draws just the calls of its own columns.
-- ``keep_bytes(seed, calls, threshold)``: one uint8 per call, bit ``h`` the decision of half ``h``.
+- ``keep_bytes(seed, calls, threshold)``: one uint8 per call, bit ``h`` the decision of half ``h``;
+  ``keep_bytes_once`` the same, each call drawn by one thread whatever layouts consume the bytes.
 - ``keep_halves(word, threshold)``: the (low, high) decisions of one word.
 
 ``threshold`` is ``keep_threshold(p)`` (host side): an element is kept iff its 16-bit value is ``>= threshold``.
@@ -101,7 +102,30 @@ def unpack_rows(decision_bytes):
 
 
 @triton.jit
-def dropout_keep_octets(seed, call_counter, threshold):
+def keep_bytes_once(seed, calls, threshold):
+    """``keep_bytes``, each call drawn by one thread whatever layouts the bytes are then used in.
+
+    Where a consumer's layout holds a call's decisions in several threads (a blocked tile whose
+    threads hold runs of consecutive columns: eight calls per run of eight), the compiler would
+    recompute Philox in that layout rather than convert the bytes to it; drawn inside a branch
+    (both arms alike, the condition not known at compile time) they are computed once, in a layout
+    of their own, and converted (a byte per call through shared memory)."""
+    if seed >= 0:
+        decision_bytes = keep_bytes(seed, calls, threshold)
+    else:
+        decision_bytes = keep_bytes(seed, calls, threshold)
+    return decision_bytes
+
+
+@triton.jit
+def dropout_keep_octets(seed, call_counter, threshold, ONCE: tl.constexpr = True):
     """Boolean [R, 8 C] block from the [R, C] block of Philox counters ``call_counter`` (whole
-    groups, see the module doc): column ``64 (c // 8) + 8 h + c % 8`` is half ``h`` of call (r, c)."""
-    return unpack_groups(keep_bytes(seed, call_counter, threshold))
+    groups, see the module doc): column ``64 (c // 8) + 8 h + c % 8`` is half ``h`` of call (r, c).
+    ``ONCE``: each call drawn by one thread and its byte converted (``keep_bytes_once``), for blocked
+    layouts; False: drawn in the consumer's layout, for a tensor-core accumulator whose threads hold
+    exactly the columns of their own calls (no conversion needed)."""
+    if ONCE:
+        decision_bytes = keep_bytes_once(seed, call_counter, threshold)
+    else:
+        decision_bytes = keep_bytes(seed, call_counter, threshold)
+    return unpack_groups(decision_bytes)
