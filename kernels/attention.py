@@ -136,6 +136,13 @@ def _store_rows(x_ptr, stride_xb, stride_xh, stride_xr, stride_xp, b, h, offs, o
 
 
 @triton.jit
+def _dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P: tl.constexpr):
+    """[J, P] pointers to rows ``offs_j`` of one head in the fp32 dQ accumulator, (b, h, j, p)
+    contiguous; ``stat_base`` = (b * H + h) * Lq, the head's first row."""
+    return dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :]
+
+
+@triton.jit
 def _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
                   INDEX_64: tl.constexpr, OCTETS: tl.constexpr):
     """(``_row_counters`` of the rows ``offs_j``, their row indices into a saved mask: ``stat_base``
@@ -242,8 +249,8 @@ def _attn_bwd_preprocess_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_j, delta, mask=row_ok)
     if ZERO_DQ:
-        dq_rows = dq_acc_ptr + (pid_bh.to(tl.int64) * Lq + offs_j[:, None]) * P + offs_p[None, :]
-        tl.store(dq_rows, tl.zeros([BLOCK_J, P], tl.float32), mask=row_ok[:, None])
+        tl.store(_dq_acc_rows(dq_acc_ptr, pid_bh.to(tl.int64) * Lq, offs_j, offs_p, P), tl.zeros([BLOCK_J, P], tl.float32),
+                 mask=row_ok[:, None])
         if pid_j == 0:
             tl.store(arrivals_ptr + pid_bh, 0)
 
@@ -325,8 +332,7 @@ def _attn_bwd_dkdv_kernel(
         dk += tl.dot(tl.trans(ds), q)
         if DQ_ATOMIC:
             dq = tl.dot(ds, k) * scale
-            tl.atomic_add(dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :], dq,
-                          mask=row_ok[:, None], sem="relaxed")
+            tl.atomic_add(_dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P), dq, mask=row_ok[:, None], sem="relaxed")
 
     _store_rows(dk_ptr, stride_dkb, stride_dkh, stride_dkk, stride_dkp, b, h, offs_k, offs_p, col_ok, dk * scale)
     _store_rows(dv_ptr, stride_dvb, stride_dvh, stride_dvk, stride_dvp, b, h, offs_k, offs_p, col_ok, dv * dropout_scale)
@@ -337,8 +343,8 @@ def _attn_bwd_dkdv_kernel(
             for start_j in range(0, Lq, BLOCK_J):
                 offs_j = start_j + tl.arange(0, BLOCK_J)
                 row_ok = offs_j < Lq
-                dq = tl.load(dq_acc_ptr + (stat_base + offs_j[:, None]) * P + offs_p[None, :], mask=row_ok[:, None],
-                             other=0.0, cache_modifier=".cg")
+                dq = tl.load(_dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P), mask=row_ok[:, None], other=0.0,
+                             cache_modifier=".cg")
                 _store_rows(dq_ptr, stride_dqb, stride_dqh, stride_dqj, stride_dqp, b, h, offs_j, offs_p, row_ok, dq)
 
 
