@@ -18,8 +18,8 @@ that option, the one with the default configs, and, without dropout, the fused p
 default; all of these timed as CUDA-graph replays (``Sweep(cuda_graph=True)``: GPU time, no host
 gaps); (3) the forward + backward variants again launched from Python (``cuda_graph=False``: host
 overhead included); (4) the Philox floor: one pass of mask generation alone over the B*H*L*L
-probabilities, drawn and stored as the forward saves it for "saved" (``kernels.philox.keep_bytes``:
-eight decisions per Philox call, written as one byte per call, B*H*L*L/8 bytes).  Times:
+probabilities, drawn and stored as the forward saves it for "saved" (``kernels.philox.keep_bits``:
+sixteen decisions per Philox call, written as 16 bits per call, B*H*L*L/8 bytes).  Times:
 ``kernels.bench.time_cuda`` medians, L2 flushed before each repetition.  Flop: forward 4*B*H*L*L*P, backward 10*B*H*L*L*P.  The report (from the DB
 records) is written as ``attention.md`` / ``.json`` under ``--out`` on a GPU only; without one,
 small setups run through the Triton interpreter in float32 and nothing is measured or written.
@@ -45,7 +45,8 @@ from kernels.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, Eage
                                         FusedVariant, SdpaVariant, Workspace, baseline_variants, config_variants)
 from kernels.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
 from kernels.device import query_device, versions  # noqa: E402
-from kernels.philox import keep_bytes, keep_threshold  # noqa: E402
+from dataflow.dropout_mask import DECISIONS_PER_CALL  # noqa: E402
+from kernels.philox import keep_bits, keep_threshold  # noqa: E402
 from kernels.tuning_db import TuningDB  # noqa: E402
 
 GPU_SETUPS = ["B=8,H=16,L=512,P=64", "B=8,H=8,L=512,P=128"]
@@ -54,22 +55,23 @@ COMPILE_WORKERS = max(1, min(16, (os.cpu_count() or 2) - 2))  # fused variants c
 
 
 @triton.jit
-def _mask_pass_kernel(bytes_ptr, seed, threshold, BLOCK: tl.constexpr):
-    """The decision bytes of Philox calls pid * BLOCK .. pid * BLOCK + BLOCK - 1 (what the forward
+def _mask_pass_kernel(bits_ptr, seed, threshold, BLOCK: tl.constexpr):
+    """The decision bits of Philox calls pid * BLOCK .. pid * BLOCK + BLOCK - 1 (what the forward
     draws and saves for a backward with dropout_mask "saved")."""
     calls = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(bytes_ptr + calls, keep_bytes(seed, calls, threshold))
+    tl.store(bits_ptr + calls, keep_bits(seed, calls, threshold).to(tl.int16, bitcast=True))
 
 
 def philox_floor(elements: int, dropout_p: float) -> tuple[float, float]:
-    """(median ms of one mask pass over ``elements`` decisions, kept fraction); elements % 8192 == 0."""
-    decision_bytes = torch.empty(elements // 8, dtype=torch.uint8, device="cuda")
+    """(median ms of one mask pass over ``elements`` decisions, kept fraction); elements % 16384 == 0."""
+    decision_bits = torch.empty(elements // DECISIONS_PER_CALL, dtype=torch.int16, device="cuda")
     block = 1024
 
     def run():
-        _mask_pass_kernel[(elements // (8 * block),)](decision_bytes, SEED, keep_threshold(dropout_p), BLOCK=block)
+        _mask_pass_kernel[(elements // (DECISIONS_PER_CALL * block),)](decision_bits, SEED, keep_threshold(dropout_p),
+                                                                       BLOCK=block)
     run()
-    kept = sum(int(((decision_bytes >> h) & 1).sum()) for h in range(8)) / elements
+    kept = sum(int(((decision_bits >> b) & 1).sum()) for b in range(DECISIONS_PER_CALL)) / elements
     return time_cuda(run).median_ms, kept
 
 
@@ -217,7 +219,7 @@ def markdown(report: dict) -> str:
             return "" if x is None else f"{x:.4f}"
 
         labels = {"fused_regenerate": "fused, best knobs, the backward regenerates the mask",
-                  "fused_saved": "fused, best knobs, the forward saves the mask (a byte per 8 keys), "
+                  "fused_saved": "fused, best knobs, the forward saves the mask (a bit per key), "
                                  "the backward reads it",
                   "fused_default": "fused, default knobs",
                   "eager": "eager chain (einsum, scale, softmax, native_dropout, einsum)"}
@@ -244,11 +246,11 @@ def markdown(report: dict) -> str:
         if "philox_floor_ms" in r:
             elements = d["B"] * d["H"] * d["L"] * d["L"]
             lines.append(f"Philox floor: one pass of mask generation alone over B*H*L*L = {elements} probabilities "
-                         f"({elements // 8} Philox-4x32-10 calls, eight 16-bit decisions per call, written as one "
-                         f"byte per call by kernels.philox.keep_bytes) takes {r['philox_floor_ms']:.4f} ms (kept "
+                         f"({elements // DECISIONS_PER_CALL} Philox-4x32-10 calls, sixteen 8-bit decisions per call, "
+                         f"written as 16 bits per call by kernels.philox.keep_bits) takes {r['philox_floor_ms']:.4f} ms (kept "
                          f"fraction {r['kept_fraction']:.4f}). With dropout_mask 'regenerate' the backward draws the "
                          f"mask again (the dK/dV kernel, and with dQ 'split' the dQ kernel too); with 'saved' the "
-                         f"forward writes these bytes (1/8 byte per probability) and the backward reads them.")
+                         f"forward writes these bits (1/8 byte per probability) and the backward reads them.")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -41,7 +41,7 @@ def ttgir(kernel, constants: dict) -> str:
 
 
 def main() -> None:
-    common = dict(P=64, CAUSAL=False, HAS_KPM=False, INDEX_64=False, OCTETS=True)
+    common = dict(P=64, CAUSAL=False, HAS_KPM=False, INDEX_64=False, GROUPED=True)
     kernels = {"forward": (attention._attn_fwd_kernel, dict(BLOCK_J=64, BLOCK_K=128, EVEN_K=True), (0, 1)),
                "dK/dV": (attention._attn_bwd_dkdv_kernel, dict(BLOCK_J=64, BLOCK_K=64, EVEN=True, DQ_ATOMIC=True), (0, 2))}
     for name, (kernel, tiles, mask_io) in kernels.items():

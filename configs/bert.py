@@ -4,7 +4,7 @@ Post-LayerNorm: ``y = LN(x1 + drop(W2 act(W1 x1 + b1) + b2))`` with ``x1 = LN(x 
 Index letters follow the paper: i = model dim (N), b = batch (B), j / k = query / key position (L),
 h = heads (H), p / w = query-key / value projection dims (P), u = feed-forward dim (U).
 Every tensor is stored in the order of its letters, e.g. ``x`` is [N, B, L] ("ibj").
-Dropout is a multiplication by a declared mask (values 0 or 1/(1-p)); datamove regenerates it.
+Dropout is a multiplication by a declared mask (values 0 or 1/(1-p), p rounded to a multiple of 1/256); datamove regenerates it.
 """
 import numpy as np
 

@@ -3,20 +3,22 @@
 Convention (shared by the reference executor and every Triton kernel, forward or backward, in
 any layout).  The element of a dropout-masked tensor with *logical* row-major index ``n`` over the
 tensor's named dims in spec order has the global counter ``g = offset + n``.  Counters come in
-groups of 64 (``DECISION_GROUP``): counter ``g = 64 G + 8 h + c`` (``c = g % 8``, ``h = (g // 8) % 8``)
-takes half ``h`` of Philox-4x32-10 call ``8 G + c`` on that 64-bit call counter (as Triton's
-``tl.randint4x``: counter words (lo, hi, 0, 0), the 64-bit seed as key), whose four 32-bit words
-are eight 16-bit halves (word ``w``'s low half is half ``2 w``, its high half ``2 w + 1``).  The
-element is kept iff that 16-bit value is ``>= keep_threshold(p) = round(p * 65536)``, so it is
-dropped with probability ``round(p * 65536) / 65536`` (p = 0.1: 0.1000061).  Kept elements are
-scaled by ``1 / (1 - p)``.
+groups of 64 (``DECISION_GROUP``), each decided by four Philox-4x32-10 calls (as Triton's
+``tl.randint4x``: counter words (lo, hi, 0, 0), the 64-bit seed as key) whose four 32-bit words are
+sixteen bytes (word ``w``'s bits ``8 k .. 8 k + 7`` are byte ``4 w + k``).  Counter
+``g = 64 G + 8 i + 2 t + e`` (``i = (g // 8) % 8``, ``t = (g % 8) // 2``, ``e = g % 2``) takes byte
+``2 i + e`` of call ``4 G + t``.  The element is kept iff that byte is ``>= keep_threshold(p) =
+round(p * 256)``, so it is dropped with probability ``round(p * 256) / 256`` (p = 0.1: 0.1015625),
+and kept elements are scaled by ``dropout_scale(p) = 1 / (1 - round(p * 256) / 256)``, so the
+expectation is exact.  Eight-bit decisions, as FlashAttention's dropout makes them, take one Philox
+call per sixteen elements.
 
-So a group of 64 consecutive elements is eight calls, call ``c`` deciding the elements ``c, c + 8,
-..., c + 56`` of the group.  That is the element order of a tensor-core (MMA) accumulator tile:
-each thread holds, per row, column pairs ``2 q, 2 q + 1`` of every eight columns, i.e. every
-decision of two whole calls, so a kernel whose tile runs along the tensor's last logical letter in
-whole groups draws each call once, in the thread that uses it, without moving decisions between
-threads (``kernels.philox.dropout_keep_octets``).  Any other kernel can decide element by element
+So a call decides, in each of the eight runs of eight elements of its group, the pair ``2 t, 2 t + 1``.
+That is the element order of a tensor-core (MMA) accumulator tile: each thread holds, per row,
+column pairs ``2 t, 2 t + 1`` of every eight columns, i.e. every decision of one whole call per
+64 columns, so a kernel whose tile runs along the tensor's last logical letter in whole groups
+draws each call once, in the thread that uses it, without moving decisions between threads
+(``kernels.philox.dropout_keep_grouped``).  Any other kernel can decide element by element
 (``kernels.philox.dropout_keep``).  This module reproduces the convention bit for bit in NumPy so
 the float64 reference sees the same mask.
 """
@@ -24,9 +26,10 @@ from __future__ import annotations
 
 import numpy as np
 
-DECISIONS_PER_CALL = 8  # keep decisions drawn from one Philox-4x32-10 call (its eight 16-bit halves)
-DECISION_GROUP = DECISIONS_PER_CALL * DECISIONS_PER_CALL  # counters 64 G .. 64 G + 63: calls 8 G .. 8 G + 7
-DECISION_LEVELS = 1 << 16  # each decision compares a 16-bit value
+DECISIONS_PER_CALL = 16  # keep decisions drawn from one Philox-4x32-10 call (its sixteen bytes)
+DECISION_GROUP = 64  # counters 64 G .. 64 G + 63: calls 4 G .. 4 G + 3
+CALLS_PER_GROUP = DECISION_GROUP // DECISIONS_PER_CALL
+DECISION_LEVELS = 1 << 8  # each decision compares an 8-bit value
 _KEY_A = np.uint32(0x9E3779B9)
 _KEY_B = np.uint32(0xBB67AE85)
 _ROUND_A = np.uint64(0xD2511F53)
@@ -35,10 +38,20 @@ _TO_UNIFORM = np.float32(4.6566127342e-10)
 
 
 def keep_threshold(p: float) -> int:
-    """The 16-bit level at or above which an element is kept: ``round(p * 65536)``."""
+    """The 8-bit level at or above which an element is kept: ``round(p * 256)``."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability {p} is not in [0, 1)")
-    return int(round(p * DECISION_LEVELS))
+    threshold = int(round(p * DECISION_LEVELS))
+    if threshold == DECISION_LEVELS:
+        raise ValueError(f"dropout probability {p} rounds to 1 in steps of 1/{DECISION_LEVELS}: every element "
+                         "would be dropped")
+    return threshold
+
+
+def dropout_scale(p: float) -> float:
+    """The factor of a kept element: ``1 / (1 - q)`` for the probability ``q = round(p * 256) / 256``
+    with which elements are dropped (p = 0.1: 1.1130435)."""
+    return DECISION_LEVELS / (DECISION_LEVELS - keep_threshold(p))
 
 
 def _mulhilo(a: np.uint64, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -74,22 +87,21 @@ def philox_uniform(seed: int, counters: np.ndarray) -> np.ndarray:
 
 
 def decision_values(seed: int, offset: int, shape: tuple[int, ...]) -> np.ndarray:
-    """The convention's 16-bit value (uint16) of every element of a mask of ``shape`` (spec order) at ``offset``."""
+    """The convention's 8-bit value (uint8) of every element of a mask of ``shape`` (spec order) at ``offset``."""
     g = offset + np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)
     if not g.size:
-        return np.zeros(shape, dtype=np.uint16)
-    call, half = call_and_half(g)
+        return np.zeros(shape, dtype=np.uint8)
+    call, byte = call_and_byte(g)
     first = call.min()
     calls = np.arange(first, call.max() + 1, dtype=np.int64)
-    words = philox_words(seed, calls)
-    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).reshape(len(calls), DECISIONS_PER_CALL)
-    return halves[call - first, half].astype(np.uint16).reshape(shape)
+    call_bytes = philox_words(seed, calls).astype("<u4").view(np.uint8).reshape(len(calls), DECISIONS_PER_CALL)
+    return call_bytes[call - first, byte].reshape(shape)
 
 
-def call_and_half(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(Philox call counter, half 0..7) of each int64 counter ``g``: ``g = 64 G + 8 h + c`` -> (8 G + c, h)."""
+def call_and_byte(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(Philox call counter, byte 0..15) of each int64 counter ``g``: ``g = 64 G + 8 i + 2 t + e`` -> (4 G + t, 2 i + e)."""
     g = np.asarray(g, dtype=np.int64)
-    return (g // DECISION_GROUP) * DECISIONS_PER_CALL + g % DECISIONS_PER_CALL, (g // DECISIONS_PER_CALL) % DECISIONS_PER_CALL
+    return (g // DECISION_GROUP) * CALLS_PER_GROUP + (g % 8) // 2, 2 * ((g // 8) % 8) + g % 2
 
 
 def keep_mask(seed: int, offset: int, shape: tuple[int, ...], p: float) -> np.ndarray:
@@ -98,7 +110,7 @@ def keep_mask(seed: int, offset: int, shape: tuple[int, ...], p: float) -> np.nd
 
 
 def dropout_scale_mask(seed: int, offset: int, shape: tuple[int, ...], p: float) -> np.ndarray:
-    """float64 multiplier of ``shape``: ``1/(1-p)`` where kept, 0 where dropped (all ones when p == 0)."""
+    """float64 multiplier of ``shape``: ``dropout_scale(p)`` where kept, 0 where dropped (all ones when p == 0)."""
     if p == 0.0:
         return np.ones(shape)
-    return keep_mask(seed, offset, shape, p) / (1.0 - p)
+    return keep_mask(seed, offset, shape, p) * dropout_scale(p)

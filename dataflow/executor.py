@@ -46,7 +46,7 @@ def dropout_offsets(graph) -> dict[str, int]:
 
 
 def dropout_masks(graph, seed: int, p: float | None = None) -> dict[str, np.ndarray]:
-    """float64 multipliers (0 or 1/(1-p)) of every dropout tensor; ``p`` overrides the spec's
+    """float64 multipliers (0 or ``dataflow.dropout_mask.dropout_scale(p)``) of every dropout tensor; ``p`` overrides the spec's
     probabilities (``p=0``: all ones, dropout off)."""
     return {name: dropout_scale_mask(seed, offset, tensor_shape(graph, name),
                                      graph.tensors[name].p if p is None else p)

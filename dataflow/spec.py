@@ -3,7 +3,7 @@
 A spec file declares its size dims with ``dims(B=8, L=512, ...)`` (symbols with defaults), maps
 each index letter to a dim in ``INDEX`` (``{"b": B, "j": L, "k": L, ...}``), and defines one layer
 function whose every argument is annotated ``Tensor("ibj")`` (stored in that letter order) or
-``Dropout("hbjk", p)`` (a mask of 0 or 1/(1-p) that datamove regenerates).  ``OPTIONS`` may list
+``Dropout("hbjk", p)`` (a mask of 0 or 1/(1-p), p rounded to a multiple of 1/256 by ``dataflow.dropout_mask``, that datamove regenerates).  ``OPTIONS`` may list
 choices for module constants (first value the default), set with ``--set NAME=VALUE``.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ k (key position), p (head dim):
     S[b,h,j,k] = scale * sum_p Q[b,h,j,p] K[b,h,k,p]
     S          = -inf where masked (causal: k > j; key padding: key_padding_mask[b,k] is True)
     P          = softmax_k(S)
-    P~         = P * keep[b,h,j,k] / (1 - dropout_p)
+    P~         = P * keep[b,h,j,k] * dropout_scale(dropout_p)   (1 / (1 - dropout_p), p rounded to 1/256)
     O[b,h,j,p] = sum_k P~[b,h,j,k] V[b,h,k,p]
 
 The forward pass streams K/V blocks through an online softmax; P never reaches memory. It saves
@@ -27,13 +27,14 @@ without copies. The launchers take torch tensors whose ``.shape`` is the logical
 Dropout convention (``kernels.philox`` / ``dataflow.dropout_mask``): the probability at logical
 position (b, h, j, k) has logical index ``n = b*sb + h*sh + j*sj + k*sk``, where (sb, sh, sj, sk)
 are the row-major strides of the probabilities' dims in their spec order (``dropout_strides_for``);
-it is kept iff the convention's 16-bit value of counter ``g = offset + n`` (``g = 64 G + 8 h + c``:
-half ``h`` of Philox call ``8 G + c``) is ``>= keep_threshold(dropout_p)``.  Where k is the mask's
-last logical letter and every row starts a group of 64 counters (``dropout_octets``: the offset and
-the strides of b, h, j multiples of 64, e.g. BERT's (h, b, j, k) and (b, h, j, k) masks with
-L % 64 == 0) and the key blocks are whole groups (block_k % 64 == 0), the kernels draw one Philox
-call per eight keys, each in the thread whose accumulator columns it decides (``kernels.philox.
-keep_bytes`` + ``unpack_groups``); elsewhere one call per element (``kernels.philox.dropout_keep``).
+it is kept iff the convention's 8-bit value of counter ``g = offset + n`` (``g = 64 G + 8 i + 2 t + e``:
+byte ``2 i + e`` of Philox call ``4 G + t``) is ``>= keep_threshold(dropout_p)``, and kept ones are
+scaled by ``dropout_scale(dropout_p)``.  Where k is the mask's last logical letter and every row
+starts a group of 64 counters (``dropout_grouped``: the offset and the strides of b, h, j multiples
+of 64, e.g. BERT's (h, b, j, k) and (b, h, j, k) masks with L % 64 == 0) and the key blocks are
+whole groups (block_k % 64 == 0), the kernels draw one Philox call per sixteen keys, each in the
+thread whose accumulator columns it decides (``kernels.philox.dropout_keep_grouped``); elsewhere
+one call per element (``kernels.philox.dropout_keep``).
 
 How the backward gets the mask is the knob ``dropout_mask`` of its configuration
 (``attention_configs``, ``attention_backward``, ``fused_attention``'s ``backward_config``):
@@ -41,11 +42,11 @@ How the backward gets the mask is the knob ``dropout_mask`` of its configuration
 - "regenerate" (the default): the backward saves nothing and reads nothing; every kernel that
   needs the mask draws it again from (seed, offset): the dK/dV kernel, and with dQ "split" the
   dQ kernel too.
-- "saved": the forward writes the decisions, one byte per Philox call: uint8 (b, h, j, k // 8)
-  contiguous, bit ``h`` of [b, h, j, c] = the decision of key ``64 (c // 8) + 8 h + c % 8`` (``new_saved_mask``;
-  1/8 byte per probability; blocks a causal forward skips stay unwritten and are never read
-  unmasked), and the backward kernels read it instead of drawing.  Only where the layout lets the
-  kernels draw one call per eight keys (elsewhere nothing is saved and the backward draws the mask,
+- "saved": the forward writes the decisions, 16 bits per Philox call: int16 (b, h, j, k // 16)
+  contiguous, bit ``2 i + e`` of [b, h, j, c] = the decision of key ``64 (c // 4) + 8 i + 2 (c % 4) + e``
+  (``new_saved_mask``; 1/8 byte per probability; blocks a causal forward skips stay unwritten and
+  are never read unmasked), and the backward kernels read it instead of drawing.  Only where the
+  layout lets the kernels draw one call per sixteen keys (elsewhere nothing is saved and the backward draws the mask,
   as "regenerate"), and only with key blocks of whole groups (block_k % 64 == 0) on both sides.
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
@@ -63,46 +64,46 @@ import triton.language as tl
 
 from dataflow.dropout_mask import DECISION_GROUP
 from kernels.interpreter import interpreted
-from kernels.philox import dropout_keep, keep_bytes, keep_bytes_once, keep_threshold, unpack_groups
+from kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_bits, keep_threshold, unpack_grouped
 
 LOG2E = 1.4426950408889634
 DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the dropout mask (module doc)
 
 
 @triton.jit
-def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.constexpr, OCTETS: tl.constexpr):
-    """Dropout counter (offset + logical index) of each row's element at column 0; with OCTETS the
-    Philox call counter of that element (counter // 8 = 8 G: the counter starts group G of 64)."""
+def _row_counters(b, h, rows, offset, drop_sb, drop_sh, drop_srow, INDEX_64: tl.constexpr, GROUPED: tl.constexpr):
+    """Dropout counter (offset + logical index) of each row's element at column 0; with GROUPED the
+    first Philox call counter of that element's group (counter // 16 = 4 G: the counter starts group G of 64)."""
     if INDEX_64:
         g = offset + b * drop_sb + h * drop_sh + rows.to(tl.int64) * drop_srow
     else:
         g = offset + b.to(tl.int32) * drop_sb + h.to(tl.int32) * drop_sh + rows * drop_srow
-    if OCTETS:
-        g = g >> 3
+    if GROUPED:
+        g = g >> 4
     return g
 
 
 @triton.jit
 def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, mask_rows, Lk,
-                BLOCK_C: tl.constexpr, OCTETS: tl.constexpr, MASK_IO: tl.constexpr):
+                BLOCK_C: tl.constexpr, GROUPED: tl.constexpr, MASK_IO: tl.constexpr):
     """Boolean [R, BLOCK_C] keep block of the rows with dropout counters ``row_counter`` ([R],
     ``_row_counters``) and the keys col_start .. col_start + BLOCK_C - 1 (logical stride
-    ``drop_scol``). OCTETS (``dropout_octets``; drop_scol == 1, col_start and BLOCK_C multiples of 64): one Philox
-    call per eight keys; ``MASK_IO`` 1 also writes their bytes to the saved mask, 2 reads the
-    bytes from it instead of drawing (``mask_rows``: [R] int64 row indices into it, -1 for rows
+    ``drop_scol``). GROUPED (``dropout_grouped``; drop_scol == 1, col_start and BLOCK_C multiples of 64):
+    one Philox call per sixteen keys; ``MASK_IO`` 1 also writes their bits to the saved mask, 2 reads
+    the bits from it instead of drawing (``mask_rows``: [R] int64 row indices into it, -1 for rows
     outside the mask). Else one call per element."""
-    if OCTETS:
-        calls = col_start // 8 + tl.arange(0, BLOCK_C // 8)
-        io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 8) + calls[None, :]
-        io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 8)[None, :]
+    if GROUPED:
+        calls = col_start // 16 + tl.arange(0, BLOCK_C // 16)
+        io_ptrs = mask_ptr + mask_rows[:, None] * (Lk // 16) + calls[None, :]
+        io_ok = (mask_rows >= 0)[:, None] & (calls < Lk // 16)[None, :]
         if MASK_IO == 2:
-            decision_bytes = tl.load(io_ptrs, mask=io_ok, other=0)
-        elif MASK_IO == 1:  # drawn once, converted to the store's layout and to the accumulator's
-            decision_bytes = keep_bytes_once(seed, row_counter[:, None] + calls[None, :], threshold)
-            tl.store(io_ptrs, decision_bytes, mask=io_ok)
+            keep = unpack_grouped(tl.load(io_ptrs, mask=io_ok, other=0).to(tl.uint16, bitcast=True))
+        elif MASK_IO == 1:  # the bits stored, and unpacked in the accumulator's layout
+            bits = keep_bits(seed, row_counter[:, None] + calls[None, :], threshold)
+            tl.store(io_ptrs, bits.to(tl.int16, bitcast=True), mask=io_ok)
+            keep = unpack_grouped(bits)
         else:  # in the accumulator's layout each thread draws the calls of its own columns
-            decision_bytes = keep_bytes(seed, row_counter[:, None] + calls[None, :], threshold)
-        keep = unpack_groups(decision_bytes)
+            keep = dropout_keep_grouped(seed, row_counter[:, None] + calls[None, :], threshold)
     else:
         cols = (col_start + tl.arange(0, BLOCK_C)).to(row_counter.dtype) * drop_scol
         keep = dropout_keep(seed, 0, row_counter[:, None] + cols[None, :], threshold)
@@ -144,10 +145,10 @@ def _dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P: tl.constexpr):
 
 @triton.jit
 def _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
-                  INDEX_64: tl.constexpr, OCTETS: tl.constexpr):
+                  INDEX_64: tl.constexpr, GROUPED: tl.constexpr):
     """(``_row_counters`` of the rows ``offs_j``, their row indices into a saved mask: ``stat_base``
     (= (b * H + h) * Lq) + j, -1 beyond Lq), what ``_keep_block`` takes."""
-    drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, OCTETS)
+    drop_row = _row_counters(b, h, offs_j, offset, drop_sb, drop_sh, drop_sj, INDEX_64, GROUPED)
     return drop_row, tl.where(row_ok, stat_base + offs_j, -1)
 
 
@@ -171,7 +172,7 @@ def _attn_fwd_kernel(
     o_ptr,  # (b, h, j, p) any strides
     lse_ptr,  # (b, h, j) float32, contiguous
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
-    mask_ptr,  # (b, h, j, k // 8) uint8 contiguous: the saved mask, written if MASK_IO == 1
+    mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, written if MASK_IO == 1
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -180,10 +181,10 @@ def _attn_fwd_kernel(
     drop_sb, drop_sh, drop_sj, drop_sk,  # logical strides of (b, h, j, k) for the dropout index
     H, Lq, Lk,
     qk_scale,  # scale * log2(e)
-    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
+    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), dropout_scale(dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
@@ -191,7 +192,7 @@ def _attn_fwd_kernel(
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
         drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, pid_bh.to(tl.int64) * Lq, offset, drop_sb, drop_sh,
-                                            drop_sj, INDEX_64, OCTETS)
+                                            drop_sj, INDEX_64, GROUPED)
 
     m_i = tl.full([BLOCK_J], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_J], tl.float32)
@@ -216,7 +217,7 @@ def _attn_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             keep = _keep_block(seed, drop_threshold, drop_row, start_k, drop_sk, mask_ptr, mask_rows, Lk,
-                               BLOCK_K, OCTETS, MASK_IO)
+                               BLOCK_K, GROUPED, MASK_IO)
             p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -269,7 +270,7 @@ def _attn_bwd_dkdv_kernel(
     dk_ptr,  # (b, h, k, p) any strides
     dv_ptr,  # (b, h, k, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
-    mask_ptr,  # (b, h, j, k // 8) uint8 contiguous: the saved mask, read if MASK_IO == 2
+    mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -281,10 +282,10 @@ def _attn_bwd_dkdv_kernel(
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,  # scale, scale * log2(e)
-    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
+    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), dropout_scale(dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     pid_k, pid_bh, b, h, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
                                                                 H, Lk, BLOCK_K, P)
@@ -314,9 +315,9 @@ def _attn_bwd_dkdv_kernel(
         dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
         if HAS_DROPOUT:
             drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
-                                                INDEX_64, OCTETS)
+                                                INDEX_64, GROUPED)
             keep = _keep_block(seed, drop_threshold, drop_row, pid_k * BLOCK_K, drop_sk, mask_ptr, mask_rows, Lk,
-                               BLOCK_K, OCTETS, MASK_IO)
+                               BLOCK_K, GROUPED, MASK_IO)
         p = tl.math.exp2(s_jk * qk_scale - lse2[:, None])
         if CAUSAL or HAS_KPM or not EVEN:
             valid = key_ok[None, :] & row_ok[:, None]
@@ -358,7 +359,7 @@ def _attn_bwd_dq_kernel(
     delta_ptr,  # (b, h, j) float32, contiguous
     dq_ptr,  # (b, h, j, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
-    mask_ptr,  # (b, h, j, k // 8) uint8 contiguous: the saved mask, read if MASK_IO == 2
+    mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -368,10 +369,10 @@ def _attn_bwd_dq_kernel(
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,
-    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), 1 / (1 - dropout_p)
+    drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), dropout_scale(dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    OCTETS: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr,
+    GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
@@ -383,7 +384,7 @@ def _attn_bwd_dq_kernel(
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
         drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, pid_bh.to(tl.int64) * Lq, offset, drop_sb, drop_sh,
-                                            drop_sj, INDEX_64, OCTETS)
+                                            drop_sj, INDEX_64, GROUPED)
 
     dq = tl.zeros([BLOCK_J, P], tl.float32)
     k_end = Lk
@@ -402,7 +403,7 @@ def _attn_bwd_dq_kernel(
         dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
         if HAS_DROPOUT:
             keep = _keep_block(seed, drop_threshold, drop_row, start_k, drop_sk, mask_ptr, mask_rows, Lk,
-                               BLOCK_K, OCTETS, MASK_IO)
+                               BLOCK_K, GROUPED, MASK_IO)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq += tl.dot(ds, k)
@@ -528,19 +529,19 @@ def dropout_strides_for(order: str, B: int, H: int, Lq: int, Lk: int) -> tuple[i
     return strides["b"], strides["h"], strides["j"], strides["k"]
 
 
-def dropout_octets(dropout_strides, offset: int) -> bool:
-    """Whether the layout lets the kernels draw the mask one Philox call per eight keys: k is the
+def dropout_grouped(dropout_strides, offset: int) -> bool:
+    """Whether the layout lets the kernels draw the mask one Philox call per sixteen keys: k is the
     mask's last logical letter (stride 1) and every row (b, h, j) starts a group of 64 counters (the
     offset and the other logical strides are multiples of 64; then L_k % 64 == 0 too). The kernels
-    then do so with key blocks of whole groups (``_block_octets``). Else one call per element."""
+    then do so with key blocks of whole groups (``_block_grouped``). Else one call per element."""
     sb, sh, sj, sk = dropout_strides
     return sk == 1 and all(x % DECISION_GROUP == 0 for x in (offset, sb, sh, sj))
 
 
-def _block_octets(octets: bool, block_k: int, saved_mask) -> bool:
-    """Whether a launch with key blocks of ``block_k`` draws one call per eight keys (``octets``:
+def _block_grouped(grouped: bool, block_k: int, saved_mask) -> bool:
+    """Whether a launch with key blocks of ``block_k`` draws one call per sixteen keys (``grouped``:
     the layout allows it); a saved mask needs it."""
-    whole = octets and block_k % DECISION_GROUP == 0
+    whole = grouped and block_k % DECISION_GROUP == 0
     if saved_mask is not None and not whole:
         raise ValueError(f"a saved dropout mask needs block_k a multiple of {DECISION_GROUP} (whole groups of "
                          f"Philox calls), not {block_k}")
@@ -549,15 +550,15 @@ def _block_octets(octets: bool, block_k: int, saved_mask) -> bool:
 
 def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=None):
     """A buffer for ``attention_forward(saved_mask=...)`` and ``attention_backward(dropout_mask=
-    "saved", saved_mask=...)``: uint8 (b, h, j, k // 8) on q's device, one byte per Philox call
+    "saved", saved_mask=...)``: int16 (b, h, j, k // 16) on q's device, 16 bits per Philox call
     (see the module doc), or None where nothing is saved (dropout_p == 0, or a layout where the
     kernels draw one Philox call per element)."""
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
     drop = tuple(dropout_strides or dropout_strides_for("bhjk", B, H, Lq, Lk))
-    if dropout_p == 0.0 or not dropout_octets(drop, offset):
+    if dropout_p == 0.0 or not dropout_grouped(drop, offset):
         return None
-    return torch.empty((B, H, Lq, Lk // 8), device=q.device, dtype=torch.uint8)
+    return torch.empty((B, H, Lq, Lk // 16), device=q.device, dtype=torch.int16)
 
 
 def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, saved_mask):
@@ -580,12 +581,12 @@ def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, save
         kpm = key_padding_mask.view(torch.uint8)
         kpm_strides = kpm.stride()
     drop = tuple(dropout_strides or dropout_strides_for("bhjk", B, H, Lq, Lk))
-    octets = dropout_p > 0.0 and dropout_octets(drop, offset)
-    if saved_mask is not None and (not octets or saved_mask.shape != (B, H, Lq, Lk // 8)
-                                   or saved_mask.dtype != torch.uint8 or not saved_mask.is_contiguous()):
+    grouped = dropout_p > 0.0 and dropout_grouped(drop, offset)
+    if saved_mask is not None and (not grouped or saved_mask.shape != (B, H, Lq, Lk // 16)
+                                   or saved_mask.dtype != torch.int16 or not saved_mask.is_contiguous()):
         raise ValueError("saved_mask must come from new_saved_mask with the same arguments")
     last = offset + sum((n - 1) * s for n, s in zip((B, H, Lq, Lk), drop))
-    return B, H, Lq, Lk, P, kpm, kpm_strides, drop, octets, last >= 2**31
+    return B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, last >= 2**31
 
 
 def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
@@ -600,7 +601,7 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     (for a backward with ``dropout_mask="saved"``).
     Returns ``(o, lse)``, lse float32 (b, h, j) contiguous, natural log.
     """
-    B, H, Lq, Lk, P, kpm, kpm_strides, drop, octets, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
+    B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
                                                                         dropout_strides, saved_mask)
     config = default_config(P, "forward")
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
@@ -611,10 +612,10 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
         q, k, v, o, lse, kpm, lse if saved_mask is None else saved_mask,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *kpm_strides, *drop,
         H, Lq, Lk, scale * LOG2E,
-        keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset,
+        keep_threshold(dropout_p), dropout_scale(dropout_p), seed, offset,
         P=P, BLOCK_J=block_j, BLOCK_K=block_k,
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
-        OCTETS=_block_octets(octets, block_k, saved_mask), MASK_IO=0 if saved_mask is None else 1,
+        GROUPED=_block_grouped(grouped, block_k, saved_mask), MASK_IO=0 if saved_mask is None else 1,
         EVEN_K=Lk % block_k == 0,
         num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
     )
@@ -636,7 +637,7 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     (the kernels read ``saved_mask``, the forward's ``new_saved_mask`` buffer; None only where
     ``new_saved_mask`` gives None, and then the mask is drawn as with "regenerate").
     """
-    B, H, Lq, Lk, P, kpm, kpm_strides, drop, octets, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
+    B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
                                                                         dropout_strides, saved_mask)
     config = default_config(P, "backward")
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
@@ -646,7 +647,7 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
         raise ValueError(f"dq_mode must be 'atomic' or 'split', not {dq_mode!r}")
     if dropout_mask not in DROPOUT_MASK_OPTIONS:
         raise ValueError(f"dropout_mask must be one of {DROPOUT_MASK_OPTIONS}, not {dropout_mask!r}")
-    if (saved_mask is not None) != (dropout_mask == "saved" and octets):
+    if (saved_mask is not None) != (dropout_mask == "saved" and grouped):
         given = "given" if saved_mask is not None else "None"
         raise ValueError(f"dropout_mask={dropout_mask!r} with saved_mask {given}: "
                          "'saved' reads the forward's new_saved_mask buffer (None where that is None), "
@@ -664,10 +665,10 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
         P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4,
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
-                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, OCTETS=_block_octets(octets, block_k, saved_mask),
+                 HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, GROUPED=_block_grouped(grouped, block_k, saved_mask),
                  MASK_IO=mask_io,
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
-    scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), seed, offset)
+    scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), dropout_scale(dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
         q, k, v, do, lse, delta, dq_acc, arrivals, dq, dk, dv, kpm, mask,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dq.stride(), *kpm_strides,

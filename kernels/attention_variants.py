@@ -42,6 +42,7 @@ import torch
 from kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
                                default_config, fused_attention, mask_options, new_saved_mask)
 from kernels.sweep_variants import Verdict, judge
+from kernels.philox import dropout_scale
 from kernels.torch_eval import keep_mask_torch
 
 DTYPE = torch.bfloat16
@@ -95,11 +96,12 @@ def stored_as(t: torch.Tensor, order: str) -> torch.Tensor:
     return stored.permute([order.index(d) for d in "bhjp"])
 
 
-def _chain(q, k, v, scale, keep, p):
-    """The eager chain at the inputs' precision; ``keep`` (b, h, j, k) bool or None."""
+def _chain(q, k, v, scale, keep, keep_scale):
+    """The eager chain at the inputs' precision; ``keep`` (b, h, j, k) bool or None, kept
+    probabilities multiplied by ``keep_scale``."""
     a = torch.softmax(torch.einsum("bhjp,bhkp->bhjk", q, k) * scale, dim=-1)
     if keep is not None:
-        a = a * keep.to(a.dtype) / (1 - p)
+        a = a * keep.to(a.dtype) * keep_scale
     return torch.einsum("bhjk,bhkp->bhjp", a, v)
 
 
@@ -129,9 +131,9 @@ class Workspace:
             return None
         return keep_mask_torch(SEED, 0, (c.B, c.H, c.L, c.L), c.dropout_p, self.device)
 
-    def _run_chain(self, dtype, keep, p) -> dict:
+    def _run_chain(self, dtype, keep, keep_scale) -> dict:
         x = {n: t.to(dtype, copy=True).requires_grad_(n != "do") for n, t in self.exact.items()}
-        o = _chain(x["q"], x["k"], x["v"], self.case.scale, keep, p)
+        o = _chain(x["q"], x["k"], x["v"], self.case.scale, keep, keep_scale)
         o.backward(x["do"])
         return dict(o=o.detach(), dq=x["q"].grad, dk=x["k"].grad, dv=x["v"].grad)
 
@@ -139,8 +141,8 @@ class Workspace:
     def expected(self, dropout: bool = True) -> tuple[dict, dict]:
         """(float64 reference, eager baseline in ``dtype``) of O, dQ, dK, dV with the case's mask
         (``dropout``) or without dropout."""
-        keep, p = (self.keep, self.case.dropout_p) if dropout else (None, 0.0)
-        return self._run_chain(torch.float64, keep, p), self._run_chain(self.case.dtype, keep, p)
+        keep, keep_scale = (self.keep, dropout_scale(self.case.dropout_p)) if dropout else (None, 1.0)
+        return self._run_chain(torch.float64, keep, keep_scale), self._run_chain(self.case.dtype, keep, keep_scale)
 
     def verdict(self, results: dict, dropout: bool = True, expected=None) -> Verdict:
         reference, baseline = expected or self.expected(dropout)
@@ -309,8 +311,9 @@ class EagerVariant(_Base):
 
     def check(self) -> NotedVerdict:
         results = self.run()
-        keep, p = self.mask, self.ws.case.dropout_p
-        expected = (self.ws._run_chain(torch.float64, keep, p), self.ws._run_chain(self.ws.case.dtype, keep, p))
+        keep, keep_scale = self.mask, 1.0 / (1.0 - self.ws.case.dropout_p)  # native_dropout's own scale
+        expected = (self.ws._run_chain(torch.float64, keep, keep_scale),
+                    self.ws._run_chain(self.ws.case.dtype, keep, keep_scale))
         return NotedVerdict(self.ws.verdict(results, expected=expected), "checked with the mask native_dropout drew")
 
 

@@ -19,15 +19,15 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
 - fp32 arithmetic and statistics whatever the storage dtype, stores cast to each output's dtype;
 - dropout: a multiplication by a tensor of role "dropout" is not loaded but regenerated from the
   counter ``offset_<mask> + n`` (``n`` the element's row-major index over the mask's letters in
-  spec order, ``dataflow.dropout_mask``), scaled by 1/(1-p).  When the tile's column letters are
+  spec order, ``dataflow.dropout_mask``), scaled by ``dropout_scale(p)``.  When the tile's column letters are
   the mask's trailing letters in spec order (consecutive columns = consecutive n), their extent is
-  a multiple of 64 and BLOCK_COL too, the mask takes one Philox call per eight columns
-  (``kernels.philox.dropout_keep_octets`` on a [rows, BLOCK_COL // 8] block of call counters, whole
+  a multiple of 64 and BLOCK_COL too, the mask takes one Philox call per sixteen columns
+  (``kernels.philox.dropout_keep_grouped`` on a [rows, BLOCK_COL // 16] block of call counters, whole
   groups of 64 counters; this needs ``offset_<mask> % 64 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
   ``CompiledOperator.run`` checks); the same along the tile's rows when its row letters are the
-  mask's trailing letters (one call per eight rows, on the transposed block of calls: layernorms
+  mask's trailing letters (one call per sixteen rows, on the transposed block of calls: layernorms
   over i of BERT's ibj masks); otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
-  Knob ``dropout="load"`` reads a stored mask (values 0 or 1/(1-p)) instead;
+  Knob ``dropout="load"`` reads a stored mask (values 0 or ``dropout_scale(p)``) instead;
 - sizes as runtime int arguments ``size_<letter>``, dim names used in expressions (``N``,
   ``sqrt(P)``) as float arguments ``dim_<name>``.
 """
@@ -45,7 +45,7 @@ import triton
 
 from dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from kernels.interpreter import interpreted
-from kernels.philox import keep_threshold
+from kernels.philox import dropout_scale, keep_threshold
 from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
 
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
@@ -67,13 +67,13 @@ class _Plan:
     regenerated: tuple  # dropout masks regenerated from (seed, offset)
     outputs: tuple
     dim_names: tuple  # dim names used in expressions -> dim_<name> float args
-    octets: tuple  # the regenerated masks drawn one Philox call per eight columns (``_octet_masks``)
-    row_octets: tuple  # ... per eight rows (the same rule along the tile's rows)
-    row_groups: tuple  # ... per column for 8 rows c, c + 8, ..., c + 56 of a group of 64 (``_row_group_masks``)
+    grouped: tuple  # the regenerated masks drawn one Philox call per sixteen columns (``_grouped_masks``)
+    row_grouped: tuple  # ... per sixteen rows (the same rule along the tile's rows)
+    row_calls: tuple  # ... per column for the 16 rows of one call, 64 G + 2 t + 8 i + e (``_row_call_masks``)
 
 
-def _octet_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
-    """The masks of ``regenerated`` whose decisions can come eight per Philox call along the tile's
+def _grouped_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
+    """The masks of ``regenerated`` whose decisions can come sixteen per Philox call along the tile's
     columns: the column letters ``cols`` are the mask's trailing letters in spec order (column c of
     a row is logical index ``row base + c``), their extent is a multiple of 64 (so is every other
     logical stride: each row base starts a group of 64 counters, ``dataflow.dropout_mask``) and so is
@@ -86,15 +86,15 @@ def _octet_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple,
     return tuple(t for t in regenerated if letters.tensor_axes[t].endswith(cols))
 
 
-def _row_group_masks(graph, letters: OperatorLetters, rows: str, regenerated: tuple, block_row: int) -> tuple:
-    """The masks of ``regenerated`` whose decisions can come eight per Philox call along the rows of
-    a row-reduction tile of 8 rows: the row letters are the mask's trailing letters in spec order,
-    their extent a multiple of 64, and the program takes rows c, c + 8, ..., c + 56 of a group of
-    64 (the rows the kernel then takes, see the program-id decomposition in ``generate_source``)
-    instead of eight consecutive ones: one call, every one of its halves."""
+def _row_call_masks(graph, letters: OperatorLetters, rows: str, regenerated: tuple, block_row: int) -> tuple:
+    """The masks of ``regenerated`` whose decisions can come sixteen per Philox call along the rows of
+    a row-reduction tile of 16 rows: the row letters are the mask's trailing letters in spec order,
+    their extent a multiple of 64, and the program takes the rows 64 G + 2 t + 8 i + e (i < 8,
+    e < 2) of call 4 G + t (the rows the kernel then takes, see the program-id decomposition in
+    ``generate_source``) instead of sixteen consecutive ones: one call, every one of its bytes."""
     if block_row != DECISIONS_PER_CALL:
         return ()
-    return _octet_masks(graph, letters, rows, regenerated, DECISION_GROUP)
+    return _grouped_masks(graph, letters, rows, regenerated, DECISION_GROUP)
 
 
 def _plan(graph, op, knobs: dict) -> _Plan:
@@ -119,12 +119,12 @@ def _plan(graph, op, knobs: dict) -> _Plan:
             for node in ast.walk(ast.parse(prim.expr, mode="eval")):
                 if isinstance(node, ast.Name) and node.id in graph.dim_values:
                     dim_names.add(node.id)
-    octets = _octet_masks(graph, letters, cols, regenerated, knobs["block_col"])
-    row_octets = tuple(t for t in _octet_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in octets)
-    row_groups = () if reduce_axis != 1 else tuple(
-        t for t in _row_group_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in octets + row_octets)
+    grouped = _grouped_masks(graph, letters, cols, regenerated, knobs["block_col"])
+    row_grouped = tuple(t for t in _grouped_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in grouped)
+    row_calls = () if reduce_axis != 1 else tuple(
+        t for t in _row_call_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in grouped + row_grouped)
     return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),
-                 octets, row_octets, row_groups)
+                 grouped, row_grouped, row_calls)
 
 
 class _Expr(ast.NodeTransformer):
@@ -246,9 +246,9 @@ Knobs: {knobs}"""
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
         w("cols = col_start + tl.arange(0, BLOCK_COL)")
-    elif plan.reduce_axis == 1 and plan.row_groups:  # rows c, c + 8, ..., c + 56 of group pid // 8 (c = pid % 8)
-        w("row_start = (pid // 8) * 64 + pid % 8")
-        w("rows = row_start + 8 * tl.arange(0, BLOCK_ROW)")
+    elif plan.reduce_axis == 1 and plan.row_calls:  # rows 64 G + 2 t + 8 i + e of call 4 G + t = pid (byte 2 i + e)
+        w("row_start = (pid // 4) * 64 + 2 * (pid % 4)")
+        w("rows = row_start + 8 * (tl.arange(0, BLOCK_ROW) // 2) + tl.arange(0, BLOCK_ROW) % 2")
     elif plan.reduce_axis == 1:
         w("row_start = pid * BLOCK_ROW")
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
@@ -296,22 +296,22 @@ Knobs: {knobs}"""
     def emit_input(t: str, depth: int):
         if t in plan.regenerated:
             info = graph.tensors[t]
-            scale, threshold = 1.0 / (1.0 - info.p), keep_threshold(info.p)
-            if t in plan.octets:  # column 64 G + 8 h + c of the block: half h of call (row start) // 8 + 8 G + c
+            scale, threshold = dropout_scale(info.p), keep_threshold(info.p)
+            if t in plan.grouped:  # column 64 G + 8 i + 2 t + e of the block: byte 2 i + e of call (col start) // 16 + 4 G + t
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.cols)
-                calls = f"((offset_{t} + {base}col_start) >> 3) + tl.arange(0, BLOCK_COL // 8)[None, :]"
-                keep = f"dropout_keep_octets(seed_{t}, {calls}, {threshold})"
-                note = "one Philox call per eight columns"
-            elif t in plan.row_octets:  # the same along rows, on the transposed block of calls
+                calls = f"((offset_{t} + {base}col_start) >> 4) + tl.arange(0, BLOCK_COL // 16)[None, :]"
+                keep = f"dropout_keep_grouped(seed_{t}, {calls}, {threshold})"
+                note = "one Philox call per sixteen columns"
+            elif t in plan.row_grouped:  # the same along rows, on the transposed block of calls
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
-                calls = f"((offset_{t} + {base}row_start) >> 3) + tl.arange(0, BLOCK_ROW // 8)[:, None]"
-                keep = f"tl.trans(dropout_keep_octets(seed_{t}, tl.trans({calls}), {threshold}))"
-                note = "one Philox call per eight rows"
-            elif t in plan.row_groups:  # row 8 r of the block: half r of the one call of its column
+                calls = f"((offset_{t} + {base}row_start) >> 4) + tl.arange(0, BLOCK_ROW // 16)[:, None]"
+                keep = f"tl.trans(dropout_keep_grouped(seed_{t}, tl.trans({calls}), {threshold}))"
+                note = "one Philox call per sixteen rows"
+            elif t in plan.row_calls:  # row r of the block: byte r of the one call of its column
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
-                calls = f"((offset_{t} + {base}(pid // 8) * 64) >> 3) + pid % 8"
-                keep = f"unpack_rows(keep_bytes(seed_{t}, {calls}, {threshold}))"
-                note = "one Philox call per column for eight rows"
+                calls = f"((offset_{t} + {base}(pid // 4) * 64) >> 4) + pid % 4"
+                keep = f"unpack_rows(keep_bits(seed_{t}, {calls}, {threshold}))"
+                note = "one Philox call per column for sixteen rows"
             else:
                 index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
                 keep = f"dropout_keep(seed_{t}, offset_{t}, {index}, {threshold})"
@@ -449,7 +449,7 @@ _PRELUDE = '''import triton
 import triton.language as tl
 
 from kernels.interpreter import store_cast
-from kernels.philox import dropout_keep, dropout_keep_octets, keep_bytes, unpack_rows
+from kernels.philox import dropout_keep, dropout_keep_grouped, keep_bits, unpack_rows
 
 
 @triton.jit
@@ -654,7 +654,7 @@ class CompiledOperator:
             args += [float(self.graph.dim_values[d]) for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
-                if offset % DECISION_GROUP and t in plan.octets + plan.row_octets + plan.row_groups:
+                if offset % DECISION_GROUP and t in plan.grouped + plan.row_grouped + plan.row_calls:
                     raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISION_GROUP}, "
                                      f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
                 args += [int(seed), int(offset)]

@@ -336,7 +336,7 @@ class Epilogue:
     ``activation`` in none/relu/gelu (tanh form); optional save (``save="pre_dropout"``); dropout with
     probability ``dropout_p``: element at logical row-major index n over the output's letters in spec
     order is kept as ``dataflow.dropout_mask`` decides for counter ``offset + n`` (``kernels.philox``), kept
-    values scaled by ``1 / (1 - dropout_p)``.
+    values scaled by ``dropout_scale(dropout_p)``.
     """
 
     alpha: float = 1.0

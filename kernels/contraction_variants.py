@@ -42,6 +42,7 @@ from kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_
                                  run_cublas, run_triton, stacked_spec)
 from kernels.codegen import compile_operator
 from kernels.gemm import GemmConfig, GemmShape, tma_compatible, valid_configs
+from kernels.philox import dropout_scale
 from kernels.sweep_variants import MASK_SEED, Verdict, judge
 from kernels.torch_eval import dropout_offsets, keep_mask_torch
 from layouts.space import configurations
@@ -369,7 +370,7 @@ class EpilogueVariant:
         ep = self.epilogue
         pre = y + self._broadcast_bias(bias)
         act = torch.relu(pre) if ep.activation == "relu" else pre
-        result = {"out": act if self._keep is None else torch.where(self._keep, act * (1.0 / (1.0 - ep.p)), 0.0)}
+        result = {"out": act if self._keep is None else torch.where(self._keep, act * dropout_scale(ep.p), 0.0)}
         if ep.save:
             result[ep.save] = pre if ep.save == "pre_activation" else act
         return result

@@ -13,7 +13,7 @@ structurally (recorded in ``dataflow.snapshot``) become PyTorch's own kernels:
 - layernorm backward -> ``aten.native_layer_norm_backward(g, x, shape, mean, rstd, gamma, ...)``
   (dx only; with the gradient's ``* gamma`` folded in when the operator holds it); it reads the
   forward input x and the saved mean / rstd, as eager autograd does;
-- a map ``in0 * in1`` by a dropout mask -> ``aten.native_dropout_backward(x, keep, 1/(1-p))``
+- a map ``in0 * in1`` by a dropout mask -> ``aten.native_dropout_backward(x, keep, dropout_scale(p))``
   (a multiply by the stored boolean mask, as eager autograd does in backward);
 - every other map: its expression with torch element-wise operations (bias, ReLU, residual,
   GELU written out, as HuggingFace's GPT-2 does), one kernel per operation; reductions (bias
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.philox import dropout_scale
 from kernels.torch_eval import map_value, reduce_value
 
 aten = torch.ops.aten
@@ -242,7 +243,7 @@ class EagerRun:
                 prim = prims[step.prims[0]]
                 mask = next(o for o in prim.inputs if graph.tensors[o.tensor].role == "dropout")
                 x = next(o for o in prim.inputs if o is not mask)
-                scale = 1.0 / (1.0 - graph.tensors[mask.tensor].p)
+                scale = dropout_scale(graph.tensors[mask.tensor].p)
                 keep = env[mask.tensor]
                 value = env[x.tensor]
                 if x.letters != mask.letters:
@@ -253,7 +254,7 @@ class EagerRun:
             else:
                 prim = prims[step.prims[0]]
                 arrays = [env[o.tensor] if graph.tensors[o.tensor].role != "dropout" else
-                          env[o.tensor].to(self.dtype) / (1.0 - graph.tensors[o.tensor].p) for o in prim.inputs]
+                          env[o.tensor].to(self.dtype) * dropout_scale(graph.tensors[o.tensor].p) for o in prim.inputs]
                 if prim.kind == "reduce":
                     value = reduce_value(prim, arrays[0])
                 elif prim.kind == "map":

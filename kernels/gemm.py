@@ -7,7 +7,7 @@ Computes, for every (b0, b1, m, n),
     saved = y                                                   (optional, save="pre_activation")
     y = relu(y) | gelu_tanh(y)                                  (optional)
     saved = y                                                   (optional, save="pre_dropout")
-    y = keep ? y / (1 - p) : 0                                  (optional dropout)
+    y = keep ? y * dropout_scale(p) : 0                         (optional dropout)
     C[b0, b1, m, n] = y
 
 Every operand is addressed by one element stride per GEMM dim (two batch dims, then m/k, k/n or
@@ -21,9 +21,9 @@ digits ``(q1, q2, l0, l1, l2)``: a dim's flat index f adds ``(f % q1)*l0 + ((f /
 (f // (q1*q2))*l2`` (``kernels.contraction.dropout_digits`` derives them).  When C's n (or m) dim
 runs along the output's last logical letter with unit logical stride (l0 == 1, q1 % 64 == 0),
 every other logical stride and the offset are multiples of 64 and the epilogue's slices hold whole
-groups of 64 columns (rows), each group is eight Philox calls, drawn once each in the threads whose
+groups of 64 columns (rows), each group is four Philox calls, drawn once each in the threads whose
 accumulator columns they decide
-(``kernels.philox.dropout_keep_octets``, see ``_octets``); otherwise each element makes its own
+(``kernels.philox.dropout_keep_grouped``, see ``_grouped``); otherwise each element makes its own
 call (``kernels.philox.dropout_keep``).  The mask equals
 ``dataflow.dropout_mask.keep_mask(seed, offset, out_logical_shape, p)`` in any layout.
 
@@ -44,7 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dataflow.dropout_mask import DECISION_GROUP
 from kernels.interpreter import interpreted, round_bf16
-from kernels.philox import dropout_keep, dropout_keep_octets, keep_threshold
+from kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SAVES = ("none", "pre_activation", "pre_dropout")
@@ -162,7 +162,7 @@ def _gemm_kernel(
     stride_cb0, stride_cb1, stride_cm, stride_cn,
     stride_biasb0, stride_biasb1, stride_biasm, stride_biasn,
     stride_sb0, stride_sb1, stride_sm, stride_sn,
-    alpha, p, threshold, seed, offset,  # threshold: kernels.philox.keep_threshold(p)
+    alpha, drop_scale, threshold, seed, offset,  # kernels.philox.dropout_scale(p), keep_threshold(p)
     q1_b0, q2_b0, l0_b0, l1_b0, l2_b0,  # dropout index digits of b0 (see _digits)
     q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
     q1_m, q2_m, l0_m, l1_m, l2_m,
@@ -170,7 +170,7 @@ def _gemm_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # "none" | "relu" | "gelu"
     HAS_DROPOUT: tl.constexpr,
-    OCTETS: tl.constexpr,  # dropout: "n" / "m": one Philox call per eight columns / rows (see _octets); "none": per element
+    GROUPED: tl.constexpr,  # dropout: "n" / "m": one Philox call per sixteen columns / rows (see _grouped); "none": per element
     INDEX_64: tl.constexpr,  # offset + logical index may pass 2**31: add them in int64
     SAVE: tl.constexpr,  # "none" | "pre_activation" | "pre_dropout"
     TMA: tl.constexpr,  # A and B tiles through tensor descriptors (TMA on Hopper) instead of pointers
@@ -248,8 +248,8 @@ def _gemm_kernel(
         index_b = _digits(pid_b0, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0) + _digits(pid_b1, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1)
     if EPILOGUE_SPLIT == 1:
         _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, base_c, stride_cm, stride_cn, base_bias, stride_biasm, stride_biasn,
-                  base_saved, stride_sm, stride_sn, p, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m,
-                  q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT, OCTETS, INDEX_64, SAVE, ROUND_BF16, True)
+                  base_saved, stride_sm, stride_sn, drop_scale, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m,
+                  q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT, GROUPED, INDEX_64, SAVE, ROUND_BF16)
     else:  # column halves (then quarters): [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N)
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
         if EPILOGUE_SPLIT == 2:
@@ -261,8 +261,8 @@ def _gemm_kernel(
         for h in tl.static_range(EPILOGUE_SPLIT):
             _epilogue(parts[h], pid_m * BLOCK_M, pid_n * BLOCK_N + h * (BLOCK_N // EPILOGUE_SPLIT), M, N,
                       base_c, stride_cm, stride_cn, base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn,
-                      p, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
-                      HAS_BIAS, ACTIVATION, HAS_DROPOUT, OCTETS, INDEX_64, SAVE, ROUND_BF16, False)
+                      drop_scale, threshold, seed, offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
+                      HAS_BIAS, ACTIVATION, HAS_DROPOUT, GROUPED, INDEX_64, SAVE, ROUND_BF16)
 
 
 @triton.jit
@@ -270,14 +270,14 @@ def _epilogue(acc, m_start, n_start, M, N,
               c_ptr, stride_cm, stride_cn,  # C tile base (batch offsets applied)
               bias_ptr, stride_biasm, stride_biasn,
               saved_ptr, stride_sm, stride_sn,
-              p, threshold, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
+              drop_scale, threshold, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
               q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
-              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, OCTETS: tl.constexpr,
-              INDEX_64: tl.constexpr, SAVE: tl.constexpr, ROUND_BF16: tl.constexpr, WHOLE_TILE: tl.constexpr):
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+              INDEX_64: tl.constexpr, SAVE: tl.constexpr, ROUND_BF16: tl.constexpr):
     """Bias, activation, saves, dropout and the store of the slice of C whose rows start at m_start
-    and columns at n_start (its extents: acc's shape; both starts multiples of the extents).
-    ``WHOLE_TILE``: acc is the accumulator itself, in whose layout each thread draws the Philox
-    calls of its own columns; a slice of it (EPILOGUE_SPLIT > 1) draws each call once and converts."""
+    and columns at n_start (its extents: acc's shape; both starts multiples of the extents).  Grouped
+    dropout draws in acc's layout: in the accumulator's each thread draws the Philox calls of its
+    own columns."""
     offs_m = m_start + tl.arange(0, acc.shape[0])
     offs_n = n_start + tl.arange(0, acc.shape[1])
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -295,36 +295,36 @@ def _epilogue(acc, m_start, n_start, M, N,
     if SAVE == "pre_dropout":
         tl.store(saved_ptrs, (round_bf16(acc) if ROUND_BF16 else acc).to(saved_ptr.dtype.element_ty), mask=mask)
     if HAS_DROPOUT:
-        if OCTETS == "n":  # column c of the call block: the logical index of column n_start + 8c, (counter // 8) its call
-            octet_n = n_start + 8 * tl.arange(0, acc.shape[1] // 8)
+        if GROUPED == "n":  # column c of the call block: the logical index of column n_start + 16c, (counter // 16) its call
+            call_n = n_start + 16 * tl.arange(0, acc.shape[1] // 16)
             first = (index_b + _digits(offs_m, q1_m, q2_m, l0_m, l1_m, l2_m)[:, None]
-                     + _digits(octet_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
-        elif OCTETS == "m":  # the same along rows, on the transposed tile
-            octet_m = m_start + 8 * tl.arange(0, acc.shape[0] // 8)
+                     + _digits(call_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
+        elif GROUPED == "m":  # the same along rows, on the transposed tile
+            call_m = m_start + 16 * tl.arange(0, acc.shape[0] // 16)
             first = (index_b + _digits(offs_n, q1_n, q2_n, l0_n, l1_n, l2_n)[:, None]
-                     + _digits(octet_m, q1_m, q2_m, l0_m, l1_m, l2_m)[None, :])
+                     + _digits(call_m, q1_m, q2_m, l0_m, l1_m, l2_m)[None, :])
         else:
             first = (index_b + _digits(offs_m, q1_m, q2_m, l0_m, l1_m, l2_m)[:, None]
                      + _digits(offs_n, q1_n, q2_n, l0_n, l1_n, l2_n)[None, :])
         if INDEX_64:
             first = first.to(tl.int64)
-        if OCTETS == "n":
-            keep = dropout_keep_octets(seed, (offset + first) >> 3, threshold, not WHOLE_TILE)
-        elif OCTETS == "m":
-            keep = tl.trans(dropout_keep_octets(seed, (offset + first) >> 3, threshold, not WHOLE_TILE))
+        if GROUPED == "n":
+            keep = dropout_keep_grouped(seed, (offset + first) >> 4, threshold)
+        elif GROUPED == "m":
+            keep = tl.trans(dropout_keep_grouped(seed, (offset + first) >> 4, threshold))
         else:
             keep = dropout_keep(seed, offset, first, threshold)
-        acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
+        acc = tl.where(keep, acc * drop_scale, 0.0)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, (round_bf16(acc) if ROUND_BF16 else acc).to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _octets(digits: tuple, offset: int, tile: tuple[int, int]) -> str:
-    """Along which dim of C dropout decisions come eight per Philox call: "n" (or "m") when that
+def _grouped(digits: tuple, offset: int, tile: tuple[int, int]) -> str:
+    """Along which dim of C dropout decisions come sixteen per Philox call: "n" (or "m") when that
     dim's inner digit is the output's last logical letter (l0 == 1) over a multiple of 64 (q1),
     every other logical stride and ``offset`` are multiples of 64 and so is the epilogue's extent
     along that dim (``tile``: its rows and columns, ``BLOCK_M`` and ``BLOCK_N // EPILOGUE_SPLIT``),
-    so that each aligned group of 64 consecutive columns (rows) is eight calls (``dataflow.dropout_mask``);
+    so that each aligned group of 64 consecutive columns (rows) is four calls (``dataflow.dropout_mask``);
     "none" otherwise.  ``digits``: the four ``(q1, q2, l0, l1, l2)`` of (b0, b1, m, n)."""
     for dim, name, extent in ((3, "n", tile[1]), (2, "m", tile[0])):
         q1, _, l0, l1, l2 = digits[dim]
@@ -380,7 +380,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
     config = config or valid_configs(a.dtype)[0]
     digits = dropout_digits or ((1, 1, 0, 0, 0),) * 4
     split = _epilogue_split(config, dropout_p > 0)
-    octets = _octets(digits, offset, (config.block_m, config.block_n // split)) if dropout_p > 0 else "none"
+    grouped = _grouped(digits, offset, (config.block_m, config.block_n // split)) if dropout_p > 0 else "none"
     a_src, b_src, a_m_major, b_k_major = a, b, False, False
     if config.tma:
         a_view = _tma_view(a, (shape.b0, shape.b1, shape.m, shape.k), a_strides)
@@ -397,9 +397,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         a_src, b_src, c, c if bias is None else bias, c if saved is None else saved,
         shape.b1, shape.m, shape.n, shape.k,
         *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)),
-        alpha, dropout_p, keep_threshold(dropout_p), seed, offset,
+        alpha, dropout_scale(dropout_p), keep_threshold(dropout_p), seed, offset,
         *digits[0], *digits[1], *digits[2], *digits[3],
-        HAS_BIAS=bias is not None, ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0, OCTETS=octets,
+        HAS_BIAS=bias is not None, ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0, GROUPED=grouped,
         INDEX_64=dropout_p > 0 and offset + c.numel() >= 2**31, SAVE=save,
         TMA=config.tma, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, EVEN_K=shape.k % config.block_k == 0,
         EPILOGUE_SPLIT=split,

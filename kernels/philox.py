@@ -3,26 +3,26 @@
 A kernel passes the global counter of each element (the mask's ``offset`` plus the element's
 logical row-major index over the tensor's named dims in spec order, independent of the storage
 layout) and gets the keep decision that ``dataflow.dropout_mask.keep_mask`` computes in NumPy.
-Counter ``g = 64 G + 8 h + c`` is half ``h`` of Philox call ``8 G + c``.
+Counter ``g = 64 G + 8 i + 2 t + e`` is byte ``2 i + e`` of Philox call ``4 G + t``.
 
 - ``dropout_keep(seed, offset, logical_index, threshold)``: any block of elements, one Philox call
   per element.
-- ``dropout_keep_octets(seed, call_counter, threshold)``: a [R, C] block of Philox calls (C a
-  multiple of 8; row r's calls ``call_counter[r, 0] + c`` with ``call_counter[r, 0] % 8 == 0``:
-  whole groups); returns the [R, 8 C] keep block, column ``64 (c // 8) + 8 h + c % 8`` from half
-  ``h`` of call (r, c).  The caller passes ``(offset + n) // 8`` for the element n at column 8 c
-  (n at column 0 must have ``(offset + n) % 64 == 0``): an eighth of the calls, and in a
-  tensor-core accumulator's layout every thread draws just the calls of its own columns.
-- ``keep_bytes(seed, calls, threshold)``: one uint8 per call, bit ``h`` the decision of half ``h``;
-  ``keep_bytes_once`` the same, each call drawn by one thread whatever layouts consume the bytes.
-- ``keep_halves(word, threshold)``: the (low, high) decisions of one word.
+- ``dropout_keep_grouped(seed, call_counter, threshold)``: a [R, C] block of Philox calls (C a
+  multiple of 4; row r's calls ``call_counter[r, 0] + c`` with ``call_counter[r, 0] % 4 == 0``:
+  whole groups); returns the [R, 16 C] keep block, column ``64 (c // 4) + 8 i + 2 (c % 4) + e``
+  from byte ``2 i + e`` of call (r, c).  The caller passes ``(offset + n) // 16`` for the element n
+  at column 16 c (n at column 0 must have ``(offset + n) % 64 == 0``): a sixteenth of the calls,
+  and in a tensor-core accumulator's layout every thread draws just the calls of its own columns.
+- ``keep_bits(seed, calls, threshold)``: one uint16 per call, bit ``b`` the decision of byte ``b``;
+  ``unpack_grouped`` (in place) and ``unpack_rows`` spread them over a tile's columns / rows.
 
-``threshold`` is ``keep_threshold(p)`` (host side): an element is kept iff its 16-bit value is ``>= threshold``.
+``threshold`` is ``keep_threshold(p)`` (host side): an element is kept iff its byte is ``>= threshold``;
+kept elements are scaled by ``dropout_scale(p)``.
 """
 import triton
 import triton.language as tl
 
-from dataflow.dropout_mask import keep_threshold  # noqa: F401 - the host-side half of the convention, for kernels
+from dataflow.dropout_mask import dropout_scale, keep_threshold  # noqa: F401 - the host-side half of the convention
 
 
 @triton.jit
@@ -52,9 +52,12 @@ def philox4(seed, counter):
 
 
 @triton.jit
-def keep_halves(word, threshold):
-    """(low, high): True where the uint32 ``word``'s low / high 16-bit half keeps its element."""
-    return (word & 0xFFFF) >= threshold, (word >> 16) >= threshold
+def _byte_keeps(word, threshold):
+    """The decisions of ``word``'s bytes 0..3 (bits 0-7, .., 24-31), as uint32 bits 0..3."""
+    keeps = ((word & 0xFF) >= threshold).to(tl.uint32)
+    keeps |= (((word >> 8) & 0xFF) >= threshold).to(tl.uint32) << 1
+    keeps |= (((word >> 16) & 0xFF) >= threshold).to(tl.uint32) << 2
+    return keeps | ((word >> 24) >= threshold).to(tl.uint32) << 3
 
 
 @triton.jit
@@ -62,70 +65,63 @@ def dropout_keep(seed, offset, logical_index, threshold):
     """Boolean block: True where the element at ``logical_index`` (int32/int64 block) of the mask
     at counter ``offset`` survives; one Philox call per element."""
     g = offset + logical_index
-    c0, c1, c2, c3 = philox4(seed, ((g >> 6) << 3) | (g & 7))
-    half = (g >> 3) & 7
-    word = half >> 1
+    c0, c1, c2, c3 = philox4(seed, ((g >> 6) << 2) | ((g >> 1) & 3))
+    byte = ((g >> 2) & 14) | (g & 1)  # 2 i + e
+    word = byte >> 2
     picked = tl.where(word == 0, c0, tl.where(word == 1, c1, tl.where(word == 2, c2, c3)))
-    return ((picked >> ((half & 1) * 16).to(tl.uint32)) & 0xFFFF) >= threshold
+    return ((picked >> ((byte & 3) * 8).to(tl.uint32)) & 0xFF) >= threshold
 
 
 @triton.jit
-def _keep_bit_pair(word, threshold, SHIFT: tl.constexpr):
-    """uint8 block: the decisions of ``word``'s low / high half at bits SHIFT / SHIFT + 1."""
-    low, high = keep_halves(word, threshold)
-    return (low.to(tl.uint8) << SHIFT) | (high.to(tl.uint8) << (SHIFT + 1))
-
-
-@triton.jit
-def keep_bytes(seed, calls, threshold):
-    """uint8 block: bit h of element (..) = the keep decision from half h of Philox call calls[..]."""
+def keep_bits(seed, calls, threshold):
+    """uint16 block: bit b of element (..) = the keep decision from byte b of Philox call calls[..]."""
     w0, w1, w2, w3 = philox4(seed, calls)
-    return (_keep_bit_pair(w0, threshold, 0) | _keep_bit_pair(w1, threshold, 2)
-            | _keep_bit_pair(w2, threshold, 4) | _keep_bit_pair(w3, threshold, 6))
+    bits = _byte_keeps(w0, threshold) | (_byte_keeps(w1, threshold) << 4)
+    return (bits | (_byte_keeps(w2, threshold) << 8) | (_byte_keeps(w3, threshold) << 12)).to(tl.uint16)
 
 
 @triton.jit
-def unpack_groups(decision_bytes):
-    """[R, C] uint8 (C % 8 == 0, whole groups of calls) -> [R, 8 C] bool: column 64 (c // 8) + 8 h + c % 8
-    is bit h of decision_bytes[r, c]."""
-    R: tl.constexpr = decision_bytes.shape[0]
-    C: tl.constexpr = decision_bytes.shape[1]
-    grouped = tl.reshape(decision_bytes, (R, C // 8, 8))
-    bits = (grouped[:, :, None, :] >> tl.arange(0, 8).to(tl.uint8)[None, None, :, None]) & 1  # [R, G, h, c]
-    return tl.reshape(bits, (R, 8 * C)) != 0
+def unpack_grouped(bits):
+    """[R, C] uint16 (C % 4 == 0, whole groups of calls) -> [R, 16 C] bool: column
+    64 (c // 4) + 8 i + 2 (c % 4) + e is bit 2 i + e of bits[r, c].  Each element shifts its call's
+    bits in place: for a tensor-core accumulator, whose threads hold whole calls."""
+    R: tl.constexpr = bits.shape[0]
+    C: tl.constexpr = bits.shape[1]
+    grouped = tl.reshape(bits, (R, C // 4, 4))[:, :, None, :, None]  # [R, G, i, t, e]
+    shifts = (2 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 2)[None, None, :]).to(tl.uint16)  # [i, t, e]
+    return tl.reshape((grouped >> shifts[None, None, :, :, :]) & 1, (R, 16 * C)) != 0
 
 
 @triton.jit
-def unpack_rows(decision_bytes):
-    """[1, C] uint8 -> [8, C] bool: row h is bit h (the decision of half h of each column's call)."""
-    return ((decision_bytes >> tl.arange(0, 8).to(tl.uint8)[:, None]) & 1) != 0
+def unpack_rows(bits):
+    """[1, C] uint16 -> [16, C] bool: row b is bit b (the decision of byte b of each column's call)."""
+    return ((bits.to(tl.uint32) >> tl.arange(0, 16).to(tl.uint32)[:, None]) & 1) != 0
 
 
 @triton.jit
-def keep_bytes_once(seed, calls, threshold):
-    """``keep_bytes``, each call drawn by one thread whatever layouts the bytes are then used in.
-
-    Where a consumer's layout holds a call's decisions in several threads (a blocked tile whose
-    threads hold runs of consecutive columns: eight calls per run of eight), the compiler would
-    recompute Philox in that layout rather than convert the bytes to it; drawn inside a branch
-    (both arms alike, the condition not known at compile time) they are computed once, in a layout
-    of their own, and converted (a byte per call through shared memory)."""
-    if seed >= 0:
-        decision_bytes = keep_bytes(seed, calls, threshold)
-    else:
-        decision_bytes = keep_bytes(seed, calls, threshold)
-    return decision_bytes
+def _decide_grouped(seed, calls, threshold):
+    """``unpack_grouped(keep_bits(..))`` computed in the consumer's layout, each element comparing its
+    own byte (no packing): for a tensor-core accumulator, whose threads hold whole calls."""
+    R: tl.constexpr = calls.shape[0]
+    C: tl.constexpr = calls.shape[1]
+    w0, w1, w2, w3 = philox4(seed, calls)
+    i = tl.arange(0, 8)[None, None, :, None, None]
+    e = tl.arange(0, 2)[None, None, None, None, :]
+    word = i // 2  # byte 2 i + e is in word i // 2, at bit 8 (2 (i % 2) + e)
+    picked = tl.where(word == 0, tl.reshape(w0, (R, C // 4, 4))[:, :, None, :, None],
+                      tl.where(word == 1, tl.reshape(w1, (R, C // 4, 4))[:, :, None, :, None],
+                               tl.where(word == 2, tl.reshape(w2, (R, C // 4, 4))[:, :, None, :, None],
+                                        tl.reshape(w3, (R, C // 4, 4))[:, :, None, :, None])))
+    keep = ((picked >> (8 * (2 * (i % 2) + e)).to(tl.uint32)) & 0xFF) >= threshold
+    return tl.reshape(keep, (R, 16 * C))
 
 
 @triton.jit
-def dropout_keep_octets(seed, call_counter, threshold, ONCE: tl.constexpr = True):
-    """Boolean [R, 8 C] block from the [R, C] block of Philox counters ``call_counter`` (whole
-    groups, see the module doc): column ``64 (c // 8) + 8 h + c % 8`` is half ``h`` of call (r, c).
-    ``ONCE``: each call drawn by one thread and its byte converted (``keep_bytes_once``), for blocked
-    layouts; False: drawn in the consumer's layout, for a tensor-core accumulator whose threads hold
-    exactly the columns of their own calls (no conversion needed)."""
-    if ONCE:
-        decision_bytes = keep_bytes_once(seed, call_counter, threshold)
-    else:
-        decision_bytes = keep_bytes(seed, call_counter, threshold)
-    return unpack_groups(decision_bytes)
+def dropout_keep_grouped(seed, call_counter, threshold):
+    """Boolean [R, 16 C] block from the [R, C] block of Philox counters ``call_counter`` (whole
+    groups, see the module doc): column ``64 (c // 4) + 8 i + 2 (c % 4) + e`` is byte ``2 i + e`` of
+    call (r, c).  Drawn in the consumer's layout: in a tensor-core accumulator's, whose threads hold
+    exactly the columns of their own calls, each call once; in a blocked tile whose threads hold runs
+    of eight consecutive columns, each call in every thread that uses one of its bytes (exchanging
+    the bits instead, ``tl.gather`` through shared memory, made Triton 3.6 abort compiling some tiles)."""
+    return _decide_grouped(seed, call_counter, threshold)

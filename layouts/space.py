@@ -54,6 +54,8 @@ import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from dataflow.dropout_mask import DECISIONS_PER_CALL
+
 MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 
 
@@ -223,7 +225,7 @@ def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhau
     else:
         reduce_rows = vector not in letters.reduced  # the reduction runs along the tile's rows
         n_red, n_par = (n_rows, n_cols) if reduce_rows else (n_cols, n_rows)
-        par_blocks = (32, 128) if reduce_rows else (1, 4, 8)  # 8 rows: whole Philox calls along rows
+        par_blocks = (32, 128) if reduce_rows else (1, 4, DECISIONS_PER_CALL)  # 16 rows: whole Philox calls along rows
         for pb in sorted({min(b, n_par) for b in par_blocks}):
             if n_red * pb <= MAX_TILE:
                 combos.append(("row", n_red, pb) if reduce_rows else ("row", pb, n_red))

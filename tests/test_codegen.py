@@ -176,10 +176,10 @@ def test_stored_dropout_mask():
     assert "drop_attn_ptr" in compiled.source
 
 
-@pytest.mark.parametrize("length,block_col,octets", [(192, 128, True), (72, 64, False), (64, 32, False)])
-def test_dropout_octets_in_any_storage_layout(length, block_col, octets):
+@pytest.mark.parametrize("length,block_col,grouped", [(192, 128, True), (72, 64, False), (64, 32, False)])
+def test_dropout_grouped_in_any_storage_layout(length, block_col, grouped):
     """alpha tiled along k (its mask's last letter), every tensor stored in reversed letter order:
-    sequence length 192 in blocks of 128 columns (ragged last block) takes one Philox call per eight
+    sequence length 192 in blocks of 128 columns (ragged last block) takes one Philox call per sixteen
     columns; length 72 (rows not starting a group of 64 counters) or blocks of 32 columns (splitting
     groups) one per element; all the convention's mask."""
     graph, ops = _setup("bert", {**SMALL["bert"], "L": length})
@@ -187,7 +187,7 @@ def test_dropout_octets_in_any_storage_layout(length, block_col, octets):
     base = default_configuration(graph, op)
     layouts = {t: graph.tensors[t].letters[::-1] for t in (*op.inputs, *op.outputs)}
     source = _check(graph, op, Configuration(layouts, {**base.knobs, "block_col": block_col}), seed=5).source
-    assert ("dropout_keep_octets(" in source) == octets and ("dropout_keep(" in source) != octets
+    assert ("dropout_keep_grouped(" in source) == grouped and ("dropout_keep(" in source) != grouped
 
 
 def test_source_is_readable_and_cached(tmp_path):

@@ -8,11 +8,11 @@ import functools
 import pytest
 import torch
 
-from dataflow.dropout_mask import keep_mask
+from dataflow.dropout_mask import dropout_scale, keep_mask
 from kernels.accuracy import assert_closer
 from kernels.contraction import (Epilogue, GemmPlan, NotAGemm, contract, dropout_digits, empty_in_layout, enumerate_variants,
                                  layout_of, map_layouts, parse, run_cublas, run_triton, stacked_projection, stacked_spec)
-from kernels.gemm import GemmConfig, GemmShape, _epilogue_split, _octets, tma_compatible, valid_configs
+from kernels.gemm import GemmConfig, GemmShape, _epilogue_split, _grouped, tma_compatible, valid_configs
 
 SMALL = dict(p=5, h=3, i=37, b=2, j=29, k=23, w=5, u=41, s=3)
 # Ragged against the interpreter's tiles, yet every stride a multiple of 16 bytes (TMA descriptors).
@@ -264,7 +264,7 @@ def _epilogue_reference(spec, a, b, sizes, ep):
     pre_dropout = y
     if ep.dropout_p > 0:
         keep = torch.from_numpy(keep_mask(ep.seed, ep.offset, tuple(sizes[x] for x in c.out), ep.dropout_p)).to(y.device)
-        y = torch.where(keep, y / (1 - ep.dropout_p), 0.0)
+        y = torch.where(keep, y * dropout_scale(ep.dropout_p), 0.0)
     return y, pre_activation, pre_dropout
 
 
@@ -322,7 +322,7 @@ def test_triton_epilogue(case):
                  "none": lambda t: t}[activation](y)
             base_saved = base_pre if save == "pre_activation" else y
             if p > 0:
-                y = torch.where(keep, y / (1 - p), torch.zeros_like(y))
+                y = torch.where(keep, y * dropout_scale(p), torch.zeros_like(y))
             assert_closer(out, y, ref, what=f"{spec} bf16")
             if save:
                 assert_closer(saved, base_saved, saved_ref, what=f"{spec} bf16 saved")
@@ -343,8 +343,8 @@ def test_dropout_mask_independent_of_layout():
     assert torch.equal(masks[0], expected)
 
 
-OCTET_SIZES = {**SMALL, "j": 64, "k": 64}  # j, k whole groups of 64 counters (u, i, p still ragged against the tiles)
-OCTET_CONFIGS = (GemmConfig(64, 64, 16, 1, 1, 4), GemmConfig(64, 128, 16, 1, 1, 4, epilogue_split=2))  # whole groups
+GROUPED_SIZES = {**SMALL, "j": 64, "k": 64}  # j, k whole groups of 64 counters (u, i, p still ragged against the tiles)
+GROUPED_CONFIGS = (GemmConfig(64, 64, 16, 1, 1, 4), GemmConfig(64, 128, 16, 1, 1, 4, epilogue_split=2))  # whole groups
 NARROW_SLICES = GemmConfig(16, 16, 16, 1, 1, 4, epilogue_split=4)  # epilogue on slices of 4 columns
 
 
@@ -359,30 +359,30 @@ def _check_dropout(spec, plan, sizes, offset, config):
 
 
 @pytest.mark.parametrize("spec,layouts,sizes,offset,mode", [
-    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES, 1024, "n"),  # n = (b, j), j innermost
-    ("ui,ibj->ubj", ("iu", "bji", "bju"), OCTET_SIZES, 1024, "n"),  # C stored u-contiguous
-    ("phbk,phbj->hbjk", ("hpbk", "phbj", "hbjk"), OCTET_SIZES, 1024, "m"),  # m = k, two batch dims
-    ("ui,ibj->ubj", ("ui", "ijb", "ujb"), OCTET_SIZES, 1024, "none"),  # n = (j, b): b innermost
-    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES, 1032, "none"),  # the mask does not start a group of 64
-    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), {**OCTET_SIZES, "j": 72}, 1024, "none"),  # rows of 72 split groups
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), GROUPED_SIZES, 1024, "n"),  # n = (b, j), j innermost
+    ("ui,ibj->ubj", ("iu", "bji", "bju"), GROUPED_SIZES, 1024, "n"),  # C stored u-contiguous
+    ("phbk,phbj->hbjk", ("hpbk", "phbj", "hbjk"), GROUPED_SIZES, 1024, "m"),  # m = k, two batch dims
+    ("ui,ibj->ubj", ("ui", "ijb", "ujb"), GROUPED_SIZES, 1024, "none"),  # n = (j, b): b innermost
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), GROUPED_SIZES, 1032, "none"),  # the mask does not start a group of 64
+    ("ui,ibj->ubj", ("ui", "ibj", "ubj"), {**GROUPED_SIZES, "j": 72}, 1024, "none"),  # rows of 72 split groups
 ])
-def test_dropout_octets_and_per_element(spec, layouts, sizes, offset, mode):
-    """Eight decisions per Philox call along C's n or m dim where it runs along the output's last
+def test_dropout_grouped_and_per_element(spec, layouts, sizes, offset, mode):
+    """Sixteen decisions per Philox call along C's n or m dim where it runs along the output's last
     letter over a multiple of 64, else one per element: either way exactly ``keep_mask`` (whole and
     sliced epilogue)."""
     plan = map_layouts(spec, layouts, sizes)
     assert isinstance(plan, GemmPlan)
-    for config in OCTET_CONFIGS if _device() == "cpu" else _configs(tma=False)[:1]:
+    for config in GROUPED_CONFIGS if _device() == "cpu" else _configs(tma=False)[:1]:
         tile = (config.block_m, config.block_n // _epilogue_split(config, dropout=True))
-        assert _octets(dropout_digits(plan, sizes), offset, tile) == mode
+        assert _grouped(dropout_digits(plan, sizes), offset, tile) == mode
         _check_dropout(spec, plan, sizes, offset, config)
 
 
-def test_dropout_octets_split_by_narrow_epilogue_slices():
+def test_dropout_grouped_split_by_narrow_epilogue_slices():
     """Epilogue slices of 4 columns would split the groups of calls along n: one call per element."""
-    plan = map_layouts("ui,ibj->ubj", ("ui", "ibj", "ubj"), OCTET_SIZES)
-    assert _octets(dropout_digits(plan, OCTET_SIZES), 1024, (16, 4)) == "none"
-    _check_dropout("ui,ibj->ubj", plan, OCTET_SIZES, 1024, NARROW_SLICES)
+    plan = map_layouts("ui,ibj->ubj", ("ui", "ibj", "ubj"), GROUPED_SIZES)
+    assert _grouped(dropout_digits(plan, GROUPED_SIZES), 1024, (16, 4)) == "none"
+    _check_dropout("ui,ibj->ubj", plan, GROUPED_SIZES, 1024, NARROW_SLICES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,6 +461,6 @@ def test_gpu_linear1_fused_epilogue(config):
     keep = torch.from_numpy(keep_mask(1234, 0, tuple(out.shape), 0.1)).cuda()
     y = torch.relu(torch.einsum(spec, a, b) + bias[:, None, None])
     assert_closer(saved, y, pre_dropout, what="pre-dropout")
-    assert_closer(out, torch.where(keep, y / 0.9, torch.zeros_like(y)), ref, what="linear1 + bias + relu + dropout")
+    assert_closer(out, torch.where(keep, y * dropout_scale(0.1), torch.zeros_like(y)), ref, what="linear1 + bias + relu + dropout")
     assert torch.all(out[~keep] == 0)
-    assert abs(keep.double().mean().item() - 0.9) < 1e-3
+    assert abs(keep.double().mean().item() - 1 / dropout_scale(0.1)) < 1e-3  # kept: 230 / 256

@@ -6,8 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dataflow.dropout_mask import decision_values, keep_mask, keep_threshold, philox_uniform, philox_words
-from kernels.philox import dropout_keep, dropout_keep_octets, keep_halves
+from dataflow.dropout_mask import (decision_values, dropout_scale, dropout_scale_mask, keep_mask, keep_threshold,
+                                   philox_uniform, philox_words)
+from kernels.philox import dropout_keep, dropout_keep_grouped, keep_bits, unpack_rows
 
 
 def _device():
@@ -15,7 +16,7 @@ def _device():
 
 
 @triton.jit
-def _rand_kernel(out_ptr, words_ptr, keep_ptr, halves_ptr, n, seed, offset, threshold, BLOCK: tl.constexpr):
+def _rand_kernel(out_ptr, words_ptr, keep_ptr, bits_ptr, n, seed, offset, threshold, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = idx < n
     tl.store(out_ptr + idx, tl.rand(seed, offset + idx), mask=inside)
@@ -25,9 +26,12 @@ def _rand_kernel(out_ptr, words_ptr, keep_ptr, halves_ptr, n, seed, offset, thre
     tl.store(words_ptr + 4 * idx + 2, w2.to(tl.int32, bitcast=True), mask=inside)
     tl.store(words_ptr + 4 * idx + 3, w3.to(tl.int32, bitcast=True), mask=inside)
     tl.store(keep_ptr + idx, dropout_keep(seed, offset, idx, threshold).to(tl.int8), mask=inside)
-    low, high = keep_halves(w1, threshold)
-    tl.store(halves_ptr + 2 * idx, low.to(tl.int8), mask=inside)
-    tl.store(halves_ptr + 2 * idx + 1, high.to(tl.int8), mask=inside)
+    tl.store(bits_ptr + idx, keep_bits(seed, offset + idx, threshold).to(tl.int16, bitcast=True), mask=inside)
+
+
+def _call_bytes(words: np.ndarray) -> np.ndarray:
+    """[n, 4] uint32 Philox words -> [n, 16] uint8: byte 4 w + k is bits 8 k .. 8 k + 7 of word w."""
+    return ((words[:, :, None] >> (8 * np.arange(4, dtype=np.uint32))) & 0xFF).reshape(len(words), 16).astype(np.uint8)
 
 
 def test_philox_matches_triton_rand_and_convention():
@@ -35,59 +39,85 @@ def test_philox_matches_triton_rand_and_convention():
     out = torch.empty(n, dtype=torch.float32, device=_device())
     words = torch.empty(n, 4, dtype=torch.int32, device=_device())
     keep = torch.empty(n, dtype=torch.int8, device=_device())
-    halves = torch.empty(n, 2, dtype=torch.int8, device=_device())
-    _rand_kernel[(triton.cdiv(n, 256),)](out, words, keep, halves, n, seed, offset, keep_threshold(p), BLOCK=256)
+    bits = torch.empty(n, dtype=torch.int16, device=_device())
+    _rand_kernel[(triton.cdiv(n, 256),)](out, words, keep, bits, n, seed, offset, keep_threshold(p), BLOCK=256)
     counters = offset + np.arange(n)
     np.testing.assert_array_equal(out.cpu().numpy(), philox_uniform(seed, counters))
     expected_words = philox_words(seed, counters)
     np.testing.assert_array_equal(words.cpu().numpy().view(np.uint32), expected_words)
     expected = keep_mask(seed, offset, (n,), p)
     np.testing.assert_array_equal(keep.cpu().numpy().astype(bool), expected)
-    w1 = expected_words[:, 1]
-    np.testing.assert_array_equal(halves.cpu().numpy().astype(bool),
-                                  np.stack([(w1 & 0xFFFF) >= keep_threshold(p), (w1 >> 16) >= keep_threshold(p)], axis=1))
+    bit_of_byte = (bits.cpu().numpy().view(np.uint16)[:, None] >> np.arange(16, dtype=np.uint16)) & 1
+    np.testing.assert_array_equal(bit_of_byte.astype(bool), _call_bytes(expected_words) >= keep_threshold(p))
     assert 0.85 < expected.mean() < 0.95
 
 
 def test_convention_groups_of_64_counters():
-    """Counter g = 64 G + 8 h + c takes half h of the call on counter 8 G + c (low half of word w =
-    half 2w); kept iff that value >= round(p * 65536); the offset shifts the counters."""
+    """Counter g = 64 G + 8 i + 2 t + e takes byte 2 i + e of the call on counter 4 G + t (byte 4 w + k
+    = bits 8 k.. of word w); kept iff that byte >= round(p * 256); the offset shifts the counters."""
     seed, offset = 77, 6
     values = decision_values(seed, offset, (3, 70))
     g = offset + np.arange(210)
-    calls, halves = (g // 64) * 8 + g % 8, (g // 8) % 8
-    words = philox_words(seed, calls)[np.arange(210), halves // 2]
-    np.testing.assert_array_equal(values.ravel(), np.where(halves % 2 == 0, words & 0xFFFF, words >> 16))
-    assert len(np.unique(values)) > 200  # 16-bit values: a few birthday collisions
-    assert (calls[8:16] == calls[:8]).all() and calls[64 - offset] == 8  # a group's columns c, c + 8, ... share call c
-    assert keep_threshold(0.1) == 6554 and keep_threshold(0.0) == 0
-    np.testing.assert_array_equal(keep_mask(seed, offset, (3, 70), 0.3), values >= 19661)
+    calls, byte = (g // 64) * 4 + (g % 8) // 2, 2 * ((g // 8) % 8) + g % 2
+    np.testing.assert_array_equal(values.ravel(), _call_bytes(philox_words(seed, calls))[np.arange(210), byte])
+    assert values.dtype == np.uint8 and len(np.unique(values)) > 120  # 210 draws of 256 levels: ~143 distinct
+    n_of = lambda counter: counter - offset  # noqa: E731
+    assert (calls[[n_of(x) for x in (66, 67, 74, 75, 122, 123)]] == 5).all()  # call 4 G + t: pairs 2 t, 2 t + 1 of every 8
+    assert len(set(calls[n_of(64):n_of(128)])) == 4 and calls[n_of(128)] == 8
+    assert keep_threshold(0.1) == 26 and keep_threshold(0.0) == 0 and keep_threshold(1e-3) == 0
+    assert dropout_scale(0.1) == 256 / 230 and dropout_scale(0.0) == 1.0
+    np.testing.assert_array_equal(keep_mask(seed, offset, (3, 70), 0.3), values >= 77)
     assert keep_mask(seed, offset, (3, 70), 0.0).all()
     with pytest.raises(ValueError, match="not in"):
         keep_threshold(1.0)
+    with pytest.raises(ValueError, match="rounds to 1"):
+        keep_threshold(0.999)
 
 
-def test_drop_rate_is_p_to_within_one_level():
-    kept = keep_mask(3, 0, (400_000,), 0.1).mean()
-    assert abs((1 - kept) - 0.1) < 4 * (0.1 * 0.9 / 400_000) ** 0.5 + 1 / 65536
+def test_drop_rate_is_p_rounded_and_expectation_exact():
+    """Dropped with probability round(p * 256) / 256; the kept scale makes the mean multiplier 1."""
+    n, p = 400_000, 0.1
+    sigma = (0.1 * 0.9 / n) ** 0.5
+    assert abs((1 - keep_mask(3, 0, (n,), p).mean()) - 26 / 256) < 4 * sigma
+    assert abs(dropout_scale_mask(3, 0, (n,), p).mean() - 1.0) < 4 * sigma * dropout_scale(p)
 
 
 @triton.jit
-def _octets_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """keep[r, c] of a (rows, cols) mask, cols % 64 == 0, from one call per eight columns."""
+def _grouped_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """keep[r, c] of a (rows, cols) mask, cols % 64 == 0, from one call per sixteen columns."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    keep = dropout_keep_octets(seed, (offset + r[:, None] * cols + 8 * q[None, :]) >> 3, threshold)
-    c = tl.program_id(1) * 8 * BLOCK_Q + tl.arange(0, 8 * BLOCK_Q)
+    keep = dropout_keep_grouped(seed, (offset + r[:, None] * cols + 16 * q[None, :]) >> 4, threshold)
+    c = tl.program_id(1) * 16 * BLOCK_Q + tl.arange(0, 16 * BLOCK_Q)
     tl.store(keep_ptr + r[:, None] * cols + c[None, :], keep.to(tl.int8), mask=(r[:, None] < rows) & (c[None, :] < cols))
 
 
-def test_octets_match_convention():
+def test_grouped_match_convention():
     rows, cols, seed, offset, p = 37, 192, 0xABCDEF, 1024 + 64, 0.3
     keep = torch.empty(rows, cols, dtype=torch.int8, device=_device())
-    _octets_kernel[(triton.cdiv(rows, 16), triton.cdiv(cols, 128))](keep, rows, cols, seed, offset, keep_threshold(p),
-                                                                     BLOCK_R=16, BLOCK_Q=16)
+    _grouped_kernel[(triton.cdiv(rows, 16), triton.cdiv(cols, 128))](keep, rows, cols, seed, offset, keep_threshold(p),
+                                                                      BLOCK_R=16, BLOCK_Q=8)
     np.testing.assert_array_equal(keep.cpu().numpy().astype(bool), keep_mask(seed, offset, (rows, cols), p))
+
+
+@triton.jit
+def _row_calls_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_C: tl.constexpr):
+    """keep[r, c] of a (rows, cols) mask whose rows run along the counters (counter offset + c * rows + r,
+    rows % 64 == 0): program pid takes the sixteen rows of call 4 G + t = pid of every column."""
+    pid = tl.program_id(0)
+    b = tl.arange(0, 16)
+    r = (pid // 4) * 64 + 2 * (pid % 4) + 8 * (b // 2) + b % 2
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    calls = ((offset + c * rows + (pid // 4) * 64) >> 4) + pid % 4
+    keep = unpack_rows(keep_bits(seed, calls[None, :], threshold))
+    tl.store(keep_ptr + r[:, None] * cols + c[None, :], keep.to(tl.int8), mask=c[None, :] < cols)
+
+
+def test_row_calls_match_convention():
+    rows, cols, seed, offset, p = 128, 37, 0xFACE, 640, 0.2
+    keep = torch.empty(rows, cols, dtype=torch.int8, device=_device())
+    _row_calls_kernel[(rows // 16, triton.cdiv(cols, 32))](keep, rows, cols, seed, offset, keep_threshold(p), BLOCK_C=32)
+    np.testing.assert_array_equal(keep.cpu().numpy().astype(bool), keep_mask(seed, offset, (cols, rows), p).T)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
-"""Dropout drawn eight decisions per Philox call vs one call per element, at BERT-large, bf16.
+"""Dropout drawn sixteen decisions per Philox call vs one call per element, at BERT-large, bf16.
 
-    PYTHONPATH=$PWD python3 benchmarks/dropout_octets.py [--out benchmarks/results] [--rep-ms 50]
+    PYTHONPATH=$PWD python3 benchmarks/dropout_grouped.py [--out benchmarks/results] [--rep-ms 50]
 
 Two consumers of the dropout convention (``dataflow.dropout_mask``) are timed with both paths:
 - generated fused operators of the BERT training graph that regenerate a mask along the tile's
@@ -11,15 +11,15 @@ Two consumers of the dropout convention (``dataflow.dropout_mask``) are timed wi
 - the linear1 GEMM (``ui,ibj->ubj``) with its fused epilogue (bias[u] + ReLU + dropout p=0.1,
   with and without the saved pre-activation) through the Triton template, next to cuBLAS +
   PyTorch eager (``kernels.contraction_variants.EpilogueVariant``).
-"octets" is the path the generators choose (one Philox call per eight elements of a group of 64,
-``kernels.philox.dropout_keep_octets``); "per element" is their fallback (one call per element,
-``kernels.philox.dropout_keep``), forced by making the octet tests answer no
-(``kernels.codegen._octet_masks`` returning no mask while the kernel is generated;
-``kernels.gemm._octets`` returning "none" around each launch).  Each variant is checked against the
+"grouped" is the path the generators choose (one Philox call per sixteen elements of a group of 64,
+``kernels.philox.dropout_keep_grouped``); "per element" is their fallback (one call per element,
+``kernels.philox.dropout_keep``), forced by making the grouping tests answer no
+(``kernels.codegen._grouped_masks`` returning no mask while the kernel is generated;
+``kernels.gemm._grouped`` returning "none" around each launch).  Each variant is checked against the
 float64 reference (``kernels.accuracy``'s rule, ``Verdict``), and the two paths' outputs must be
 bit-identical (same mask, same arithmetic).  Times: ``kernels.bench.time_cuda`` medians (CUDA
-events, L2 flushed).  Writes ``dropout_octets.md`` / ``.json`` under ``--out`` (``dropout_quads.*``
-there hold the former convention's measurements, four 32-bit decisions per call).
+events, L2 flushed).  Writes ``dropout_grouped.md`` / ``.json`` under ``--out`` (``dropout_octets.*`` and ``dropout_quads.*``
+there hold former conventions' measurements: eight 16-bit and four 32-bit decisions per call).
 """
 from __future__ import annotations
 
@@ -50,20 +50,20 @@ GEMM_CONFIGS = [GemmConfig(128, 256, 64, 8, 4, 8, tma=True, epilogue_split=1),  
 
 @contextlib.contextmanager
 def per_element():
-    """Both generators' octet tests answer no: masks are drawn one Philox call per element."""
-    octet_masks, octets = codegen._octet_masks, gemm._octets
-    codegen._octet_masks = lambda *args: ()
-    gemm._octets = lambda *args: "none"
+    """Both generators' grouping tests answer no: masks are drawn one Philox call per element."""
+    grouped_masks, grouped = codegen._grouped_masks, gemm._grouped
+    codegen._grouped_masks = lambda *args: ()
+    gemm._grouped = lambda *args: "none"
     codegen._compiled.clear()
     try:
         yield
     finally:
-        codegen._octet_masks, gemm._octets = octet_masks, octets
+        codegen._grouped_masks, gemm._grouped = grouped_masks, grouped
         codegen._compiled.clear()
 
 
 def measure(variant, args, path: str) -> tuple[dict, dict]:
-    """Build, check and time ``variant`` under ``path`` ("octets" / "per element" / "baseline");
+    """Build, check and time ``variant`` under ``path`` ("grouped" / "per element" / "baseline");
     returns (row, outputs of the checked run, on the device)."""
     scope = per_element if path == "per element" else contextlib.nullcontext
     with scope():
@@ -98,11 +98,11 @@ def fused_rows(args) -> list[dict]:
                                     "dropout": "regenerate"})
             print(f"{name} {knobs}", flush=True)
             fused, single_fused = FusedVariant(ws, "bert", op, config), FusedVariant(ws, "bert", op, config)
-            octets, out_o = measure(fused, args, "octets")
+            grouped, out_o = measure(fused, args, "grouped")
             single, out_s = measure(single_fused, args, "per element")
-            paths = ("dropout_keep_octets(" in fused.compiled.source, "dropout_keep_octets(" in single_fused.compiled.source)
+            paths = ("dropout_keep_grouped(" in fused.compiled.source, "dropout_keep_grouped(" in single_fused.compiled.source)
             rows.append({"operator": name, "layouts": dict(config.layouts), "knobs": dict(config.knobs),
-                         "octets": octets, "per_element": single, "eager": eager, "bit_identical": identical(out_o, out_s),
+                         "grouped": grouped, "per_element": single, "eager": eager, "bit_identical": identical(out_o, out_s),
                          "paths_as_named": paths == (True, False)})
     return rows
 
@@ -118,43 +118,43 @@ def gemm_rows(args) -> list[dict]:
         eager, _ = measure(cv.EpilogueVariant(operands, epilogue), args, "baseline")
         for config in GEMM_CONFIGS:
             print(f"linear1 save={save} {config}", flush=True)
-            octets, out_o = measure(cv.EpilogueVariant(operands, epilogue, config), args, "octets")
+            grouped, out_o = measure(cv.EpilogueVariant(operands, epilogue, config), args, "grouped")
             single, out_s = measure(cv.EpilogueVariant(operands, epilogue, config), args, "per element")
             digits = dropout_digits(map_layouts(linear1.spec, (operands.c.a, operands.c.b, operands.c.out),
                                                 linear1.sizes), linear1.sizes)
             tile = (config.block_m, config.block_n // gemm._epilogue_split(config, True))
             rows.append({"operator": f"linear1 {linear1.spec} + bias[u] + relu + dropout({epilogue.p:g})"
                                      + (f" + save({save})" if save else ""),
-                         "config": str(config), "octets": octets, "per_element": single, "eager": eager,
+                         "config": str(config), "grouped": grouped, "per_element": single, "eager": eager,
                          "bit_identical": identical(out_o, out_s),
-                         "paths_as_named": gemm._octets(digits, epilogue.offset, tile) == "n"})
+                         "paths_as_named": gemm._grouped(digits, epilogue.offset, tile) == "n"})
     return rows
 
 
 def markdown(report: dict) -> str:
     v, d = report["versions"], report["device"]
-    lines = ["# Dropout: eight decisions per Philox call (octets) vs one call per element", "",
+    lines = ["# Dropout: sixteen 8-bit decisions per Philox call (grouped) vs one call per element", "",
              f"{report['date']}, {d}, torch {v['torch']}, triton {v['triton']}, CUDA runtime {v.get('cuda_runtime')}; "
              "BERT-large (B=8, L=512, N=1024, H=16, P=64, U=4096), bfloat16, p=0.1. Medians of "
              f"`kernels.bench.time_cuda` (CUDA events, L2 flushed, {report['rep_ms']:g} ms of repetitions), ms. "
-             "'per element' is the fallback path (the octet tests forced to answer no); 'identical': the two paths' "
+             "'per element' is the fallback path (the grouping tests forced to answer no); 'identical': the two paths' "
              "outputs are bit-identical; 'check': both pass `kernels.accuracy`'s rule against float64 and each path "
-             "drew the mask as named (generated source / `kernels.gemm._octets`).", "",
+             "drew the mask as named (generated source / `kernels.gemm._grouped`).", "",
              "## Generated fused operators (all tensors hbjk, vector k, whole rows of 512)", "",
-             "| operator | knobs | octets ms | per element ms | per element / octets | eager ms | eager / octets | identical | check |",
+             "| operator | knobs | grouped ms | per element ms | per element / grouped | eager ms | eager / grouped | identical | check |",
              "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in report["fused"]:
         knobs = f"block_row {r['knobs']['block_row']}, warps {r['knobs']['num_warps']}"
-        o, s, e = r["octets"]["median_ms"], r["per_element"]["median_ms"], r["eager"]["median_ms"]
-        ok = all(x["passed"] for x in (r["octets"], r["per_element"], r["eager"]))
+        o, s, e = r["grouped"]["median_ms"], r["per_element"]["median_ms"], r["eager"]["median_ms"]
+        ok = all(x["passed"] for x in (r["grouped"], r["per_element"], r["eager"]))
         lines.append(f"| {r['operator']} | {knobs} | {o:.4f} | {s:.4f} | {s / o:.2f}x | {e:.4f} | {e / o:.2f}x | "
                      f"{r['bit_identical']} | {'ok' if ok and r['paths_as_named'] else 'FAILED'} |")
     lines += ["", "## linear1 GEMM with the fused epilogue (Triton template) vs cuBLAS + eager", "",
-              "| epilogue | config | octets ms | per element ms | per element / octets | cuBLAS + eager ms | eager / octets | identical | check |",
+              "| epilogue | config | grouped ms | per element ms | per element / grouped | cuBLAS + eager ms | eager / grouped | identical | check |",
               "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in report["gemm"]:
-        o, s, e = r["octets"]["median_ms"], r["per_element"]["median_ms"], r["eager"]["median_ms"]
-        ok = all(x["passed"] for x in (r["octets"], r["per_element"], r["eager"]))
+        o, s, e = r["grouped"]["median_ms"], r["per_element"]["median_ms"], r["eager"]["median_ms"]
+        ok = all(x["passed"] for x in (r["grouped"], r["per_element"], r["eager"]))
         lines.append(f"| {r['operator']} | {r['config']} | {o:.4f} | {s:.4f} | {s / o:.2f}x | {e:.4f} | {e / o:.2f}x | "
                      f"{r['bit_identical']} | {'ok' if ok and r['paths_as_named'] else 'FAILED'} |")
     return "\n".join(lines) + "\n"
@@ -174,7 +174,7 @@ def main() -> int:
     report["fused"] = fused_rows(args)
     report["gemm"] = gemm_rows(args)
     text = markdown(report)
-    write_results(args.out, "dropout_octets", report, text)
+    write_results(args.out, "dropout_grouped", report, text)
     print(text)
     return 0
 
