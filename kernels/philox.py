@@ -61,15 +61,21 @@ def _byte_keeps(word, threshold):
 
 
 @triton.jit
+def _call_byte(w0, w1, w2, w3, byte):
+    """Byte ``byte`` (a block of 0..15, broadcast against the words) of the call whose words are
+    w0..w3: bits ``8 (byte % 4)`` .. of word ``byte // 4``."""
+    word = byte >> 2
+    picked = tl.where(word == 0, w0, tl.where(word == 1, w1, tl.where(word == 2, w2, w3)))
+    return (picked >> ((byte & 3) * 8).to(tl.uint32)) & 0xFF
+
+
+@triton.jit
 def dropout_keep(seed, offset, logical_index, threshold):
     """Boolean block: True where the element at ``logical_index`` (int32/int64 block) of the mask
     at counter ``offset`` survives; one Philox call per element."""
     g = offset + logical_index
     c0, c1, c2, c3 = philox4(seed, ((g >> 6) << 2) | ((g >> 1) & 3))
-    byte = ((g >> 2) & 14) | (g & 1)  # 2 i + e
-    word = byte >> 2
-    picked = tl.where(word == 0, c0, tl.where(word == 1, c1, tl.where(word == 2, c2, c3)))
-    return ((picked >> ((byte & 3) * 8).to(tl.uint32)) & 0xFF) >= threshold
+    return _call_byte(c0, c1, c2, c3, ((g >> 2) & 14) | (g & 1)) >= threshold  # byte 2 i + e
 
 
 @triton.jit
@@ -81,13 +87,22 @@ def keep_bits(seed, calls, threshold):
 
 
 @triton.jit
+def _by_group(word):
+    """[R, C] -> [R, C // 4, 1, 4, 1]: a call block's words as [R, G, i, t, e] with t the call within
+    its group of 64 counters, broadcast over i and e."""
+    R: tl.constexpr = word.shape[0]
+    C: tl.constexpr = word.shape[1]
+    return tl.reshape(word, (R, C // 4, 4))[:, :, None, :, None]
+
+
+@triton.jit
 def unpack_grouped(bits):
     """[R, C] uint16 (C % 4 == 0, whole groups of calls) -> [R, 16 C] bool: column
     64 (c // 4) + 8 i + 2 (c % 4) + e is bit 2 i + e of bits[r, c].  Each element shifts its call's
     bits in place: for a tensor-core accumulator, whose threads hold whole calls."""
     R: tl.constexpr = bits.shape[0]
     C: tl.constexpr = bits.shape[1]
-    grouped = tl.reshape(bits, (R, C // 4, 4))[:, :, None, :, None]  # [R, G, i, t, e]
+    grouped = _by_group(bits)  # [R, G, i, t, e]
     shifts = (2 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 2)[None, None, :]).to(tl.uint16)  # [i, t, e]
     return tl.reshape((grouped >> shifts[None, None, :, :, :]) & 1, (R, 16 * C)) != 0
 
@@ -99,29 +114,18 @@ def unpack_rows(bits):
 
 
 @triton.jit
-def _decide_grouped(seed, calls, threshold):
-    """``unpack_grouped(keep_bits(..))`` computed in the consumer's layout, each element comparing its
-    own byte (no packing): for a tensor-core accumulator, whose threads hold whole calls."""
-    R: tl.constexpr = calls.shape[0]
-    C: tl.constexpr = calls.shape[1]
-    w0, w1, w2, w3 = philox4(seed, calls)
-    i = tl.arange(0, 8)[None, None, :, None, None]
-    e = tl.arange(0, 2)[None, None, None, None, :]
-    word = i // 2  # byte 2 i + e is in word i // 2, at bit 8 (2 (i % 2) + e)
-    picked = tl.where(word == 0, tl.reshape(w0, (R, C // 4, 4))[:, :, None, :, None],
-                      tl.where(word == 1, tl.reshape(w1, (R, C // 4, 4))[:, :, None, :, None],
-                               tl.where(word == 2, tl.reshape(w2, (R, C // 4, 4))[:, :, None, :, None],
-                                        tl.reshape(w3, (R, C // 4, 4))[:, :, None, :, None])))
-    keep = ((picked >> (8 * (2 * (i % 2) + e)).to(tl.uint32)) & 0xFF) >= threshold
-    return tl.reshape(keep, (R, 16 * C))
-
-
-@triton.jit
 def dropout_keep_grouped(seed, call_counter, threshold):
     """Boolean [R, 16 C] block from the [R, C] block of Philox counters ``call_counter`` (whole
     groups, see the module doc): column ``64 (c // 4) + 8 i + 2 (c % 4) + e`` is byte ``2 i + e`` of
-    call (r, c).  Drawn in the consumer's layout: in a tensor-core accumulator's, whose threads hold
+    call (r, c), each element comparing its own byte (``unpack_grouped(keep_bits(..))`` without the
+    packing).  Drawn in the consumer's layout: in a tensor-core accumulator's, whose threads hold
     exactly the columns of their own calls, each call once; in a blocked tile whose threads hold runs
     of eight consecutive columns, each call in every thread that uses one of its bytes (exchanging
     the bits instead, ``tl.gather`` through shared memory, made Triton 3.6 abort compiling some tiles)."""
-    return _decide_grouped(seed, call_counter, threshold)
+    R: tl.constexpr = call_counter.shape[0]
+    C: tl.constexpr = call_counter.shape[1]
+    w0, w1, w2, w3 = philox4(seed, call_counter)
+    i = tl.arange(0, 8)[None, None, :, None, None]
+    e = tl.arange(0, 2)[None, None, None, None, :]
+    keep = _call_byte(_by_group(w0), _by_group(w1), _by_group(w2), _by_group(w3), 2 * i + e) >= threshold
+    return tl.reshape(keep, (R, 16 * C))
