@@ -570,7 +570,8 @@ class CompiledOperator:
     ``run(tensors, seeds)``: ``tensors`` {input name -> tensor with shape in spec-order letters,
     any strides}; ``seeds`` {dropout mask -> (seed, offset)} for regenerated masks.  Returns
     {output name -> tensor of spec-order shape stored in its configured layout}, of the dtype of
-    the first loaded floating input that is not a mask.  Indices are int32 unless some offset,
+    the first loaded floating input that is not a mask; or writes into ``outputs`` (the same
+    names, any strides) when given.  Indices are int32 unless some offset,
     extent or dropout index can reach 2**31 (then an int64 variant is generated).  An operator
     of several parts (``layouts.space.parts``) is one launch: the parts' program ranges one
     after the other.
@@ -612,7 +613,7 @@ class CompiledOperator:
     def grid(self) -> tuple[int]:
         return (sum(self._programs(plan, knobs) for plan, knobs in zip(self.plans, self.part_knobs)),)
 
-    def run(self, tensors: dict, seeds: dict | None = None) -> dict:
+    def run(self, tensors: dict, seeds: dict | None = None, outputs: dict | None = None) -> dict:
         for plan in self.plans:
             for t in plan.loads:
                 expected = tuple(self._size(plan, l) for l in plan.letters.tensor_axes[t])
@@ -621,8 +622,8 @@ class CompiledOperator:
                                      f"(spec order {plan.letters.tensor_axes[t]})")
         reference = next((tensors[t] for t in self.loads if tensors[t].is_floating_point()
                           and self.graph.tensors[t].role != "dropout"), tensors[self.loads[0]])
-        outputs = {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
-                   for plan in self.plans for t in plan.outputs}
+        outputs = outputs or {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
+                              for plan in self.plans for t in plan.outputs}
         kernel, args, kwargs, programs = self._launch(tensors, outputs, seeds or {})
         kernel[(programs,)](*args, **kwargs)
         return outputs

@@ -16,9 +16,10 @@ it reads (``config = {"tensor", "from", "to"}``; the copy lives until its last r
 - ``GENERATED``: ``{"knobs": {...}}``, the knobs of a ``layouts.space.Configuration`` whose
   layouts are ``reads | writes``; runs one fused element-wise / normalization operator.
 - ``GEMM``: ``{"einsum": "phi,ibj->phbj", "backend": "cublas" | "triton", "gemm": {GemmConfig
-  fields} | None, "stack": None | {"letter": "s", "a": [tensors] | None, "b": [...] | None,
-  "out": [...] | None}}``; a stacked contraction lists, per operand, the graph tensors stacked
-  along ``letter`` (in stack order), None for an operand that is not stacked.
+  fields} | None, "operands": {"a": [tensors], "b": [tensors], "out": [tensors]}}``: each operand
+  of the einsum as the list of graph tensors it is made of, one tensor, or for a stacked
+  contraction (Q/K/V) the members stacked along the einsum's extra leading letter, in stack order
+  (the runtime may reorder an operand stacked on both inputs and summed away).
 - ``GEMM_EPILOGUE``: the ``GEMM`` fields plus ``"epilogue": {"consumer", "bias", "bias_letters",
   "activation", "mask", "p", "save", "produced", "output", "saved"}`` (``kernels.contraction_variants
   .FusableEpilogue``): the contraction and its element-wise consumer in one Triton kernel.
@@ -26,7 +27,8 @@ it reads (``config = {"tensor", "from", "to"}``; the copy lives until its last r
   "mask", "lse"}, "letters": {"batch", "heads", "rows", "keys", "features", "value_features"},
   "scale": float, "causal": bool}``: flash-style attention over the graph's tensors in those roles
   (``lse`` is a tensor of the plan only, over letters batch, heads, rows; ``mask`` a dropout
-  tensor or None); the backward's reads/writes name the gradients.
+  tensor or None); the backward's roles add the gradients ``"do"`` (of ``o``), ``"dq"``,
+  ``"dk"``, ``"dv"``.  ``knobs``: the kernels' launch knobs (``kernels.attention.attention_configs``).
 - ``LAYOUT_CHANGE``: ``{"tensor", "from", "to"}``.
 
 Times are milliseconds; ``source`` says whether a step's time was measured on this device or

@@ -1,0 +1,139 @@
+"""The tuned layer: a plan's kernels run forward and backward as one ``torch.autograd.Function``.
+
+``LayerProgram`` binds a ``layouts.plan.Plan`` to its fused training graph, a dtype and a device:
+every step becomes a launcher (``datamove.steps``), built once.  ``forward`` runs the forward
+steps on the layer inputs and returns the outputs and the tensors the backward reads
+(``Plan.saved``); ``backward`` runs the backward steps from those and the outputs' gradients.
+
+Tensors at the boundary (``TensorInterface``): activations (the layer inputs over every letter
+of its output, e.g. BERT's x) and outputs are exchanged with PyTorch in ``torch_order`` (e.g.
+"bji" = [batch, sequence, feature] for a tensor over letters "ibj"); parameters and constants
+keep their spec letter order as their shape, stored in the plan's layouts.  Dropout: each call
+draws one Philox seed from PyTorch's default CPU generator (``torch.manual_seed`` reproduces a
+run); every mask is regenerated from it at its ``dataflow.executor.dropout_offsets`` offset, in
+the forward and again in the backward, so the backward applies exactly the forward's mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from dataflow.graph import PrimitiveGraph
+from datamove.steps import Buffers, Run, build_launcher, stack_groups
+from kernels.codegen import allocate
+from layouts.plan import ATTENTION_BACKWARD, Plan
+
+SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
+
+
+@dataclass(frozen=True)
+class TensorInterface:
+    """How the layer's tensors meet PyTorch.
+
+    ``activations``: layer inputs exchanged in ``torch_order``; ``parameters``: inputs with a
+    gradient, held by the module; ``constants``: inputs without one (module buffers);
+    ``outputs``: the forward's results; ``grad_outputs`` / ``input_grads``: {tensor -> its gradient
+    tensor}; ``torch_order``: {activation or output -> letter order of its PyTorch shape}."""
+
+    activations: tuple[str, ...]
+    parameters: tuple[str, ...]
+    constants: tuple[str, ...]
+    outputs: tuple[str, ...]
+    grad_outputs: dict[str, str]
+    input_grads: dict[str, str]
+    torch_order: dict[str, str]
+
+
+def tensor_interface(graph, torch_order: dict[str, str] | None = None) -> TensorInterface:
+    """The interface of a training graph: inputs over all the letters of the first output are
+    activations, the other inputs with a gradient parameters; gradients are the graph's
+    ``d_<tensor>`` tensors (``dataflow.autodiff``'s naming)."""
+    tensors = graph.tensors
+    outputs = tuple(t for t in graph.outputs if tensors[t].role == "output")
+    covered = set(tensors[outputs[0]].letters)
+    inputs = [t for t, info in tensors.items() if info.role == "input"]
+    activations = tuple(t for t in inputs if set(tensors[t].letters) >= covered)
+    parameters = tuple(t for t in inputs if t not in activations)
+    constants = tuple(t for t, info in tensors.items() if info.role == "constant")
+    grad_outputs = {t: f"d_{t}" for t in outputs}
+    input_grads = {t: f"d_{t}" for t in inputs}
+    for name in list(grad_outputs.values()) + list(input_grads.values()):
+        if name not in tensors:
+            raise ValueError(f"the training graph has no gradient tensor {name!r}")
+    order = {t: tensors[t].letters for t in activations + outputs}
+    for t, letters in (torch_order or {}).items():
+        if t not in order or sorted(letters) != sorted(tensors[t].letters):
+            raise ValueError(f"torch order {t}={letters!r}: not an activation or output, or not an order of "
+                             f"its letters {tensors[t].letters!r}" if t in tensors else f"torch order: no tensor {t!r}")
+        order[t] = letters
+    return TensorInterface(activations, parameters, constants, outputs, grad_outputs, input_grads, order)
+
+
+def without_dropout(graph: PrimitiveGraph) -> PrimitiveGraph:
+    """The graph with every dropout probability 0 (evaluation mode: masks of ones)."""
+    tensors = {t: replace(info, p=0.0) if info.role == "dropout" else info for t, info in graph.tensors.items()}
+    return PrimitiveGraph(tensors, graph.primitives, graph.letter_dims, graph.dim_values, graph.outputs)
+
+
+class LayerProgram:
+    """A plan's launchers for one graph, dtype and device; see the module doc."""
+
+    def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device):
+        self.plan, self.graph, self.interface, self.dtype, self.device = plan, graph, interface, dtype, torch.device(device)
+        ops = {op.name: op for op in operators}
+        self.buffers = Buffers(graph, stack_groups(plan.steps), dtype, self.device)
+        saves_mask = any(s.kind == ATTENTION_BACKWARD and s.config["knobs"].get("dropout_mask") == "saved"
+                         for s in plan.steps)
+        launchers = [(s.phase, build_launcher(s, graph, ops, self.buffers, saves_mask)) for s in plan.steps]
+        self.forward_steps = [launcher for phase, launcher in launchers if phase == "forward"]
+        self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
+        self.saved = list(plan.saved)
+        self.layouts = plan.layouts
+
+    def shape(self, tensor: str, order: str | None = None) -> tuple[int, ...]:
+        """The tensor's shape in ``order`` (default: its spec letter order)."""
+        return tuple(self.graph.size(letter) for letter in (order or self.graph.tensors[tensor].letters))
+
+    def to_spec(self, tensor: str, value: torch.Tensor, what: str) -> torch.Tensor:
+        """A PyTorch-side activation or gradient as its spec-order view, stored in the plan layout
+        (a copy only where the caller's strides differ from it)."""
+        order = self.interface.torch_order[tensor]
+        expected = self.shape(tensor, order)
+        check(value, what, expected, self.dtype, self.device, order)
+        letters = self.graph.tensors[tensor].letters
+        view = value.permute([order.index(letter) for letter in letters])
+        stored = allocate(self.graph, tensor, self.layouts[tensor], self.dtype, self.device)
+        if stored.stride() == view.stride():
+            return view
+        return stored.copy_(view)
+
+    def to_torch(self, tensor: str, value: torch.Tensor) -> torch.Tensor:
+        letters = self.graph.tensors[tensor].letters
+        return value.permute([letters.index(letter) for letter in self.interface.torch_order[tensor]])
+
+    def forward(self, store: dict, run: Run) -> dict:
+        """Run the forward steps on ``store`` (activations, parameters, constants as spec-order
+        views); returns the store with every tensor they wrote."""
+        for launcher in self.forward_steps:
+            launcher(store, run)
+        return store
+
+    def backward(self, store: dict, run: Run) -> dict:
+        for launcher in self.backward_steps:
+            launcher(store, run)
+        return store
+
+
+def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.device, order: str = "") -> None:
+    """Refuse a tensor of another shape, dtype or device, naming the expected ones."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(value).__name__}")
+    named = f" ({', '.join(order)})" if order else ""
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{what}: shape {tuple(value.shape)}, expected {tuple(shape)}{named}; the layer was "
+                         f"tuned and compiled for these sizes: export it again for others")
+    if value.dtype != dtype:
+        raise TypeError(f"{what}: dtype {value.dtype}, expected {dtype}")
+    if value.device.type != device.type or (device.index is not None and value.device.index not in (None, device.index)):
+        raise ValueError(f"{what}: on device {value.device}, expected {device}")

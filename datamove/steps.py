@@ -1,0 +1,283 @@
+"""A plan's steps as launchers: each ``layouts.plan.Step`` bound to its kernel, ready to run on a store.
+
+A *store* is a dict {tensor name -> torch tensor}: every tensor is held with its dims in its spec
+letter order (``graph.tensors[t].letters``) and stored densely in its plan layout (strides say
+which; ``kernels.codegen.allocate``).  A copy of ``t`` in another layout (made by a
+``LAYOUT_CHANGE`` step) is held under ``copy_name(t, layout)``.
+
+Stacked tensors (the members of a stacked contraction's operand, e.g. Q/K/V's weights or their
+gradients) are views of one buffer, the stack letter outermost: a stacked GEMM then reads or
+writes them as one operand with no copy.  ``Buffers`` allocates such a group's buffer when the
+first member is written and hands every later member its slice, so producers write in place.
+
+Every launcher is built once (kernels compiled, dims, grids, offsets and keyword arguments
+resolved) and called as ``launcher(store, run)`` where ``run`` holds the per-call values: the
+dropout ``seed`` and the attention's ``key_padding_mask``.  Nothing is derived per call beyond
+reading the store.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dataflow.executor import dropout_offsets
+from kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
+from kernels.codegen import allocate, compile_operator
+from kernels.contraction import Epilogue, contract
+from kernels.gemm import GemmConfig
+from layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
+                          Step)
+from layouts.space import Configuration
+
+
+def copy_name(tensor: str, layout: str) -> str:
+    """Where a store holds the copy of ``tensor`` in ``layout`` that a layout change made."""
+    return f"{tensor}@{layout}"
+
+
+@dataclass
+class Run:
+    """The per-call values a launcher reads: the dropout ``seed`` of this call (Philox key; every
+    mask at its ``dataflow.executor.dropout_offsets`` offset) and an optional ``key_padding_mask``
+    (bool (batch, keys), True = key excluded) for the attention."""
+
+    seed: int
+    key_padding_mask: torch.Tensor | None = None
+
+
+class Buffers:
+    """Allocation of a plan's tensors in their layouts, stacked groups as one buffer each.
+
+    ``groups``: lists of tensors stored as one buffer (stack order = list order); every member
+    has the same letters and layout."""
+
+    def __init__(self, graph, groups: list[list[str]], dtype: torch.dtype, device):
+        self.graph, self.dtype, self.device = graph, dtype, device
+        self.group_of = {t: group for group in groups for t in group}
+
+    def allocate(self, store: dict, tensor: str, layout: str) -> torch.Tensor:
+        """``tensor`` (its slice of its group's buffer, allocated on first use) in ``layout``."""
+        group = self.group_of.get(tensor)
+        if group is None:
+            return allocate(self.graph, tensor, layout, self.dtype, self.device)
+        if tensor in store:
+            return store[tensor]
+        letters = self.graph.tensors[tensor].letters
+        sizes = [self.graph.size(letter) for letter in layout]
+        buffer = torch.empty([len(group), *sizes], dtype=self.dtype, device=self.device)
+        for n, member in enumerate(group):
+            store.setdefault(member, buffer[n].permute([layout.index(letter) for letter in letters]))
+        return store[tensor]
+
+
+def stacked_view(members: list[torch.Tensor]) -> torch.Tensor:
+    """The members (same shape and strides) as one tensor with a leading stack dim, without a copy
+    when they are equally spaced slices of one storage (as ``Buffers`` makes them); else a copy."""
+    first = members[0]
+    if len(members) > 1 and all(m.shape == first.shape and m.stride() == first.stride() for m in members):
+        step = members[1].data_ptr() - first.data_ptr()
+        if step > 0 and step % first.element_size() == 0 and all(
+                m.data_ptr() - first.data_ptr() == n * step for n, m in enumerate(members)):
+            return first.as_strided((len(members), *first.shape), (step // first.element_size(), *first.stride()))
+    return torch.stack(members)
+
+
+def _read(step: Step, store: dict, tensor: str) -> torch.Tensor:
+    layout = step.reads[tensor]
+    copied = copy_name(tensor, layout)
+    return store[copied] if copied in store else store[tensor]
+
+
+class Launcher:
+    """Base: ``step`` bound to ``graph``; ``__call__(store, run)`` writes the step's outputs into ``store``."""
+
+    def __init__(self, step: Step, graph, buffers: Buffers):
+        self.step, self.graph, self.buffers = step, graph, buffers
+
+    def output(self, store: dict, tensor: str) -> torch.Tensor:
+        return self.buffers.allocate(store, tensor, self.step.writes[tensor])
+
+
+class GeneratedLauncher(Launcher):
+    """A fused element-wise / normalization operator: its generated Triton kernel (``kernels.codegen``)."""
+
+    def __init__(self, step: Step, graph, buffers: Buffers, op):
+        super().__init__(step, graph, buffers)
+        config = Configuration({**step.reads, **step.writes}, step.config["knobs"])
+        self.compiled = compile_operator(graph, op, config)
+        offsets = dropout_offsets(graph)
+        self.masks = {t: offsets[t] for t in op.inputs if graph.tensors[t].role == "dropout"}
+        self.loads = [t for t in step.reads if graph.tensors[t].role != "dropout"]
+
+    def __call__(self, store: dict, run: Run) -> None:
+        outputs = {t: self.output(store, t) for t in self.step.writes}
+        self.compiled.run({t: _read(self.step, store, t) for t in self.loads},
+                          {mask: (run.seed, offset) for mask, offset in self.masks.items()}, outputs=outputs)
+        store.update(outputs)
+
+
+class GemmLauncher(Launcher):
+    """A contraction (stacked or not) as one GEMM, cuBLAS or the Triton template, optionally with
+    its element-wise consumer fused as the epilogue (``GEMM_EPILOGUE``)."""
+
+    def __init__(self, step: Step, graph, buffers: Buffers):
+        super().__init__(step, graph, buffers)
+        config = step.config
+        self.einsum, self.backend = config["einsum"], config["backend"]
+        self.gemm_config = GemmConfig(**config["gemm"]) if config.get("gemm") else None
+        operands = config["operands"]
+        self.a, self.b, self.out = list(operands["a"]), list(operands["b"]), list(operands["out"])
+        self.epilogue = config.get("epilogue")
+        self.offset = dropout_offsets(graph)[self.epilogue["mask"]] if self.epilogue and self.epilogue.get("mask") else 0
+
+    def _operand(self, store: dict, members: list[str]) -> torch.Tensor:
+        tensors = [_read(self.step, store, t) for t in members]
+        return tensors[0] if len(tensors) == 1 else stacked_view(tensors)
+
+    def __call__(self, store: dict, run: Run) -> None:
+        a_members, b_members, out_members = self.a, self.b, self.out
+        stacked = next((m for m in (self.a, self.b, self.out) if len(m) > 1 and m[0] in store), None)
+        if stacked is not None:  # members in the order of the buffers they live in (``stack_groups``)
+            order = sorted(range(len(stacked)), key=lambda n: _read(self.step, store, stacked[n]).data_ptr())
+            a_members, b_members, out_members = ([m[n] for n in order] if len(m) > 1 else m
+                                                 for m in (self.a, self.b, self.out))
+        a, b = self._operand(store, a_members), self._operand(store, b_members)
+        if not self.epilogue:
+            outs = [self.output(store, t) for t in out_members]
+            out = outs[0] if len(outs) == 1 else stacked_view(outs)
+            if len(outs) > 1 and out.data_ptr() != outs[0].data_ptr():  # a copy: writes would be lost
+                raise RuntimeError(f"{self.step.name}: the stacked outputs {out_members} are not one buffer")
+            contract(self.einsum, a, b, out, backend=self.backend, config=self.gemm_config)
+            store.update(zip(out_members, outs))
+            return
+        ep = self.epilogue
+        out = self.output(store, ep["output"])
+        epilogue = Epilogue(bias=_read(self.step, store, ep["bias"]), bias_letters=ep["bias_letters"],
+                            activation=ep["activation"], dropout_p=ep["p"] if ep.get("mask") else 0.0,
+                            seed=run.seed, offset=self.offset, save=ep.get("save"))
+        result = contract(self.einsum, a, b, out, backend="triton", epilogue=epilogue, config=self.gemm_config)
+        store[ep["output"]] = out
+        if ep.get("save"):
+            store[ep["saved"]] = result[1]
+
+
+class _AttentionLauncher(Launcher):
+    """Shared by the attention's two passes: the roles' tensors as logical (b, h, rows, p) views."""
+
+    def __init__(self, step: Step, graph, buffers: Buffers):
+        super().__init__(step, graph, buffers)
+        config = step.config
+        self.roles, letters = config["roles"], config["letters"]
+        self.scale, self.causal = float(config["scale"]), bool(config.get("causal", False))
+        self.knobs = dict(config["knobs"])
+        self.axes = {}  # role -> permutation of the tensor's spec-order dims into (b, h, rows, p)
+        key_role = {"q": "rows", "k": "keys", "v": "keys", "o": "rows"}
+        feature_role = {"q": "features", "k": "features", "v": "value_features", "o": "value_features"}
+        for role in ("q", "k", "v", "o"):
+            own = graph.tensors[self.roles[role]].letters
+            wanted = [letters["batch"], letters["heads"], letters[key_role[role]], letters[feature_role[role]]]
+            self.axes[role] = [own.index(x) for x in wanted]
+        self.mask = self.roles.get("mask")
+        self.dropout_p = graph.tensors[self.mask].p if self.mask else 0.0
+        self.offset = dropout_offsets(graph)[self.mask] if self.mask else 0
+        self.dropout_strides = None
+        if self.mask:
+            rename = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["keys"]: "k"}
+            order = "".join(rename[x] for x in graph.tensors[self.mask].letters)
+            size = lambda role: graph.size(letters[role])  # noqa: E731
+            self.dropout_strides = dropout_strides_for(order, size("batch"), size("heads"), size("rows"), size("keys"))
+        self.lse = self.roles["lse"]
+
+    def view(self, tensor: torch.Tensor, role: str) -> torch.Tensor:
+        return tensor.permute(self.axes[role])
+
+    def common(self, run: Run) -> dict:
+        return dict(scale=self.scale, dropout_p=self.dropout_p, seed=run.seed, offset=self.offset, causal=self.causal,
+                    key_padding_mask=run.key_padding_mask, dropout_strides=self.dropout_strides)
+
+
+class AttentionForwardLauncher(_AttentionLauncher):
+    def __init__(self, step: Step, graph, buffers: Buffers, saves_mask: bool):
+        super().__init__(step, graph, buffers)
+        self.saves_mask = saves_mask
+
+    def __call__(self, store: dict, run: Run) -> None:
+        r = self.roles
+        q, k, v = (self.view(_read(self.step, store, r[role]), role) for role in ("q", "k", "v"))
+        o = self.output(store, r["o"])
+        saved = None
+        if self.saves_mask:
+            saved = new_saved_mask(q, k, dropout_p=self.dropout_p, offset=self.offset, dropout_strides=self.dropout_strides)
+            store[saved_mask_name(self.lse)] = saved
+        _, lse = attention_forward(q, k, v, o=self.view(o, "o"), saved_mask=saved, **self.common(run), **self.knobs)
+        store[r["o"]], store[self.lse] = o, lse
+
+
+class AttentionBackwardLauncher(_AttentionLauncher):
+    def __call__(self, store: dict, run: Run) -> None:
+        r = self.roles
+        q, k, v, o = (self.view(_read(self.step, store, r[role]), role) for role in ("q", "k", "v", "o"))
+        do = self.view(_read(self.step, store, r["do"]), "o")
+        grads = {role: self.output(store, r[role]) for role in ("dq", "dk", "dv")}
+        attention_backward(do, q, k, v, o, store[self.lse], saved_mask=store.get(saved_mask_name(self.lse)),
+                           dq=self.view(grads["dq"], "q"), dk=self.view(grads["dk"], "k"), dv=self.view(grads["dv"], "v"),
+                           **self.common(run), **self.knobs)
+        for role, tensor in grads.items():
+            store[r[role]] = tensor
+
+
+def saved_mask_name(lse: str) -> str:
+    """Where the store holds the dropout decisions an attention forward saves for its backward."""
+    return f"{lse}:mask"
+
+
+class LayoutChangeLauncher(Launcher):
+    """A copy of a tensor into another layout (one strided copy kernel)."""
+
+    def __call__(self, store: dict, run: Run) -> None:
+        c = self.step.config
+        copy = allocate(self.graph, c["tensor"], c["to"], self.buffers.dtype, self.buffers.device)
+        copy.copy_(store[c["tensor"]])
+        store[copy_name(c["tensor"], c["to"])] = copy
+
+
+def stack_groups(steps: list[Step]) -> list[list[str]]:
+    """The tensors the plan's stacked GEMMs read or write as one operand, one list per group, in
+    the order their buffer stacks them.
+
+    A stacked GEMM pairs its stacked operands member by member (member n of A with member n of B
+    or of the output).  A group takes the order of its first appearance, unless a step pairs it
+    with a group already ordered: then it follows that order, so a GEMM over both reads two
+    buffers in one member order and stacks them as views (``stacked_view``), not copies."""
+    links = [[list(m) for m in (step.config.get("operands") or {}).values() if len(m) > 1] for step in steps]
+    groups: list[list[str]] = []
+
+    def group_of(members):
+        return next((g for g in groups if set(g) == set(members)), None)
+
+    for lists in links:
+        for members in lists:
+            if group_of(members) is None:
+                if any(set(members) & set(g) for g in groups):
+                    raise ValueError(f"stacked operand {members} overlaps another stack group")
+                ordered = next((group_of(other) for other in lists if group_of(other) is not None), None)
+                partner = next((other for other in lists if group_of(other) is ordered), None) if ordered else None
+                groups.append([members[partner.index(m)] for m in ordered] if ordered else list(members))
+    return groups
+
+
+def build_launcher(step: Step, graph, ops: dict, buffers: Buffers, saves_mask: bool = False):
+    """The launcher of ``step``; ``ops``: {fused operator name -> operator} of the graph."""
+    if step.kind == GENERATED:
+        (name,) = step.operators
+        return GeneratedLauncher(step, graph, buffers, ops[name])
+    if step.kind in (GEMM, GEMM_EPILOGUE):
+        return GemmLauncher(step, graph, buffers)
+    if step.kind == ATTENTION_FORWARD:
+        return AttentionForwardLauncher(step, graph, buffers, saves_mask)
+    if step.kind == ATTENTION_BACKWARD:
+        return AttentionBackwardLauncher(step, graph, buffers)
+    if step.kind == LAYOUT_CHANGE:
+        return LayoutChangeLauncher(step, graph, buffers)
+    raise ValueError(f"{step.name}: unknown step kind {step.kind!r}")
