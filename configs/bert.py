@@ -16,6 +16,35 @@ OPTIONS = {"activation": ("relu", "gelu")}  # first value is the default; --set 
 ACTIVATION = "relu"
 P_DROP = 0.1
 
+# How the layer meets PyTorch (datamove.export): the order of its activations' dims there
+# (HF hidden states are [batch, sequence, feature]), and where the weights of PyTorch modules
+# computing this layer go: (state-dict key, the key's dims as letters of this spec, "(h p)" merging
+# letters into one dim and a leading count stacking, index into that stack or None).
+TORCH_ORDER = {"x": "bji", "y": "bji"}
+WEIGHTS = {
+    "transformers.BertLayer": {
+        "wq": ("attention.self.query.weight", "(h p) i", None), "bq": ("attention.self.query.bias", "(h p)", None),
+        "wk": ("attention.self.key.weight", "(h p) i", None), "bk": ("attention.self.key.bias", "(h p)", None),
+        "wv": ("attention.self.value.weight", "(h w) i", None), "bv": ("attention.self.value.bias", "(h w)", None),
+        "wo": ("attention.output.dense.weight", "i (h w)", None), "bo": ("attention.output.dense.bias", "i", None),
+        "ln1_gamma": ("attention.output.LayerNorm.weight", "i", None),
+        "ln1_beta": ("attention.output.LayerNorm.bias", "i", None),
+        "w1": ("intermediate.dense.weight", "u i", None), "b1": ("intermediate.dense.bias", "u", None),
+        "w2": ("output.dense.weight", "i u", None), "b2": ("output.dense.bias", "i", None),
+        "ln2_gamma": ("output.LayerNorm.weight", "i", None), "ln2_beta": ("output.LayerNorm.bias", "i", None),
+    },
+    "torch.nn.TransformerEncoderLayer": {  # batch_first=True, norm_first=False
+        "wq": ("self_attn.in_proj_weight", "(3 h p) i", 0), "bq": ("self_attn.in_proj_bias", "(3 h p)", 0),
+        "wk": ("self_attn.in_proj_weight", "(3 h p) i", 1), "bk": ("self_attn.in_proj_bias", "(3 h p)", 1),
+        "wv": ("self_attn.in_proj_weight", "(3 h w) i", 2), "bv": ("self_attn.in_proj_bias", "(3 h w)", 2),
+        "wo": ("self_attn.out_proj.weight", "i (h w)", None), "bo": ("self_attn.out_proj.bias", "i", None),
+        "ln1_gamma": ("norm1.weight", "i", None), "ln1_beta": ("norm1.bias", "i", None),
+        "w1": ("linear1.weight", "u i", None), "b1": ("linear1.bias", "u", None),
+        "w2": ("linear2.weight", "i u", None), "b2": ("linear2.bias", "i", None),
+        "ln2_gamma": ("norm2.weight", "i", None), "ln2_beta": ("norm2.bias", "i", None),
+    },
+}
+
 
 def layernorm(x, gamma, beta):
     """Normalise x[i, b, j] over i; gamma, beta: [i]."""

@@ -75,14 +75,26 @@ class TunedLayer(torch.nn.Module):
         self.plan, self.graph, self.operators, self.interface = plan, graph, operators, interface
         self.dtype, self.device_ = dtype, torch.device(device)
         self._programs: dict[bool, LayerProgram] = {}
+        self.has_attention = any(s.kind == ATTENTION_FORWARD for s in plan.steps)
+        self._allocate_parameters()
+
+    def _allocate_parameters(self) -> None:
+        """Parameters and constants in the plan's layouts (stacked groups as one storage), initialised."""
         store: dict = {}
         buffers = self.program(True).buffers
-        for t in interface.parameters:
-            self.register_parameter(t, torch.nn.Parameter(buffers.allocate(store, t, plan.layouts[t])))
-        for t in interface.constants:
-            self.register_buffer(t, buffers.allocate(store, t, plan.layouts[t]))
-        self.has_attention = any(s.kind == ATTENTION_FORWARD for s in plan.steps)
+        for t in self.interface.parameters:
+            self.register_parameter(t, torch.nn.Parameter(buffers.allocate(store, t, self.plan.layouts[t])))
+        for t in self.interface.constants:
+            self.register_buffer(t, buffers.allocate(store, t, self.plan.layouts[t]))
         self.reset_parameters()
+
+    def sibling(self) -> "TunedLayer":
+        """Another layer of the same plan (its own parameters), sharing this one's compiled programs."""
+        twin = TunedLayer.__new__(TunedLayer)
+        torch.nn.Module.__init__(twin)
+        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")})
+        twin._allocate_parameters()
+        return twin
 
     def program(self, training: bool) -> LayerProgram:
         if training not in self._programs:

@@ -1,0 +1,165 @@
+"""The artifact of a tuned layer, and loading it as a PyTorch module.
+
+``write_artifact(out_dir, ...)`` writes everything needed to rebuild the layer without DaCe and
+without re-tuning:
+
+- ``plan.json``: the ``layouts.plan.Plan``;
+- ``graph.json``: the fused training graph (``dataflow.snapshot`` format);
+- ``manifest.json``: spec name and hash, dims, dtype, the device the plan was timed on (name,
+  compute capability; "cost model: <device>" where nothing was measured), library versions, and
+  the spec's PyTorch interface (``TORCH_ORDER``, ``WEIGHTS``);
+- ``kernels/<step>.py``: the generated Triton source of every generated step, for reading.
+
+``load_layer(out_dir)`` returns a ``datamove.module.TunedLayer``.  Loading checks the manifest
+against this machine: an artifact whose times were measured on another GPU model, or a dtype or
+device the caller asks for that differs, is refused, naming both, unless ``allow_mismatch=True``
+(the plan then runs as chosen, untuned for this device); a cost-model artifact loads anywhere
+with a warning that nothing was measured.  Batch size and sequence length are those of the plan:
+other shapes are refused at call time, naming the tuned ones.
+
+Weights: ``load_weights(layer, module)`` copies a PyTorch module's weights (a HF ``BertLayer``,
+an ``nn.TransformerEncoderLayer`` with ``batch_first=True``, any module type the spec's
+``WEIGHTS`` names) into the layer; ``state_dict_for(layer, kind)`` gives them back in that
+module's format; ``replace_bert_layers(model, out_dir)`` swaps every ``BertLayer`` of a HF model
+for a tuned layer carrying its weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from dataflow.snapshot import load as load_graph
+from dataflow.snapshot import snapshot
+from datamove.layer import tensor_interface
+from datamove.module import TunedLayer
+from datamove.weights import from_spec, to_spec
+from kernels.codegen import compile_operator
+from layouts.plan import GENERATED, Plan
+from layouts.space import Configuration
+
+PLAN, GRAPH, MANIFEST, KERNELS = "plan.json", "graph.json", "manifest.json", "kernels"
+
+
+class ArtifactMismatch(RuntimeError):
+    """An artifact tuned for another device, dtype or spec than the one asked for."""
+
+
+def spec_hash(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spec_digest: str,
+                   torch_order: dict, weights: dict, device: dict, versions: dict) -> Path:
+    """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"}."""
+    out = Path(out_dir)
+    (out / KERNELS).mkdir(parents=True, exist_ok=True)
+    _write(out / PLAN, plan.dumps())
+    _write(out / GRAPH, json.dumps(snapshot(graph, operators), indent=1))
+    ops = {op.name: op for op in operators}
+    for step in plan.steps:
+        if step.kind == GENERATED:
+            config = Configuration({**step.reads, **step.writes}, step.config["knobs"])
+            source = compile_operator(graph, ops[step.operators[0]], config).source
+            _write(out / KERNELS / f"{_file_name(step.name)}.py", source)
+    manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype,
+                "device": device, "versions": versions, "torch_order": torch_order,
+                "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()}}
+    _write(out / MANIFEST, json.dumps(manifest, indent=1))
+    return out
+
+
+def _file_name(step: str) -> str:
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in step)
+
+
+def read_manifest(out_dir) -> dict:
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{out_dir}: no {MANIFEST}: not a datamove artifact (write one with optimize-layer SPEC --out DIR)")
+    return json.loads(path.read_text())
+
+
+def _current_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_mismatch: bool = False) -> TunedLayer:
+    """The tuned layer of an artifact (``write_artifact``), on ``device`` (default: CUDA if
+    available, else CPU, where Triton must run through its interpreter) in the plan's dtype."""
+    out = Path(out_dir)
+    manifest = read_manifest(out)
+    plan = Plan.from_json(json.loads((out / PLAN).read_text()))
+    graph, operators = load_graph(json.loads((out / GRAPH).read_text()))
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tuned_dtype = getattr(torch, plan.dtype)
+    problems = []
+    if dtype is not None and dtype != tuned_dtype:
+        problems.append(f"dtype {dtype} asked for, the plan was tuned for {tuned_dtype}")
+    timed_on = manifest["device"]
+    here = _current_device(device)
+    if timed_on.get("measured") and timed_on["name"] != here:
+        problems.append(f"tuned on {timed_on['name']}, this is {here}")
+    if problems and not allow_mismatch:
+        raise ArtifactMismatch(f"{out}: " + "; ".join(problems) + ": run optimize-layer again on this machine "
+                               "(re-tune), or load_layer(..., allow_mismatch=True) to run this plan untuned here")
+    if not timed_on.get("measured"):
+        warnings.warn(f"{out}: the plan's times are predicted by the cost model ({timed_on['name']}); nothing was "
+                      "measured: run optimize-layer on the GPU to tune it", stacklevel=2)
+    interface = tensor_interface(graph, manifest["torch_order"])
+    layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device)
+    layer.weights_table = {kind: {t: tuple(v) for t, v in table.items()} for kind, table in manifest["weights"].items()}
+    return layer
+
+
+def _table(layer: TunedLayer, kind: str) -> dict:
+    tables = getattr(layer, "weights_table", {})
+    if kind not in tables:
+        raise KeyError(f"the spec gives no weights for {kind}; it names {sorted(tables) or 'none'} (its WEIGHTS)")
+    return tables[kind]
+
+
+def module_kind(layer: TunedLayer, module: torch.nn.Module) -> str:
+    """The spec's name (a ``WEIGHTS`` key) of ``module``'s type: the key ending in its class name
+    and starting with its top-level package."""
+    top, name = type(module).__module__.split(".")[0], type(module).__name__
+    for kind in getattr(layer, "weights_table", {}):
+        if kind.split(".")[0] == top and kind.split(".")[-1] == name:
+            return kind
+    raise KeyError(f"the spec gives no weights for {top}...{name}; it names {sorted(getattr(layer, 'weights_table', {}))}")
+
+
+def _sizes(layer: TunedLayer) -> dict[str, int]:
+    return {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
+
+
+@torch.no_grad()
+def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
+    """Copy ``module``'s weights into ``layer`` (kinds in the spec's ``WEIGHTS``)."""
+    table, state, sizes = _table(layer, module_kind(layer, module)), module.state_dict(), _sizes(layer)
+    for name, (key, pattern, index) in table.items():
+        target = getattr(layer, name)
+        target.copy_(to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes))
+    return layer
+
+
+@torch.no_grad()
+def state_dict_for(layer: TunedLayer, kind: str) -> dict[str, torch.Tensor]:
+    """The layer's weights as a ``kind`` module's state dict (keys and shapes of that module)."""
+    result: dict[str, torch.Tensor] = {}
+    sizes = _sizes(layer)
+    for name, (key, pattern, index) in _table(layer, kind).items():
+        value = getattr(layer, name).detach()
+        result[key] = from_spec(value, pattern, index, layer.graph.tensors[name].letters, sizes, result.get(key))
+    return result

@@ -1,0 +1,70 @@
+"""Drop the tuned layer into Hugging Face BERT models, as Liger-Kernel's ``apply_liger_kernel_to_*`` do.
+
+``replace_bert_layers(model, out_dir)`` swaps every ``BertLayer`` of a HF model (``BertModel``,
+``BertForMaskedLM``, ...) for a ``BertLayerReplacement`` around a tuned layer loaded from the
+artifact, carrying the old layer's weights over; all replacements share one compiled program.
+HF's attention mask is passed through to the fused attention as a key-padding mask.
+"""
+from __future__ import annotations
+
+import torch
+
+from datamove.export import load_layer, load_weights
+from datamove.module import TunedLayer
+
+
+def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
+    """HF's attention mask as bool (batch, keys), True = key excluded; None where nothing is masked.
+
+    Accepted: None; (batch, keys) with 1 = attend; (batch, 1, 1 | queries, keys) bool (True =
+    attend) or additive float (0 = attend, negative = masked) that is the same for every query
+    (a mask that differs between queries is not a key-padding mask and is refused)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        excluded = attention_mask == 0
+    elif attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
+        rows = attention_mask[:, 0]
+        if rows.shape[1] > 1 and not bool((rows == rows[:, :1]).all()):
+            raise ValueError("attention_mask differs between queries: only key-padding masks run through the fused attention")
+        row = rows[:, 0]
+        excluded = ~row if row.dtype == torch.bool else row < 0
+    else:
+        raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)}: expected (batch, keys) or "
+                         f"(batch, 1, 1 | queries, keys)")
+    if tuple(excluded.shape) != (batch, keys):
+        raise ValueError(f"attention_mask covers {tuple(excluded.shape)} (batch, keys), the layer ({batch}, {keys})")
+    return excluded if bool(excluded.any()) else None
+
+
+class BertLayerReplacement(torch.nn.Module):
+    """A HF ``BertLayer``'s call signature around a tuned layer: ``forward(hidden_states,
+    attention_mask=None, ...)`` -> hidden states [batch, sequence, feature]."""
+
+    def __init__(self, layer: TunedLayer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
+        if args and args[0] is not None or kwargs.get("encoder_hidden_states") is not None:
+            raise ValueError("cross-attention (encoder_hidden_states) is not part of the tuned layer")
+        mask = key_padding_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
+        return self.layer(hidden_states, key_padding_mask=mask)
+
+
+def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
+    """Replace every ``BertLayer`` in ``model`` in place; returns how many were replaced."""
+    first: TunedLayer | None = None
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ != "BertLayer":
+                continue
+            if first is None:
+                layer = first = load_layer(out_dir, **{"device": next(child.parameters()).device, **load_kwargs})
+            else:
+                layer = first.sibling()
+            load_weights(layer, child)
+            setattr(parent, name, BertLayerReplacement(layer).train(child.training))
+            replaced += 1
+    return replaced
