@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from dataflow.graph import PrimitiveGraph
-from datamove.steps import Buffers, Run, build_launcher, stack_groups
+from datamove.steps import Buffers, Run, build_launcher, saved_mask_name, stack_groups
 from kernels.codegen import allocate
-from layouts.plan import ATTENTION_BACKWARD, Plan
+from layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, Plan
 
 SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
 
@@ -88,8 +88,8 @@ class LayerProgram:
         launchers = [(s.phase, build_launcher(s, graph, ops, self.buffers, saves_mask)) for s in plan.steps]
         self.forward_steps = [launcher for phase, launcher in launchers if phase == "forward"]
         self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
-        self.saved = list(plan.saved)
         self.layouts = plan.layouts
+        self.name, self.kept = "", []  # set by datamove.module.register
 
     def shape(self, tensor: str, order: str | None = None) -> tuple[int, ...]:
         """The tensor's shape in ``order`` (default: its spec letter order)."""
@@ -111,6 +111,46 @@ class LayerProgram:
     def to_torch(self, tensor: str, value: torch.Tensor) -> torch.Tensor:
         letters = self.graph.tensors[tensor].letters
         return value.permute([letters.index(letter) for letter in self.interface.torch_order[tensor]])
+
+    def _meta(self, name: str) -> tuple[tuple, tuple, torch.dtype]:
+        """(shape, strides, dtype) of what the store holds under ``name`` (``kept`` entries)."""
+        for launcher in self.forward_steps:
+            if launcher.step.kind == ATTENTION_FORWARD and name in (launcher.lse, saved_mask_name(launcher.lse)):
+                letters = launcher.step.config["letters"]
+                rows = tuple(self.graph.size(letters[r]) for r in ("batch", "heads", "rows"))
+                if name == launcher.lse:
+                    return rows, tuple(torch.empty(rows, device="meta").stride()), torch.float32
+                shape = (*rows, self.graph.size(letters["keys"]) // 16)
+                return shape, tuple(torch.empty(shape, device="meta").stride()), torch.int16
+        tensor, _, layout = name.partition("@")
+        meta = allocate(self.graph, tensor, layout or self.layouts[tensor], self.dtype, "meta")
+        return tuple(meta.shape), tuple(meta.stride()), self.dtype
+
+    def forward_meta(self) -> list[tuple[tuple, tuple, torch.dtype]]:
+        """(shape, strides, dtype) of the forward op's results: the outputs in PyTorch order, then ``kept``."""
+        result = []
+        for t in self.interface.outputs:
+            shape, stride, dtype = self._meta(t)
+            letters, order = self.graph.tensors[t].letters, self.interface.torch_order[t]
+            perm = [letters.index(x) for x in order]
+            result.append((tuple(shape[d] for d in perm), tuple(stride[d] for d in perm), dtype))
+        return result + [self._meta(t) for t in self.kept]
+
+    def backward_meta(self) -> list[tuple[tuple, tuple, torch.dtype]]:
+        """(shape, strides, dtype) of the backward op's results: activations' gradients in PyTorch
+        order, then the parameters' in the layouts the gradient steps write."""
+        writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
+        result = []
+        for t in self.interface.activations + self.interface.parameters:
+            grad = self.interface.input_grads[t]
+            meta = allocate(self.graph, grad, writes[grad], self.dtype, "meta")
+            shape, stride = tuple(meta.shape), tuple(meta.stride())
+            if t in self.interface.activations:
+                letters, order = self.graph.tensors[grad].letters, self.interface.torch_order[t]
+                perm = [letters.index(x) for x in order]
+                shape, stride = tuple(shape[d] for d in perm), tuple(stride[d] for d in perm)
+            result.append((shape, stride, self.dtype))
+        return result
 
     def forward(self, store: dict, run: Run) -> dict:
         """Run the forward steps on ``store`` (activations, parameters, constants as spec-order

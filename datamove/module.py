@@ -1,13 +1,14 @@
 """``TunedLayer``: the exported layer as a ``torch.nn.Module``.
 
-One ``torch.autograd.Function`` (``LayerFunction``) runs a ``datamove.layer.LayerProgram``'s
-forward steps and, on ``backward``, its backward steps.  The module holds the parameters (shape:
+Two PyTorch custom ops run a ``datamove.layer.LayerProgram``: ``datamove::layer_forward`` (its
+forward steps; returns the outputs and the tensors the backward reads) and
+``datamove::layer_backward`` (its backward steps), tied by ``torch.library.register_autograd``:
+one autograd node per layer call, opaque to ``torch.compile`` (which traces the layer with
+``fullgraph=True``: fake implementations give every output's shape and strides).  The module holds the parameters (shape:
 spec letter order; storage: the plan's layouts; a stacked group such as Q/K/V's weights is one
 storage, so the stacked GEMM reads it without a copy) and the constants (buffers), and keeps two
 programs: training (the spec's dropout) and evaluation (dropout off), compiled on first use.
 """
-from __future__ import annotations
-
 import torch
 
 from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
@@ -15,53 +16,121 @@ from datamove.steps import Run, copy_name, saved_mask_name
 from layouts.plan import ATTENTION_FORWARD, Plan
 
 
-class LayerFunction(torch.autograd.Function):
-    """``apply(program, run, *inputs)`` with inputs = activations (PyTorch order), parameters,
-    constants (``TensorInterface`` order) -> the outputs (PyTorch order)."""
-
-    @staticmethod
-    def forward(ctx, program: LayerProgram, run: Run, *inputs):
-        face = program.interface
-        names = face.activations + face.parameters + face.constants
-        store = {t: program.to_spec(t, x, t) if t in face.activations else x for t, x in zip(names, inputs)}
-        program.forward(store, run)
-        kept = [t for t in backward_reads(program) if t in store]
-        ctx.program, ctx.run, ctx.kept = program, run, kept
-        ctx.save_for_backward(*(store[t] for t in kept))
-        outputs = tuple(program.to_torch(t, store[t]) for t in face.outputs)
-        return outputs if len(outputs) > 1 else outputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        program, face = ctx.program, ctx.program.interface
-        store = dict(zip(ctx.kept, ctx.saved_tensors))
-        for t, grad in zip(face.outputs, grads):
-            store[face.grad_outputs[t]] = program.to_spec(t, grad, f"gradient of {t}")
-        program.backward(store, ctx.run)
-        result = []
-        for t in face.activations + face.parameters:
-            grad = store[face.input_grads[t]]
-            result.append(program.to_torch(t, grad) if t in face.activations else grad)
-        return (None, None, *result, *([None] * len(face.constants)))
+PROGRAMS: dict[str, LayerProgram] = {}  # the custom ops find their program by name
 
 
-def backward_reads(program: LayerProgram) -> list[str]:
-    """What the backward steps read that they do not write themselves: the tensors (and
-    layout-change copies, attention statistics) the forward must keep."""
+def register(program: LayerProgram) -> str:
+    """Name ``program`` for the custom ops (one name per program, kept for the process)."""
+    name = f"program{len(PROGRAMS)}"
+    PROGRAMS[name] = program
+    program.name = name
+    program.kept = kept_tensors(program)
+    return name
+
+
+def kept_tensors(program: LayerProgram) -> list[str]:
+    """What the backward steps read that neither they nor the caller provide: tensors the forward
+    writes (and its layout-change copies, attention statistics), returned by the forward op."""
+    face = program.interface
+    given = set(face.activations + face.parameters + face.constants)
     written, needed = set(), []
     for launcher in program.backward_steps:
         step = launcher.step
         names = [copy_name(t, layout) if layout != program.layouts.get(t, layout) else t for t, layout in step.reads.items()]
-        names += list(step.reads)
         roles = step.config.get("roles", {})
         if roles.get("lse"):
             names += [roles["lse"], saved_mask_name(roles["lse"])]
-        needed += [t for t in names if t not in written and t not in needed]
+        needed += [t for t in names if t not in written and t not in needed and t not in given]
         written.update(step.writes)
-    for launcher in program.forward_steps:  # statistics the forward writes beyond the graph's tensors
+    grads = set(face.grad_outputs.values())
+    forward_names = set()
+    for launcher in program.forward_steps:
+        forward_names.update(launcher.step.writes)
+        forward_names.update(copy_name(t, l) for t, l in launcher.step.reads.items())
         if launcher.step.kind == ATTENTION_FORWARD:
-            needed += [t for t in (launcher.lse, saved_mask_name(launcher.lse)) if t not in needed]
-    return needed
+            forward_names.update((launcher.lse, saved_mask_name(launcher.lse)))
+    return [t for t in needed if t not in grads and t in forward_names]
+
+
+def _inputs(program: LayerProgram, inputs: list[torch.Tensor]) -> dict:
+    face = program.interface
+    names = face.activations + face.parameters + face.constants
+    if len(inputs) != len(names):
+        raise TypeError(f"expected {len(names)} tensors {names}, got {len(inputs)}")
+    return {t: program.to_spec(t, x, t) if t in face.activations else x for t, x in zip(names, inputs)}
+
+
+def _unaliased(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Custom ops may not return tensors sharing memory: later ones that do are copied."""
+    seen, result = set(), []
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        result.append(t.clone() if key in seen else t)
+        seen.add(key)
+    return result
+
+
+@torch.library.custom_op("datamove::layer_forward", mutates_args=())
+def layer_forward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
+                  key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The forward steps: returns the outputs (PyTorch order), then ``program.kept``."""
+    prog = PROGRAMS[program]
+    store = prog.forward(_inputs(prog, inputs), Run(int(seed.item()), key_padding_mask))
+    outputs = [prog.to_torch(t, store[t]) for t in prog.interface.outputs]
+    return _unaliased(outputs + [store[t] for t in prog.kept])
+
+
+@layer_forward.register_fake
+def _(program, seed, inputs, key_padding_mask):
+    prog = PROGRAMS[program]
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=inputs[0].device)
+            for shape, stride, dtype in prog.forward_meta()]
+
+
+@torch.library.custom_op("datamove::layer_backward", mutates_args=())
+def layer_backward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor], kept: list[torch.Tensor],
+                   grads: list[torch.Tensor], key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """The backward steps: gradients of the activations (PyTorch order) and parameters."""
+    prog = PROGRAMS[program]
+    face = prog.interface
+    store = {**_inputs(prog, inputs), **dict(zip(prog.kept, kept))}
+    for t, grad in zip(face.outputs, grads):
+        store[face.grad_outputs[t]] = prog.to_spec(t, grad, f"gradient of {t}")
+    prog.backward(store, Run(int(seed.item()), key_padding_mask))
+    result = [prog.to_torch(t, store[face.input_grads[t]]) if t in face.activations else store[face.input_grads[t]]
+              for t in face.activations + face.parameters]
+    return _unaliased(result)
+
+
+@layer_backward.register_fake
+def _(program, seed, inputs, kept, grads, key_padding_mask):
+    prog = PROGRAMS[program]
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=inputs[0].device)
+            for shape, stride, dtype in prog.backward_meta()]
+
+
+def _setup_context(ctx, inputs, output):
+    program, seed, tensors, key_padding_mask = inputs
+    prog = PROGRAMS[program]
+    ctx.program = program
+    ctx.save_for_backward(seed, *tensors, *output[len(prog.interface.outputs):],
+                          *([key_padding_mask] if key_padding_mask is not None else []))
+    ctx.counts = (len(tensors), len(prog.kept), key_padding_mask is not None)
+
+
+def _backward(ctx, grads):
+    prog = PROGRAMS[ctx.program]
+    inputs, kept, has_mask = ctx.counts
+    saved = ctx.saved_tensors
+    seed, tensors, kept_tensors_ = saved[0], list(saved[1:1 + inputs]), list(saved[1 + inputs:1 + inputs + kept])
+    mask = saved[-1] if has_mask else None
+    outputs = len(prog.interface.outputs)
+    result = layer_backward(ctx.program, seed, tensors, kept_tensors_, list(grads[:outputs]), mask)
+    constants = len(prog.interface.constants)
+    return None, None, list(result) + [None] * constants, None
+
+
+torch.library.register_autograd("datamove::layer_forward", _backward, setup_context=_setup_context)
 
 
 class TunedLayer(torch.nn.Module):
@@ -101,6 +170,7 @@ class TunedLayer(torch.nn.Module):
             graph = self.graph if training else without_dropout(self.graph)
             self._programs[training] = LayerProgram(self.plan, graph, self.operators, self.interface, self.dtype,
                                                     self.device_)
+            register(self._programs[training])
         return self._programs[training]
 
     @torch.no_grad()
@@ -128,8 +198,8 @@ class TunedLayer(torch.nn.Module):
                 raise ValueError("key_padding_mask: this plan runs no fused attention to apply it")
             self._check_mask(key_padding_mask)
         program = self.program(self.training)
-        run = Run(int(torch.randint(0, SEED_RANGE, (1,)).item()), key_padding_mask)
-        parameters = [getattr(self, t) for t in face.parameters]
-        constants = [getattr(self, t) for t in face.constants]
-        return LayerFunction.apply(program, run, *activations, *parameters, *constants)
+        seed = torch.randint(0, SEED_RANGE, (1,))
+        tensors = [*activations, *(getattr(self, t) for t in face.parameters + face.constants)]
+        outputs = layer_forward(program.name, seed, tensors, key_padding_mask)[:len(face.outputs)]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 

@@ -71,20 +71,38 @@ class Buffers:
         return store[tensor]
 
 
-def stacked_view(members: list[torch.Tensor]) -> torch.Tensor:
-    """The members (same shape and strides) as one tensor with a leading stack dim, without a copy
-    when they are equally spaced slices of one storage (as ``Buffers`` makes them); else a copy."""
+def _spacing(members: list[torch.Tensor]) -> int | None:
+    """The element distance between consecutive members when they are equally spaced slices of
+    one storage in this order (same shape and strides), else None."""
     first = members[0]
-    if len(members) > 1 and all(m.shape == first.shape and m.stride() == first.stride() for m in members):
-        step = members[1].data_ptr() - first.data_ptr()
-        if step > 0 and step % first.element_size() == 0 and all(
-                m.data_ptr() - first.data_ptr() == n * step for n, m in enumerate(members)):
-            return first.as_strided((len(members), *first.shape), (step // first.element_size(), *first.stride()))
-    return torch.stack(members)
+    if len(members) < 2 or any(m.shape != first.shape or m.stride() != first.stride() for m in members):
+        return None
+    step = members[1].data_ptr() - first.data_ptr()
+    if step <= 0 or step % first.element_size() or any(m.data_ptr() - first.data_ptr() != n * step
+                                                       for n, m in enumerate(members)):
+        return None
+    return step // first.element_size()
+
+
+def stacked_view(members: list[torch.Tensor]) -> torch.Tensor:
+    """The members as one tensor with a leading stack dim: a view when they are equally spaced
+    slices of one storage in this order (as ``Buffers`` makes them), else a copy."""
+    spacing = _spacing(members)
+    if spacing is None:
+        return torch.stack(members)
+    return members[0].as_strided((len(members), *members[0].shape), (spacing, *members[0].stride()))
+
+
+def _one_buffer(members: list[torch.Tensor]) -> bool:
+    """Whether the members, in some order, are equally spaced slices of one storage."""
+    return _spacing(sorted(members, key=torch.Tensor.data_ptr)) is not None
 
 
 def _read(step: Step, store: dict, tensor: str) -> torch.Tensor:
-    layout = step.reads[tensor]
+    """The tensor as ``step`` reads it (its layout-change copy where there is one); an output as written."""
+    layout = step.reads.get(tensor)
+    if layout is None:
+        return store[tensor]
     copied = copy_name(tensor, layout)
     return store[copied] if copied in store else store[tensor]
 
@@ -136,20 +154,22 @@ class GemmLauncher(Launcher):
         return tensors[0] if len(tensors) == 1 else stacked_view(tensors)
 
     def __call__(self, store: dict, run: Run) -> None:
+        if not self.epilogue:
+            for t in self.out:
+                store[t] = self.output(store, t)
+        stacked = [m for m in (self.out, self.a, self.b) if len(m) > 1 and m[0] in store]
+        reference = next((m for m in stacked if _one_buffer([_read(self.step, store, t) for t in m])), None)
         a_members, b_members, out_members = self.a, self.b, self.out
-        stacked = next((m for m in (self.a, self.b, self.out) if len(m) > 1 and m[0] in store), None)
-        if stacked is not None:  # members in the order of the buffers they live in (``stack_groups``)
-            order = sorted(range(len(stacked)), key=lambda n: _read(self.step, store, stacked[n]).data_ptr())
+        if reference is not None:  # members in the order of the buffer they live in (``stack_groups``)
+            order = sorted(range(len(reference)), key=lambda n: _read(self.step, store, reference[n]).data_ptr())
             a_members, b_members, out_members = ([m[n] for n in order] if len(m) > 1 else m
                                                  for m in (self.a, self.b, self.out))
         a, b = self._operand(store, a_members), self._operand(store, b_members)
         if not self.epilogue:
-            outs = [self.output(store, t) for t in out_members]
-            out = outs[0] if len(outs) == 1 else stacked_view(outs)
-            if len(outs) > 1 and out.data_ptr() != outs[0].data_ptr():  # a copy: writes would be lost
+            outs = [store[t] for t in out_members]
+            if len(outs) > 1 and _spacing(outs) is None:  # a copy: the writes would be lost
                 raise RuntimeError(f"{self.step.name}: the stacked outputs {out_members} are not one buffer")
-            contract(self.einsum, a, b, out, backend=self.backend, config=self.gemm_config)
-            store.update(zip(out_members, outs))
+            contract(self.einsum, a, b, outs[0] if len(outs) == 1 else stacked_view(outs), backend=self.backend, config=self.gemm_config)
             return
         ep = self.epilogue
         out = self.output(store, ep["output"])

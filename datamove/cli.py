@@ -1,0 +1,85 @@
+"""``optimize-layer``: the command-line entry point (the main job, or ``--analyze`` alone)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from dataflow.spec import SpecError, parse_assignments
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _dims(text: str | None) -> dict[str, int]:
+    if not text:
+        return {}
+    dims = {}
+    for name, value in parse_assignments(text, "--dims").items():
+        try:
+            dims[name] = int(value)
+        except ValueError:
+            raise SpecError(f"--dims: {name}={value} is not an integer") from None
+    return dims
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="optimize-layer",
+        description="Optimize a transformer layer written as a NumPy spec (after Ivanov et al., 'Data Movement Is "
+                    "All You Need'): analysis, fusion, tuning (on a GPU), layout selection, export of the tuned "
+                    "layer as a PyTorch module, and an MUE / roofline report.")
+    parser.add_argument("spec", help="spec file, e.g. configs/bert.py")
+    parser.add_argument("--out", type=Path, help="output folder (default: out/<spec>-<dims>-<dtype>-<device>)")
+    parser.add_argument("--dims", help="dim values, e.g. B=8,L=512 (default: the spec's)")
+    parser.add_argument("--set", dest="options", help="spec options, e.g. activation=gelu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="precision of the tuned layer")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="tuning time limit in seconds (GPU only; a rerun resumes from the tuning database)")
+    parser.add_argument("--db", type=Path, help="tuning database (default: ~/.cache/datamove/tuning.db)")
+    parser.add_argument("--cost-model-device", default="H100",
+                        help="device whose figures the cost model uses where nothing is measured (default: H100)")
+    parser.add_argument("--analyze", action="store_true",
+                        help="only print every training operator's class, phase, flop and minimal I/O (forward and "
+                             "derived backward), the fused operators, and unfused vs fused data movement")
+    parser.add_argument("--json", type=Path, help="with --analyze: also write the analysis as JSON to this file")
+    return parser
+
+
+def _analyze(args) -> int:
+    from dataflow.pipeline import analyse_spec
+
+    started = time.perf_counter()
+    result = analyse_spec(args.spec, _dims(args.dims), parse_assignments(args.options or "", "--set"))
+    print(result.table)
+    print(f"\nanalysed {args.spec} in {time.perf_counter() - started:.1f} s (no GPU needed: counts are exact)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(result.json, indent=1))
+        tmp.replace(args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", module="dace")
+    try:
+        if args.analyze:
+            return _analyze(args)
+        from datamove.job import JobOptions, run_job
+
+        options = JobOptions(spec=Path(args.spec), dims=_dims(args.dims),
+                             options=parse_assignments(args.options or "", "--set"), dtype=DTYPES[args.dtype],
+                             out=args.out, budget_s=args.budget_s, db=args.db, cost_model_device=args.cost_model_device)
+        return run_job(options)
+    except SpecError as err:
+        print(f"optimize-layer: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
