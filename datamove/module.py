@@ -198,6 +198,8 @@ class TunedLayer(torch.nn.Module):
                 raise ValueError("key_padding_mask: this plan runs no fused attention to apply it")
             self._check_mask(key_padding_mask)
         program = self.program(self.training)
+        for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
+            check(x, t, program.shape(t, face.torch_order[t]), self.dtype, self.device_, face.torch_order[t])
         seed = torch.randint(0, SEED_RANGE, (1,))
         tensors = [*activations, *(getattr(self, t) for t in face.parameters + face.constants)]
         outputs = layer_forward(program.name, seed, tensors, key_padding_mask)[:len(face.outputs)]

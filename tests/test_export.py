@@ -1,0 +1,197 @@
+"""The exported layer (``datamove.export`` / ``datamove.module``) against float64 references.
+
+CPU: Triton through its interpreter, float32, small odd dims.  Every test compares the forward
+output and every gradient (input and all parameters) with the float64 reference executor run on
+the same weights and the same dropout seed (so the backward's mask is checked to be exactly the
+forward's), or with the PyTorch module the weights came from (dropout off).  Errors are relative
+to ||reference||, except for a gradient that is exactly zero in exact arithmetic (BERT's key
+bias: softmax is shift-invariant): its result is rounding noise of the gradients it is summed
+from, judged against the layer's largest gradient norm.
+"""
+import importlib.util
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dataflow.executor import execute
+from dataflow.snapshot import stored_fused
+from datamove.export import ArtifactMismatch, load_layer, load_weights, state_dict_for, write_artifact
+from datamove.weights import from_spec
+from plans import spec_order_plan
+
+BERT_DIMS = dict(B=3, L=23, N=32, H=2, P=16, U=70)
+GPT2_DIMS = dict(B=2, T=21, D=32, H=2, E=16, F=72)
+FLOAT32_TOLERANCE = 2e-5  # interpreter float32 vs float64: measured ~3e-7; far below any indexing or mask error
+
+
+def _spec_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"spec_{name}", f"configs/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write(tmp_path, spec: str, dims: dict, plan_for=spec_order_plan, device=None):
+    fused = stored_fused()[spec].with_dims(dims)
+    module = _spec_module(spec)
+    plan = plan_for(fused, spec)
+    return write_artifact(tmp_path / spec, plan, fused.graph, fused.operators, spec_name=spec, spec_digest="test",
+                          torch_order=getattr(module, "TORCH_ORDER", {}), weights=getattr(module, "WEIGHTS", {}),
+                          device=device or {"name": "cost model: H100", "measured": False}, versions={})
+
+
+def load(path, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_layer(path, device="cpu", dtype=torch.float32, **kwargs)
+
+
+def error(result, reference, zero_scale: float = 0.0) -> float:
+    """||result - reference|| / ||reference||, or / ``zero_scale`` where the reference is zero."""
+    result, reference = np.asarray(result, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    scale = float(np.linalg.norm(reference))
+    scale = scale if scale > 1e-9 * zero_scale else zero_scale
+    return float(np.linalg.norm(result - reference)) / scale
+
+
+def randomize(layer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in layer.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=gen))
+
+
+def check_against_executor(layer, activations: dict, constants: dict | None = None) -> None:
+    """Forward + backward of ``layer`` with dropout on vs the float64 executor with the same seed."""
+    face, graph = layer.interface, layer.graph
+    inputs = {t: torch.randn(layer.program(True).shape(t, face.torch_order[t]), generator=torch.Generator().manual_seed(5),
+                             requires_grad=True) for t in activations}
+    torch.manual_seed(11)
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    torch.manual_seed(11)
+    outputs = layer(*inputs.values())
+    grad = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(6))
+    outputs.backward(grad)
+    spec = lambda t, x: x.detach().double().permute([face.torch_order[t].index(l) for l in graph.tensors[t].letters]).numpy()  # noqa: E731
+    values = {t: p.detach().double().numpy() for t, p in layer.named_parameters()}
+    values.update({t: b.double().numpy() for t, b in layer.named_buffers()})
+    values.update({t: spec(t, x) for t, x in inputs.items()})
+    (out,) = face.outputs
+    values[face.grad_outputs[out]] = spec(out, grad)
+    env = execute(graph, values, seed=seed)
+    assert error(spec(out, outputs), env[out]) < FLOAT32_TOLERANCE, "forward output"
+    for t, x in inputs.items():
+        assert error(spec(t, x.grad), env[face.input_grads[t]]) < FLOAT32_TOLERANCE, f"gradient of {t}"
+    largest = max(np.linalg.norm(env[g]) for g in face.input_grads.values())
+    for t, p in layer.named_parameters():
+        assert error(p.grad.double().numpy(), env[face.input_grads[t]], largest) < FLOAT32_TOLERANCE, f"gradient of {t}"
+
+
+def test_bert_matches_the_executor_with_dropout(tmp_path):
+    layer = load(write(tmp_path, "bert", BERT_DIMS))
+    randomize(layer, 1)
+    check_against_executor(layer, {"x": None})
+
+
+def _hf_bert_layer():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    d = BERT_DIMS
+    config = transformers.BertConfig(hidden_size=d["N"], num_attention_heads=d["H"], intermediate_size=d["U"],
+                                     hidden_act="relu", layer_norm_eps=1e-12, attention_probs_dropout_prob=0.0,
+                                     hidden_dropout_prob=0.0)
+    config._attn_implementation = "eager"
+    return BertLayer(config).double().eval()
+
+
+def _encoder_layer():
+    d = BERT_DIMS
+    return torch.nn.TransformerEncoderLayer(d["N"], d["H"], d["U"], dropout=0.0, activation="relu",
+                                            layer_norm_eps=1e-12, batch_first=True, dtype=torch.float64).eval()
+
+
+@pytest.mark.parametrize("make", [_hf_bert_layer, _encoder_layer], ids=["BertLayer", "TransformerEncoderLayer"])
+def test_equals_the_pytorch_layer_it_replaces(tmp_path, make):
+    reference = make()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0.0, 0.3)
+    layer = load(write(tmp_path, "bert", BERT_DIMS))
+    load_weights(layer, reference).eval()
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"], dtype=torch.float64, requires_grad=True)
+    x32 = x.detach().float().requires_grad_()
+    y, expected = layer(x32), reference(x)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    grad = torch.randn_like(expected)
+    y.backward(grad.float())
+    expected.backward(grad)
+    assert error(y.detach(), expected.detach()) < FLOAT32_TOLERANCE
+    assert error(x32.grad, x.grad) < FLOAT32_TOLERANCE
+    kind = next(k for k in layer.weights_table if k.endswith(type(reference).__name__))
+    sizes = {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
+    reference_grads = {}
+    for name, (key, pattern, index) in layer.weights_table[kind].items():
+        reference_grads[key] = from_spec(getattr(layer, name).grad, pattern, index, layer.graph.tensors[name].letters,
+                                         sizes, reference_grads.get(key))
+    largest = max(float(p.grad.norm()) for p in reference.parameters())
+    for key, p in reference.named_parameters():
+        assert error(reference_grads[key], p.grad, largest) < FLOAT32_TOLERANCE, key
+    given_back = state_dict_for(layer, kind)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(given_back[key].double(), value.float().double()), key
+
+
+def test_torch_compile_fullgraph_matches_eager(tmp_path):
+    layer = load(write(tmp_path, "bert", BERT_DIMS))
+    randomize(layer, 3)
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"], requires_grad=True)
+    torch.manual_seed(4)
+    layer(x).square().sum().backward()
+    eager = x.grad.clone()
+    x.grad = None
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(4)
+    compiled(x).square().sum().backward()
+    assert torch.equal(x.grad, eager)
+
+
+def test_refuses_wrong_inputs(tmp_path):
+    layer = load(write(tmp_path, "bert", BERT_DIMS))
+    d = BERT_DIMS
+    good = torch.randn(d["B"], d["L"], d["N"])
+    with pytest.raises(ValueError, match=r"shape \(3, 24, 32\), expected \(3, 23, 32\) \(b, j, i\)"):
+        layer(torch.randn(d["B"], d["L"] + 1, d["N"]))
+    with pytest.raises(TypeError, match="dtype torch.float64, expected torch.float32"):
+        layer(good.double())
+    with pytest.raises(ValueError, match="on device meta, expected cpu"):
+        layer(good.to("meta"))
+    with pytest.raises(TypeError, match=r"expected 1 activation\(s\)"):
+        layer(good, good)
+    with pytest.raises(ValueError, match="no fused attention"):
+        layer(good, key_padding_mask=torch.zeros(d["B"], d["L"], dtype=torch.bool))
+
+
+def test_refuses_an_artifact_tuned_elsewhere(tmp_path):
+    path = write(tmp_path, "bert", BERT_DIMS, device={"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0],
+                                                      "measured": True})
+    with pytest.raises(ArtifactMismatch, match="tuned on NVIDIA H100 80GB HBM3, this is cpu.*allow_mismatch=True"):
+        load(path)
+    with pytest.raises(ArtifactMismatch, match="dtype torch.float16 asked for"):
+        load_layer(path, device="cpu", dtype=torch.float16, allow_mismatch=False)
+    assert load(path, allow_mismatch=True) is not None
+    with pytest.raises(FileNotFoundError, match="not a datamove artifact"):
+        load_layer(tmp_path, device="cpu")
+
+
+def test_manifest_names_what_the_layer_was_built_for(tmp_path):
+    path = write(tmp_path, "bert", BERT_DIMS)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["dims"] == {**stored_fused()["bert"].graph.dim_values, **BERT_DIMS}
+    assert manifest["torch_order"] == {"x": "bji", "y": "bji"}
+    assert list((path / "kernels").glob("*.py"))
