@@ -9,9 +9,11 @@ Tensors at the boundary (``TensorInterface``): activations (the layer inputs ove
 of its output, e.g. BERT's x) and outputs are exchanged with PyTorch in ``torch_order`` (e.g.
 "bji" = [batch, sequence, feature] for a tensor over letters "ibj"); parameters and constants
 keep their spec letter order as their shape, stored in the plan's layouts.  Dropout: each call
-draws one Philox seed from PyTorch's default CPU generator (``torch.manual_seed`` reproduces a
-run); every mask is regenerated from it at its ``dataflow.executor.dropout_offsets`` offset, in
-the forward and again in the backward, so the backward applies exactly the forward's mask.
+draws one Philox key with ``torch.randint`` on the layer's device (``torch.manual_seed``
+reproduces a run; inside a captured CUDA graph every replay draws a new one, as PyTorch's dropout
+does); the kernels read it from device memory, and every mask is regenerated from it at its
+``dataflow.executor.dropout_offsets`` offset, in the forward and again in the backward, so the
+backward applies exactly the forward's mask.
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def layer_forward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
                   key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """The forward steps: returns the outputs (PyTorch order), then ``program.kept``."""
     prog = PROGRAMS[program]
-    store = prog.forward(_inputs(prog, inputs), Run(int(seed.item()), key_padding_mask))
+    store = prog.forward(_inputs(prog, inputs), Run(seed, key_padding_mask))
     outputs = [prog.to_torch(t, store[t]) for t in prog.interface.outputs]
     return _unaliased(outputs + [store[t] for t in prog.kept])
 
@@ -96,7 +96,7 @@ def layer_backward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
     store = {**_inputs(prog, inputs), **dict(zip(prog.kept, kept))}
     for t, grad in zip(face.outputs, grads):
         store[face.grad_outputs[t]] = prog.to_spec(t, grad, f"gradient of {t}")
-    prog.backward(store, Run(int(seed.item()), key_padding_mask))
+    prog.backward(store, Run(seed, key_padding_mask))
     result = [prog.to_torch(t, store[face.input_grads[t]]) if t in face.activations else store[face.input_grads[t]]
               for t in face.activations + face.parameters]
     return _unaliased(result)
@@ -200,7 +200,7 @@ class TunedLayer(torch.nn.Module):
         program = self.program(self.training)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
             check(x, t, program.shape(t, face.torch_order[t]), self.dtype, self.device_, face.torch_order[t])
-        seed = torch.randint(0, SEED_RANGE, (1,))
+        seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)  # graph-safe: a new key per replay
         tensors = [*activations, *(getattr(self, t) for t in face.parameters + face.constants)]
         outputs = layer_forward(program.name, seed, tensors, key_padding_mask)[:len(face.outputs)]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -38,11 +38,12 @@ def copy_name(tensor: str, layout: str) -> str:
 
 @dataclass
 class Run:
-    """The per-call values a launcher reads: the dropout ``seed`` of this call (Philox key; every
-    mask at its ``dataflow.executor.dropout_offsets`` offset) and an optional ``key_padding_mask``
-    (bool (batch, keys), True = key excluded) for the attention."""
+    """The per-call values a launcher reads: the dropout ``seed`` of this call (Philox key, an int or
+    a one-element int64 tensor on the device holding it, which the kernels read there; every mask
+    at its ``dataflow.executor.dropout_offsets`` offset) and an optional ``key_padding_mask`` (bool
+    (batch, keys), True = key excluded) for the attention."""
 
-    seed: int
+    seed: int | torch.Tensor
     key_padding_mask: torch.Tensor | None = None
 
 

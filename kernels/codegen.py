@@ -568,7 +568,8 @@ class CompiledOperator:
     """A generated kernel bound to a graph's dims; ``source`` is its Triton text, ``path`` its file.
 
     ``run(tensors, seeds)``: ``tensors`` {input name -> tensor with shape in spec-order letters,
-    any strides}; ``seeds`` {dropout mask -> (seed, offset)} for regenerated masks.  Returns
+    any strides}; ``seeds`` {dropout mask -> (seed, offset)} for regenerated masks (seed: an
+    integer or a one-element int64 tensor on the device holding it).  Returns
     {output name -> tensor of spec-order shape stored in its configured layout}, of the dtype of
     the first loaded floating input that is not a mask; or writes into ``outputs`` (the same
     names, any strides) when given.  Indices are int32 unless some offset,
@@ -658,7 +659,7 @@ class CompiledOperator:
                 if offset % DECISION_GROUP and t in plan.grouped + plan.row_grouped + plan.row_calls:
                     raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISION_GROUP}, "
                                      f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
-                args += [int(seed), int(offset)]
+                args += [seed if isinstance(seed, torch.Tensor) else int(seed), int(offset)]
             suffix = "" if len(self.plans) == 1 else f"_{k}"
             blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]
             blocks[f"BLOCK_COL{suffix}"] = part_knobs["block_col"]

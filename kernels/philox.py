@@ -1,6 +1,7 @@
 """Triton side of the dropout convention in ``dataflow.dropout_mask``.
 
-A kernel passes the global counter of each element (the mask's ``offset`` plus the element's
+A kernel passes the Philox key ``seed`` (an integer, or a pointer to an int64 holding it:
+``seed_value``) and the global counter of each element (the mask's ``offset`` plus the element's
 logical row-major index over the tensor's named dims in spec order, independent of the storage
 layout) and gets the keep decision that ``dataflow.dropout_mask.keep_mask`` computes in NumPy.
 Counter ``g = 64 G + 8 i + 2 t + e`` is byte ``2 i + e`` of Philox call ``4 G + t``.
@@ -26,6 +27,17 @@ from dataflow.dropout_mask import dropout_scale, keep_threshold  # noqa: F401 - 
 
 
 @triton.jit
+def seed_value(seed):
+    """The Philox key: ``seed`` itself (a scalar, or a constexpr when it is 1), or the int64 it points
+    to: a key kept in device memory lets a captured CUDA graph draw a fresh mask on every replay
+    (the host writes a new key there, or a graph-safe ``torch.randint`` on the device does)."""
+    if tl.constexpr(isinstance(seed, tl.tensor) and seed.dtype.is_ptr()):
+        return tl.load(seed)
+    else:
+        return seed
+
+
+@triton.jit
 def philox4(seed, counter):
     """The four uint32 words of ``tl.randint4x(seed, counter)`` (Philox-4x32-10, counter words
     (lo, hi, 0, 0), the 64-bit seed as key), with each 32x32-bit product taken as one 64-bit
@@ -36,7 +48,7 @@ def philox4(seed, counter):
         c1 = (counter >> 32).to(tl.uint32)
     c2 = c0 * 0
     c3 = c0 * 0
-    key = c0.to(tl.uint64) * 0 + seed  # a uint64 block whether seed arrives as a scalar or a constexpr (seed == 1)
+    key = c0.to(tl.uint64) * 0 + seed_value(seed)  # a uint64 block whether seed is a scalar, a constexpr (1) or a pointer
     k0 = (key & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
     for _ in tl.static_range(10):

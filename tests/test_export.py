@@ -195,3 +195,40 @@ def test_manifest_names_what_the_layer_was_built_for(tmp_path):
     assert manifest["dims"] == {**stored_fused()["bert"].graph.dim_values, **BERT_DIMS}
     assert manifest["torch_order"] == {"x": "bji", "y": "bji"}
     assert list((path / "kernels").glob("*.py"))
+
+
+def test_each_call_draws_its_own_mask_and_the_seed_reproduces_it(tmp_path):
+    layer = load(write(tmp_path, "bert", BERT_DIMS))
+    randomize(layer, 4)
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"])
+    with torch.no_grad():
+        torch.manual_seed(8)
+        first, second = layer(x), layer(x)
+        torch.manual_seed(8)
+        again = layer(x)
+        layer.eval()
+        evaluation = [layer(x), layer(x)]
+    assert not torch.equal(first, second)
+    assert torch.equal(first, again)
+    assert torch.equal(*evaluation)
+
+
+def test_kernels_read_a_seed_kept_in_memory():
+    """A key held in a device tensor (what a CUDA graph replays with) decides as the same int does."""
+    from kernels.codegen import compile_operator
+    from layouts.space import default_configuration
+
+    fused = stored_fused()["bert"].with_dims(BERT_DIMS)
+    graph = fused.graph
+    op = next(o for o in fused.operators if any(graph.tensors[t].role == "dropout" for t in o.inputs)
+              and o.cls == "elementwise")
+    kernel = compile_operator(graph, op, default_configuration(graph, op))
+    gen = torch.Generator().manual_seed(9)
+    inputs = {t: torch.randn([graph.size(x) for x in graph.tensors[t].letters], generator=gen)
+              for t in op.inputs if graph.tensors[t].role != "dropout"}
+    mask = next(t for t in op.inputs if graph.tensors[t].role == "dropout")
+    by_int = kernel.run(inputs, {mask: (1234567, 0)})
+    by_tensor = kernel.run(inputs, {mask: (torch.tensor([1234567]), 0)})
+    for t in by_int:
+        assert torch.equal(by_int[t], by_tensor[t])

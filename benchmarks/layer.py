@@ -1,0 +1,223 @@
+"""The tuned layer against what users run today, forward and forward+backward, in one GPU run.
+
+    PYTHONPATH=$PWD python3 benchmarks/layer.py --artifact out/<dir> [--artifact ...] [--out benchmarks/results]
+
+Per artifact (written by ``optimize-layer``: its dims and dtype set the case), layers of the same
+shape and dtype with the same weights:
+- ``datamove``: the exported tuned layer (``datamove.export.load_layer``);
+- ``hf-eager`` / ``hf-sdpa``: HF ``BertLayer`` with eager attention / SDPA;
+- ``torch-encoder``: ``nn.TransformerEncoderLayer`` (post-norm, batch_first, the spec's activation);
+- ``compile-default`` / ``compile-max-autotune``: ``torch.compile`` of HF ``BertLayer`` with SDPA
+  (``mode=None`` / ``"max-autotune-no-cudagraphs"``).
+All in training mode (dropout 0.1 as in the spec), inputs N(0, 1), gradients of a fixed N(0, 1)
+upstream gradient taken with ``torch.autograd.grad`` (nothing accumulates between calls).
+
+Three times per layer and direction, each the median over repetitions:
+- kernel: the GPU's busy time per call, the sum of every kernel's (and copy's) duration in a
+  ``torch.profiler`` trace of ``REPS`` calls, divided by ``REPS`` (consecutive calls, L2 warm as
+  in training);
+- wall: host time per call of ``REPS`` plain calls, synchronised at the end;
+- graphed: the same calls replayed from one CUDA graph (captured after warm-up).
+Ratios are against the tuned layer's.  The tuned layer's breakdown: each plan step timed alone
+(``kernels.bench.time_cuda``: device events, L2 flushed, medians) beside the plan's time for it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from datamove.export import load_layer, load_weights, read_manifest
+from datamove.steps import Run
+from kernels.bench import time_cuda, write_results
+from kernels.device import query_device, versions
+
+REPS = 20
+ROUNDS = 5
+
+
+def _baselines(manifest: dict, dtype: torch.dtype, device) -> dict:
+    """The PyTorch layers of the artifact's shape, same weights as each other."""
+    import transformers
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    d = manifest["dims"]
+    N, H, U = d["N"], d["H"], d["U"]
+    activation = "relu"
+    config = transformers.BertConfig(hidden_size=N, num_attention_heads=H, intermediate_size=U, hidden_act=activation,
+                                     layer_norm_eps=1e-12, attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.1)
+    layers = {}
+    for name, implementation in (("hf-eager", "eager"), ("hf-sdpa", "sdpa")):
+        config._attn_implementation = implementation
+        layers[name] = BertLayer(config).to(device, dtype).train()
+    layers["hf-eager"].load_state_dict(layers["hf-sdpa"].state_dict())
+    encoder = torch.nn.TransformerEncoderLayer(N, H, U, dropout=0.1, activation=activation, layer_norm_eps=1e-12,
+                                               batch_first=True).to(device, dtype).train()
+    layers["torch-encoder"] = encoder
+    layers["compile-default"] = torch.compile(layers["hf-sdpa"])
+    layers["compile-max-autotune"] = torch.compile(layers["hf-sdpa"], mode="max-autotune-no-cudagraphs")
+    return layers
+
+
+def _call(layer, x, dy, backward: bool):
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def step():
+        y = layer(x)
+        y = y[0] if isinstance(y, tuple) else y
+        if backward:
+            return torch.autograd.grad(y, [x, *params], dy)
+        return y
+    return step
+
+
+def kernel_ms(step) -> float:
+    """GPU busy time per call: every device activity's duration over ``REPS`` calls / ``REPS``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPS):
+            step()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.events() if e.device_type.name == "CUDA")
+    return total_us / 1e3 / REPS
+
+
+def wall_ms(step) -> float:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(REPS):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3 / REPS
+
+
+def graphed(step):
+    """``step`` captured in a CUDA graph (warmed up on a side stream first); returns the replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def measure(step) -> dict:
+    for _ in range(3):
+        step()
+    result = {"kernel_ms": statistics.median(kernel_ms(step) for _ in range(ROUNDS)),
+              "wall_ms": statistics.median(wall_ms(step) for _ in range(ROUNDS))}
+    try:
+        replay = graphed(step)
+        result["graphed_ms"] = statistics.median(wall_ms(replay) for _ in range(ROUNDS))
+    except Exception as exc:  # noqa: BLE001 - a layer that cannot be captured is reported, not fatal
+        result["graphed_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return result
+
+
+def breakdown(layer) -> list[dict]:
+    """Each plan step of the tuned layer timed alone, in training mode, beside the plan's time."""
+    program = layer.program(True)
+    face = program.interface
+    gen = torch.Generator(device=program.device).manual_seed(0)
+    store = {}
+    for t in face.activations:
+        store[t] = program.to_spec(t, torch.randn(program.shape(t, face.torch_order[t]), generator=gen,
+                                                  device=program.device, dtype=program.dtype), t)
+    store.update({t: getattr(layer, t).detach() for t in face.parameters + face.constants})
+    for t, grad in face.grad_outputs.items():
+        store[grad] = program.to_spec(t, torch.randn(program.shape(t, face.torch_order[t]), generator=gen,
+                                                     device=program.device, dtype=program.dtype), grad)
+    run = Run(seed=12345)
+    rows = []
+    for launcher in program.forward_steps + program.backward_steps:
+        launcher(store, run)  # fills what later steps read
+        timing = time_cuda(lambda launcher=launcher: launcher(store, run))
+        step = launcher.step
+        rows.append({"step": step.name, "phase": step.phase, "kind": step.kind, "ms": timing.median_ms,
+                     "plan_ms": step.time_ms, "plan_source": step.source})
+    return rows
+
+
+def run_case(artifact: Path) -> dict:
+    manifest = read_manifest(artifact)
+    device = torch.device("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(artifact, device=device, allow_mismatch=True).train()
+    dtype = layer.dtype
+    baselines = _baselines(manifest, dtype, device)
+    load_weights(layer, baselines["hf-sdpa"])
+    d = manifest["dims"]
+    x = torch.randn(d["B"], d["L"], d["N"], device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    rows = {}
+    for name, module in {"datamove": layer, **baselines}.items():
+        for direction, backward in (("forward", False), ("fwd+bwd", True)):
+            print(f"{artifact.name}: {name} {direction}", file=sys.stderr)
+            try:
+                rows[f"{name}|{direction}"] = measure(_call(module, x, dy, backward))
+            except Exception as exc:  # noqa: BLE001 - one failing baseline is reported, the rest go on
+                rows[f"{name}|{direction}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"artifact": str(artifact), "dims": d, "dtype": str(dtype).removeprefix("torch."),
+            "plan_device": manifest["device"], "rows": rows, "breakdown": breakdown(layer)}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# The tuned layer against PyTorch ({report['device']}, {report['date']})", "",
+             f"Versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}.", "",
+             "Kernel: GPU busy time per call (profiler sum, consecutive calls); wall: host time per call launched "
+             "plainly; graphed: the same replayed from one CUDA graph. Medians; ratio = time / tuned layer's.", ""]
+    for case in report["cases"]:
+        d = case["dims"]
+        lines += [f"## B={d['B']} L={d['L']} {case['dtype']} (plan timed on: {case['plan_device']['name']})", "",
+                  "| layer | direction | kernel ms | wall ms | graphed ms | kernel ratio |", "|---|---|---|---|---|---|"]
+        ours = {k.split("|")[1]: v.get("kernel_ms") for k, v in case["rows"].items() if k.startswith("datamove|")}
+        for key, row in case["rows"].items():
+            name, direction = key.split("|")
+            if "error" in row:
+                lines.append(f"| {name} | {direction} | error: {row['error']} | | | |")
+                continue
+            ratio = row["kernel_ms"] / ours[direction] if ours.get(direction) else float("nan")
+            graph = f"{row['graphed_ms']:.3f}" if "graphed_ms" in row else row.get("graphed_error", "")
+            lines.append(f"| {name} | {direction} | {row['kernel_ms']:.3f} | {row['wall_ms']:.3f} | {graph} | {ratio:.2f} |")
+        lines += ["", "Tuned layer, each step alone (device events, L2 flushed):", "",
+                  "| step | phase | kind | ms | plan ms (source) |", "|---|---|---|---|---|"]
+        for row in case["breakdown"]:
+            lines.append(f"| {row['step']} | {row['phase']} | {row['kind']} | {row['ms']:.4f} | "
+                         f"{row['plan_ms']:.4f} ({row['plan_source']}) |")
+        total = sum(r["ms"] for r in case["breakdown"])
+        lines += [f"| total | | | {total:.4f} | |", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", type=Path, nargs="+", required=True, help="optimize-layer output folders")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/layer.py needs a CUDA GPU: nothing measured", file=sys.stderr)
+        return 2
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(), "versions": versions(),
+              "cases": [run_case(a) for a in args.artifact]}
+    text = markdown(report)
+    write_results(args.out, "layer", report, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
