@@ -1,0 +1,166 @@
+"""The exported layer on a GPU at BERT-large dims (marker ``gpu``).
+
+Accuracy by ``kernels.accuracy``'s rule: a bf16/fp16 result passes when its error against a
+float64 reference (the same HF ``BertLayer`` in float64, same weights, dropout off) is at most 1.5x
+PyTorch's own error at that precision plus 1e-4, for the output, the input's gradient and every
+parameter's; a gradient that is zero in exact arithmetic (the key bias) is judged against the
+largest gradient's norm.  Then: ``torch.compile(fullgraph=True)`` against eager, a CUDA-graph
+replay drawing a new dropout mask each time, and training against HF's layers.
+"""
+import warnings
+
+import pytest
+import torch
+
+from dataflow.snapshot import stored_fused
+from datamove.export import load_layer, load_weights, write_artifact
+from datamove.weights import from_spec
+from plans import spec_order_plan
+from test_export import _spec_module
+
+pytestmark = pytest.mark.gpu
+
+LARGE = dict(B=8, L=512, N=1024, H=16, P=64, U=4096)
+SMALL = dict(B=8, L=128, N=256, H=4, P=64, U=1024)
+PLANS = {"spec-order": spec_order_plan}
+
+
+def artifact(tmp_path, dims: dict, dtype: str, plan_for) -> object:
+    fused = stored_fused()["bert"].with_dims(dims)
+    module = _spec_module("bert")
+    plan = plan_for(fused, "bert", dtype)
+    return write_artifact(tmp_path / "bert", plan, fused.graph, fused.operators, spec_name="bert", spec_digest="test",
+                          torch_order=module.TORCH_ORDER, weights=module.WEIGHTS,
+                          device={"name": "cost model: H100", "measured": False}, versions={})
+
+
+def loaded(path, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_layer(path, device="cuda", **kwargs)
+
+
+def hf_layer(dims: dict, dropout: float = 0.0):
+    import transformers
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    config = transformers.BertConfig(hidden_size=dims["N"], num_attention_heads=dims["H"], intermediate_size=dims["U"],
+                                     hidden_act="relu", layer_norm_eps=1e-12, attention_probs_dropout_prob=dropout,
+                                     hidden_dropout_prob=dropout)
+    config._attn_implementation = "eager"
+    return BertLayer(config).cuda()
+
+
+def _relative(result, reference, zero_scale: float) -> float:
+    result, reference = result.double(), reference.double()
+    scale = float(reference.norm())
+    scale = scale if scale > 1e-9 * zero_scale else zero_scale
+    return float((result - reference).norm()) / scale
+
+
+def _grads(layer, kind: str) -> dict:
+    sizes = {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
+    result = {}
+    for name, (key, pattern, index) in layer.weights_table[kind].items():
+        result[key] = from_spec(getattr(layer, name).grad, pattern, index, layer.graph.tensors[name].letters, sizes,
+                                result.get(key))
+    return result
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_bert_large_matches_hf_in_low_precision(tmp_path, plan, dtype):
+    reference = hf_layer(LARGE).double().eval()
+    baseline = hf_layer(LARGE).to(dtype).eval()
+    baseline.load_state_dict(reference.state_dict())
+    layer = loaded(artifact(tmp_path, LARGE, str(dtype).removeprefix("torch."), PLANS[plan]))
+    load_weights(layer, reference).eval()
+    x = torch.randn(LARGE["B"], LARGE["L"], LARGE["N"], device="cuda", dtype=torch.float64)
+    dy = torch.randn_like(x)
+    results = {}
+    for name, module, x_in in (("ours", layer, x.to(dtype)), ("baseline", baseline, x.to(dtype)), ("reference", reference, x)):
+        x_in = x_in.clone().requires_grad_()
+        y = module(x_in)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(dy.to(y.dtype))
+        grads = _grads(layer, "transformers.BertLayer") if module is layer else {k: p.grad for k, p in module.named_parameters()}
+        results[name] = {"y": y.detach(), "d_x": x_in.grad, **grads}
+    largest = max(float(g.norm()) for k, g in results["reference"].items() if k not in ("y", "d_x"))
+    failures = []
+    for key, exact in results["reference"].items():
+        ours = _relative(results["ours"][key], exact, largest)
+        torch_error = _relative(results["baseline"][key], exact, largest)
+        if not ours <= 1.5 * torch_error + 1e-4:
+            failures.append(f"{key}: {ours:.3e} vs PyTorch {torch_error:.3e}")
+    assert not failures, failures
+
+
+def test_compile_fullgraph_and_cuda_graph_replay(tmp_path):
+    layer = loaded(artifact(tmp_path, SMALL, "bfloat16", spec_order_plan)).train()
+    x = torch.randn(SMALL["B"], SMALL["L"], SMALL["N"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.manual_seed(1)
+    eager = layer(x)
+    eager.float().square().sum().backward()
+    eager_grad = x.grad.clone()
+    x.grad = None
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.manual_seed(1)
+    again = compiled(x)
+    again.float().square().sum().backward()
+    assert torch.equal(again, eager) and torch.equal(x.grad, eager_grad)
+
+    static_x = x.detach().clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    outputs = []
+    for _ in range(3):
+        graph.replay()
+        outputs.append(static_y.clone())
+    assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2])
+    drops = [(o == 0).float().mean().item() for o in outputs]
+    assert all(d < 0.01 for d in drops), drops  # post-LayerNorm output: dropout shows only through the values
+
+
+def _train(layers, steps: int, seed: int = 0) -> list[float]:
+    """Two layers and a linear read-out fitting a fixed random target of the input; the losses."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    B, L, N = SMALL["B"], SMALL["L"], SMALL["N"]
+    inputs = torch.randn(64, B, L, N, device="cuda", generator=gen, dtype=torch.bfloat16)
+    mix = torch.randn(N, N, device="cuda", generator=gen, dtype=torch.bfloat16) / N ** 0.5
+    head = torch.nn.Linear(N, N, device="cuda", dtype=torch.bfloat16)
+    params = [p for layer in layers for p in layer.parameters()] + list(head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=3e-4)
+    losses = []
+    for step in range(steps):
+        x = inputs[step % len(inputs)]
+        y = x
+        for layer in layers:
+            y = layer(y)
+            y = y[0] if isinstance(y, tuple) else y
+        loss = torch.nn.functional.mse_loss(head(y).float(), torch.tanh(x @ mix).float())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def test_two_layers_train_like_hf(tmp_path):
+    path = artifact(tmp_path, SMALL, "bfloat16", spec_order_plan)
+    torch.manual_seed(0)
+    hf = [hf_layer(SMALL, 0.1).to(torch.bfloat16).train() for _ in range(2)]
+    ours = [loaded(path).train() for _ in range(2)]
+    for layer, reference in zip(ours, hf):
+        load_weights(layer, reference)
+    steps = 300
+    hf_losses, our_losses = _train(hf, steps), _train(ours, steps)
+    first, last = (lambda losses: sum(losses[:20]) / 20), (lambda losses: sum(losses[-20:]) / 20)
+    assert last(our_losses) < 0.7 * first(our_losses)
+    assert last(our_losses) < 1.1 * last(hf_losses), (first(our_losses), last(our_losses), first(hf_losses), last(hf_losses))
