@@ -104,8 +104,9 @@ def test_compile_fullgraph_and_cuda_graph_replay(tmp_path):
     eager_grad = x.grad.clone()
     x.grad = None
     compiled = torch.compile(layer, fullgraph=True)
-    torch.manual_seed(1)
-    again = compiled(x)
+    with torch._inductor.config.patch(fallback_random=True):  # inductor's own RNG differs from eager's by design
+        torch.manual_seed(1)
+        again = compiled(x)
     again.float().square().sum().backward()
     assert torch.equal(again, eager) and torch.equal(x.grad, eager_grad)
 
