@@ -68,7 +68,7 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
     ops = {op.name: op for op in operators}
     for step in plan.steps:
         if step.kind == GENERATED:
-            config = Configuration({**step.reads, **step.writes}, step.config["knobs"])
+            config = Configuration({**step.reads, **step.writes, **step.config.get("masks", {})}, step.config["knobs"])
             source = compile_operator(graph, ops[step.operators[0]], config).source
             _write(out / KERNELS / f"{_file_name(step.name)}.py", source)
     manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype,

@@ -85,9 +85,9 @@ class LayerProgram:
         self.plan, self.graph, self.interface, self.dtype, self.device = plan, graph, interface, dtype, torch.device(device)
         ops = {op.name: op for op in operators}
         self.buffers = Buffers(graph, stack_groups(plan.steps), dtype, self.device)
-        saves_mask = any(s.kind == ATTENTION_BACKWARD and s.config["knobs"].get("dropout_mask") == "saved"
-                         for s in plan.steps)
-        launchers = [(s.phase, build_launcher(s, graph, ops, self.buffers, saves_mask)) for s in plan.steps]
+        self.saves_mask = any(s.kind == ATTENTION_BACKWARD and s.config["knobs"].get("dropout_mask") == "saved"
+                              for s in plan.steps)
+        launchers = [(s.phase, build_launcher(s, graph, ops, self.buffers, self.saves_mask)) for s in plan.steps]
         self.forward_steps = [launcher for phase, launcher in launchers if phase == "forward"]
         self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
         self.layouts = plan.layouts

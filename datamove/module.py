@@ -39,7 +39,7 @@ def kept_tensors(program: LayerProgram) -> list[str]:
         names = [copy_name(t, layout) if layout != program.layouts.get(t, layout) else t for t, layout in step.reads.items()]
         roles = step.config.get("roles", {})
         if roles.get("lse"):
-            names += [roles["lse"], saved_mask_name(roles["lse"])]
+            names += [roles["lse"]] + ([saved_mask_name(roles["lse"])] if program.saves_mask else [])
         needed += [t for t in names if t not in written and t not in needed and t not in given]
         written.update(step.writes)
     grads = set(face.grad_outputs.values())
@@ -48,7 +48,7 @@ def kept_tensors(program: LayerProgram) -> list[str]:
         forward_names.update(launcher.step.writes)
         forward_names.update(copy_name(t, l) for t, l in launcher.step.reads.items())
         if launcher.step.kind == ATTENTION_FORWARD:
-            forward_names.update((launcher.lse, saved_mask_name(launcher.lse)))
+            forward_names.update((launcher.lse, saved_mask_name(launcher.lse)) if program.saves_mask else (launcher.lse,))
     return [t for t in needed if t not in grads and t in forward_names]
 
 

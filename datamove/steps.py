@@ -76,7 +76,9 @@ def _spacing(members: list[torch.Tensor]) -> int | None:
     """The element distance between consecutive members when they are equally spaced slices of
     one storage in this order (same shape and strides), else None."""
     first = members[0]
-    if len(members) < 2 or any(m.shape != first.shape or m.stride() != first.stride() for m in members):
+    storage = first.untyped_storage().data_ptr()
+    if len(members) < 2 or any(m.shape != first.shape or m.stride() != first.stride()
+                               or m.untyped_storage().data_ptr() != storage for m in members):
         return None
     step = members[1].data_ptr() - first.data_ptr()
     if step <= 0 or step % first.element_size() or any(m.data_ptr() - first.data_ptr() != n * step
@@ -87,11 +89,18 @@ def _spacing(members: list[torch.Tensor]) -> int | None:
 
 def stacked_view(members: list[torch.Tensor]) -> torch.Tensor:
     """The members as one tensor with a leading stack dim: a view when they are equally spaced
-    slices of one storage in this order (as ``Buffers`` makes them), else a copy."""
+    slices of one storage in this order (as ``Buffers`` makes them), else a copy stored in the
+    members' layout with the stack dim outermost."""
+    first = members[0]
     spacing = _spacing(members)
-    if spacing is None:
-        return torch.stack(members)
-    return members[0].as_strided((len(members), *members[0].shape), (spacing, *members[0].stride()))
+    if spacing is not None:
+        return first.as_strided((len(members), *first.shape), (spacing, *first.stride()))
+    order = sorted(range(first.dim()), key=lambda d: -first.stride(d))  # the members' storage order, outermost first
+    buffer = torch.empty((len(members), *[first.shape[d] for d in order]), dtype=first.dtype, device=first.device)
+    stacked = buffer.permute(0, *[1 + order.index(d) for d in range(first.dim())])
+    for n, member in enumerate(members):
+        stacked[n].copy_(member)
+    return stacked
 
 
 def _one_buffer(members: list[torch.Tensor]) -> bool:
@@ -123,7 +132,7 @@ class GeneratedLauncher(Launcher):
 
     def __init__(self, step: Step, graph, buffers: Buffers, op):
         super().__init__(step, graph, buffers)
-        config = Configuration({**step.reads, **step.writes}, step.config["knobs"])
+        config = Configuration({**step.reads, **step.writes, **step.config.get("masks", {})}, step.config["knobs"])
         self.compiled = compile_operator(graph, op, config)
         offsets = dropout_offsets(graph)
         self.masks = {t: offsets[t] for t in op.inputs if graph.tensors[t].role == "dropout"}

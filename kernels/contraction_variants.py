@@ -305,6 +305,13 @@ def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
     return None
 
 
+def epilogue_op(gemm: TrainingGemm, epilogue: FusableEpilogue) -> str:
+    """The tuning-DB ``op`` of ``gemm`` with ``epilogue`` fused (see the module doc's keys)."""
+    tail = f"+bias[{epilogue.bias_letters}]" + (f"+{epilogue.activation}" if epilogue.activation != "none" else "")
+    tail += f"+dropout({epilogue.p:g})" if epilogue.mask else ""
+    return gemm.op + tail + (f"+save({epilogue.save})" if epilogue.save else "")
+
+
 class EpilogueVariant:
     """``gemm`` + its epilogue, three ways: one Triton kernel (``config``, the epilogue fused); the
     cuBLAS GEMM then the consumer's generated kernel (``consumer``: (graph, operator, its
@@ -317,10 +324,7 @@ class EpilogueVariant:
         gemm, c = operands.gemm, operands.c
         self.operands, self.epilogue, self.config, self.consumer = operands, epilogue, config, consumer
         self.plan = map_layouts(c, (c.a, c.b, c.out), gemm.sizes)
-        tail = f"+bias[{epilogue.bias_letters}]" + (f"+{epilogue.activation}" if epilogue.activation != "none" else "")
-        tail += f"+dropout({epilogue.p:g})" if epilogue.mask else ""
-        tail += f"+save({epilogue.save})" if epilogue.save else ""
-        self.op, self.dims, self.dtype = gemm.op + tail, dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
+        self.op, self.dims, self.dtype = epilogue_op(gemm, epilogue), dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
         self.layout = _layout_key(self.plan)
         if config is not None:
             self.knobs = _config_knobs(config)

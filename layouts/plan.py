@@ -13,8 +13,9 @@ it reads (``config = {"tensor", "from", "to"}``; the copy lives until its last r
 
 ``Step.config`` by kind:
 
-- ``GENERATED``: ``{"knobs": {...}}``, the knobs of a ``layouts.space.Configuration`` whose
-  layouts are ``reads | writes``; runs one fused element-wise / normalization operator.
+- ``GENERATED``: ``{"knobs": {...}, "masks": {mask: layout}}``, the knobs of a
+  ``layouts.space.Configuration`` whose layouts are ``reads | writes | masks`` (the dropout masks it
+  regenerates, never stored); runs one fused element-wise / normalization operator.
 - ``GEMM``: ``{"einsum": "phi,ibj->phbj", "backend": "cublas" | "triton", "gemm": {GemmConfig
   fields} | None, "operands": {"a": [tensors], "b": [tensors], "out": [tensors]}}``: each operand
   of the einsum as the list of graph tensors it is made of, one tensor, or for a stacked

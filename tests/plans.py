@@ -15,7 +15,10 @@ def spec_order_plan(fused, spec: str, dtype="float32"):
             config = default_configuration(graph, op)
             reads = {t: config.layouts[t] for t in op.inputs}
             writes = {t: config.layouts[t] for t in op.outputs}
-            steps.append(Step(op.name, op.phase, GENERATED, (op.name,), reads, writes, {"knobs": config.knobs}, 0.0, "predicted"))
+            masks = {t: config.layouts[t] for t in op.inputs if graph.tensors[t].role == "dropout"}
+            reads = {t: layout for t, layout in reads.items() if t not in masks}
+            steps.append(Step(op.name, op.phase, GENERATED, (op.name,), reads, writes,
+                              {"knobs": config.knobs, "masks": masks}, 0.0, "predicted"))
             continue
         einsums = [p for p in op.primitives if p.kind == "einsum"]
         if len(einsums) == 1:
@@ -37,3 +40,19 @@ def spec_order_plan(fused, spec: str, dtype="float32"):
     fwd_written = {t for s in steps if s.phase == "forward" for t in s.writes}
     saved = sorted({t for s in steps if s.phase == "backward" for t in s.reads if t in fwd_written})
     return Plan(spec, dict(graph.dim_values), dtype, "none", "predicted", layouts, steps, saved, 0.0, 0.0)
+
+
+def selected_plan(fused, spec: str, dtype="float32"):
+    """The cost model's choice (``datamove.candidates.plan_layer``, H100 figures), activations in
+    the spec's PyTorch order."""
+    import importlib.util
+
+    from datamove.candidates import plan_layer
+    from layouts.cost_model import device_figures
+
+    module_spec = importlib.util.spec_from_file_location(f"spec_{spec}", f"configs/{spec}.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    order = getattr(module, "TORCH_ORDER", {})
+    boundary = {**order, **{f"d_{t}": layout for t, layout in order.items()}}
+    return plan_layer(fused, spec, dtype=dtype, figures=device_figures("H100"), boundary=boundary)

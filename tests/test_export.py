@@ -20,7 +20,7 @@ from dataflow.executor import execute
 from dataflow.snapshot import stored_fused
 from datamove.export import ArtifactMismatch, load_layer, load_weights, state_dict_for, write_artifact
 from datamove.weights import from_spec
-from plans import spec_order_plan
+from plans import selected_plan, spec_order_plan
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU); "
                                 "on a GPU, tests/test_export_gpu.py runs the layer at real sizes")
@@ -93,9 +93,21 @@ def check_against_executor(layer, activations: dict, constants: dict | None = No
         assert error(p.grad.double().numpy(), env[face.input_grads[t]], largest) < FLOAT32_TOLERANCE, f"gradient of {t}"
 
 
-def test_bert_matches_the_executor_with_dropout(tmp_path):
-    layer = load(write(tmp_path, "bert", BERT_DIMS))
+@pytest.mark.parametrize("plan_for", [spec_order_plan, selected_plan], ids=["spec-order", "selected"])
+def test_bert_matches_the_executor_with_dropout(tmp_path, plan_for):
+    layer = load(write(tmp_path, "bert", BERT_DIMS, plan_for))
+    kinds = {s.kind for s in layer.plan.steps}
+    assert plan_for is spec_order_plan or {"attention_forward", "attention_backward", "gemm_epilogue"} <= kinds
     randomize(layer, 1)
+    check_against_executor(layer, {"x": None})
+
+
+def test_gpt2_matches_the_executor_with_dropout(tmp_path):
+    layer = load(write(tmp_path, "gpt2", GPT2_DIMS, selected_plan))
+    randomize(layer, 2)
+    T = GPT2_DIMS["T"]
+    with torch.no_grad():  # the spec's causal mask: 0 where t <= s, else -1e4
+        layer.causal.copy_(torch.triu(torch.full((T, T), -1e4), diagonal=1))
     check_against_executor(layer, {"x": None})
 
 

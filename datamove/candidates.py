@@ -1,0 +1,380 @@
+"""The candidates of every operator of a fused training graph, with their times, and the plan.
+
+``plan_layer`` gathers, per operator of the fused graph (``dataflow.snapshot.FusedTraining``):
+
+- generated element-wise / normalization kernels: one candidate per tensor-layout combination of
+  ``layouts.space.configurations`` (pruned space), its knobs the fastest measured (else the
+  representative's, predicted);
+- contractions: each BLAS-mappable operand-layout combination of ``kernels.contraction_variants
+  .pick_layouts`` (a stacked operand keeps its stack letter outermost: its members are views of
+  one buffer), cuBLAS or the fastest measured Triton configuration;
+- a GEMM and the element-wise consumer its Triton template fuses (``epilogue_of``), in spec order;
+- the fused attention (``attention_roles``): forward and backward, in every layout the producer of
+  its inputs can write, in place of the score contraction, softmax and output contraction (and
+  their backward operators);
+
+times from ``Timings`` (the tuning database's records of one device and dtype) or the cost model
+(``layouts.cost_model``, marked predicted); then ``layouts.select`` chooses.  Layout changes are
+priced by ``Timings`` (``op="layout:<letters>"``) or the cost model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kernels.attention_variants import AttentionCase
+from kernels.contraction import parse
+from kernels.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, pick_layouts, training_gemms
+from kernels.sweep_variants import moved_bytes, op_signature
+from kernels.tuning_db import canonical_json
+from layouts.cost_model import DeviceFigures, predict_ms
+from layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
+from layouts.select import Candidate, best_sum, select, to_plan
+from layouts.space import access_pattern, configurations, representatives
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+KEEP_PER_OPERATOR = 4  # candidates kept per operator run (fastest; ties: spec order first): bounds the search
+
+
+class Timings:
+    """Measured times by key, from tuning-database records of exactly one device and dtype.
+
+    A record of another device or dtype is refused (``ValueError`` naming both), never used."""
+
+    def __init__(self, records, device: str, dtype: str):
+        self.device, self.dtype = device, dtype
+        self.best: dict[tuple, tuple[float, dict]] = {}
+        for r in records:
+            if r.key.device != device or r.key.dtype != dtype:
+                raise ValueError(f"timing of {r.key.op} is from {r.key.device} / {r.key.dtype}; this selection is for "
+                                 f"{device} / {dtype}: query the tuning database for this device and dtype only")
+            if r.status != "ok" or r.median_ms is None:
+                continue
+            key = (r.key.op, canonical_json(r.key.dims), canonical_json(r.key.layout))
+            if key not in self.best or r.median_ms < self.best[key][0]:
+                self.best[key] = (r.median_ms, r.key.knobs)
+
+    def lookup(self, op: str, dims: dict, layout, accept=lambda knobs: True) -> tuple[float, dict] | None:
+        """The fastest (ms, knobs) of ``op`` at ``dims`` in ``layout`` whose knobs ``accept`` allows."""
+        found = self.best.get((op, canonical_json(dims), canonical_json(layout)))
+        return found if found is not None and accept(found[1]) else None
+
+
+NO_TIMINGS = Timings([], "", "")
+
+
+@dataclass(frozen=True)
+class AttentionRoles:
+    """The fused attention's place in the graph: forward ``members`` (score contraction, softmax,
+    output contraction) and ``backward`` operators, the tensors in each role and the letters."""
+
+    members: tuple[str, ...]
+    backward: tuple[str, ...]
+    tensors: dict  # role -> tensor: q, k, v, o, mask, do, dq, dk, dv
+    letters: dict  # batch, heads, rows, keys, features, value_features
+    scale: float
+
+
+def _rename(operand, graph) -> dict:
+    """An operand's primitive letters -> the tensor's own letters (axis by axis)."""
+    return dict(zip(operand.letters, graph.tensors[operand.tensor].letters))
+
+
+def _scale(graph, prims, source: str, target: str) -> float | None:
+    """The constant factor of the chain of one-input maps from ``source`` to ``target`` (None if not linear)."""
+    producer = {p.output.tensor: p for p in prims}
+    factor, tensor = 1.0, target
+    namespace = {name: float(v) for name, v in graph.dim_values.items()}
+    namespace["sqrt"] = math.sqrt
+    while tensor != source:
+        prim = producer.get(tensor)
+        if prim is None or prim.kind != "map" or len(prim.inputs) != 1:
+            return None
+        one, two = (eval(prim.expr, {"__builtins__": {}}, {**namespace, "in0": x}) for x in (1.0, 2.0))  # noqa: S307
+        if abs(two - 2 * one) > 1e-12 * abs(one):
+            return None
+        factor, tensor = factor * one, prim.inputs[0].tensor
+    return factor
+
+
+def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
+    """The fused attention's roles, or (None, why it does not apply)."""
+    graph, ops = fused.graph, {op.name: op for op in fused.operators}
+    producer_op = {t: op for op in fused.operators for t in op.outputs}
+    softmax = next((f for f in fused.closed_forms if f.kind == "softmax"), None)
+    if softmax is None:
+        return None, "no softmax"
+    middle = next(op for op in fused.operators if any(p.output.tensor == softmax.output for p in op.primitives))
+    others = [t for t in middle.inputs if graph.tensors[t].role != "dropout"]
+    masks = [t for t in middle.inputs if graph.tensors[t].role == "dropout"]
+    if len(others) != 1 or producer_op.get(others[0]) is None or producer_op[others[0]].cls != "contraction":
+        return None, f"the softmax operator {middle.name} reads {others}: only the scores (and a dropout mask) fuse"
+    scores_op = producer_op[others[0]]
+    sinks = [op for op in fused.operators if op.cls == "contraction" and op.phase == "forward"
+             and set(op.inputs) & set(middle.outputs)]
+    if len(sinks) != 1 or len(scores_op.primitives) != 1 or len(sinks[0].primitives) != 1:
+        return None, "the softmax's producer and consumer are not single contractions"
+    score, out = scores_op.primitives[0], sinks[0].primitives[0]
+    scale = _scale(graph, middle.primitives, score.output.tensor, softmax.input)
+    if scale is None:
+        return None, "the scores reach the softmax through more than a constant scale"
+    order = [op.name for op in fused.operators]
+    members = (scores_op.name, middle.name, sinks[0].name)
+    if [order.index(m) for m in members] != list(range(order.index(members[0]), order.index(members[0]) + 3)):
+        return None, "the score contraction, softmax and output contraction are not consecutive"
+    # letters from the score einsum "A,B->C": the feature is summed; the operand whose own position
+    # letter is the softmax's reduced one holds the keys, the other the queries (rows)
+    if graph.tensors[score.output.tensor].letters != graph.tensors[softmax.input].letters:
+        return None, "the scores change letter order before the softmax"
+    (a, b), c = [o.letters for o in score.inputs], score.output.letters
+    feature = next(x for x in a if x in b and x not in c)
+    keys_letter = c[graph.tensors[softmax.input].letters.index(softmax.reduced)]
+    k_operand, q_operand = score.inputs if keys_letter in a else score.inputs[::-1]
+    rows_letter = next(x for x in q_operand.letters if x in c and x not in k_operand.letters)
+    batch_like = [x for x in c if x in a and x in b]
+    activation_letters = {x for t, info in graph.tensors.items() if info.role == "input" for x in info.letters
+                          if set(info.letters) >= set(graph.tensors[graph.outputs[0]].letters)}
+    batch = next((x for x in batch_like if x in activation_letters), batch_like[0])
+    heads = next(x for x in batch_like if x != batch)
+    alpha = next(o for o in out.inputs if o.tensor in middle.outputs)
+    v_operand = next(o for o in out.inputs if o is not alpha)
+    value_feature = next(x for x in v_operand.letters if x not in alpha.letters)
+    rename_q, rename_k = _rename(q_operand, graph), _rename(k_operand, graph)
+    letters = {"batch": rename_q[batch], "heads": rename_q[heads], "rows": rename_q[rows_letter],
+               "keys": rename_k[keys_letter], "features": rename_q[feature],
+               "value_features": _rename(v_operand, graph)[value_feature]}
+    tensors = {"q": q_operand.tensor, "k": k_operand.tensor, "v": v_operand.tensor, "o": out.output.tensor,
+               "mask": masks[0] if masks else None}
+    grads = {role: f"d_{tensors[role]}" for role in ("q", "k", "v", "o")}
+    if any(g not in graph.tensors for g in grads.values()):
+        return None, "gradients of the attention's tensors not found"
+    # the backward: operators on paths from d_o to d_q / d_k / d_v
+    readers: dict[str, list] = {}
+    for op in fused.operators:
+        for t in op.inputs:
+            readers.setdefault(t, []).append(op)
+    reach, frontier = set(), [grads["o"]]
+    while frontier:
+        for op in readers.get(frontier.pop(), []):
+            if op.phase == "backward" and op.name not in reach:
+                reach.add(op.name)
+                frontier += list(op.outputs)
+    wanted = {grads["q"], grads["k"], grads["v"]}
+    backward = [op.name for op in fused.operators if op.name in reach
+                and (set(op.outputs) & wanted or _feeds(ops[op.name], wanted, ops, reach))]
+    positions = [order.index(n) for n in backward]
+    if not backward or positions != list(range(positions[0], positions[0] + len(positions))):
+        return None, f"the attention's backward operators {backward} are not consecutive"
+    inside = set(members) | set(backward)
+    hidden = {t for m in members for t in ops[m].outputs if t != tensors["o"]}
+    hidden |= {t for m in backward for t in ops[m].outputs if t not in wanted}
+    for op in fused.operators:
+        if op.name not in inside and set(op.inputs) & hidden:
+            return None, f"{op.name} reads {sorted(set(op.inputs) & hidden)}, which the fused attention does not write"
+    roles = {**tensors, "do": grads["o"], "dq": grads["q"], "dk": grads["k"], "dv": grads["v"]}
+    return AttentionRoles(members, tuple(backward), roles, letters, scale), ""
+
+
+def _feeds(op, wanted: set, ops: dict, reach: set) -> bool:
+    """Whether ``op``'s outputs lead (within ``reach``) to a tensor in ``wanted``."""
+    frontier, seen = list(op.outputs), set()
+    while frontier:
+        t = frontier.pop()
+        if t in wanted:
+            return True
+        for other in ops.values():
+            if other.name in reach and t in other.inputs and other.name not in seen:
+                seen.add(other.name)
+                frontier += list(other.outputs)
+    return False
+
+
+class CandidateBuilder:
+    """Candidates of one fused graph for one dtype, timed by ``timings`` or ``figures``."""
+
+    def __init__(self, fused, spec: str, dtype: str, figures: DeviceFigures, timings: Timings):
+        self.fused, self.spec, self.dtype, self.figures, self.timings = fused, spec, dtype, figures, timings
+        self.graph = fused.graph
+        self.itemsize = ITEMSIZE[dtype]
+
+    def _time(self, found, family: str, flop: float, bytes_moved: float, **extra) -> tuple[float, str, dict | None]:
+        if found is not None:
+            return found[0], MEASURED, found[1]
+        return predict_ms(self.figures, family, flop=flop, bytes_moved=bytes_moved, dtype=self.dtype, **extra), PREDICTED, None
+
+    def generated(self, op) -> list[Candidate]:
+        graph = self.graph
+        masks = {t for t in op.inputs if graph.tensors[t].role == "dropout"}
+        groups: dict[str, list] = {}
+        for config in configurations(graph, op):
+            layouts = canonical_json({t: l for t, l in config.layouts.items() if t not in masks})
+            groups.setdefault(layouts, []).append(config)
+        flop = sum(graph.size(p.output.letters) for p in op.primitives if p.kind != "einsum")
+        result = []
+        for configs in groups.values():
+            default = representatives(configs)[0]
+            found = None
+            for config in configs:
+                hit = self.timings.lookup(op_signature(self.spec, op), dict(graph.dim_values), config.layouts,
+                                          lambda knobs, c=config: knobs == c.knobs)
+                if hit is not None and (found is None or hit[0] < found[0][0]):
+                    found = (hit, config)
+            ms, source, _ = self._time(found[0] if found else None, "generated", flop,
+                                       moved_bytes(graph, op, self.itemsize))
+            config = found[1] if found else default
+            reads = {t: config.layouts[t] for t in op.inputs if t not in masks}
+            writes = {t: config.layouts[t] for t in op.outputs}
+            result.append(Candidate(op.name, op.phase, GENERATED, (op.name,), reads, writes,
+                                    {"knobs": config.knobs, "masks": {t: config.layouts[t] for t in masks}}, ms, source))
+        return result
+
+    def gemms(self) -> dict[str, list[Candidate]]:
+        graph, ops = self.graph, {op.name: op for op in self.fused.operators}
+        result: dict[str, list[Candidate]] = {}
+        for g in training_gemms(self.fused):
+            op = ops[g.name]
+            einsums = [p for p in op.primitives if p.kind == "einsum"]
+            c = parse(g.spec)
+            stack = next((x for x in STACK_LETTERS if x in g.spec and x not in einsums[0].expr), None)
+            members = {}
+            for key, index in (("a", 0), ("b", 1)):
+                tensors = [e.inputs[index].tensor for e in einsums]
+                members[key] = tensors if len(set(tensors)) > 1 else tensors[:1]
+            stacked_out = len(einsums) > 1 and (len(members["a"]) == 1 or len(members["b"]) == 1)
+            members["out"] = [e.output.tensor for e in einsums] if stacked_out else list(op.outputs)
+            # a member's own letters for the einsum's letters, axis by axis (every member has the
+            # first's axes; the summed output, the first einsum's output's)
+            first = {"a": einsums[0].inputs[0].letters, "b": einsums[0].inputs[1].letters, "out": einsums[0].output.letters}
+            renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
+            candidates = []
+            for plan in pick_layouts(g, None):
+                layouts = dict(zip(("a", "b", "out"), plan.layouts))
+                if any(len(members[k]) > 1 and layouts[k][0] != stack for k in layouts):
+                    continue  # a stacked operand's members are views of one buffer, stack letter outermost
+                reads = {t: "".join(renames[t][x] for x in layouts[k] if x != stack) for k in ("a", "b") for t in members[k]}
+                writes = {t: "".join(renames[t][x] for x in layouts["out"] if x != stack) for t in members["out"]}
+                found = self.timings.lookup(g.op, g.sizes, layouts)
+                ms, source, knobs = self._time(found, "gemm", g.flop, self.itemsize * sum(
+                    math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out)))
+                backend = (knobs or {}).get("backend", "cublas")
+                gemm_config = {k: v for k, v in knobs.items() if k != "backend"} if backend == "triton" else None
+                candidates.append(Candidate(g.name, op.phase, GEMM, (g.name,), reads, writes,
+                                            {"einsum": g.spec, "backend": backend, "gemm": gemm_config,
+                                             "operands": members}, ms, source))
+            result[g.name] = candidates
+            epilogue = epilogue_of(self.fused, g)
+            if epilogue is not None:
+                result[g.name + "+epilogue"] = self._epilogue(g, op, epilogue, members, renames)
+        return result
+
+    def _epilogue(self, g, op, ep, members, renames) -> list[Candidate]:
+        c = parse(g.spec)
+        spec_layouts = {"a": c.a, "b": c.b, "out": c.out}
+        found = self.timings.lookup(epilogue_op(g, ep), g.sizes, spec_layouts, lambda knobs: knobs.get("backend") == "triton")
+        if any(self.graph.tensors[t].letters != self.graph.tensors[ep.produced].letters for t in (ep.output, ep.saved) if t):
+            return []
+        out_layout = "".join(renames[ep.produced][x] for x in c.out)
+        elements = math.prod(g.sizes[x] for x in c.out)
+        outputs = 2 if ep.save else 1
+        ms, source, knobs = self._time(found, "gemm", g.flop, self.itemsize * (
+            sum(math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b)) + outputs * elements))
+        reads = {t: "".join(renames[t][x] for x in spec_layouts[k]) for k in ("a", "b") for t in members[k]}
+        reads[ep.bias] = self.graph.tensors[ep.bias].letters
+        writes = {ep.output: out_layout, **({ep.saved: out_layout} if ep.saved else {})}
+        config = {"einsum": g.spec, "backend": "triton",
+                  "gemm": {k: v for k, v in knobs.items() if k != "backend"} if knobs else None,
+                  "operands": members, "epilogue": {
+                      "consumer": ep.consumer, "bias": ep.bias, "bias_letters": ep.bias_letters,
+                      "activation": ep.activation, "mask": ep.mask, "p": ep.p, "save": ep.save,
+                      "produced": ep.produced, "output": ep.output, "saved": ep.saved}}
+        return [Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer), reads, writes,
+                          config, ms, source)]
+
+    def attention(self, roles: AttentionRoles, q_layouts: set[str]) -> list[Candidate]:
+        graph, letters, t = self.graph, roles.letters, roles.tensors
+        kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
+        size = {role: graph.size(letters[role]) for role in letters}
+        p = graph.tensors[t["mask"]].p if t["mask"] else 0.0
+        case = AttentionCase(size["batch"], size["heads"], size["rows"], size["features"], p)
+        lse = f"lse({roles.members[1]})"
+        lse_layout = letters["batch"] + letters["heads"] + letters["rows"]  # the kernels' (b, h, j) float32
+        result = []
+        for q_layout in sorted(q_layouts):
+            order = "".join(kernel[x] for x in q_layout)  # the kernels' (b, h, j, p) storage order
+            like = {role: "".join({"b": letters["batch"], "h": letters["heads"],
+                                   "j": letters["keys" if role in ("k", "v") else "rows"],
+                                   "p": letters["value_features" if role in ("v", "o") else "features"]}[x] for x in order)
+                    for role in ("q", "k", "v", "o")}
+            layout_key = {**{r: order.replace("j", "k") if r in ("k", "v") else order for r in ("q", "k", "v", "o")},
+                          "do": order}
+            for direction, kind, members in (("forward", ATTENTION_FORWARD, roles.members),
+                                             ("backward", ATTENTION_BACKWARD, roles.backward)):
+                found = self.timings.lookup(case.op(direction), case.dims, layout_key,
+                                            lambda k: k.get("impl") == "fused" and k.get("dropout_mask", "regenerate") == "regenerate"
+                                            and (k.get("backward") or {}).get("dropout_mask", "regenerate") == "regenerate")
+                ms, source, knobs = self._time(found, "attention", case.flop(direction), case.bytes(direction))
+                if direction == "forward":
+                    reads = {t[r]: like[r] for r in ("q", "k", "v")}
+                    writes = {t["o"]: like["o"], lse: lse_layout}
+                    knob = (knobs or {}).get("forward") or {}
+                else:
+                    reads = {**{t[r]: like[r] for r in ("q", "k", "v", "o")}, t["do"]: like["o"], lse: lse_layout}
+                    writes = {t["dq"]: like["q"], t["dk"]: like["k"], t["dv"]: like["v"]}
+                    knob = {k: v for k, v in ((knobs or {}).get("backward") or {}).items() if k != "dropout_mask"}
+                config = {"knobs": knob, "roles": {**t, "lse": lse}, "letters": letters, "scale": roles.scale,
+                          "causal": False}
+                result.append(Candidate(f"attention_{direction}", graph_phase(direction), kind, members, reads, writes,
+                                        config, ms, source))
+        return result
+
+    def layout_change(self, tensor: str, source: str, target: str) -> tuple[float, str]:
+        letters = self.graph.tensors[tensor].letters
+        elements = self.graph.size(letters)
+        found = self.timings.lookup(f"layout:{letters}", {x: self.graph.size(x) for x in letters},
+                                    {"from": source, "to": target})
+        ms, source_kind, _ = self._time(found, "copy", 0.0, 2 * elements * self.itemsize)
+        return ms, source_kind
+
+
+def graph_phase(direction: str) -> str:
+    return "forward" if direction == "forward" else "backward"
+
+
+def _keep(candidates: list[Candidate], spec_letters: dict) -> list[Candidate]:
+    """The ``KEEP_PER_OPERATOR`` fastest; among equal times, those closest to spec order first."""
+    def distance(c: Candidate) -> int:
+        return sum(layout != spec_letters.get(t, layout) for t, layout in {**c.reads, **c.writes}.items())
+    return sorted(candidates, key=lambda c: (round(c.time_ms, 6), distance(c)))[:KEEP_PER_OPERATOR]
+
+
+def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings: Timings = NO_TIMINGS,
+               boundary: dict | None = None, device: str | None = None) -> Plan:
+    """Select the plan of ``fused`` (see the module doc).  ``boundary``: {tensor -> layout} fixed
+    from outside (the layer's activations, outputs and their gradients in PyTorch's order)."""
+    graph = fused.graph
+    builder = CandidateBuilder(fused, spec, dtype, figures, timings)
+    spec_letters = {t: info.letters for t, info in graph.tensors.items()}
+    runs: dict[str, list[Candidate]] = {}
+    for op in fused.operators:
+        if op.cls != "contraction":
+            runs[op.name] = builder.generated(op)
+    runs.update(builder.gemms())
+    roles, why = attention_roles(fused)
+    if roles is not None:
+        producers = [c for cs in runs.values() for c in cs if roles.tensors["q"] in c.writes]
+        for c in builder.attention(roles, {c.writes[roles.tensors["q"]] for c in _keep(producers, spec_letters)}):
+            runs.setdefault(c.name, []).append(c)
+    candidates = [c for cs in runs.values() for c in _keep(cs, spec_letters)]
+    missing = [op.name for op in fused.operators if not any(op.name in c.operators for c in candidates)]
+    if missing:
+        raise ValueError(f"operators without a candidate that runs: {', '.join(missing)}")
+    boundary = dict(boundary or {})
+    outputs = tuple(t for t, info in graph.tensors.items() if info.role in ("output", "gradient"))
+    produced = {t for op in fused.operators for t in op.outputs} | {t for c in candidates for t in c.writes}
+    order = [op.name for op in fused.operators]
+    steps, facts = select(order, candidates, produced=produced, boundary=boundary, change_cost=builder.layout_change,
+                          outputs=outputs)
+    facts["attention"] = "fused candidate" if roles is not None else f"none: {why}"
+    return to_plan(steps, facts, spec=spec, dims=dict(graph.dim_values), dtype=dtype,
+                   device=device or f"cost model: {figures.name}", layouts_of_inputs=boundary,
+                   total_best=best_sum(order, candidates))

@@ -1,0 +1,96 @@
+"""The main job's tuning: every kernel family of a fused training graph through the tuning database.
+
+Three sweeps (``kernels.bench.Sweep``: compiled ahead, checked against float64, timed with device
+events, each record committed as it is made, so a second run only reads the database), sharing one
+time budget, in the order the selection needs them most:
+
+1. the fused element-wise / normalization operators (``kernels.sweep_variants``), two-stage: every
+   access pattern with mid-sized knobs, then every knob setting of the ``top`` fastest patterns;
+   each operator's PyTorch eager sequence too (the report's baseline);
+2. the contractions (``kernels.contraction_variants``): cuBLAS and the Triton template on the first
+   layout combination, the ``other_configs`` fastest Triton configurations on ``layouts`` more, and
+   the GEMMs whose element-wise consumer the template can fuse as its epilogue;
+3. the fused attention (``kernels.attention_variants``) at the layout of its inputs in the spec
+   (every forward and backward configuration) and the SDPA / eager baselines.
+
+Layout changes are timed by the selection's requests (``measure``), the same way.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kernels.attention_variants import AttentionCase, Workspace, baseline_variants, config_variants
+from kernels.bench import Sweep
+from kernels.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
+                                          gemm_variants, training_gemms)
+from kernels.gemm import valid_configs
+from kernels.sweep_variants import sweep_variants
+
+EPILOGUE_CONFIGS = 3
+
+
+@dataclass
+class TuningReport:
+    """What the sweeps did: counts by status, wall time, and why they stopped early (None: finished)."""
+
+    counts: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    stopped: str | None = None
+
+    def add(self, report) -> None:
+        for status, n in report.counts.items():
+            self.counts[status] = self.counts.get(status, 0) + n
+        self.stopped = self.stopped or report.stopped
+
+
+class Tuner:
+    """The sweeps of one job over one database and one budget."""
+
+    def __init__(self, db, *, budget_s: float | None, progress: bool = True, compile_workers: int = 8):
+        self.db, self.budget_s, self.progress, self.compile_workers = db, budget_s, progress, compile_workers
+        self.started = time.monotonic()
+        self.report = TuningReport()
+        self.ranker = Sweep(db, [], progress=False)
+
+    def left(self) -> float | None:
+        return None if self.budget_s is None else max(0.0, self.budget_s - (time.monotonic() - self.started))
+
+    def measure(self, variants, **timing) -> None:
+        if self.report.stopped:
+            return
+        self.report.add(Sweep(self.db, variants, budget_s=self.left(), progress=self.progress,
+                              compile_workers=self.compile_workers, **timing).run())
+        self.report.wall_s = time.monotonic() - self.started
+
+
+def tune(fused, spec: str, db, *, dtype, attention: list, budget_s: float | None, top: int = 2, layouts: int = 3,
+         other_configs: int = 3, progress: bool = True) -> TuningReport:
+    """Run the three sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``) into ``db``.
+
+    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout) of the graph's
+    attention candidates, in the layouts the selection may choose."""
+    tuner = Tuner(db, budget_s=budget_s, progress=progress)
+    spaces, _ = sweep_variants(spec, fused, "cuda", dtype=dtype)
+    tuner.measure([v for s in spaces for v in s.first_stage()])
+    tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
+
+    configs = list(valid_configs(dtype))
+    gemms = training_gemms(fused)
+    first = {g.name: gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs) for g in gemms}
+    tuner.measure([v for vs in first.values() for v in vs])
+    later = []
+    for g in gemms:
+        ranked = [v.config for v in tuner.ranker.ranked(first[g.name]) if v.config is not None]
+        later += gemm_variants(g, "cuda", dtype=dtype, layouts=layouts, first_configs=configs,
+                               other_configs=ranked[:other_configs])[len(first[g.name]):]
+        fusable = epilogue_of(fused, g)
+        if fusable is not None:
+            later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable, ranked[:EPILOGUE_CONFIGS],
+                                       consumer_configurations(fused, fusable))
+    tuner.measure(later)
+
+    for setup in attention:
+        ws = Workspace(AttentionCase(**setup, dtype=dtype), "cuda")
+        tuner.measure(config_variants(ws) + baseline_variants(ws, launches=("cuda-graph",)), cuda_graph=True)
+    return tuner.report
