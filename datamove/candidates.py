@@ -60,6 +60,13 @@ class Timings:
         return found if found is not None and accept(found[1]) else None
 
 
+    def fastest(self, op: str, dims: dict) -> float | None:
+        """The fastest time of ``op`` at ``dims`` in any layout (PyTorch's baselines: one layout each)."""
+        dims_key = canonical_json(dims)
+        times = [ms for (name, d, _), (ms, _) in self.best.items() if name == op and d == dims_key]
+        return min(times) if times else None
+
+
 NO_TIMINGS = Timings([], "", "")
 
 

@@ -59,3 +59,111 @@ def default_out(spec: str, dims: dict, dtype: str, device: str) -> Path:
     text = "-".join(f"{k}{v}" for k, v in dims.items())
     slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
     return Path("out") / f"{spec}-{text}-{short}-{slug}"
+
+
+def fused_training(analysis):
+    """The analysis's fused training graph as ``dataflow.snapshot.FusedTraining`` (what the
+    kernels, the selection and the artifact read; the same form the GPU machines load)."""
+    from dataflow.snapshot import load_fused, snapshot, snapshot_fused
+
+    return load_fused(snapshot(analysis.fused.graph, analysis.fused.operators), snapshot_fused(analysis))
+
+
+def boundary_layouts(torch_order: dict) -> dict:
+    """The layouts fixed from outside: activations and outputs in PyTorch's order, their gradients too."""
+    return {**torch_order, **{f"d_{t}": layout for t, layout in torch_order.items()}}
+
+
+def attention_setups(fused, dtype_name: str) -> list[dict]:
+    """``kernels.attention_variants.AttentionCase`` arguments of the graph's fused attention in the
+    spec's layout of its inputs (what the tuning measures)."""
+    from datamove.candidates import attention_roles
+
+    roles, _ = attention_roles(fused)
+    if roles is None:
+        return []
+    graph, letters = fused.graph, roles.letters
+    kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
+    q = graph.tensors[roles.tensors["q"]].letters
+    mask = roles.tensors["mask"]
+    return [dict(B=graph.size(letters["batch"]), H=graph.size(letters["heads"]), L=graph.size(letters["rows"]),
+                 P=graph.size(letters["features"]), dropout_p=graph.tensors[mask].p if mask else 0.0,
+                 layout="".join(kernel[x] for x in q))]
+
+
+def run_job(o: JobOptions) -> int:
+    from dataflow.pipeline import analyse_spec
+    from datamove.candidates import NO_TIMINGS, Timings, plan_layer
+    from datamove.export import spec_hash, write_artifact
+    from datamove.report import write_report
+    from datamove.report_data import report_data
+    from kernels.device import DeviceFacts, query_device, versions
+    from kernels.interpreter import interpreted
+    from layouts.cost_model import DEVICES, device_figures
+
+    stages = Stages()
+    stages("analysis and fusion")
+    analysis = analyse_spec(o.spec, o.dims, o.options)
+    fused = fused_training(analysis)
+    spec_name = o.spec.stem
+    module = analysis.spec.function.__globals__
+    torch_order, weights = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {})
+    facts = query_device()
+    measured = isinstance(facts, DeviceFacts) and not interpreted()
+    figures = device_figures(facts.name) if measured and any(k.lower() in facts.name.lower() for k in DEVICES) \
+        else device_figures(o.cost_model_device)
+    device = facts.name if measured else f"cost model: {figures.name}"
+    out = o.out or default_out(spec_name, dict(fused.graph.dim_values), o.dtype, device if measured else "costmodel")
+    ceilings = None
+    timings = NO_TIMINGS
+    tuning = None
+    if measured:
+        from datamove.tuning import tune
+        from kernels.bench import measure_ceilings
+        from kernels.tuning_db import TuningDB
+
+        stages(f"tuning on {facts.name} (budget {o.budget_s:g} s; database {o.db or DEFAULT_DB})")
+        path = Path(o.db or DEFAULT_DB)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = TuningDB(path)
+        ceilings = measure_ceilings(db)
+        tuning = tune(fused, spec_name, db, dtype=getattr(torch, o.dtype), attention=attention_setups(fused, o.dtype),
+                      budget_s=o.budget_s)
+        timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
+    else:
+        reason = facts.reason if not isinstance(facts, DeviceFacts) else "TRITON_INTERPRET=1"
+        print(f"No GPU ({reason}): NOTHING IS MEASURED. The selection runs on the cost model with the figures of "
+              f"{figures.name}, and every time in the plan and the report is a prediction.", flush=True)
+    stages("selection")
+    plan = plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
+                      boundary=boundary_layouts(torch_order), device=device)
+    stages("export")
+    write_artifact(out, plan, fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
+                   torch_order=torch_order, weights=weights, versions=versions(),
+                   device={"name": device, "measured": measured,
+                           "capability": list(facts.compute_capability) if measured else None})
+    stages("report")
+    paths = write_report(report_data(analysis, fused, plan, spec_name, o.dtype, figures, ceilings, timings, measured),
+                         out)
+    stages.done()
+    print(summary(plan, out, paths, tuning, stages))
+    return 0
+
+
+def summary(plan, out: Path, paths: dict, tuning, stages: Stages) -> str:
+    lines = ["", f"Plan ({plan.timing} times, {plan.device}):"]
+    for step in plan.steps:
+        lines.append(f"  {step.phase[:3]}  {step.kind:18s} {step.name:48s} {step.time_ms:8.4f} ms  {step.source}")
+    lines.append(f"  total {plan.total_ms:.4f} ms (sum of per-operator bests {plan.best_sum_ms:.4f} ms); "
+                 f"search: {plan.search.get('states')} states, {plan.search.get('edges')} edges, "
+                 f"{plan.search.get('seconds')} s")
+    if tuning is not None:
+        counts = ", ".join(f"{n} {s}" for s, n in tuning.counts.items() if n)
+        lines.append(f"Tuning: {counts} in {tuning.wall_s:.0f} s" + (f"; stopped: {tuning.stopped} (rerun to go on)"
+                                                                      if tuning.stopped else ""))
+    lines += [f"Artifact: {out}/ (plan.json, graph.json, manifest.json, kernels/)",
+              f"Report: {paths['html']} (also {paths['markdown'].name}, {paths['png'].name}, {paths['json'].name})",
+              "Load it:  from datamove.export import load_layer; layer = load_layer(\"" + str(out) + "\")",
+              f"Done in {sum(stages.times.values()):.1f} s (" + ", ".join(f"{k.split(' ')[0]} {v:.1f} s"
+                                                                          for k, v in stages.times.items()) + ")."]
+    return "\n".join(lines)

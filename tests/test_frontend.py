@@ -119,7 +119,7 @@ def test_counts_follow_symbolic_dims(dims):
 
 
 def test_cli_json(tmp_path, capsys):
-    from dataflow.cli import main
+    from datamove.cli import main
 
     out = tmp_path / "analysis.json"
     assert main([BERT, "--analyze", "--dims", "B=2,L=16", "--json", str(out)]) == 0

@@ -177,7 +177,7 @@ def test_lone_scaling_fuses_into_a_contraction(tmp_path):
 
 
 def test_analyze_cli_reports_training_and_fusion(tmp_path, capsys):
-    from dataflow.cli import main
+    from datamove.cli import main
 
     out = tmp_path / "bert.json"
     started = time.perf_counter()

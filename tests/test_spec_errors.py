@@ -1,7 +1,7 @@
 """Bad input gets a clear one-line error with file:line where there is one, and exit code 2."""
 import textwrap
 
-from dataflow.cli import main
+from datamove.cli import main
 
 GOOD_HEADER = '''
 import numpy as np
