@@ -43,7 +43,7 @@ class Timings:
 
     def __init__(self, records, device: str, dtype: str):
         self.device, self.dtype = device, dtype
-        self.best: dict[tuple, tuple[float, dict]] = {}
+        self.times: dict[tuple, list[tuple[float, dict]]] = {}  # fastest first
         for r in records:
             if r.key.device != device or r.key.dtype != dtype:
                 raise ValueError(f"timing of {r.key.op} is from {r.key.device} / {r.key.dtype}; this selection is for "
@@ -51,19 +51,20 @@ class Timings:
             if r.status != "ok" or r.median_ms is None:
                 continue
             key = (r.key.op, canonical_json(r.key.dims), canonical_json(r.key.layout))
-            if key not in self.best or r.median_ms < self.best[key][0]:
-                self.best[key] = (r.median_ms, r.key.knobs)
+            self.times.setdefault(key, []).append((r.median_ms, r.key.knobs))
+        for found in self.times.values():
+            found.sort(key=lambda pair: pair[0])
 
     def lookup(self, op: str, dims: dict, layout, accept=lambda knobs: True) -> tuple[float, dict] | None:
         """The fastest (ms, knobs) of ``op`` at ``dims`` in ``layout`` whose knobs ``accept`` allows."""
-        found = self.best.get((op, canonical_json(dims), canonical_json(layout)))
-        return found if found is not None and accept(found[1]) else None
+        found = self.times.get((op, canonical_json(dims), canonical_json(layout)), [])
+        return next((pair for pair in found if accept(pair[1])), None)
 
 
     def fastest(self, op: str, dims: dict) -> float | None:
         """The fastest time of ``op`` at ``dims`` in any layout (PyTorch's baselines: one layout each)."""
         dims_key = canonical_json(dims)
-        times = [ms for (name, d, _), (ms, _) in self.best.items() if name == op and d == dims_key]
+        times = [found[0][0] for (name, d, _), found in self.times.items() if name == op and d == dims_key]
         return min(times) if times else None
 
 
@@ -223,7 +224,7 @@ class CandidateBuilder:
             found = None
             for config in configs:
                 hit = self.timings.lookup(op_signature(self.spec, op), dict(graph.dim_values), config.layouts,
-                                          lambda knobs, c=config: knobs == c.knobs)
+                                          lambda knobs, c=config: canonical_json(knobs) == canonical_json(c.knobs))
                 if hit is not None and (found is None or hit[0] < found[0][0]):
                     found = (hit, config)
             ms, source, _ = self._time(found[0] if found else None, "generated", flop,
@@ -348,10 +349,12 @@ def graph_phase(direction: str) -> str:
 
 
 def _keep(candidates: list[Candidate], spec_letters: dict) -> list[Candidate]:
-    """The ``KEEP_PER_OPERATOR`` fastest; among equal times, those closest to spec order first."""
+    """The ``KEEP_PER_OPERATOR`` fastest, measured ones only where any was measured (a prediction
+    must not beat a measurement by optimism); among equal times, those closest to spec order first."""
     def distance(c: Candidate) -> int:
         return sum(layout != spec_letters.get(t, layout) for t, layout in {**c.reads, **c.writes}.items())
-    return sorted(candidates, key=lambda c: (round(c.time_ms, 6), distance(c)))[:KEEP_PER_OPERATOR]
+    measured = [c for c in candidates if c.source == MEASURED]
+    return sorted(measured or candidates, key=lambda c: (round(c.time_ms, 6), distance(c)))[:KEEP_PER_OPERATOR]
 
 
 def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings: Timings = NO_TIMINGS,

@@ -1,19 +1,12 @@
 """The main job's tuning: every kernel family of a fused training graph through the tuning database.
 
-Three sweeps (``kernels.bench.Sweep``: compiled ahead, checked against float64, timed with device
+Sweeps (``kernels.bench.Sweep``: compiled ahead, checked against float64, timed with device
 events, each record committed as it is made, so a second run only reads the database), sharing one
-time budget, in the order the selection needs them most:
-
-1. the fused element-wise / normalization operators (``kernels.sweep_variants``), two-stage: every
-   access pattern with mid-sized knobs, then every knob setting of the ``top`` fastest patterns;
-   each operator's PyTorch eager sequence too (the report's baseline);
-2. the contractions (``kernels.contraction_variants``): cuBLAS and the Triton template on the first
-   layout combination, the ``other_configs`` fastest Triton configurations on ``layouts`` more, and
-   the GEMMs whose element-wise consumer the template can fuse as its epilogue;
-3. the fused attention (``kernels.attention_variants``) at the layout of its inputs in the spec
-   (every forward and backward configuration) and the SDPA / eager baselines.
-
-Layout changes are timed by the selection's requests (``measure``), the same way.
+time budget (``tune``'s doc gives the order): the fused element-wise / normalization operators
+(``kernels.sweep_variants``, two-stage, each with its PyTorch eager sequence, the report's
+baseline), the contractions and fused epilogues (``kernels.contraction_variants``), the fused
+attention (``kernels.attention_variants``) at the layout of its inputs in the spec.  What is not
+measured (layout changes, layouts not swept) the selection prices with the cost model.
 """
 from __future__ import annotations
 
@@ -64,18 +57,20 @@ class Tuner:
         self.report.wall_s = time.monotonic() - self.started
 
 
-def tune(fused, spec: str, db, *, dtype, attention: list, budget_s: float | None, top: int = 2, layouts: int = 3,
-         other_configs: int = 3, progress: bool = True) -> TuningReport:
-    """Run the three sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``) into ``db``.
+def tune(fused, spec: str, db, *, dtype, attention: list, budget_s: float | None, top: int = 1, layouts: int = 3,
+         first_configs: int = 4, progress: bool = True) -> TuningReport:
+    """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``) into ``db``, the most
+    decisive first so that a budget cut leaves the least to the cost model: every access pattern
+    of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations on
+    its first layout, then cuBLAS on ``layouts`` more, and the fused epilogues; the attention's
+    configurations; last, every knob setting of each fused operator's ``top`` fastest patterns.
 
-    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout) of the graph's
-    attention candidates, in the layouts the selection may choose."""
+    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout) to measure."""
     tuner = Tuner(db, budget_s=budget_s, progress=progress)
     spaces, _ = sweep_variants(spec, fused, "cuda", dtype=dtype)
     tuner.measure([v for s in spaces for v in s.first_stage()])
-    tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
 
-    configs = list(valid_configs(dtype))
+    configs = list(valid_configs(dtype))[:first_configs]
     gemms = training_gemms(fused)
     first = {g.name: gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs) for g in gemms}
     tuner.measure([v for vs in first.values() for v in vs])
@@ -83,7 +78,7 @@ def tune(fused, spec: str, db, *, dtype, attention: list, budget_s: float | None
     for g in gemms:
         ranked = [v.config for v in tuner.ranker.ranked(first[g.name]) if v.config is not None]
         later += gemm_variants(g, "cuda", dtype=dtype, layouts=layouts, first_configs=configs,
-                               other_configs=ranked[:other_configs])[len(first[g.name]):]
+                               other_configs=[])[len(first[g.name]):]
         fusable = epilogue_of(fused, g)
         if fusable is not None:
             later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable, ranked[:EPILOGUE_CONFIGS],
@@ -92,5 +87,7 @@ def tune(fused, spec: str, db, *, dtype, attention: list, budget_s: float | None
 
     for setup in attention:
         ws = Workspace(AttentionCase(**setup, dtype=dtype), "cuda")
-        tuner.measure(config_variants(ws) + baseline_variants(ws, launches=("cuda-graph",)), cuda_graph=True)
+        tuner.measure(config_variants(ws), cuda_graph=True)
+
+    tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
     return tuner.report

@@ -366,6 +366,9 @@ class _Compiler:
 
     def __exit__(self, *exc) -> None:
         if self.pool is not None:
+            # a sweep stopped by its budget leaves compiles running: end them now, not at interpreter exit
+            for process in list(getattr(self.pool, "_processes", {}).values()):
+                process.kill()
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -27,15 +27,16 @@ rows = reduced letters (reduced along rows), the other independent letters one p
 Pruning (``exhaustive=False``), after the paper's two good groups:
 1. the vector letter is contiguous (last) in every external tensor that has it: loads and stores
    along the tile's column axis are then unit-stride and coalesced / vectorised;
-2. for a normalization, the vector letter is a reduced letter: the reduction runs along the
-   contiguous axis inside a program (no strided row reductions);
+2. (dropped: a normalization's vector letter may be independent, its reduction then running
+   along the tile's rows: strided, but what lets a reduction over (b, j) read activations stored
+   feature-innermost without a layout change, which the global selection weighs);
 3. one relative order of letters for all the operator's tensors (``order``): the outer letters
    only change the order in which programs touch memory, not coalescing, so per-tensor
    permutations of them multiply the space without a new access pattern;
 4. knobs: power-of-two blocks no larger than the extent they tile; "row" only when a whole
    row fits 16384 fp32 registers per program, "loop" only when the row is longer than one
    chunk; at most 16384 elements per tile; at least 4 elements per thread (or one warp).
-``exhaustive=True`` drops rules 1-3 (every permutation of every tensor, every vector letter).
+``exhaustive=True`` drops rules 1 and 3 (every permutation of every tensor).
 
 Operators of several parts (``parts``): a fused operator whose primitives share no tensor
 falls into independent *parts* (fusion's stacked operators: one part per stack member, e.g.
@@ -269,7 +270,7 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
     externals = list(op.inputs) + list(op.outputs)
     fixed = fixed or {}
     has_mask = any(graph.tensors[t].role == "dropout" for t in op.inputs)
-    vectors = letters.letters if (exhaustive or not letters.reduced) else letters.reduced
+    vectors = letters.letters
     seen, result = set(), []
 
     def emit(layouts, knobs):

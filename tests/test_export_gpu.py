@@ -15,14 +15,14 @@ import torch
 from dataflow.snapshot import stored_fused
 from datamove.export import load_layer, load_weights, write_artifact
 from datamove.weights import from_spec
-from plans import spec_order_plan
+from plans import selected_plan, spec_order_plan
 from test_export import _spec_module
 
 pytestmark = pytest.mark.gpu
 
 LARGE = dict(B=8, L=512, N=1024, H=16, P=64, U=4096)
 SMALL = dict(B=8, L=128, N=256, H=4, P=64, U=1024)
-PLANS = {"spec-order": spec_order_plan}
+PLANS = {"spec-order": spec_order_plan, "selected": selected_plan}
 
 
 def artifact(tmp_path, dims: dict, dtype: str, plan_for) -> object:
