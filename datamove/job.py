@@ -20,6 +20,7 @@ if not torch.cuda.is_available():  # before triton is imported: no GPU, kernels 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEFAULT_DB = Path.home() / ".cache" / "datamove" / "tuning.db"
+LAYOUT_CHANGE_ROUNDS = 4  # measure the inserted layout changes and select again, at most this often
 
 
 @dataclass
@@ -100,6 +101,7 @@ def run_job(o: JobOptions) -> int:
     from kernels.device import DeviceFacts, query_device, versions
     from kernels.interpreter import interpreted
     from layouts.cost_model import DEVICES, device_figures
+    from layouts.plan import LAYOUT_CHANGE, MEASURED
 
     stages = Stages()
     stages("analysis and fusion")
@@ -118,7 +120,7 @@ def run_job(o: JobOptions) -> int:
     timings = NO_TIMINGS
     tuning = None
     if measured:
-        from datamove.tuning import tune
+        from datamove.tuning import Tuner, tune
         from kernels.bench import measure_ceilings
         from kernels.tuning_db import TuningDB
 
@@ -127,8 +129,8 @@ def run_job(o: JobOptions) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = TuningDB(path)
         ceilings = measure_ceilings(db)
-        tuning = tune(fused, spec_name, db, dtype=getattr(torch, o.dtype), attention=attention_setups(fused, o.dtype),
-                      budget_s=o.budget_s)
+        tuner = Tuner(db, budget_s=o.budget_s)
+        tuning = tune(tuner, fused, spec_name, dtype=getattr(torch, o.dtype), attention=attention_setups(fused, o.dtype))
         timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
     else:
         reason = facts.reason if not isinstance(facts, DeviceFacts) else "TRITON_INTERPRET=1"
@@ -137,6 +139,18 @@ def run_job(o: JobOptions) -> int:
     stages("selection")
     plan = plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
                       boundary=boundary_layouts(torch_order), device=device)
+    for _ in range(LAYOUT_CHANGE_ROUNDS if measured else 0):  # price the changes it wants by measurement, choose again
+        wanted = {(s.config["tensor"], s.config["from"], s.config["to"]) for s in plan.steps
+                  if s.kind == LAYOUT_CHANGE and s.source != MEASURED}
+        if not wanted or tuner.report.stopped:
+            break
+        from datamove.tuning import measure_layout_changes
+
+        print(f"measuring the {len(wanted)} layout change(s) the plan inserts, then choosing again", flush=True)
+        measure_layout_changes(tuner, fused.graph, wanted, getattr(torch, o.dtype))
+        timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
+        plan = plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
+                          boundary=boundary_layouts(torch_order), device=device)
     stages("export")
     write_artifact(out, plan, fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
                    torch_order=torch_order, weights=weights, versions=versions(),

@@ -24,7 +24,7 @@ import torch
 from dataflow.executor import dropout_offsets
 from kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
 from kernels.codegen import allocate, compile_operator
-from kernels.contraction import Epilogue, contract
+from kernels.contraction import Epilogue, contract, gemm_plan, run_cublas, run_triton
 from kernels.gemm import GemmConfig
 from layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
                           Step)
@@ -158,6 +158,7 @@ class GemmLauncher(Launcher):
         self.a, self.b, self.out = list(operands["a"]), list(operands["b"]), list(operands["out"])
         self.epilogue = config.get("epilogue")
         self.offset = dropout_offsets(graph)[self.epilogue["mask"]] if self.epilogue and self.epilogue.get("mask") else 0
+        self.gemm_plan = None
 
     def _operand(self, store: dict, members: list[str]) -> torch.Tensor:
         tensors = [_read(self.step, store, t) for t in members]
@@ -179,7 +180,13 @@ class GemmLauncher(Launcher):
             outs = [store[t] for t in out_members]
             if len(outs) > 1 and _spacing(outs) is None:  # a copy: the writes would be lost
                 raise RuntimeError(f"{self.step.name}: the stacked outputs {out_members} are not one buffer")
-            contract(self.einsum, a, b, outs[0] if len(outs) == 1 else stacked_view(outs), backend=self.backend, config=self.gemm_config)
+            out = outs[0] if len(outs) == 1 else stacked_view(outs)
+            if self.gemm_plan is None:  # the operands' layouts are the plan's on every call: map them once
+                self.gemm_plan = gemm_plan(self.einsum, a, b, out)
+            if self.backend == "cublas":
+                run_cublas(self.gemm_plan, a, b, out)
+            else:
+                run_triton(self.gemm_plan, a, b, out, Epilogue(), self.gemm_config)
             return
         ep = self.epilogue
         out = self.output(store, ep["output"])

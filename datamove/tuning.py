@@ -5,8 +5,9 @@ events, each record committed as it is made, so a second run only reads the data
 time budget (``tune``'s doc gives the order): the fused element-wise / normalization operators
 (``kernels.sweep_variants``, two-stage, each with its PyTorch eager sequence, the report's
 baseline), the contractions and fused epilogues (``kernels.contraction_variants``), the fused
-attention (``kernels.attention_variants``) at the layout of its inputs in the spec.  What is not
-measured (layout changes, layouts not swept) the selection prices with the cost model.
+attention (``kernels.attention_variants``) at the layout of its inputs in the spec, and the layout
+changes the selection asks for (``kernels.layout_change``).  What is not measured (layouts not
+swept) the selection prices with the cost model.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kernels.bench import Sweep
 from kernels.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
                                           gemm_variants, training_gemms)
 from kernels.gemm import valid_configs
+from kernels.layout_change import LayoutChangeVariant
 from kernels.sweep_variants import sweep_variants
 
 EPILOGUE_CONFIGS = 3
@@ -57,16 +59,17 @@ class Tuner:
         self.report.wall_s = time.monotonic() - self.started
 
 
-def tune(fused, spec: str, db, *, dtype, attention: list, budget_s: float | None, top: int = 1, layouts: int = 3,
-         first_configs: int = 4, progress: bool = True) -> TuningReport:
+def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1, layouts: int = 3,
+         first_configs: int = 4) -> TuningReport:
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``) into ``db``, the most
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
     of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations on
     its first layout, then cuBLAS on ``layouts`` more, and the fused epilogues; the attention's
     configurations; last, every knob setting of each fused operator's ``top`` fastest patterns.
+    The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
+    the selection has said which it wants.
 
     ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout) to measure."""
-    tuner = Tuner(db, budget_s=budget_s, progress=progress)
     spaces, _ = sweep_variants(spec, fused, "cuda", dtype=dtype)
     tuner.measure([v for s in spaces for v in s.first_stage()])
 
@@ -91,3 +94,14 @@ def tune(fused, spec: str, db, *, dtype, attention: list, budget_s: float | None
 
     tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
     return tuner.report
+
+
+def measure_layout_changes(tuner: Tuner, graph, changes, dtype) -> int:
+    """Time the layout changes ``changes`` ((tensor, from, to), ...) of ``graph``; returns how many."""
+    variants = {}
+    for tensor, source, target in changes:
+        letters = graph.tensors[tensor].letters
+        sizes = {x: graph.size(x) for x in letters}
+        variants[(letters, source, target)] = LayoutChangeVariant(letters, sizes, source, target, dtype, "cuda")
+    tuner.measure(list(variants.values()))
+    return len(variants)

@@ -419,6 +419,16 @@ def run_triton(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tens
     return out if saved is None else (out, saved)
 
 
+def gemm_plan(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> GemmPlan:
+    """The ``GemmPlan`` of einsum ``spec`` for the layouts ``a``, ``b`` and ``out`` are stored in (read from
+    their strides); raises ValueError with the reason when that combination is not a GEMM."""
+    c = parse(spec)
+    result = map_layouts(c, (layout_of(a, c.a), layout_of(b, c.b), layout_of(out, c.out)), _sizes_of(c, a, b))
+    if isinstance(result, NotAGemm):
+        raise ValueError(f"{spec} with layouts {result.layouts}: {result.reason}")
+    return result
+
+
 def contract(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *, out_layout: str | None = None,
              backend: str = "cublas", alpha: float = 1.0, epilogue: Epilogue | None = None,
              config: triton_gemm.GemmConfig | None = None):
@@ -429,12 +439,9 @@ def contract(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | No
     Raises ValueError with the reason when the layout combination is not a GEMM.
     """
     c = parse(spec)
-    sizes = _sizes_of(c, a, b)
     if out is None:
-        out = empty_in_layout(c.out, out_layout or c.out, sizes, a.dtype, a.device)
-    result = map_layouts(c, (layout_of(a, c.a), layout_of(b, c.b), layout_of(out, c.out)), sizes)
-    if isinstance(result, NotAGemm):
-        raise ValueError(f"{spec} with layouts {result.layouts}: {result.reason}")
+        out = empty_in_layout(c.out, out_layout or c.out, _sizes_of(c, a, b), a.dtype, a.device)
+    result = gemm_plan(spec, a, b, out)
     if backend == "cublas":
         if epilogue is not None:
             raise ValueError("the cuBLAS path fuses only alpha; run the epilogue with backend='triton'")
