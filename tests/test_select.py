@@ -1,0 +1,185 @@
+"""The layout selection (``layouts.select``) against brute force, and the plans of both specs.
+
+Brute force: every way of covering the operator order with candidates, each priced by walking it
+(a tensor read in another layout than it is stored in pays a change; a parameter takes its first
+reader's layout; a tensor nobody wrote yet cannot be read; an output leaves in its boundary
+layout), the cheapest kept.  Synthetic graphs small enough to enumerate: one where a layout change
+pays, one where a residual constrains the choice, one where a forward choice costs the backward,
+one where a fused forward needs its own backward.
+"""
+import time
+
+import pytest
+
+from dataflow.snapshot import stored_fused
+from datamove.candidates import Timings, plan_layer
+from kernels.tuning_db import Key, Record
+from layouts.cost_model import device_figures
+from layouts.plan import LAYOUT_CHANGE
+from layouts.select import Candidate, NoPlan, select
+
+CHANGE_MS = 1.0
+
+
+def change_cost(tensor, source, target):
+    return CHANGE_MS, "predicted"
+
+
+def cand(name, ops, reads, writes, ms, phase="forward"):
+    return Candidate(name, phase, "generated", tuple(ops), dict(reads), dict(writes), {}, ms, "predicted")
+
+
+def brute_force(order, candidates, produced, boundary, outputs=()):
+    best = float("inf")
+    by_start = {}
+    for c in candidates:
+        by_start.setdefault(order.index(c.operators[0]), []).append(c)
+
+    def covers(index):
+        if index == len(order):
+            yield []
+            return
+        for c in by_start.get(index, []):
+            for rest in covers(index + len(c.operators)):
+                yield [c] + rest
+
+    for chain in covers(0):
+        stored, cost, valid = dict(boundary), 0.0, True
+        for c in chain:
+            cost += c.time_ms
+            for t, layout in c.reads.items():
+                if t not in stored:
+                    if t in produced:
+                        valid = False
+                        break
+                    stored[t] = layout
+                if stored[t] != layout:
+                    cost += CHANGE_MS
+            for t, layout in c.writes.items():
+                stored[t] = layout
+                if t in outputs and t in boundary and boundary[t] != layout:
+                    cost += CHANGE_MS
+            if not valid:
+                break
+        if valid:
+            best = min(best, cost)
+    return best
+
+
+def searched(order, candidates, produced, boundary, outputs=()):
+    steps, facts = select(order, candidates, produced=produced, boundary=boundary, change_cost=change_cost,
+                          outputs=outputs)
+    assert [op for c, _ in steps for op in c.operators] == order
+    return sum(c.time_ms + sum(ch[3] for ch in changes) for c, changes in steps)
+
+
+GRAPHS = {
+    # A writes t fast in "xy", B reads it fast only in "yx": paying the change (1.0) beats both slow options
+    "change_pays": (["A", "B"], [
+        cand("A1", ["A"], {"p": "ab"}, {"t": "xy"}, 1.0), cand("A2", ["A"], {"p": "ab"}, {"t": "yx"}, 3.5),
+        cand("B1", ["B"], {"t": "yx"}, {"u": "xy"}, 1.0), cand("B2", ["B"], {"t": "xy"}, {"u": "xy"}, 3.5)],
+        {"t", "u"}, {}, ()),
+    # the residual r written by A is read again by C: C's fast layout for r forces A's choice
+    "residual": (["A", "B", "C"], [
+        cand("A1", ["A"], {"x": "ab"}, {"r": "ab"}, 1.0), cand("A2", ["A"], {"x": "ab"}, {"r": "ba"}, 1.2),
+        cand("B1", ["B"], {"r": "ab"}, {"h": "ab"}, 1.0), cand("B2", ["B"], {"r": "ba"}, {"h": "ab"}, 1.1),
+        cand("C1", ["C"], {"h": "ab", "r": "ba"}, {"y": "ab"}, 1.0), cand("C2", ["C"], {"h": "ab", "r": "ab"}, {"y": "ab"}, 2.5)],
+        {"r", "h", "y"}, {"x": "ab", "y": "ab"}, ("y",)),
+    # the forward's cheap layout for a saved activation costs the backward more
+    "forward_costs_backward": (["F", "G", "H"], [
+        cand("F1", ["F"], {"x": "ab"}, {"s": "ab"}, 1.0), cand("F2", ["F"], {"x": "ab"}, {"s": "ba"}, 1.4),
+        cand("G1", ["G"], {"s": "ab"}, {"y": "ab"}, 1.0), cand("G2", ["G"], {"s": "ba"}, {"y": "ab"}, 1.0),
+        cand("H1", ["H"], {"s": "ba", "y": "ab"}, {"d": "ab"}, 1.0, "backward"),
+        cand("H2", ["H"], {"s": "ab", "y": "ab"}, {"d": "ab"}, 2.9, "backward")],
+        {"s", "y", "d"}, {"x": "ab"}, ("d",)),
+    # a fused forward writes statistics only its backward reads; the unfused backward needs probabilities
+    "fused_pair": (["S", "P", "O", "dO", "dP"], [
+        cand("S", ["S"], {"q": "ab"}, {"s": "ab"}, 1.0), cand("P", ["P"], {"s": "ab"}, {"p": "ab"}, 1.0),
+        cand("O", ["O"], {"p": "ab"}, {"o": "ab"}, 1.0), cand("fused", ["S", "P", "O"], {"q": "ab"}, {"o": "ab", "lse": "a"}, 1.5),
+        cand("dO", ["dO"], {"o": "ab", "p": "ab"}, {"dp": "ab"}, 1.0, "backward"),
+        cand("dP", ["dP"], {"dp": "ab"}, {"dq": "ab"}, 1.0, "backward"),
+        cand("fused_bwd", ["dO", "dP"], {"o": "ab", "lse": "a", "q": "ab"}, {"dq": "ab"}, 3.0, "backward")],
+        {"s", "p", "o", "lse", "dp", "dq"}, {"q": "ab"}, ("dq",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_search_finds_the_brute_force_optimum(name):
+    order, candidates, produced, boundary, outputs = GRAPHS[name]
+    assert searched(order, candidates, produced, boundary, outputs) == pytest.approx(
+        brute_force(order, candidates, produced, boundary, outputs))
+
+
+def test_random_graphs_match_brute_force():
+    import random
+
+    rng = random.Random(7)
+    for trial in range(30):
+        order = [f"op{n}" for n in range(5)]
+        tensors = [f"t{n}" for n in range(5)]
+        candidates = []
+        for n, op in enumerate(order):
+            for k in range(rng.randint(1, 3)):
+                reads = {t: rng.choice(("ab", "ba")) for t in rng.sample(tensors[:n] + ["w"], k=min(2, n + 1))}
+                candidates.append(cand(f"{op}_{k}", [op], reads, {tensors[n]: rng.choice(("ab", "ba"))},
+                                       round(rng.uniform(0.5, 3.0), 3)))
+        produced = set(tensors)
+        assert searched(order, candidates, produced, {}) == pytest.approx(brute_force(order, candidates, produced, {}))
+
+
+def test_unreachable_plan_names_the_operator():
+    order = ["A", "B"]
+    candidates = [cand("A", ["A"], {}, {"t": "ab"}, 1.0), cand("B", ["B"], {"u": "ab"}, {"v": "ab"}, 1.0)]
+    with pytest.raises(NoPlan, match="before operator 'B'.*B reads u, which no chosen kernel before it writes"):
+        select(order, candidates, produced={"t", "u", "v"}, boundary={}, change_cost=change_cost)
+
+
+def _consistent(plan, graph):
+    """Every tensor one stored layout; every read in it or through an earlier layout change."""
+    copies = set()
+    for step in plan.steps:
+        if step.kind == LAYOUT_CHANGE:
+            copies.add((step.config["tensor"], step.config["to"]))
+            continue
+        for t, layout in step.reads.items():
+            assert layout == plan.layouts[t] or (t, layout) in copies, (step.name, t, layout, plan.layouts[t])
+        for t, layout in step.writes.items():
+            assert plan.layouts[t] == layout, (step.name, t)
+
+
+@pytest.mark.parametrize("spec", ["bert", "gpt2"])
+def test_both_specs_select_a_complete_plan_with_the_cost_model(spec):
+    fused = stored_fused()[spec]
+    boundary = {"x": "bji", "y": "bji", "d_x": "bji", "d_y": "bji"} if spec == "bert" else {}
+    started = time.monotonic()
+    plan = plan_layer(fused, spec, dtype="bfloat16", figures=device_figures("H100"), boundary=boundary)
+    assert time.monotonic() - started < 30
+    covered = [op for s in plan.steps for op in s.operators]
+    assert sorted(covered) == sorted(op.name for op in fused.operators)
+    _consistent(plan, fused.graph)
+    assert plan.timing == "predicted" and plan.device.startswith("cost model")
+    assert plan.best_sum_ms <= plan.total_ms
+    kinds = {s.kind for s in plan.steps}
+    assert ("attention_forward" in kinds) == ("attention_backward" in kinds) == (spec == "bert")
+    for step in plan.steps:  # stacked operands: every member stored in the same order of its axes
+        for members in [m for m in (step.config.get("operands") or {}).values() if len(m) > 1]:
+            orders = {tuple(fused.graph.tensors[t].letters.index(x) for x in plan.layouts[t]) for t in members}
+            assert len(orders) == 1, (step.name, members)
+
+
+def test_timings_of_another_device_or_dtype_are_refused():
+    key = Key("NVIDIA H200", {}, "gemm:ui,ibj->ubj", {}, "bfloat16", {}, {"backend": "cublas"})
+    with pytest.raises(ValueError, match="from NVIDIA H200 / bfloat16; this selection is for NVIDIA H100 80GB HBM3 / bfloat16"):
+        Timings([Record(key, "ok", 0.05)], "NVIDIA H100 80GB HBM3", "bfloat16")
+    with pytest.raises(ValueError, match="/ float16"):
+        Timings([Record(key, "ok", 0.05)], "NVIDIA H200", "float16")
+
+
+def test_operator_without_candidate_is_named(monkeypatch):
+    import datamove.candidates as candidates
+
+    fused = stored_fused()["bert"]
+    monkeypatch.setattr(candidates.CandidateBuilder, "generated", lambda self, op: [])
+    with pytest.raises(ValueError, match="operators without a candidate that runs: stack\\(q,k,v\\)"):
+        plan_layer(fused, "bert", dtype="bfloat16", figures=device_figures("H100"))
+
