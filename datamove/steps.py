@@ -157,7 +157,9 @@ class GemmLauncher(Launcher):
         operands = config["operands"]
         self.a, self.b, self.out = list(operands["a"]), list(operands["b"]), list(operands["out"])
         self.epilogue = config.get("epilogue")
-        self.offset = dropout_offsets(graph)[self.epilogue["mask"]] if self.epilogue and self.epilogue.get("mask") else 0
+        mask = self.epilogue.get("mask") if self.epilogue else None
+        self.offset = dropout_offsets(graph)[mask] if mask else 0
+        self.dropout_p = graph.tensors[mask].p if mask else 0.0  # the graph's: 0 in evaluation mode
         self.gemm_plan = None
 
     def _operand(self, store: dict, members: list[str]) -> torch.Tensor:
@@ -191,7 +193,7 @@ class GemmLauncher(Launcher):
         ep = self.epilogue
         out = self.output(store, ep["output"])
         epilogue = Epilogue(bias=_read(self.step, store, ep["bias"]), bias_letters=ep["bias_letters"],
-                            activation=ep["activation"], dropout_p=ep["p"] if ep.get("mask") else 0.0,
+                            activation=ep["activation"], dropout_p=self.dropout_p,
                             seed=run.seed, offset=self.offset, save=ep.get("save"))
         result = contract(self.einsum, a, b, out, backend="triton", epilogue=epilogue, config=self.gemm_config)
         store[ep["output"]] = out
