@@ -95,8 +95,9 @@ def test_bert_large_matches_hf_in_low_precision(tmp_path, plan, dtype):
     assert not failures, failures
 
 
-def test_compile_fullgraph_and_cuda_graph_replay(tmp_path):
-    layer = loaded(artifact(tmp_path, SMALL, "bfloat16", spec_order_plan)).train()
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_compile_fullgraph_and_cuda_graph_replay(tmp_path, plan):
+    layer = loaded(artifact(tmp_path, SMALL, "bfloat16", PLANS[plan])).train()
     x = torch.randn(SMALL["B"], SMALL["L"], SMALL["N"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     torch.manual_seed(1)
     eager = layer(x)
