@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from dataflow.graph import PrimitiveGraph
-from datamove.steps import Buffers, Run, build_launcher, saved_mask_name, stack_groups
+from datamove.steps import Buffers, Run, build_launcher, copy_name, saved_mask_name, stack_groups
 from kernels.codegen import allocate
-from layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, Plan
+from layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
 
 SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
 
@@ -92,6 +92,9 @@ class LayerProgram:
         self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
         self.layouts = plan.layouts
         self.name, self.kept = "", []  # set by datamove.module.register
+        leaving = set(interface.outputs) | set(interface.input_grads.values())
+        self.leaving = {s.config["tensor"]: copy_name(s.config["tensor"], s.config["to"]) for s in plan.steps
+                        if s.kind == LAYOUT_CHANGE and s.config["tensor"] in leaving}  # outputs changed to PyTorch's order
 
     def shape(self, tensor: str, order: str | None = None) -> tuple[int, ...]:
         """The tensor's shape in ``order`` (default: its spec letter order)."""
@@ -109,6 +112,10 @@ class LayerProgram:
         if stored.stride() == view.stride():
             return view
         return stored.copy_(view)
+
+    def leaving_value(self, store: dict, tensor: str) -> torch.Tensor:
+        """An output or gradient as it leaves the layer: its copy in PyTorch's order where the plan makes one."""
+        return store[self.leaving.get(tensor, tensor)]
 
     def to_torch(self, tensor: str, value: torch.Tensor) -> torch.Tensor:
         letters = self.graph.tensors[tensor].letters
@@ -132,7 +139,7 @@ class LayerProgram:
         """(shape, strides, dtype) of the forward op's results: the outputs in PyTorch order, then ``kept``."""
         result = []
         for t in self.interface.outputs:
-            shape, stride, dtype = self._meta(t)
+            shape, stride, dtype = self._meta(self.leaving.get(t, t))
             letters, order = self.graph.tensors[t].letters, self.interface.torch_order[t]
             perm = [letters.index(x) for x in order]
             result.append((tuple(shape[d] for d in perm), tuple(stride[d] for d in perm), dtype))
@@ -145,7 +152,8 @@ class LayerProgram:
         result = []
         for t in self.interface.activations + self.interface.parameters:
             grad = self.interface.input_grads[t]
-            meta = allocate(self.graph, grad, writes[grad], self.dtype, "meta")
+            layout = self.leaving[grad].partition("@")[2] if grad in self.leaving else writes[grad]
+            meta = allocate(self.graph, grad, layout, self.dtype, "meta")
             shape, stride = tuple(meta.shape), tuple(meta.stride())
             if t in self.interface.activations:
                 letters, order = self.graph.tensors[grad].letters, self.interface.torch_order[t]

@@ -76,7 +76,7 @@ def layer_forward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
     """The forward steps: returns the outputs (PyTorch order), then ``program.kept``."""
     prog = PROGRAMS[program]
     store = prog.forward(_inputs(prog, inputs), Run(seed, key_padding_mask))
-    outputs = [prog.to_torch(t, store[t]) for t in prog.interface.outputs]
+    outputs = [prog.to_torch(t, prog.leaving_value(store, t)) for t in prog.interface.outputs]
     return _unaliased(outputs + [store[t] for t in prog.kept])
 
 
@@ -97,8 +97,8 @@ def layer_backward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
     for t, grad in zip(face.outputs, grads):
         store[face.grad_outputs[t]] = prog.to_spec(t, grad, f"gradient of {t}")
     prog.backward(store, Run(seed, key_padding_mask))
-    result = [prog.to_torch(t, store[face.input_grads[t]]) if t in face.activations else store[face.input_grads[t]]
-              for t in face.activations + face.parameters]
+    result = [prog.to_torch(t, prog.leaving_value(store, face.input_grads[t])) if t in face.activations
+              else prog.leaving_value(store, face.input_grads[t]) for t in face.activations + face.parameters]
     return _unaliased(result)
 
 

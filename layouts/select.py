@@ -207,7 +207,8 @@ def to_plan(steps: list, facts: dict, *, spec: str, dims: dict, dtype: str, devi
             total_best: float) -> Plan:
     """The chosen candidates and layout changes as a ``layouts.plan.Plan``."""
     plan_steps: list[Step] = []
-    layouts = dict(layouts_of_inputs)
+    written = {t for candidate, _ in steps for t in candidate.writes}
+    layouts = {t: layout for t, layout in layouts_of_inputs.items() if t not in written}  # outputs: as written
     for candidate, changes in steps:
         written_here = set(candidate.writes)
         before = [ch for ch in changes if ch[0] not in written_here]
