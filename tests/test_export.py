@@ -247,3 +247,31 @@ def test_kernels_read_a_seed_kept_in_memory():
     by_tensor = kernel.run(inputs, {mask: (torch.tensor([1234567]), 0)})
     for t in by_int:
         assert torch.equal(by_int[t], by_tensor[t])
+
+
+def test_replace_bert_layers_keeps_the_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    from datamove.hf import BertLayerReplacement, replace_bert_layers
+
+    d = BERT_DIMS
+    config = transformers.BertConfig(hidden_size=d["N"], num_attention_heads=d["H"], intermediate_size=d["U"],
+                                     num_hidden_layers=2, hidden_act="relu", layer_norm_eps=1e-12, vocab_size=50,
+                                     max_position_embeddings=64, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    config._attn_implementation = "eager"
+    model = transformers.BertModel(config).eval()
+    with torch.no_grad():
+        for p in model.encoder.parameters():
+            p.normal_(0.0, 0.3)
+    original = copy.deepcopy(model)
+    path = write(tmp_path, "bert", BERT_DIMS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert replace_bert_layers(model, path, dtype=torch.float32) == 2
+    assert all(isinstance(layer, BertLayerReplacement) for layer in model.encoder.layer)
+    ids = torch.randint(0, 50, (d["B"], d["L"]), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(d["B"], d["L"], dtype=torch.long)
+    expected = original(input_ids=ids, attention_mask=mask).last_hidden_state
+    ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert error(ours.detach(), expected.detach()) < FLOAT32_TOLERANCE

@@ -67,11 +67,17 @@ def _grads(layer, kind: str) -> dict:
     return result
 
 
+def encoder_layer(dims: dict):
+    return torch.nn.TransformerEncoderLayer(dims["N"], dims["H"], dims["U"], dropout=0.0, activation="relu",
+                                            layer_norm_eps=1e-12, batch_first=True).cuda()
+
+
 @pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_bert_large_matches_hf_in_low_precision(tmp_path, plan, dtype):
-    reference = hf_layer(LARGE).double().eval()
-    baseline = hf_layer(LARGE).to(dtype).eval()
+@pytest.mark.parametrize("make", [hf_layer, encoder_layer], ids=["BertLayer", "TransformerEncoderLayer"])
+def test_bert_large_matches_pytorch_in_low_precision(tmp_path, plan, dtype, make):
+    reference = make(LARGE).double().eval()
+    baseline = make(LARGE).to(dtype).eval()
     baseline.load_state_dict(reference.state_dict())
     layer = loaded(artifact(tmp_path, LARGE, str(dtype).removeprefix("torch."), PLANS[plan]))
     load_weights(layer, reference).eval()
@@ -83,7 +89,8 @@ def test_bert_large_matches_hf_in_low_precision(tmp_path, plan, dtype):
         y = module(x_in)
         y = y[0] if isinstance(y, tuple) else y
         y.backward(dy.to(y.dtype))
-        grads = _grads(layer, "transformers.BertLayer") if module is layer else {k: p.grad for k, p in module.named_parameters()}
+        kind = next(k for k in layer.weights_table if k.endswith(type(reference).__name__))
+        grads = _grads(layer, kind) if module is layer else {k: p.grad for k, p in module.named_parameters()}
         results[name] = {"y": y.detach(), "d_x": x_in.grad, **grads}
     largest = max(float(g.norm()) for k, g in results["reference"].items() if k not in ("y", "d_x"))
     failures = []
@@ -126,8 +133,7 @@ def test_compile_fullgraph_and_cuda_graph_replay(tmp_path, plan):
         graph.replay()
         outputs.append(static_y.clone())
     assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2])
-    drops = [(o == 0).float().mean().item() for o in outputs]
-    assert all(d < 0.01 for d in drops), drops  # post-LayerNorm output: dropout shows only through the values
+
 
 
 def _train(layers, steps: int, seed: int = 0) -> list[float]:

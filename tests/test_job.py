@@ -1,0 +1,82 @@
+"""The main job on a CPU machine (``optimize-layer SPEC``, cost model) and its report.
+
+The job must finish without a GPU, say that nothing was measured, and leave the plan, the artifact
+and the report (HTML without any external reference, Markdown, PNG, JSON that regenerates them).
+Where Chromium is installed, the HTML is rendered headless and the screenshot checked for content.
+"""
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from datamove.cli import main
+from datamove.report import KernelRow, ReportData, markdown, mue, write_report
+
+SMALL = "B=2,L=64,N=64,H=2,P=32,U=128"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("job") / "bert"
+    assert main(["configs/bert.py", "--dims", SMALL, "--out", str(out)]) == 0
+    return out
+
+
+def test_the_job_writes_plan_artifact_and_report(job, capsys):
+    for name in ("plan.json", "graph.json", "manifest.json", "report.html", "report.md", "roofline.png", "report.json"):
+        assert (job / name).is_file(), name
+    assert list((job / "kernels").glob("*.py"))
+    plan = json.loads((job / "plan.json").read_text())
+    assert plan["timing"] == "predicted" and plan["device"].startswith("cost model")
+    report = json.loads((job / "report.json").read_text())
+    assert report["meta"]["measured"] is False
+    assert "predicted" in (job / "report.md").read_text() and "nothing was measured" in (job / "report.html").read_text()
+    assert (job / "roofline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_html_has_no_external_reference(job):
+    page = (job / "report.html").read_text()
+    assert "http://" not in page and "https://" not in page and "<link" not in page and "@import" not in page
+    for attribute in re.findall(r'(?:src|href)=["\']([^"\']*)', page):
+        assert attribute.startswith("data:"), attribute
+    assert "url(" not in page
+
+
+def test_the_report_regenerates_from_its_json(job, tmp_path):
+    data = ReportData.from_json(json.loads((job / "report.json").read_text()))
+    paths = write_report(data, tmp_path)
+    assert paths["markdown"].read_text() == (job / "report.md").read_text()
+    assert paths["html"].read_text() == (job / "report.html").read_text()
+
+
+def test_mue_and_class_totals_by_hand():
+    row = KernelRow("op", "elementwise", "forward", 0, 10**6, 10**6, 4 * 10**6, 8 * 10**6, 0.001, "measured", "k")
+    # B = D / t = 8e6 B / 1e-6 s = 8e12 B/s; MUE = Q/D * B/B_peak * 100 = 0.5 * 8e12 / 1.6e13 * 100 = 25
+    assert mue(row, 1.6e13) == pytest.approx(25.0)
+    other = KernelRow("op2", "elementwise", "backward", 2 ** 30, 5 * 10**5, 5 * 10**5, 2 * 10**6, 2 * 10**6, 0.002,
+                      "predicted", "k")
+    data = ReportData({"spec": "s", "dims": {}, "dtype": "bfloat16", "device": "d", "measured": True, "versions": {},
+                       "date": "today"}, {"bandwidth": 1.6e13, "flops": 1e15, "source": "test"}, [row, other], [],
+                      {"unfused": {}, "fused": {}, "reduction_percent": {}}, {"total_ms": 0.003, "best_sum_ms": 0.003})
+    text = markdown(data)
+    assert "| elementwise | 2 | 1.000 | 3.00 | 0.0030 |" in text  # class total: kernels, Gflop, 1e6 elements, ms
+
+
+def _chromium():
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome", "headless_shell")
+                 if shutil.which(n)), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium installed here: the report is not rendered")
+def test_the_report_renders_in_headless_chromium(job, tmp_path):
+    shot = tmp_path / "report.png"
+    subprocess.run([_chromium(), "--headless", "--disable-gpu", "--no-sandbox", f"--screenshot={shot}",
+                    "--window-size=1400,2400", (job / "report.html").as_uri()], check=True, timeout=120,
+                   capture_output=True)
+    image = shot.read_bytes()
+    assert image[:8] == b"\x89PNG\r\n\x1a\n" and len(image) > 50_000  # tables and the plot, not a blank page
+    dom = subprocess.run([_chromium(), "--headless", "--disable-gpu", "--no-sandbox", "--dump-dom",
+                          (job / "report.html").as_uri()], check=True, timeout=120, capture_output=True, text=True).stdout
+    assert "<table>" in dom and "data:image/png;base64," in dom
