@@ -30,7 +30,7 @@ from kernels.tuning_db import canonical_json
 from layouts.cost_model import DeviceFigures, predict_ms
 from layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
 from layouts.select import Candidate, best_sum, select, to_plan
-from layouts.space import access_pattern, configurations, representatives
+from layouts.space import configurations, representatives
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 KEEP_PER_OPERATOR = 4  # candidates kept per operator run (fastest; ties: spec order first): bounds the search

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kernels.attention_variants import AttentionCase, Workspace, baseline_variants, config_variants
+from kernels.attention_variants import AttentionCase, Workspace, config_variants
 from kernels.bench import Sweep
 from kernels.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
                                           gemm_variants, training_gemms)

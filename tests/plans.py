@@ -1,6 +1,8 @@
 """A hand-made plan: every tensor in its spec order, each operator its own kernel (generated ops
 at their default configuration, contractions through cuBLAS): the runtime's tests run it
 besides the selected plans, as the plan that exercises no attention and no layout change."""
+import importlib.util
+
 from kernels.contraction_variants import _stacked
 from layouts.plan import GEMM, GENERATED, Plan, Step
 from layouts.space import default_configuration
@@ -42,17 +44,20 @@ def spec_order_plan(fused, spec: str, dtype="float32"):
     return Plan(spec, dict(graph.dim_values), dtype, "none", "predicted", layouts, steps, saved, 0.0, 0.0)
 
 
+def spec_module(name: str):
+    """The module of ``configs/<name>.py`` (its ``TORCH_ORDER`` and ``WEIGHTS``)."""
+    module_spec = importlib.util.spec_from_file_location(f"spec_{name}", f"configs/{name}.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
 def selected_plan(fused, spec: str, dtype="float32"):
     """The cost model's choice (``datamove.candidates.plan_layer``, H100 figures), activations in
     the spec's PyTorch order."""
-    import importlib.util
-
     from datamove.candidates import plan_layer
     from layouts.cost_model import device_figures
 
-    module_spec = importlib.util.spec_from_file_location(f"spec_{spec}", f"configs/{spec}.py")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    order = getattr(module, "TORCH_ORDER", {})
+    order = getattr(spec_module(spec), "TORCH_ORDER", {})
     boundary = {**order, **{f"d_{t}": layout for t, layout in order.items()}}
     return plan_layer(fused, spec, dtype=dtype, figures=device_figures("H100"), boundary=boundary)

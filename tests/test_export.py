@@ -8,7 +8,6 @@ to ||reference||, except for a gradient that is exactly zero in exact arithmetic
 bias: softmax is shift-invariant): its result is rounding noise of the gradients it is summed
 from, judged against the layer's largest gradient norm.
 """
-import importlib.util
 import json
 import warnings
 
@@ -20,7 +19,7 @@ from dataflow.executor import execute
 from dataflow.snapshot import stored_fused
 from datamove.export import ArtifactMismatch, load_layer, load_weights, state_dict_for, write_artifact
 from datamove.weights import from_spec
-from plans import selected_plan, spec_order_plan
+from plans import selected_plan, spec_module, spec_order_plan
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU); "
                                 "on a GPU, tests/test_export_gpu.py runs the layer at real sizes")
@@ -30,16 +29,9 @@ GPT2_DIMS = dict(B=2, T=21, D=32, H=2, E=16, F=72)
 FLOAT32_TOLERANCE = 2e-5  # interpreter float32 vs float64: measured ~3e-7; far below any indexing or mask error
 
 
-def _spec_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"spec_{name}", f"configs/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def write(tmp_path, spec: str, dims: dict, plan_for=spec_order_plan, device=None):
     fused = stored_fused()[spec].with_dims(dims)
-    module = _spec_module(spec)
+    module = spec_module(spec)
     plan = plan_for(fused, spec)
     return write_artifact(tmp_path / spec, plan, fused.graph, fused.operators, spec_name=spec, spec_digest="test",
                           torch_order=getattr(module, "TORCH_ORDER", {}), weights=getattr(module, "WEIGHTS", {}),

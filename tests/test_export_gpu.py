@@ -15,8 +15,7 @@ import torch
 from dataflow.snapshot import stored_fused
 from datamove.export import load_layer, load_weights, write_artifact
 from datamove.weights import from_spec
-from plans import selected_plan, spec_order_plan
-from test_export import _spec_module
+from plans import selected_plan, spec_module, spec_order_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +26,7 @@ PLANS = {"spec-order": spec_order_plan, "selected": selected_plan}
 
 def artifact(tmp_path, dims: dict, dtype: str, plan_for) -> object:
     fused = stored_fused()["bert"].with_dims(dims)
-    module = _spec_module("bert")
+    module = spec_module("bert")
     plan = plan_for(fused, "bert", dtype)
     return write_artifact(tmp_path / "bert", plan, fused.graph, fused.operators, spec_name="bert", spec_digest="test",
                           torch_order=module.TORCH_ORDER, weights=module.WEIGHTS,
