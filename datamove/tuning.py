@@ -23,6 +23,11 @@ from kernels.layout_change import LayoutChangeVariant
 from kernels.sweep_variants import sweep_variants
 
 EPILOGUE_CONFIGS = 3
+# Triton GEMM configurations every GEMM tries first (and the fused epilogues take the fastest of):
+# the ones fastest at BERT-large sizes on Hopper (benchmarks/results/contractions.md), TMA tiles
+# where the layouts allow them, else the same tiles without TMA.
+FIRST_CONFIGS = ("128x256x64 g8 s3 w8 tma", "256x128x64 g8 s3 w8 tma", "128x128x64 g8 s2 w4 tma",
+                 "64x128x64 g8 s4 w4 tma", "128x256x64 g8 s3 w8", "64x128x64 g8 s4 w4")
 
 
 @dataclass
@@ -59,12 +64,20 @@ class Tuner:
         self.report.wall_s = time.monotonic() - self.started
 
 
+def first_gemm_configs(dtype, count: int) -> list:
+    """``FIRST_CONFIGS`` among ``valid_configs(dtype)``, then the others, ``count`` in all (the
+    interpreter's tiny configurations: its first ``count``)."""
+    configs = valid_configs(dtype)
+    preferred = [c for name in FIRST_CONFIGS for c in configs if str(c) == name]
+    return (preferred + [c for c in configs if c not in preferred])[:count]
+
+
 def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1, layouts: int = 3,
-         first_configs: int = 4) -> TuningReport:
+         first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``) into ``db``, the most
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
-    of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations on
-    its first layout, then cuBLAS on ``layouts`` more, and the fused epilogues; the attention's
+    of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations
+    (``first_gemm_configs``) on its first layout, then cuBLAS on ``layouts`` more, and the fused epilogues; the attention's
     configurations; last, every knob setting of each fused operator's ``top`` fastest patterns.
     The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
     the selection has said which it wants.
@@ -73,7 +86,7 @@ def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1
     spaces, _ = sweep_variants(spec, fused, "cuda", dtype=dtype)
     tuner.measure([v for s in spaces for v in s.first_stage()])
 
-    configs = list(valid_configs(dtype))[:first_configs]
+    configs = first_gemm_configs(dtype, first_configs)
     gemms = training_gemms(fused)
     first = {g.name: gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs) for g in gemms}
     tuner.measure([v for vs in first.values() for v in vs])

@@ -15,7 +15,12 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
 - normalizations: mode "row" keeps whole reduction rows in the tile and runs the expression DAG
   once; mode "loop" makes one pass over chunks of the reduction per level of chained reductions
   (layernorm: mean, then variance, then the outputs; softmax: max, then sum, then outputs),
-  statistics between passes, outputs in the last pass;
+  statistics between passes, each output stored in the first pass that can compute it (a bias
+  gradient's element-wise outputs in the pass that sums it); mode "split" (reductions along the
+  tile's rows whose results nothing else reads) is "loop" over one of ``split`` slices of the
+  rows: each program writes its fp32 partial sums to a scratch buffer, and the last program of a
+  column block to arrive (an int32 counter per column block, reset by that program) adds them in
+  slice order and stores the result, so the sum is the same whatever order programs finish in;
 - fp32 arithmetic and statistics whatever the storage dtype, stores cast to each output's dtype;
 - dropout: a multiplication by a tensor of role "dropout" is not loaded but regenerated from the
   counter ``offset_<mask> + n`` (``n`` the element's row-major index over the mask's letters in
@@ -46,7 +51,7 @@ import triton
 from dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from kernels.interpreter import interpreted
 from kernels.philox import dropout_scale, keep_threshold
-from layouts.space import Configuration, OperatorLetters, operator_letters, parts, tile_axes
+from layouts.space import Configuration, OperatorLetters, operator_letters, parts, terminal_reductions, tile_axes
 
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
 _FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
@@ -70,6 +75,8 @@ class _Plan:
     grouped: tuple  # the regenerated masks drawn one Philox call per sixteen columns (``_grouped_masks``)
     row_grouped: tuple  # ... per sixteen rows (the same rule along the tile's rows)
     row_calls: tuple  # ... per column for the 16 rows of one call, 64 G + 2 t + 8 i + e (``_row_call_masks``)
+    split: int  # row slices of mode "split" (1: none)
+    reduced_outputs: tuple  # tensors the reduce primitives produce, in primitive order
 
 
 def _grouped_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
@@ -110,6 +117,10 @@ def _plan(graph, op, knobs: dict) -> _Plan:
                          f"vector {knobs['vector']!r} last")
     grid, rows, cols = tile_axes(letters, knobs)
     reduce_axis = None if not letters.reduced else (1 if knobs["vector"] in letters.reduced else 0)
+    split = knobs.get("split", 1) if knobs["mode"] == "split" else 1
+    if knobs["mode"] == "split" and (reduce_axis != 0 or not terminal_reductions(op)):
+        raise ValueError(f"{op.name}: mode 'split' needs a reduction along the tile's rows (vector letter "
+                         f"not reduced) whose results no primitive of the operator reads")
     regenerate = knobs.get("dropout", "regenerate") == "regenerate"
     regenerated = tuple(t for t in op.inputs if graph.tensors[t].role == "dropout" and regenerate)
     loads = tuple(t for t in op.inputs if t not in regenerated)
@@ -124,7 +135,7 @@ def _plan(graph, op, knobs: dict) -> _Plan:
     row_calls = () if reduce_axis != 1 else tuple(
         t for t in _row_call_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in grouped + row_grouped)
     return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),
-                 grouped, row_grouped, row_calls)
+                 grouped, row_grouped, row_calls, split, tuple(p.output.tensor for p in reduces))
 
 
 class _Expr(ast.NodeTransformer):
@@ -198,7 +209,12 @@ def _part_code(graph, op, knobs: dict, index64: bool) -> tuple[list, list[str], 
         sig.append(([f"dim_{d}" for d in plan.dim_names], "dim values as floats"))
     for t in plan.regenerated:
         sig.append(([f"seed_{t}", f"offset_{t}"], f"Philox key and counter offset of dropout mask {t}"))
-    sig.append((["BLOCK_ROW: tl.constexpr", "BLOCK_COL: tl.constexpr"], ""))
+    if plan.split > 1:
+        sig.append((["split_partials_ptr"], f"float32 [{len(plan.reduced_outputs)}, BLOCK_SPLIT, column blocks, "
+                                            "BLOCK_COL], contiguous: each slice's partial sums"))
+        sig.append((["split_arrivals_ptr"], "int32 [column blocks], zero between launches: slices done"))
+    sig.append((["BLOCK_ROW: tl.constexpr", "BLOCK_COL: tl.constexpr"] +
+                (["BLOCK_SPLIT: tl.constexpr"] if plan.split > 1 else []), ""))
 
     w = _Writer()
     def describe(prim) -> str:
@@ -253,6 +269,9 @@ Knobs: {knobs}"""
         w("row_start = pid * BLOCK_ROW")
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
     else:
+        if plan.split > 1:  # the BLOCK_SPLIT programs of a column block are neighbours
+            w("row_slice = pid % BLOCK_SPLIT")
+            w("pid = pid // BLOCK_SPLIT")
         w("col_blocks = tl.cdiv(n_cols, BLOCK_COL)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
         w("cols = col_start + tl.arange(0, BLOCK_COL)")
@@ -396,21 +415,43 @@ Knobs: {knobs}"""
                     emit_store(t, 1)
                     stored.add(t)
 
+        def emit_split_finish():
+            """Partial sums out; the column block's last slice to arrive adds them and stores the outputs."""
+            w("col_blocks_all = col_blocks" + "".join(f" * size_{l}" for l in plan.grid), 1)
+            w("partials = split_partials_ptr + pid * BLOCK_COL + tl.arange(0, BLOCK_COL)[None, :]", 1)
+            for r, t in enumerate(plan.reduced_outputs):
+                w(f"tl.store(partials + ({r} * BLOCK_SPLIT + row_slice) * col_blocks_all * BLOCK_COL, {_var(t)})", 1)
+            w("tl.debug_barrier()  # every thread's partial sums precede the release below", 1)
+            w("arrived = tl.atomic_add(split_arrivals_ptr + pid, 1, sem=\"acq_rel\")", 1)
+            w("if arrived == BLOCK_SPLIT - 1:", 1)
+            for r, t in enumerate(plan.reduced_outputs):
+                w(f"{_var(t)} = tl.zeros([1, BLOCK_COL], tl.float32)", 2)
+                w("for s in range(BLOCK_SPLIT):  # slice order: the same sum whichever slice finishes last", 2)
+                w(f"{_var(t)} += tl.load(partials + ({r} * BLOCK_SPLIT + s) * col_blocks_all * BLOCK_COL, "
+                  "cache_modifier=\".cg\")", 3)
+                emit_store(t, 2)
+                stored.add(t)
+            w("tl.store(split_arrivals_ptr + pid, 0)  # ready for the next launch", 2)
+
         stored: set[str] = set()
         emit_statistics()
+        if plan.split > 1:
+            w("slice_rows = tl.cdiv(tl.cdiv(n_rows, BLOCK_SPLIT), BLOCK_ROW) * BLOCK_ROW", 1)
+            w("slice_start = row_slice * slice_rows", 1)
+        first, end = ("slice_start", "tl.minimum(slice_start + slice_rows, n_rows)") if plan.split > 1 else ("0", n)
         for pass_no in range(n_pass + 1):
-            last = pass_no == n_pass
             reduces = [p for p in op.primitives if p.kind == "reduce" and level[p.output.tensor] == pass_no + 1]
-            targets = [t for t in plan.outputs if t not in done] if last else [p.inputs[0].tensor for p in reduces]
+            outputs = [t for t in plan.outputs if t not in done and t not in stored and level[t] == pass_no]
+            targets = [p.inputs[0].tensor for p in reduces] + outputs
             if not targets:
                 continue
-            w(f"# pass {pass_no + 1} of {n_pass + 1}: " + (
-                "outputs" if last else ", ".join(f"{p.expr} -> {p.output.tensor}" for p in reduces)), 1)
+            w(f"# pass {pass_no + 1}: " + ", ".join(
+                [f"{p.expr} -> {p.output.tensor}" for p in reduces] + ([f"store {', '.join(outputs)}"] if outputs else [])), 1)
             for prim in reduces:
                 init = "tl.zeros" if prim.expr == "sum" else "tl.full"
                 extra = "" if prim.expr == "sum" else ', float("-inf")'
                 w(f"acc_{prim.output.tensor} = {init}([BLOCK_ROW, BLOCK_COL]{extra}, tl.float32)", 1)
-            w(f"for start in range(0, {n}, {block}):", 1)
+            w(f"for start in range({first}, {end}, {block}):", 1)
             w(f"{'col' if plan.reduce_axis == 1 else 'row'}_start = start", 2)
             w(f"{idx_axis} = start + tl.arange(0, {block})", 2)
             w(f"{ok} = ({idx_axis} < {n}){shape}", 2)
@@ -434,13 +475,15 @@ Knobs: {knobs}"""
                     w(f"{acc} += tl.where(row_ok & col_ok, {val}, 0.0)", 2)
                 else:
                     w(f'{acc} = tl.maximum({acc}, tl.where(row_ok & col_ok, {val}, float("-inf")))', 2)
-            if last:
-                for t in targets:
-                    emit_store(t, 2)
+            for t in outputs:
+                emit_store(t, 2)
+                stored.add(t)
             for prim in reduces:
                 fn = "tl.sum" if prim.expr == "sum" else "tl.max"
                 w(f"{_var(prim.output.tensor)} = {fn}(acc_{prim.output.tensor}, axis={plan.reduce_axis}){keep}", 1)
                 done.add(prim.output.tensor)
+            if plan.split > 1:
+                emit_split_finish()
             emit_statistics()
     return sig, w.lines, doc
 
@@ -468,8 +511,8 @@ def _signature(sig: list, rename=lambda n: n) -> list[str]:
 
 
 def _shared(name: str) -> bool:
-    """Parameters named per part (sizes, dims, blocks) rather than per tensor."""
-    return name.startswith(("size_", "dim_", "BLOCK_"))
+    """Parameters named per part (sizes, dims, blocks, split buffers) rather than per tensor."""
+    return name.startswith(("size_", "dim_", "BLOCK_", "split_"))
 
 
 def _part_knobs(config: Configuration, count: int) -> list[dict]:
@@ -586,6 +629,7 @@ class CompiledOperator:
         self.plan = self.plans[0] if len(self.plans) == 1 else None  # the single part's plan
         self.loads = tuple(t for plan in self.plans for t in plan.loads)  # every tensor read from memory
         self._kernels: dict[bool, object] = {}
+        self._scratch: dict[tuple, list] = {}  # (part, device) -> mode "split" buffers
         self.source, self.path = self._variant(False)[1:]
 
     def _variant(self, index64: bool):
@@ -609,7 +653,19 @@ class CompiledOperator:
             return triton.cdiv(rows, knobs["block_row"]) * triton.cdiv(cols, knobs["block_col"])
         if plan.reduce_axis == 1:
             return triton.cdiv(rows, knobs["block_row"])
-        return self._extent(plan, plan.grid) * triton.cdiv(cols, knobs["block_col"])
+        return self._extent(plan, plan.grid) * triton.cdiv(cols, knobs["block_col"]) * plan.split
+
+    def _split_buffers(self, k: int, plan: _Plan, knobs: dict, device) -> list:
+        """Part ``k``'s scratch of mode "split" on ``device``: [partial sums, arrival counters], made
+        once (the counters zeroed; the kernel leaves them zero), so a CUDA graph can replay them."""
+        key = (k, str(device))
+        if key not in self._scratch:
+            blocks = self._programs(plan, knobs) // plan.split
+            self._scratch[key] = [
+                torch.empty(len(plan.reduced_outputs) * plan.split * blocks * knobs["block_col"], dtype=torch.float32,
+                            device=device),
+                torch.zeros(blocks, dtype=torch.int32, device=device)]
+        return self._scratch[key]
 
     def grid(self) -> tuple[int]:
         return (sum(self._programs(plan, knobs) for plan, knobs in zip(self.plans, self.part_knobs)),)
@@ -661,6 +717,9 @@ class CompiledOperator:
                                      f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
                 args += [seed if isinstance(seed, torch.Tensor) else int(seed), int(offset)]
             suffix = "" if len(self.plans) == 1 else f"_{k}"
+            if plan.split > 1:
+                args += self._split_buffers(k, plan, part_knobs, next(iter(bound.values())).device)
+                blocks[f"BLOCK_SPLIT{suffix}"] = plan.split
             blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]
             blocks[f"BLOCK_COL{suffix}"] = part_knobs["block_col"]
             ends.append((ends[-1] if ends else 0) + self._programs(plan, part_knobs))

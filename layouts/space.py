@@ -14,7 +14,12 @@ stride 1 along i.  A *configuration* of a non-contraction operator is
                   kernel flattens the letters that share a tile axis or the program grid;
     ``mode``      "tile" (element-wise: 2-D tiles over the whole space), "row" (normalization:
                   a program holds whole reduction rows), "loop" (normalization: a program loops
-                  over chunks of the reduction, one pass per chained reduction plus one);
+                  over chunks of the reduction, one pass per chained reduction plus one),
+                  "split" (a reduction along the tile's rows whose results no other primitive
+                  reads, such as a bias gradient over (b, j): ``split`` programs share one
+                  column block, each loops over its slice of the rows, and the last of them to
+                  finish adds the partial sums in slice order and stores the result);
+    ``split``     the number of row slices (mode "split" only);
     ``block_row``, ``block_col``  tile sizes (powers of two) of the tile's two axes;
     ``num_warps``;
     ``dropout``   "regenerate" (Philox from (seed, offset)) or "load" (read a stored mask).
@@ -35,7 +40,9 @@ Pruning (``exhaustive=False``), after the paper's two good groups:
    permutations of them multiply the space without a new access pattern;
 4. knobs: power-of-two blocks no larger than the extent they tile; "row" only when a whole
    row fits 16384 fp32 registers per program, "loop" only when the row is longer than one
-   chunk; at most 16384 elements per tile; at least 4 elements per thread (or one warp).
+   chunk; at most 16384 elements per tile; at least 4 elements per thread (or one warp);
+   "split" with the power-of-two number of slices that brings the programs to about
+   ``SPLIT_PROGRAMS`` (a slice at least one chunk long), and only where it is more than one.
 ``exhaustive=True`` drops rules 1 and 3 (every permutation of every tensor).
 
 Operators of several parts (``parts``): a fused operator whose primitives share no tensor
@@ -58,6 +65,10 @@ from typing import NamedTuple
 from dataflow.dropout_mask import DECISIONS_PER_CALL
 
 MAX_TILE = 16384  # fp32 elements per program tile (register budget)
+# Modes a first stage measures an access pattern with (one pass over the data, enough programs):
+# whole rows, tiles, or a reduction along rows split over programs.
+PLAIN_MODES = ("tile", "row", "split")
+SPLIT_PROGRAMS = 512  # programs a "split" reduction aims at (a few per multiprocessor of an H100 / H200)
 
 
 class Configuration(NamedTuple):
@@ -214,31 +225,46 @@ def _extent(graph, letters: OperatorLetters, group: str) -> int:
     return total
 
 
-def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhaustive: bool = False) -> list[dict]:
-    """Block sizes, mode and num_warps for one (vector, order), pruned by rule 4 of the module doc."""
+def terminal_reductions(op) -> bool:
+    """Whether ``op`` reduces and no primitive of it reads a reduction's result (bias and
+    layernorm-parameter gradients): what mode "split" needs."""
+    reduced = {p.output.tensor for p in op.primitives if p.kind == "reduce"}
+    return bool(reduced) and not any(o.tensor in reduced for p in op.primitives for o in p.inputs)
+
+
+def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhaustive: bool = False,
+                 terminal: bool = False) -> list[dict]:
+    """Block sizes, mode and num_warps for one (vector, order), pruned by rule 4 of the module doc.
+    ``terminal``: the operator's reductions are terminal (``terminal_reductions``), so a reduction
+    along the tile's rows may be split over programs (mode "split")."""
     grid, rows, cols = tile_axes(letters, {"order": order, "vector": vector})
     n_rows, n_cols = _next_pow2(_extent(graph, letters, rows)), _next_pow2(_extent(graph, letters, cols))
-    combos = []  # (mode, block_row, block_col)
+    combos = []  # (mode, block_row, block_col, split)
     if not letters.reduced:
         for tile in (1024, 4096):
             for bc in sorted({min(c, n_cols) for c in (32, 128, 512)}):
-                combos.append(("tile", min(max(1, tile // bc), n_rows), bc))
+                combos.append(("tile", min(max(1, tile // bc), n_rows), bc, 1))
     else:
         reduce_rows = vector not in letters.reduced  # the reduction runs along the tile's rows
         n_red, n_par = (n_rows, n_cols) if reduce_rows else (n_cols, n_rows)
         par_blocks = (32, 128) if reduce_rows else (1, 4, DECISIONS_PER_CALL)  # 16 rows: whole Philox calls along rows
         for pb in sorted({min(b, n_par) for b in par_blocks}):
             if n_red * pb <= MAX_TILE:
-                combos.append(("row", n_red, pb) if reduce_rows else ("row", pb, n_red))
+                combos.append(("row", n_red, pb, 1) if reduce_rows else ("row", pb, n_red, 1))
             for chunk in (256, 1024, 4096) if not reduce_rows else (16, 64):
                 if chunk < n_red and chunk * pb <= MAX_TILE:
-                    combos.append(("loop", chunk, pb) if reduce_rows else ("loop", pb, chunk))
+                    combos.append(("loop", chunk, pb, 1) if reduce_rows else ("loop", pb, chunk, 1))
+                    programs = _extent(graph, letters, grid) * -(-_extent(graph, letters, cols) // pb)
+                    split = min(_next_pow2(-(-SPLIT_PROGRAMS // programs)), n_red // chunk)
+                    if reduce_rows and terminal and split > 1:
+                        combos.append(("split", chunk, pb, split))
     result = []
-    for mode, br, bc in dict.fromkeys(combos):
+    for mode, br, bc, split in dict.fromkeys(combos):
         for warps in (1, 2, 4, 8, 16):
             if br * bc >= 4 * 32 * warps or warps == 1 or (exhaustive and warps <= 4):
-                result.append({"vector": vector, "order": order, "mode": mode, "block_row": br,
-                               "block_col": bc, "num_warps": warps, "dropout": "regenerate"})
+                result.append({"vector": vector, "order": order, "mode": mode, "block_row": br, "block_col": bc,
+                               **({"split": split} if mode == "split" else {}), "num_warps": warps,
+                               "dropout": "regenerate"})
     return result
 
 
@@ -270,6 +296,7 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
     externals = list(op.inputs) + list(op.outputs)
     fixed = fixed or {}
     has_mask = any(graph.tensors[t].role == "dropout" for t in op.inputs)
+    terminal = terminal_reductions(op)
     vectors = letters.letters
     seen, result = set(), []
 
@@ -289,13 +316,13 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
             for layouts in itertools.product(*perms):
                 layouts = dict(zip(externals, layouts))
                 order = _order_from(graph, letters, op.outputs[0], layouts[op.outputs[0]], vector)
-                for knobs in knob_choices(graph, letters, vector, order, exhaustive=True):
+                for knobs in knob_choices(graph, letters, vector, order, exhaustive=True, terminal=terminal):
                     emit(layouts, knobs)
         else:
             for outer in itertools.permutations(others):
                 order = "".join(outer) + vector
                 layouts = {t: _restrict(order, graph.tensors[t].letters, letters.tensor_axes[t]) for t in externals}
-                for knobs in knob_choices(graph, letters, vector, order):
+                for knobs in knob_choices(graph, letters, vector, order, terminal=terminal):
                     emit(layouts, knobs)
     return result
 
@@ -340,8 +367,8 @@ def default_configuration(graph, op) -> Configuration:
     axes = letters.tensor_axes[full]
     vector = next((l for l in reversed(axes) if l in letters.reduced), axes[-1]) if letters.reduced else axes[-1]
     order = "".join(l for l in axes if l != vector) + "".join(l for l in letters.letters if l not in axes) + vector
-    choices = knob_choices(graph, letters, vector, order)
-    preferred = [k for k in choices if k["mode"] in ("tile", "row") and k["num_warps"] == 4] or choices
+    choices = knob_choices(graph, letters, vector, order, terminal=terminal_reductions(op))
+    preferred = [k for k in choices if k["mode"] in PLAIN_MODES and k["num_warps"] == 4] or choices
     return Configuration(layouts, preferred[len(preferred) // 2])
 
 
@@ -356,7 +383,7 @@ def access_pattern(config: Configuration) -> str:
 
 def representatives(configs: list[Configuration]) -> list[Configuration]:
     """One configuration per ``access_pattern`` of ``configs`` (first-seen order): among those
-    with whole-row or tile modes and 4 warps (else all), the middle one, as in
+    in ``PLAIN_MODES`` with 4 warps (else all), the middle one, as in
     ``default_configuration``: the first stage of a two-stage search measures these."""
     groups: dict[str, list[Configuration]] = {}
     for config in configs:
@@ -370,5 +397,5 @@ def representatives(configs: list[Configuration]) -> list[Configuration]:
 
 def _plain(config: Configuration) -> bool:
     modes = [k["mode"] for k in (config.knobs["parts"] if "parts" in config.knobs else (config.knobs,))]
-    return all(m in ("tile", "row") for m in modes) and config.knobs["num_warps"] == 4 \
+    return all(m in PLAIN_MODES for m in modes) and config.knobs["num_warps"] == 4 \
         and config.knobs.get("dropout", "regenerate") == "regenerate"

@@ -20,7 +20,7 @@ from dataflow.executor import dropout_offsets, execute
 from kernels.accuracy import assert_closer
 from kernels.codegen import allocate, compile_operator
 from layouts.space import (Configuration, combine_parts, configurations, default_configuration, knob_choices,
-                           operator_letters, parts)
+                           operator_letters, parts, terminal_reductions)
 from dataflow import snapshot
 from tests.test_codegen import evaluate
 
@@ -174,6 +174,63 @@ def test_stored_dropout_mask_in_a_part():
     config = Configuration(base.layouts, {**base.knobs, "dropout": "load"})
     compiled = _check("bert", "d_b1", config)
     assert "dropout_keep(" not in compiled.source.split("def d_b1_part1")[1] and "drop_act_ptr" in compiled.source
+
+
+# --- mode "split": a reduction along the tile's rows shared by several programs -------------------
+
+SPLIT = [(s, n) for s, n in CASES if any(terminal_reductions(p) for p in parts(_setup(s)[1][n]))]
+
+
+def _split(graph, op, slices: int, rows: int = 2) -> Configuration:
+    """Every part with terminal reductions vectorised along an independent letter in mode "split"
+    (``slices`` slices of chunks of ``rows`` rows); the other parts at their defaults."""
+    chosen = []
+    for part in parts(op):
+        config = default_configuration(graph, part)
+        if terminal_reductions(part):
+            reduced = operator_letters(graph, part).reduced
+            config = next(c for c in configurations(graph, part) if c.knobs["vector"] not in reduced)
+            config = Configuration(config.layouts, {**config.knobs, "mode": "split", "split": slices, "block_row": rows})
+        chosen.append(config)
+    return chosen[0] if len(chosen) == 1 else combine_parts(chosen, 2, "regenerate")
+
+
+def test_split_operators():
+    """The operators with terminal reductions are those computing bias and layernorm-parameter gradients."""
+    assert SPLIT == [("bert", "d_ln2_gamma"), ("bert", "d_b1"), ("bert", "d_ln1_gamma"), ("bert", "d_bo"),
+                     ("bert", "stack(d_bv,d_bk,d_bq)"), ("gpt2", "d_bout"), ("gpt2", "d_bfc"), ("gpt2", "d_ln2_gain"),
+                     ("gpt2", "d_bproj"), ("gpt2", "stack(d_bv,d_bk,d_bq)"), ("gpt2", "d_ln1_gain")]
+
+
+@pytest.mark.parametrize("spec,name", SPLIT)
+@pytest.mark.parametrize("slices", [3, 8])
+def test_split_rows_fp32(spec, name, slices):
+    """Slices of 2-row chunks (3: the last slice short; 8: slices past the rows, empty): one pass
+    over the data, element-wise outputs stored in it; a second launch on the same scratch (the
+    arrival counters back at zero) gives the same result."""
+    graph, ops = _setup(spec)
+    config = _split(graph, ops[name], slices)
+    compiled = _check(spec, name, config)
+    for source in compiled.source.split("@triton.jit")[1:]:  # each part
+        if "row_slice = " in source:
+            assert source.count("for start in range(") == 1
+    _check(spec, name, config)
+
+
+@pytest.mark.parametrize("spec,name", [("bert", "d_b1"), ("bert", "d_ln1_gamma"), ("gpt2", "d_bout")])
+def test_split_rows_bf16(spec, name):
+    graph, ops = _setup(spec, BF16_DIMS[spec])
+    _check(spec, name, _split(graph, ops[name], 4), torch.bfloat16, dims="bf16")
+
+
+def test_split_only_for_terminal_reductions():
+    """A layernorm's statistics feed its outputs: no "split" in its space, and a split knob is refused."""
+    graph, ops = _setup("bert", {k: v * 64 + 1 for k, v in SMALL["bert"].items()})
+    assert not any(c.knobs.get("mode") == "split" for c in configurations(graph, ops["d_ffn"]))
+    assert any(c.knobs.get("mode") == "split" for c in configurations(graph, ops["d_bo"]))
+    config = default_configuration(graph, ops["d_ffn"])
+    with pytest.raises(ValueError, match="mode 'split'"):
+        compile_operator(graph, ops["d_ffn"], Configuration(config.layouts, {**config.knobs, "mode": "split", "split": 2}))
 
 
 # --- dropout: one Philox call per sixteen columns, or one per element ------------------------------
