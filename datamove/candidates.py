@@ -5,9 +5,10 @@
 - generated element-wise / normalization kernels: one candidate per tensor-layout combination of
   ``layouts.space.configurations`` (pruned space), its knobs the fastest measured (else the
   representative's, predicted);
-- contractions: each BLAS-mappable operand-layout combination of ``kernels.contraction_variants
-  .pick_layouts`` (a stacked operand keeps its stack letter outermost: its members are views of
-  one buffer), cuBLAS or the fastest measured Triton configuration;
+- contractions: each BLAS-mappable operand-layout combination (one batch dim at most; a stacked
+  operand keeps its stack letter outermost: its members are views of one buffer), cuBLAS or the
+  fastest measured Triton configuration, timed as the ``kernels.contraction_variants.pick_layouts``
+  plan that makes the same BLAS call (``same_call_layouts``: the same sizes and strides);
 - a GEMM and the element-wise consumer its Triton template fuses (``epilogue_of``), in spec order;
 - the fused attention (``attention_roles``): forward and backward, in every layout the producer of
   its inputs can write, in place of the score contraction, softmax and output contraction (and
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from kernels.attention_variants import AttentionCase
 from kernels.contraction import parse
-from kernels.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, pick_layouts, training_gemms
+from kernels.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, same_call_layouts, training_gemms
 from kernels.sweep_variants import moved_bytes, op_signature
 from kernels.tuning_db import canonical_json
 from layouts.cost_model import DeviceFigures, predict_ms
@@ -33,7 +34,7 @@ from layouts.select import Candidate, best_sum, select, to_plan
 from layouts.space import configurations, representatives
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-KEEP_PER_OPERATOR = 4  # candidates kept per operator run (fastest; ties: spec order first): bounds the search
+KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec order first): bounds the search
 
 
 class Timings:
@@ -204,6 +205,7 @@ class CandidateBuilder:
         self.fused, self.spec, self.dtype, self.figures, self.timings = fused, spec, dtype, figures, timings
         self.graph = fused.graph
         self.itemsize = ITEMSIZE[dtype]
+        self._changes: dict[tuple, tuple[float, str]] = {}
 
     def _time(self, found, family: str, flop: float, bytes_moved: float, **extra) -> tuple[float, str, dict | None]:
         if found is not None:
@@ -255,13 +257,13 @@ class CandidateBuilder:
             first = {"a": einsums[0].inputs[0].letters, "b": einsums[0].inputs[1].letters, "out": einsums[0].output.letters}
             renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
             candidates = []
-            for plan in pick_layouts(g, None):
-                layouts = dict(zip(("a", "b", "out"), plan.layouts))
+            for plan_layouts, timed_as in same_call_layouts(g).items():
+                layouts = dict(zip(("a", "b", "out"), plan_layouts))
                 if any(len(members[k]) > 1 and layouts[k][0] != stack for k in layouts):
                     continue  # a stacked operand's members are views of one buffer, stack letter outermost
                 reads = {t: "".join(renames[t][x] for x in layouts[k] if x != stack) for k in ("a", "b") for t in members[k]}
                 writes = {t: "".join(renames[t][x] for x in layouts["out"] if x != stack) for t in members["out"]}
-                found = self.timings.lookup(g.op, g.sizes, layouts)
+                found = self.timings.lookup(g.op, g.sizes, dict(zip(("a", "b", "out"), timed_as)))
                 ms, source, knobs = self._time(found, "gemm", g.flop, self.itemsize * sum(
                     math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out)))
                 backend = (knobs or {}).get("backend", "cublas")
@@ -336,6 +338,14 @@ class CandidateBuilder:
         return result
 
     def layout_change(self, tensor: str, source: str, target: str) -> tuple[float, str]:
+        """(ms, source) of copying ``tensor`` from layout ``source`` to ``target`` (asked for once per
+        edge of the search: kept per triple)."""
+        key = (tensor, source, target)
+        if key not in self._changes:
+            self._changes[key] = self._layout_change(tensor, source, target)
+        return self._changes[key]
+
+    def _layout_change(self, tensor: str, source: str, target: str) -> tuple[float, str]:
         letters = self.graph.tensors[tensor].letters
         elements = self.graph.size(letters)
         found = self.timings.lookup(f"layout:{letters}", {x: self.graph.size(x) for x in letters},

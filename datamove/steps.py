@@ -25,6 +25,7 @@ from dataflow.executor import dropout_offsets
 from kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
 from kernels.codegen import allocate, compile_operator
 from kernels.contraction import Epilogue, contract, gemm_plan, run_cublas, run_triton
+from kernels.layout_change import permute_copy
 from kernels.gemm import GemmConfig
 from layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
                           Step)
@@ -272,12 +273,12 @@ def saved_mask_name(lse: str) -> str:
 
 
 class LayoutChangeLauncher(Launcher):
-    """A copy of a tensor into another layout (one strided copy kernel)."""
+    """A copy of a tensor into another layout (``kernels.layout_change.permute_copy``: one tiled kernel)."""
 
     def __call__(self, store: dict, run: Run) -> None:
         c = self.step.config
         copy = allocate(self.graph, c["tensor"], c["to"], self.buffers.dtype, self.buffers.device)
-        copy.copy_(store[c["tensor"]])
+        permute_copy(store[c["tensor"]], copy)
         store[copy_name(c["tensor"], c["to"])] = copy
 
 

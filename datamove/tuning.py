@@ -72,12 +72,13 @@ def first_gemm_configs(dtype, count: int) -> list:
     return (preferred + [c for c in configs if c not in preferred])[:count]
 
 
-def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1, layouts: int = 3,
+def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1, layouts: int | None = None,
          first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``) into ``db``, the most
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
     of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations
-    (``first_gemm_configs``) on its first layout, then cuBLAS on ``layouts`` more, and the fused epilogues; the attention's
+    (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
+    ``pick_layouts``; None: one per transposition pattern), and the fused epilogues; the attention's
     configurations; last, every knob setting of each fused operator's ``top`` fastest patterns.
     The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
     the selection has said which it wants.

@@ -117,11 +117,17 @@ def training_gemms(training) -> list[TrainingGemm]:
     return result
 
 
+@functools.lru_cache(maxsize=64)
+def _blas_plans(spec: str, sizes: tuple) -> tuple[GemmPlan, ...]:
+    """The BLAS plans with one batch dim at most of einsum ``spec`` at ``sizes`` ((letter, size), ...)."""
+    return tuple(p for p in enumerate_variants(parse(spec), dict(sizes)).blas_plans if p.batch_dims <= 1)
+
+
 def pick_layouts(gemm: TrainingGemm, count: int | None) -> list[GemmPlan]:
     """Spec-order layouts if they are a BLAS GEMM, then the first BLAS plan (one batch dim at most)
     of each new transposition pattern (A, B, C), in enumeration order; the first ``count``."""
     c = parse(gemm.spec)
-    plans = [p for p in enumerate_variants(c, gemm.sizes).blas_plans if p.batch_dims <= 1]
+    plans = _blas_plans(gemm.spec, tuple(sorted(gemm.sizes.items())))
     chosen = [p for p in plans if p.layouts == (c.a, c.b, c.out)]
     seen = {(p.a_transposed, p.b_transposed, p.c_transposed) for p in chosen}
     for p in plans:
@@ -130,6 +136,21 @@ def pick_layouts(gemm: TrainingGemm, count: int | None) -> list[GemmPlan]:
             chosen.append(p)
             seen.add(pattern)
     return chosen[:count]
+
+
+def blas_call(plan: GemmPlan) -> tuple:
+    """What cuBLAS (or the Triton template) is called with for ``plan``: sizes and strides.  Plans
+    with the same call differ only in which logical index a row or column stands for (e.g. the
+    rows of ``bji`` and ``jbi`` as one [b j, i] matrix), so they take the same time by construction."""
+    return plan.batch, plan.m, plan.n, plan.k, plan.a_strides, plan.b_strides, plan.c_strides
+
+
+def same_call_layouts(gemm: TrainingGemm) -> dict:
+    """{(A, B, C) layouts of every BLAS plan (one batch dim at most): the layouts of the
+    ``pick_layouts`` plan making the same ``blas_call``}, for the plans that have one."""
+    picked = {blas_call(p): p.layouts for p in pick_layouts(gemm, None)}
+    return {p.layouts: picked[blas_call(p)] for p in _blas_plans(gemm.spec, tuple(sorted(gemm.sizes.items())))
+            if blas_call(p) in picked}
 
 
 class Operands:

@@ -68,6 +68,7 @@ MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 # Modes a first stage measures an access pattern with (one pass over the data, enough programs):
 # whole rows, tiles, or a reduction along rows split over programs.
 PLAIN_MODES = ("tile", "row", "split")
+PLAIN_TILE = 4096  # ... with tiles of at most 32 fp32 values per thread at 4 warps (larger ones spill registers)
 SPLIT_PROGRAMS = 512  # programs a "split" reduction aims at (a few per multiprocessor of an H100 / H200)
 
 
@@ -368,7 +369,7 @@ def default_configuration(graph, op) -> Configuration:
     vector = next((l for l in reversed(axes) if l in letters.reduced), axes[-1]) if letters.reduced else axes[-1]
     order = "".join(l for l in axes if l != vector) + "".join(l for l in letters.letters if l not in axes) + vector
     choices = knob_choices(graph, letters, vector, order, terminal=terminal_reductions(op))
-    preferred = [k for k in choices if k["mode"] in PLAIN_MODES and k["num_warps"] == 4] or choices
+    preferred = [k for k in choices if _plain_knobs(k, k["num_warps"])] or choices
     return Configuration(layouts, preferred[len(preferred) // 2])
 
 
@@ -383,7 +384,7 @@ def access_pattern(config: Configuration) -> str:
 
 def representatives(configs: list[Configuration]) -> list[Configuration]:
     """One configuration per ``access_pattern`` of ``configs`` (first-seen order): among those
-    in ``PLAIN_MODES`` with 4 warps (else all), the middle one, as in
+    in ``PLAIN_MODES`` with 4 warps and tiles of at most ``PLAIN_TILE`` (else all), the middle one, as in
     ``default_configuration``: the first stage of a two-stage search measures these."""
     groups: dict[str, list[Configuration]] = {}
     for config in configs:
@@ -395,7 +396,11 @@ def representatives(configs: list[Configuration]) -> list[Configuration]:
     return chosen
 
 
+def _plain_knobs(knobs: dict, num_warps: int) -> bool:
+    return knobs["mode"] in PLAIN_MODES and num_warps == 4 and knobs["block_row"] * knobs["block_col"] <= PLAIN_TILE
+
+
 def _plain(config: Configuration) -> bool:
-    modes = [k["mode"] for k in (config.knobs["parts"] if "parts" in config.knobs else (config.knobs,))]
-    return all(m in PLAIN_MODES for m in modes) and config.knobs["num_warps"] == 4 \
+    parts_knobs = config.knobs["parts"] if "parts" in config.knobs else (config.knobs,)
+    return all(_plain_knobs(k, config.knobs["num_warps"]) for k in parts_knobs) \
         and config.knobs.get("dropout", "regenerate") == "regenerate"
