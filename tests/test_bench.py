@@ -14,7 +14,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from kernels.bench import CPU_DEVICE, Sweep, _Compiler, time_cuda
+from kernels.bench import CPU_DEVICE, Sweep, time_cuda
 from kernels.bench import measure_ceilings
 from kernels.device import query_device
 from kernels.tuning_db import TuningDB
@@ -37,10 +37,13 @@ def builds(log):
     return Counter(log.read_text().splitlines()) if log.exists() else Counter()
 
 
-def test_sweep_records_failed_wrong_and_good_then_resumes(tmp_path):
+@pytest.mark.parametrize("processes", [0, 2], ids=["in-process", "2 measuring processes"])
+def test_sweep_records_failed_wrong_and_good_then_resumes(tmp_path, processes):
+    if HAS_GPU and processes > torch.cuda.device_count():
+        pytest.skip("one measuring process per GPU")
     log = tmp_path / "builds.log"
     with TuningDB(tmp_path / "t.db") as db:
-        report, text = sweep(db, variants(N, DEVICE, log=log))
+        report, text = sweep(db, variants(N, DEVICE, log=log), processes=processes)
         assert report.counts == {"ok": 0, "checked": 0, "failed": 1, "wrong": 1, "skipped": 0, GOOD: 3}
         assert report.stopped is None and report.remaining == 0 and report.measured == HAS_GPU
         by_block = {r.key.knobs["BLOCK"]: r for r in db.query(op=ScaleVariant.op)}
@@ -169,36 +172,3 @@ def test_gpu_sweep_times_only_correct_variants(tmp_path):
             assert 0 < record.q20_ms <= record.median_ms <= record.q80_ms and record.n_reps >= 10
             assert record.bytes_per_s < query_device().peak_memory_bytes_per_s
         assert all(r.median_ms is None for r in db.query() if r.status != "ok")
-
-
-class _Marked:
-    """A variant whose compile task writes a file (the task runs in a spawned worker process)."""
-
-    def __init__(self, path, fail=False):
-        self.path, self.fail = path, fail
-
-    def compile_task(self):
-        return (_fail if self.fail else _touch), (str(self.path),)
-
-
-def _touch(path: str) -> None:
-    with open(path, "w") as f:
-        f.write(str(os.getpid()))
-
-
-def _fail(path: str) -> None:
-    raise RuntimeError("does not compile")
-
-
-def test_compile_workers_run_each_task_in_other_processes(tmp_path):
-    """``Sweep(compile_workers=)``'s pool: each variant's task has run in a worker by the time
-    ``wait`` returns; a failing task is left to ``build()`` (no exception here)."""
-    variants = [_Marked(tmp_path / f"v{n}") for n in range(3)] + [_Marked(tmp_path / "bad", fail=True)]
-    with _Compiler(2, variants) as compiler:
-        for v in variants:
-            compiler.wait(v)
-        compiler.wait(object())  # a variant without a task: nothing to wait for
-    pids = {int((tmp_path / f"v{n}").read_text()) for n in range(3)}
-    assert os.getpid() not in pids and not (tmp_path / "bad").exists()
-    with _Compiler(0, variants) as compiler:  # no workers: nothing runs ahead
-        assert compiler.pool is None and not compiler.futures
