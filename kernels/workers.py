@@ -1,7 +1,8 @@
 """Supervised worker processes: tasks with time limits, crashed or hung workers replaced.
 
-``Pool(name, count, setup, args)`` starts ``count`` spawned processes.  Each sets its environment
-(``env(i)``, e.g. ``CUDA_VISIBLE_DEVICES``), then runs ``setup(*args)`` once, which returns the
+``Pool(name, count, setup, args)`` starts ``count`` spawned processes.  Each starts with ``env(i)``
+in its environment (e.g. ``CUDA_VISIBLE_DEVICES``: there from its first instruction, before any
+import could initialise CUDA), then runs ``setup(*args)`` once, which returns the
 handler of its tasks (``setup`` and ``args`` travel in one pickle, made once: objects shared among
 the arguments stay shared in the worker), says it is ready, and answers the tasks the parent hands
 it one at a time with ``handler(payload)``.  The parent never blocks on a worker: ``wait(pools,
@@ -25,6 +26,7 @@ to the parent, so killing a worker at any moment leaves nothing shared broken.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -81,11 +83,10 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _serve(connection, blob: bytes, env: dict, parent: int) -> None:
+def _serve(connection, blob: bytes, parent: int) -> None:
     global _connection
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    os.environ.update(env)  # before the setup imports anything that reads it
     try:
         setup, args = pickle.loads(blob)
         handle = setup(*args)
@@ -124,12 +125,28 @@ def _ending(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+@contextlib.contextmanager
+def _environment(env: dict):
+    """``env`` in ``os.environ`` for the duration (what a process spawned meanwhile is executed with)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
 class _Worker:
     def __init__(self, pool: Pool, index: int):
         self.connection, child = _CONTEXT.Pipe()
-        self.process = _CONTEXT.Process(target=_serve, args=(child, pool.blob, pool.env(index), os.getpid()),
+        self.process = _CONTEXT.Process(target=_serve, args=(child, pool.blob, os.getpid()),
                                         name=f"{pool.name}-{index}", daemon=True)
-        self.process.start()
+        with _environment(pool.env(index)):
+            self.process.start()
         child.close()
         self.started = time.monotonic()
         self.ready = False

@@ -66,14 +66,14 @@ def measured(log) -> dict[str, list[int]]:
 
 
 def pid_server(retiring: bool):
-    """Setup of a ``kernels.workers.Pool`` whose tasks answer the worker's pid (``retiring``: each
-    worker retires after one task)."""
+    """Setup of a ``kernels.workers.Pool`` whose tasks answer the worker's pid and the environment
+    variable named by the task (``retiring``: each worker retires after one task)."""
     from kernels.workers import retire
 
-    def handle(payload):
+    def handle(variable):
         if retiring:
             retire()
-        return os.getpid()
+        return os.getpid(), os.environ.get(variable)
 
     return handle
 

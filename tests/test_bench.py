@@ -1,5 +1,7 @@
-"""Benchmark harness: sweep statuses (failed / wrong / checked or ok), resume, time budget, SIGKILL midway,
-and on a GPU the timing of a copy kernel against the measured ceilings."""
+"""Benchmark harness: sweep statuses (failed / wrong / checked or ok), in this process or in measuring
+processes, resume, time budget, SIGKILL midway, and on a GPU the timing of a copy kernel against the
+measured ceilings and the per-run limit.  (Crashing and hanging workers: tests/test_sweep_processes.py.)"""
+import dataclasses
 import io
 import os
 import signal
@@ -14,10 +16,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from kernels.bench import CPU_DEVICE, Sweep, time_cuda
+from kernels.bench import CPU_DEVICE, SLOW_FACTOR, Sweep, time_cuda
 from kernels.bench import measure_ceilings
 from kernels.device import query_device
-from kernels.tuning_db import TuningDB
+from kernels.tuning_db import Record, TuningDB
 from scale_variants import ScaleVariant, variants
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,3 +174,19 @@ def test_gpu_sweep_times_only_correct_variants(tmp_path):
             assert 0 < record.q20_ms <= record.median_ms <= record.q80_ms and record.n_reps >= 10
             assert record.bytes_per_s < query_device().peak_memory_bytes_per_s
         assert all(r.median_ms is None for r in db.query() if r.status != "ok")
+
+
+@pytest.mark.gpu
+def test_a_run_far_slower_than_the_operators_best_is_abandoned(tmp_path):
+    """A variant whose one run takes over ``SLOW_FACTOR`` x its operator's best 'ok' time is recorded
+    failed with both times, and never timed in full."""
+    variant = ScaleVariant((1 << 26) + 1, 1024, device="cuda")
+    with TuningDB(tmp_path / "t.db") as db:
+        key = Sweep(db, [], progress=False).key(variant)
+        db.put(Record(dataclasses.replace(key, knobs={"BLOCK": 1, "grid": "cdiv"}), "ok", median_ms=1e-4, q20_ms=1e-4,
+                      q80_ms=1e-4))
+        report, _ = sweep(db, [variant])
+        record = db.lookup(key)
+    assert report.counts["failed"] == 1 and record.status == "failed"
+    assert record.detail.startswith("time: RunTooLong: ") and record.detail.endswith(
+        f"ms per run, > {SLOW_FACTOR:g}x the operator's best 0.0001 ms")

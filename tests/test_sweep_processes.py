@@ -48,11 +48,11 @@ def alive(pid: int) -> bool:
 
 
 def test_pool_replaces_retired_workers_and_gives_up_on_broken_starts():
-    pool = Pool("test", 1, pid_server, (True,))
-    pids = []
+    pool = Pool("test", 1, pid_server, (True,), env=lambda index: {"DATAMOVE_WORKER": f"worker {index}"})
+    answers = []
     try:
         for task in range(3):
-            while not pool.submit(task, None):
+            while not pool.submit(task, "DATAMOVE_WORKER"):
                 wait([pool], 0.5)
                 pool.collect()
             events = []
@@ -60,10 +60,12 @@ def test_pool_replaces_retired_workers_and_gives_up_on_broken_starts():
                 wait([pool], 0.5)
                 events = pool.collect()
             assert [(e.task, e.kind) for e in events] == [(task, "done")]
-            pids.append(events[0].value)
+            answers.append(events[0].value)
     finally:
         pool.close()
-    assert len(set(pids)) == 3 and os.getpid() not in pids  # a fresh worker after each retirement
+    pids = {pid for pid, _ in answers}
+    assert len(pids) == 3 and os.getpid() not in pids  # a fresh worker after each retirement
+    assert {value for _, value in answers} == {"worker 0"} and "DATAMOVE_WORKER" not in os.environ
     pool = Pool("test", 1, broken_setup)
     try:
         with pytest.raises(WorkerStartError, match="setup cannot start"):
