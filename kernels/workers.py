@@ -174,18 +174,16 @@ class Pool:
         self.failed_starts = 0
         self.workers = [_Worker(self, i) for i in range(count)]
 
-    def submit(self, task, payload, timeout_s: float | None = None) -> bool:
-        """Hand ``(task, payload)`` to an idle ready worker; False if none is free."""
-        for worker in self.workers:
-            if worker.ready and worker.task is None:
-                worker.connection.send((task, payload))
-                worker.task, worker.note = (task, time.monotonic(), timeout_s), None
-                return True
-        return False
+    def idle(self) -> bool:
+        """Whether a ready worker is free for a task."""
+        return any(w.ready and w.task is None for w in self.workers)
 
-    def busy(self) -> int:
-        """Tasks handed out and not yet ended."""
-        return sum(w.task is not None for w in self.workers)
+    def submit(self, task, payload, timeout_s: float | None = None) -> None:
+        """Hand ``(task, payload)`` to a free ready worker (``idle()`` must be True); the task ends
+        as an ``Event`` of ``collect()``, at the latest ``timeout_s`` seconds from now."""
+        worker = next(w for w in self.workers if w.ready and w.task is None)
+        worker.connection.send((task, payload))
+        worker.task, worker.note = (task, time.monotonic(), timeout_s), None
 
     def waitables(self) -> list:
         return [x for w in self.workers for x in (w.connection, w.process.sentinel)]

@@ -52,9 +52,10 @@ def test_pool_replaces_retired_workers_and_gives_up_on_broken_starts():
     answers = []
     try:
         for task in range(3):
-            while not pool.submit(task, "DATAMOVE_WORKER"):
+            while not pool.idle():
                 wait([pool], 0.5)
                 pool.collect()
+            pool.submit(task, "DATAMOVE_WORKER")
             events = []
             while not events:
                 wait([pool], 0.5)
