@@ -3,14 +3,11 @@ processes, resume, time budget, SIGKILL midway, and on a GPU the timing of a cop
 measured ceilings and the per-run limit.  (Crashing and hanging workers: tests/test_sweep_processes.py.)"""
 import dataclasses
 import io
-import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +17,9 @@ from kernels.bench import CPU_DEVICE, SLOW_FACTOR, Sweep, time_cuda
 from kernels.bench import measure_ceilings
 from kernels.device import query_device
 from kernels.tuning_db import Record, TuningDB
+import sweep_script
 from scale_variants import ScaleVariant, variants
 
-REPO = Path(__file__).resolve().parents[1]
 HAS_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_GPU else "cpu"
 GOOD = "ok" if HAS_GPU else "checked"  # without a GPU, correct variants are checked, never timed
@@ -94,17 +91,9 @@ SWEEP = textwrap.dedent("""
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "Ctrl-C"])
 def test_stopped_sweep_resumes_without_redoing_finished_variants(tmp_path, sig):
     path, log = tmp_path / "t.db", tmp_path / "builds.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    proc = subprocess.Popen([sys.executable, "-c", SWEEP, str(path), str(log), str(N)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    proc = sweep_script.start(SWEEP, path, log, N, stderr=subprocess.PIPE, text=True)
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if path.exists():
-                with TuningDB(path) as db:
-                    if len(db.query()) >= 2:
-                        break
-            time.sleep(0.05)
+        sweep_script.wait_for_records(proc, path, 2)
     finally:
         proc.send_signal(sig)
         stderr = proc.communicate(timeout=60)[1]

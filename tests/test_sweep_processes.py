@@ -9,9 +9,7 @@ import io
 import os
 import pickle
 import random
-import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -20,12 +18,12 @@ import pytest
 import torch
 from rich.console import Console
 
+import sweep_script
 from fake_variants import FakeVariant, broken_setup, measured, pid_server
 from kernels.bench import Sweep
 from kernels.tuning_db import TuningDB
 from kernels.workers import Pool, WorkerStartError, wait
 
-REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 3  # compile and variant time limits in these tests
 
 
@@ -145,16 +143,9 @@ def test_sweep_killed_at_a_random_moment_loses_nothing_and_repeats_nothing(tmp_p
     rng = random.Random(seed)
     records_before_kill, extra_s = rng.randint(1, 8), rng.uniform(0.0, 0.3)
     path, log = tmp_path / "t.db", tmp_path / "builds.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    proc = subprocess.Popen([sys.executable, "-c", SWEEP, str(path), str(log)], env=env, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
+    proc = sweep_script.start(SWEEP, path, log, stderr=subprocess.PIPE)
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if path.exists():
-                with TuningDB(path) as db:
-                    if len(db.query()) >= records_before_kill:
-                        break
-            time.sleep(0.02)
+        sweep_script.wait_for_records(proc, path, records_before_kill, timeout_s=60)
         time.sleep(extra_s)
     finally:
         proc.kill()
