@@ -462,12 +462,11 @@ class Sweep:
                 if self.budget_s is not None and time.monotonic() - started > self.budget_s:
                     return f"time budget of {self.budget_s:g} s used"
                 while to_compile and compiler.idle():
-                    n = to_compile.popleft()
-                    compiler.submit(n, tasks[n], self.compile_timeout_s)
+                    if compiler.submit(to_compile[0], tasks[to_compile[0]], self.compile_timeout_s):
+                        to_compile.popleft()
                 while ready and measurers is not None and measurers.idle():
-                    n = heapq.heappop(ready)
-                    measurers.submit(n, (n, self._run_limit(pending[n][0])), self.variant_timeout_s)
-                    show(pending[n][1])
+                    if measurers.submit(ready[0], (ready[0], self._run_limit(pending[ready[0]][0])), self.variant_timeout_s):
+                        show(pending[heapq.heappop(ready)][1])
                 if ready and measurers is None:
                     key, variant = pending[heapq.heappop(ready)]
                     show(variant)

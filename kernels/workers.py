@@ -100,8 +100,6 @@ def _serve(connection, blob: bytes, parent: int) -> None:
             message = connection.recv()
         except EOFError:  # the parent has gone
             return
-        if message is None:
-            return
         task, payload = message
         try:
             value = handle(payload)
@@ -150,6 +148,7 @@ class _Worker:
         child.close()
         self.started = time.monotonic()
         self.ready = False
+        self.lost = False  # found dead when handed a task: replaced at the next ``collect``
         self.unready_reason: str | None = None
         self.task = None  # (id, handed out at, time limit or None)
         self.note: str | None = None
@@ -176,14 +175,24 @@ class Pool:
 
     def idle(self) -> bool:
         """Whether a ready worker is free for a task."""
-        return any(w.ready and w.task is None for w in self.workers)
+        return any(self._free(w) for w in self.workers)
 
-    def submit(self, task, payload, timeout_s: float | None = None) -> None:
+    @staticmethod
+    def _free(worker: _Worker) -> bool:
+        return worker.ready and not worker.lost and worker.task is None
+
+    def submit(self, task, payload, timeout_s: float | None = None) -> bool:
         """Hand ``(task, payload)`` to a free ready worker (``idle()`` must be True); the task ends
-        as an ``Event`` of ``collect()``, at the latest ``timeout_s`` seconds from now."""
-        worker = next(w for w in self.workers if w.ready and w.task is None)
-        worker.connection.send((task, payload))
+        as an ``Event`` of ``collect()``, at the latest ``timeout_s`` seconds from now.  False: that
+        worker had died meanwhile (nothing handed out; it is replaced at the next ``collect``)."""
+        worker = next(w for w in self.workers if self._free(w))
+        try:
+            worker.connection.send((task, payload))
+        except OSError:
+            worker.lost = True
+            return False
         worker.task, worker.note = (task, time.monotonic(), timeout_s), None
+        return True
 
     def waitables(self) -> list:
         return [x for w in self.workers for x in (w.connection, w.process.sentinel)]
@@ -216,10 +225,12 @@ class Pool:
                 else:
                     kind, task, value, retiring = message
                     event = self._ended(worker, kind, value)
-        except (EOFError, OSError, pickle.UnpicklingError):
-            pass  # the worker has gone (or went while writing): its process says how, below
+        except Exception:  # noqa: BLE001 - the worker has gone (or went while writing): its process says how, below
+            pass
         if event is not None:
             return event, retiring
+        if worker.lost:
+            return None, True
         now = time.monotonic()
         if not worker.process.is_alive():
             worker.process.join()
