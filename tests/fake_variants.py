@@ -1,8 +1,8 @@
 """Variants without a kernel, for the sweep's process machinery: each stage does what it is told.
 
 ``FakeVariant(name, log, compile=..., build=..., check=...)``: ``compile`` is what its compile task
-does in a compile worker ("ok", "abort": ``os.abort()``, "hang": sleeps forever, "raise"; None: no
-task); ``build`` what ``build()`` does (the same, or "pause": sleeps ``PAUSE_S``); ``check`` "ok" or
+does in a compile worker ("ok", "abort": ``os.abort()``, "hang": sleeps forever, "raise",
+"memory": raises MemoryError; None: no task); ``build`` what ``build()`` does (the same, or "pause": sleeps ``PAUSE_S``); ``check`` "ok" or
 "wrong".  Every ``build()`` first appends "<name> <pid>" to ``log``, so tests count measurements
 and see which process made them.  Picklable: tests measure them in measuring processes.
 """
@@ -20,6 +20,8 @@ def act(what: str, name: str) -> None:
         time.sleep(1e9)
     elif what == "raise":
         raise RuntimeError(f"{name}: planted failure")
+    elif what == "memory":
+        raise MemoryError(f"{name}: planted")
     elif what == "pause":
         time.sleep(PAUSE_S)
 

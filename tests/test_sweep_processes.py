@@ -80,14 +80,15 @@ def test_compile_failures_are_recorded_with_reasons_and_never_built(tmp_path):
     log = tmp_path / "builds.log"
     variants = [FakeVariant("a", log, compile="ok"), FakeVariant("abort", log, compile="abort"),
                 FakeVariant("hang", log, compile="hang"), FakeVariant("raise", log, compile="raise"),
-                FakeVariant("b", log, compile="ok"), FakeVariant("c", log)]
+                FakeVariant("memory", log, compile="memory"), FakeVariant("b", log, compile="ok"), FakeVariant("c", log)]
     with TuningDB(tmp_path / "t.db") as db:
         report, seconds = sweep(db, variants, compile_workers=2, compile_timeout_s=LIMIT_S)
-        assert report.stopped is None and report.counts["checked"] == 3 and report.counts["failed"] == 3
+        assert report.stopped is None and report.counts["checked"] == 3 and report.counts["failed"] == 4
         got = details(db)
     assert got["abort"] == ("failed", "compile: worker died (SIGABRT)")
     assert got["hang"] == ("failed", f"compile: timed out after {LIMIT_S} s")
     assert got["raise"] == ("failed", "compile: RuntimeError: raise: planted failure")
+    assert got["memory"] == ("failed", "compile: MemoryError: memory: planted")  # and its worker replaced
     assert {name: status for name, (status, _) in got.items() if status == "checked"} == dict.fromkeys("abc", "checked")
     assert {name: len(pids) for name, pids in measured(log).items()} == dict.fromkeys("abc", 1)
     assert seconds < 30
