@@ -1,7 +1,8 @@
 """Fused attention vs PyTorch SDPA vs the unfused eager chain: forward + backward, bf16, dropout 0.1.
 
     PYTHONPATH=$PWD python3 benchmarks/attention.py [--db tuning.db] [--budget-s 600] [--dropout 0.1]
-        [--setups B=8,H=16,L=512,P=64 B=8,H=8,L=512,P=128] [--limit-configs N] [--out benchmarks/results] [--no-progress]
+        [--setups B=8,H=16,L=512,P=64 B=8,H=8,L=512,P=128] [--limit-configs N] [--gpus N] [--retry-failed]
+        [--out benchmarks/results] [--no-progress]
 
 Q/K/V/dO stored as BERT holds them, ``[B, L, H*P]`` = (b, j, h, p), passed as logical (b, h, j, p)
 views.  Every implementation is a ``kernels.attention_variants`` variant that goes through
@@ -82,8 +83,8 @@ def parse_setup(text: str) -> dict:
 class Bench:
     """The sweeps of one run over one DB, with a shared time budget."""
 
-    def __init__(self, db: TuningDB, budget_s: float | None, progress: bool):
-        self.db, self.budget_s, self.progress = db, budget_s, progress
+    def __init__(self, db: TuningDB, budget_s: float | None, progress: bool, **sweep):
+        self.db, self.budget_s, self.progress, self.options = db, budget_s, progress, sweep
         self.started = time.monotonic()
         self.counts, self.stopped = {}, None
         self.sweep = Sweep(db, [], progress=False)  # keys and rankings
@@ -91,7 +92,7 @@ class Bench:
     def run(self, variants, cuda_graph: bool):
         budget = None if self.budget_s is None else max(0.0, self.budget_s - (time.monotonic() - self.started))
         report = Sweep(self.db, variants, budget_s=budget, cuda_graph=cuda_graph, progress=self.progress,
-                       compile_workers=COMPILE_WORKERS).run()
+                       **self.options).run()
         for status, n in report.counts.items():
             self.counts[status] = self.counts.get(status, 0) + n
         self.stopped = self.stopped or report.stopped
@@ -262,6 +263,8 @@ def main() -> int:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--setups", nargs="+", help=f"e.g. {' '.join(GPU_SETUPS)} (the default on a GPU; {CPU_SETUPS[0]} without)")
     parser.add_argument("--limit-configs", type=int, default=None, help="the first N forward and N backward configurations")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs measured on, one process each (default: all)")
+    parser.add_argument("--retry-failed", action="store_true", help="measure again the variants recorded as failed")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
@@ -271,7 +274,8 @@ def main() -> int:
     dtype = torch.bfloat16 if gpu else torch.float32  # the interpreter's bf16 dots and casts are wrong
     setups = [parse_setup(s) for s in (args.setups or (GPU_SETUPS if gpu else CPU_SETUPS))]
     db = TuningDB(args.db)
-    bench = Bench(db, args.budget_s, not args.no_progress)
+    bench = Bench(db, args.budget_s, not args.no_progress, compile_workers=COMPILE_WORKERS if gpu else 0,
+                  processes=args.gpus, retry_failed=args.retry_failed)
     roles = [bench_setup(bench, s, args.dropout, dtype, device, args.limit_configs) for s in setups]
     summary = ", ".join(f"{n} {s}" for s, n in bench.counts.items())
     if bench.stopped:

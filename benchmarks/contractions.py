@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/contractions.py [--spec bert] [--db tuning.db] [--budget-s 330]
         [--dims B=8,L=512] [--layouts 3] [--limit-configs N] [--other-configs 3] [--limit-gemms N]
-        [--out benchmarks/results] [--no-progress]
+        [--gpus N] [--retry-failed] [--out benchmarks/results] [--no-progress]
 
 The GEMMs come from the stored fused training graph (``dataflow.snapshot``; stacked Q/K/V and
 their dX/dW as one einsum each; ``kernels.contraction_variants.training_gemms``).  Everything
@@ -241,6 +241,8 @@ def main() -> int:
     parser.add_argument("--limit-configs", type=int, default=None, help="the first N Triton configs on a GEMM's first layout")
     parser.add_argument("--other-configs", type=int, default=3, help="configs tried on the other layouts (fastest on the first)")
     parser.add_argument("--limit-gemms", type=int, default=None, help="the first N GEMMs of the training graph")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs measured on, one process each (default: all)")
+    parser.add_argument("--retry-failed", action="store_true", help="measure again the variants recorded as failed")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
@@ -256,7 +258,8 @@ def main() -> int:
         return None if args.budget_s is None else max(0.0, args.budget_s - (time.monotonic() - started))
 
     def sweep(variants):
-        return Sweep(db, variants, budget_s=remaining(), warmup_ms=WARMUP_MS, rep_ms=REP_MS, progress=not args.no_progress)
+        return Sweep(db, variants, budget_s=remaining(), warmup_ms=WARMUP_MS, rep_ms=REP_MS, progress=not args.no_progress,
+                     processes=args.gpus, retry_failed=args.retry_failed)
 
     first = {g.name: gemm_variants(g, device, layouts=1, first_configs=configs) for g in gemms}
     phase1 = sweep([v for vs in first.values() for v in vs])

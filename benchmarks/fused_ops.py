@@ -2,14 +2,15 @@
 
     PYTHONPATH=$PWD python3 benchmarks/fused_ops.py [--spec bert gpt2] [--budget-s 840] [--db tuning.db]
         [--dims B=8,L=512] [--exhaustive] [--search two-stage|all] [--top 3] [--compile-workers 15]
-        [--limit-ops N] [--limit-configs N] [--out benchmarks/results]
+        [--limit-ops N] [--limit-configs N] [--gpus N] [--retry-failed] [--out benchmarks/results]
 
 No DaCe needed: graphs come from the stored snapshots (``dataflow.snapshot``: fused training
 graphs and closed forms).  For each fused operator of each spec: PyTorch
 eager's sequence of the unfused operators it replaces (``kernels.eager``) and the configurations
 of its layout space (``layouts.space.configurations``, pruned unless ``--exhaustive``) go through
 ``kernels.bench.Sweep`` (``kernels.sweep_variants``): compiled ahead in ``--compile-workers``
-processes, built, checked against a float64 evaluation on the device, timed (CUDA events, L2
+processes, built, checked (one measuring process per GPU, ``--gpus``; a variant that crashes or
+hangs is recorded failed with the reason and not tried again unless ``--retry-failed``) against a float64 evaluation on the device, timed (CUDA events, L2
 flushed, medians), each record committed to the tuning DB
 as it is made, so a killed or out-of-budget run resumes where it stopped and a repeated run only
 reads the DB.  Search: ``two-stage`` measures every access pattern (each tensor's layout, the
@@ -144,6 +145,8 @@ def main() -> int:
                         help="processes compiling kernels ahead of the timing (GPU only; 0: compile in line)")
     parser.add_argument("--warmup-ms", type=float, default=5.0, help="untimed repetitions per variant, ms")
     parser.add_argument("--rep-ms", type=float, default=25.0, help="timed repetitions per variant, ms")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs measured on, one process each (default: all)")
+    parser.add_argument("--retry-failed", action="store_true", help="measure again the variants recorded as failed")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
@@ -174,7 +177,8 @@ def main() -> int:
     def sweep(variants):
         budget = None if args.budget_s is None else max(0.0, args.budget_s - (time.monotonic() - started))
         stages.append(Sweep(db, variants, budget_s=budget, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                            progress=not args.no_progress, compile_workers=args.compile_workers).run())
+                            progress=not args.no_progress, compile_workers=args.compile_workers if gpu else 0,
+                            processes=args.gpus, retry_failed=args.retry_failed).run())
         return stages[-1]
 
     if args.search == "all":

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget-s", type=float, default=600.0,
                         help="tuning time limit in seconds (GPU only; a rerun resumes from the tuning database)")
     parser.add_argument("--db", type=Path, help="tuning database (default: ~/.cache/datamove/tuning.db)")
+    parser.add_argument("--gpus", type=int, help="GPUs to tune on, one measuring process each (default: all GPUs "
+                                                 "of the model of GPU 0)")
+    parser.add_argument("--retry-failed", action="store_true",
+                        help="measure again the variants the tuning database records as failed (crashed, hung, "
+                             "too slow, did not compile) instead of skipping them")
     parser.add_argument("--cost-model-device", default="H100",
                         help="device whose figures the cost model uses where nothing is measured (default: H100)")
     parser.add_argument("--analyze", action="store_true",
@@ -74,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
         options = JobOptions(spec=Path(args.spec), dims=_dims(args.dims),
                              options=parse_assignments(args.options or "", "--set"), dtype=DTYPES[args.dtype],
-                             out=args.out, budget_s=args.budget_s, db=args.db, cost_model_device=args.cost_model_device)
+                             out=args.out, budget_s=args.budget_s, db=args.db, cost_model_device=args.cost_model_device,
+                             gpus=args.gpus, retry_failed=args.retry_failed)
         return run_job(options)
     except SpecError as err:
         print(f"optimize-layer: error: {err}", file=sys.stderr)

@@ -33,6 +33,8 @@ class JobOptions:
     budget_s: float = 600.0
     db: Path | None = None
     cost_model_device: str = "H100"
+    gpus: int | None = None  # measuring processes, one per GPU (None: all)
+    retry_failed: bool = False
 
 
 class Stages:
@@ -129,7 +131,8 @@ def run_job(o: JobOptions) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = TuningDB(path)
         ceilings = measure_ceilings(db)
-        tuner = Tuner(db, budget_s=o.budget_s)
+        tuner = Tuner(db, budget_s=o.budget_s, gpus=o.gpus, retry_failed=o.retry_failed)
+        print(f"measuring on {tuner.gpus} GPU(s), one process each", flush=True)
         tuning = tune(tuner, fused, spec_name, dtype=getattr(torch, o.dtype), attention=attention_setups(fused, o.dtype))
         timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
     else:

@@ -1,7 +1,8 @@
 """The main job's tuning: every kernel family of a fused training graph through the tuning database.
 
 Sweeps (``kernels.bench.Sweep``: compiled ahead, checked against float64, timed with device
-events, each record committed as it is made, so a second run only reads the database), sharing one
+events, on every GPU of the host; each record committed as it is made, so a second run only reads
+the database; a variant that crashes or hangs is recorded failed and the sweep goes on), sharing one
 time budget (``tune``'s doc gives the order): the fused element-wise / normalization operators
 (``kernels.sweep_variants``, two-stage, each with its PyTorch eager sequence, the report's
 baseline), the contractions and fused epilogues (``kernels.contraction_variants``), the fused
@@ -45,13 +46,18 @@ class TuningReport:
 
 
 class Tuner:
-    """The sweeps of one job over one database and one budget."""
+    """The sweeps of one job over one database and one budget.  ``gpus``: measuring processes, one
+    per GPU (None: every GPU of the model of GPU 0); ``retry_failed``: measure again the variants
+    recorded 'failed' (e.g. timed out on a loaded machine) instead of skipping them."""
 
-    def __init__(self, db, *, budget_s: float | None, progress: bool = True, compile_workers: int = 8):
+    def __init__(self, db, *, budget_s: float | None, progress: bool = True, compile_workers: int = 8,
+                 gpus: int | None = None, retry_failed: bool = False):
         self.db, self.budget_s, self.progress, self.compile_workers = db, budget_s, progress, compile_workers
+        self.retry_failed = retry_failed
         self.started = time.monotonic()
         self.report = TuningReport()
-        self.ranker = Sweep(db, [], progress=False)
+        self.ranker = Sweep(db, [], progress=False, processes=gpus)
+        self.gpus = self.ranker.processes
 
     def left(self) -> float | None:
         return None if self.budget_s is None else max(0.0, self.budget_s - (time.monotonic() - self.started))
@@ -60,7 +66,8 @@ class Tuner:
         if self.report.stopped:
             return
         self.report.add(Sweep(self.db, variants, budget_s=self.left(), progress=self.progress,
-                              compile_workers=self.compile_workers, **timing).run())
+                              compile_workers=self.compile_workers, processes=self.gpus,
+                              retry_failed=self.retry_failed, **timing).run())
         self.report.wall_s = time.monotonic() - self.started
 
 

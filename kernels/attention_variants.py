@@ -112,6 +112,10 @@ class Workspace:
     def __init__(self, case: AttentionCase, device, seed: int = 0):
         self.case, self.device, self.seed = case, torch.device(device), seed
 
+    def __getstate__(self) -> dict:
+        """Pickled (for a measuring process) without the tensors it computed: rebuilt there on first use."""
+        return {name: value for name, value in self.__dict__.items() if name not in ("exact", "keep")}
+
     @functools.cached_property
     def exact(self) -> dict:
         """Float64 q, k, v, do (b, h, j|k, p), rounded through ``dtype`` so every implementation reads the same values."""

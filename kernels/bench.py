@@ -3,19 +3,26 @@
 ``time_cuda`` times a callable on the GPU.  ``Sweep`` takes a list of ``Variant``s and, for each
 one not yet in the tuning DB, builds it, checks it against its reference and times it, recording
 'failed' / 'wrong' / 'ok' as it goes (each record committed on its own, so a sweep that is killed,
-interrupted or out of time resumes where it stopped).  Without a GPU nothing is timed: variants are
-built and checked through the Triton interpreter and recorded as 'checked', with no time.
+interrupted or out of time resumes where it stopped).  Compiling ahead and measuring run in
+supervised worker processes (``kernels.workers``): a compile or a variant that crashes, hangs or
+runs too long is recorded 'failed' with the reason and the sweep goes on; measuring uses every
+GPU of the host.  Without a GPU nothing is timed: variants are built and checked through the
+Triton interpreter and recorded as 'checked', with no time.
 """
 from __future__ import annotations
 
+import collections
 import functools
+import heapq
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
-from kernels.device import DeviceFacts, NoDevice, query_device, versions
+from kernels.device import DeviceFacts, NoDevice, device_count, query_device, versions
 from kernels.tuning_db import Ceilings, Key, Record, TuningDB
+from kernels.workers import Event, Pool, WorkerStartError, note, retire, wait
 
 # Calls whose GPU time is under this are replayed from a CUDA graph when ``cuda_graph=None``: the
 # host's launch work (several microseconds per Triton launch, more for a callable that launches
@@ -29,6 +36,8 @@ GRAPH_MIN_REPLAY_MS = 0.5
 FLUSH_L2_FACTOR = 4  # the flush writes a buffer of 4x the L2 size between repetitions
 MIN_REPS, MAX_REPS = 10, 10_000
 REASON_CHARS = 4000  # failure reasons (Triton compile errors can be long) are kept up to this length
+TICK_S = 0.5  # a sweep looks at its budget, its workers and their deadlines at least this often
+SLOW_FACTOR = 20.0  # a run this many times slower than its operator's best so far is abandoned
 
 CPU_DEVICE = "cpu (triton interpreter)"  # the device column of records made without a GPU
 
@@ -57,7 +66,7 @@ def _flush_buffer(index: int, nbytes: int):
 
 
 def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0, flush_l2: bool = True,
-              cuda_graph: bool | None = None) -> Timing:
+              cuda_graph: bool | None = None, limit: RunLimit | None = None) -> Timing:
     """Time ``fn`` (which launches work on the current CUDA stream) with device events.
 
     ``fn`` runs once (compilation, loading), then for about ``warmup_ms`` untimed, then for about
@@ -66,8 +75,9 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
     that no repetition finds its inputs in L2.  ``cuda_graph``: True captures ``fn`` in a CUDA graph
     and times its replays; None does so when one call takes under ``GRAPH_BELOW_MS`` (falling back
     to plain launches if ``fn`` cannot be captured).  Without a flush, a replay holds as many calls
-    as last ``GRAPH_MIN_REPLAY_MS`` and the time is divided among them.  Raises RuntimeError with
-    no GPU: an interpreter's time is not a GPU time.
+    as last ``GRAPH_MIN_REPLAY_MS`` and the time is divided among them.  ``limit``: the call after
+    the first taking longer raises ``RunTooLong`` before anything else is run.  Raises RuntimeError
+    with no GPU: an interpreter's time is not a GPU time.
     """
     import torch
 
@@ -96,6 +106,10 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
 
     fn()
     torch.cuda.synchronize()
+    if limit is not None:
+        once_ms = elapsed_ms(fn, 1)
+        if once_ms > limit.ms:
+            raise RunTooLong(f"{once_ms:.3g} ms per run, > {limit.why}")
     call_ms = elapsed_ms(fn, 5)
     use_graph = call_ms < GRAPH_BELOW_MS if cuda_graph is None else cuda_graph
     calls_per_rep = 1
@@ -156,7 +170,9 @@ class Variant(Protocol):
     Key fields (the tuning-DB key, with the device and software versions): ``op`` (operator
     signature), ``dims`` (dim letter -> size), ``dtype``, ``layout`` (JSON value), ``knobs`` (JSON
     dict of tuning parameters).  ``bytes`` / ``flop``: what one ``run()`` must move / compute (None
-    if not counted); stored with the time so that achieved rates can be read off the DB.
+    if not counted); stored with the time so that achieved rates can be read off the DB.  A variant
+    measured in a measuring process (``Sweep(processes=)``) gets there pickled, before ``build()``:
+    it creates its device state on first use.
     """
 
     op: str
@@ -176,9 +192,101 @@ class Variant(Protocol):
     def check(self):
         """Run and compare against the reference; return a verdict with ``.passed`` (``kernels.accuracy.Closeness``)."""
 
-    # Optional: ``compile_task() -> (function, args)``, picklable, whose call in a fresh process on
-    # the same GPU model compiles what ``build()`` needs into the on-disk caches (Triton's); see
-    # ``Sweep(compile_workers=)``.
+    # Optional: ``compile_task() -> (function, args)`` or None, picklable, whose call in a fresh
+    # process (on a GPU: of the same model) compiles what ``build()`` needs into the on-disk caches
+    # (Triton's); see ``Sweep(compile_workers=)``.
+
+
+@dataclass(frozen=True)
+class RunLimit:
+    """How long one run of a variant may take before ``time_cuda`` abandons it (``RunTooLong``)."""
+
+    ms: float
+    why: str  # what the bound is, e.g. "20x the operator's best 0.034 ms"
+
+
+class RunTooLong(RuntimeError):
+    """One run of the timed callable took longer than its ``RunLimit``."""
+
+
+def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = None) -> tuple[str, dict]:
+    """Build, check and (``measured``) time ``variant``: (status, the other fields of its ``Record``).
+
+    ``build()`` or ``check()`` raising: 'failed' with the stage and the exception as the reason; a
+    verdict that did not pass: 'wrong' (never timed); then ``time_cuda(variant.run, limit=limit,
+    **timing)``: 'ok' with the times, or 'failed' (e.g. ``RunTooLong``).  Not ``measured`` (the
+    Triton interpreter): 'checked' instead of timing.  Each stage is announced with
+    ``kernels.workers.note`` (what a measuring process that dies or hangs is reported at)."""
+    fields = {"bytes": getattr(variant, "bytes", None), "flop": getattr(variant, "flop", None)}
+
+    def failed(stage: str, exc: Exception) -> tuple[str, dict]:
+        return "failed", {**fields, "detail": f"{stage}: {type(exc).__name__}: {exc}"[:REASON_CHARS]}
+
+    note("build")
+    try:
+        variant.build()
+    except Exception as exc:  # compile errors, out of resources / shared memory, Triton errors, OOM
+        return failed("build", exc)
+    note("check")
+    try:
+        verdict = variant.check()
+    except Exception as exc:
+        return failed("check", exc)
+    fields.update(rel_error=getattr(verdict, "error", None), baseline_error=getattr(verdict, "baseline_error", None),
+                  detail=str(verdict))
+    if not verdict.passed:
+        return "wrong", fields
+    if not measured:
+        return "checked", fields
+    note("time")
+    try:
+        times = time_cuda(variant.run, limit=limit, **timing)
+    except Exception as exc:
+        return failed("time", exc)
+    return "ok", {**fields, "median_ms": times.median_ms, "q20_ms": times.q20_ms, "q80_ms": times.q80_ms,
+                  "n_reps": times.n, "cuda_graph": times.cuda_graph}
+
+
+def _measuring(variants: list, measured: bool, timing: dict):
+    """Setup of a measuring process (``kernels.workers.Pool``): the handler of tasks ``(index, limit)``,
+    which measures ``variants[index]`` (``measure``) and lets it go.  A failure that left the CUDA
+    context unusable retires the process (a fresh one takes its place)."""
+
+    def handle(task: tuple) -> tuple[str, dict]:
+        index, limit = task
+        variant, variants[index] = variants[index], None
+        status, fields = measure(variant, measured=measured, timing=timing, limit=limit)
+        if status == "failed" and not _cuda_context_alive(measured):
+            retire()
+        return status, fields
+
+    return handle
+
+
+def _compiling():
+    """Setup of a compile worker: its tasks are variants' ``compile_task()``, (function, args)."""
+    return lambda task: task[0](*task[1])
+
+
+def _compile_failure(event: Event) -> str:
+    return "compile: " + (f"worker {event.value}" if event.kind == "died" else event.value)
+
+
+def _measure_failure(event: Event) -> str:
+    stage = event.note or "measure"
+    if event.kind == "died":
+        return f"{stage}: measuring process {event.value}"
+    if event.kind == "timeout":
+        return f"{stage}: {event.value} (measuring process replaced)"
+    return f"{stage}: {event.value}"
+
+
+def _gpu_ids(name: str) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` value selecting each visible GPU named ``name``."""
+    count = device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in visible.split(",")][:count] if visible else [str(i) for i in range(count)]
+    return [ids[i] for i in range(count) if getattr(query_device(i), "name", None) == name]
 
 
 @dataclass
@@ -204,23 +312,41 @@ class SweepReport:
 class Sweep:
     """Build, check and time ``variants`` into ``db``, skipping those already recorded.
 
-    ``compile_workers`` > 0 (GPU only): variants with a ``compile_task`` are compiled ahead in that
-    many worker processes (spawned: each compiles into Triton's on-disk cache, in the sweep's order),
-    while the main process builds, checks and times the variants whose compilation has finished;
-    ``build()`` then only loads binaries.  A task that fails is not recorded by the worker: ``build()``
-    meets the same error and records it.
+    Each variant not in the DB (``retry_failed``: or recorded 'failed'; of several with one key,
+    the first) is measured once (``measure``: 'ok', or 'checked' without a GPU, 'wrong', 'failed'
+    with the reason) and its record committed on its own, so a sweep killed at any moment loses no
+    finished record and, rerun, measures none again.  Guarantees:
 
-    For each variant not in the DB: ``build()`` -- any exception records 'failed' with the reason;
-    ``check()`` -- an exception records 'failed', a verdict that did not pass records 'wrong' (never
-    timed); then ``time_cuda(run)`` records 'ok' (or 'failed' if timing raised).  Without a GPU
-    (Triton interpreter) the last step is replaced by recording 'checked', with no time.  Stops
-    cleanly once ``budget_s`` seconds have passed or when the CUDA context is lost (rerun to go on);
-    on Ctrl-C, finished records stay in the DB and the interrupt is re-raised.
+    - Compiling: with ``compile_workers`` > 0, the variants' ``compile_task``s run ahead, in list
+      order, in that many worker processes (``kernels.workers``; spawned; on a GPU spread over the
+      GPUs measured on).  A task that raises, runs over ``compile_timeout_s`` or kills its worker
+      (abort, segfault, out of memory) records the variant 'failed' ("compile: RuntimeError: ...",
+      "compile: timed out after 120 s", "compile: worker died (SIGABRT)"); such a variant is never
+      built, and the worker is replaced.  A variant is measured once its task has succeeded.
+    - Measuring: ``processes`` measuring processes (default: one per GPU of the model of GPU 0,
+      each seeing only its own through ``CUDA_VISIBLE_DEVICES``; without a GPU, 0), fed from one
+      queue in list order; the variants travel to each in one pickle and are built there.  This
+      process never runs a variant then; it writes every record.  A variant over
+      ``variant_timeout_s`` (build + check + time) or whose process dies is recorded 'failed'
+      ("time: timed out after 120 s (measuring process replaced)", "build: measuring process died
+      (SIGSEGV)") and the process replaced, as it is after a failure that broke its CUDA context.
+      ``processes=0``: variants are measured in this process (the default without a GPU); a CUDA
+      context lost there stops the sweep ("rerun in a new process").
+    - Per-run limit: a variant whose single run takes over ``slow_factor`` x its operator's
+      fastest 'ok' time in the DB (same dims, dtype, device and versions) is abandoned, 'failed'
+      ("time: RunTooLong: 3.2 ms per run, > 20x the operator's best 0.034 ms").
+    - Budget: once ``budget_s`` seconds have passed the sweep stops within ``TICK_S`` plus the
+      time to kill its workers, whatever they run (measuring in this process: at the end of the
+      current variant); the unfinished variants are left for the next run (``stopped``).  Ctrl-C:
+      the same, then the interrupt is re-raised.
+    - Progress (``progress``): variants done / total, counts by status, the budget left.
     """
 
     def __init__(self, db: TuningDB, variants: list, *, budget_s: float | None = None, warmup_ms: float = 25.0,
                  rep_ms: float = 100.0, flush_l2: bool = True, cuda_graph: bool | None = None,
-                 progress: bool = True, console=None, compile_workers: int = 0):
+                 progress: bool = True, console=None, compile_workers: int = 0, processes: int | None = None,
+                 compile_timeout_s: float = 120.0, variant_timeout_s: float = 120.0,
+                 slow_factor: float = SLOW_FACTOR, retry_failed: bool = False):
         from rich.console import Console
 
         from kernels.interpreter import interpreted
@@ -231,6 +357,8 @@ class Sweep:
         self.timing = {"warmup_ms": warmup_ms, "rep_ms": rep_ms, "flush_l2": flush_l2, "cuda_graph": cuda_graph}
         self.progress = progress
         self.compile_workers = compile_workers
+        self.compile_timeout_s, self.variant_timeout_s = compile_timeout_s, variant_timeout_s
+        self.slow_factor, self.retry_failed = slow_factor, retry_failed
         self.console = console or Console(stderr=True)
         facts = query_device()
         interpreting = interpreted()
@@ -243,6 +371,11 @@ class Sweep:
         else:
             raise RuntimeError(f"no CUDA device ({facts.reason}) and TRITON_INTERPRET is not 1: "
                                "variants can be neither timed nor run through the interpreter")
+        self.gpus = _gpu_ids(self.device) if self.measured else []
+        self.processes = (len(self.gpus) if self.measured else 0) if processes is None else processes
+        if self.measured and self.processes > len(self.gpus):
+            raise ValueError(f"{self.processes} measuring processes asked for: one per GPU, and there are "
+                             f"{len(self.gpus)} {self.device} here")
 
     def key(self, variant) -> Key:
         return Key(device=self.device, versions=versions(), op=variant.op, dims=variant.dims, dtype=variant.dtype,
@@ -262,114 +395,131 @@ class Sweep:
         return [v for *_, v in sorted(timed, key=lambda t: t[:2])] or checked
 
     def run(self) -> SweepReport:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         report = SweepReport(device=self.device, measured=self.measured)
         if not self.measured:
             self.console.print(f"[bold yellow]No GPU ({self.no_gpu_reason}): nothing will be timed.[/] "
                                "Variants are built and checked through the Triton interpreter and recorded as 'checked'.", soft_wrap=True)
         started = time.monotonic()
+        pending = self._pending(report)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[counts]}"),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
-        pending = [v for v in self.variants if self.db.lookup(self.key(v)) is None]
-        with _Compiler(self.compile_workers if self.measured else 0, pending) as compiler, \
-                Progress(*columns, console=self.console, disable=not self.progress) as bar:
-            task = bar.add_task("sweep", total=len(self.variants), counts="")
-            done = 0
+                   TimeElapsedColumn(), TextColumn("{task.fields[budget]}"))
+        with Progress(*columns, console=self.console, disable=not self.progress) as bar:
+            task = bar.add_task("sweep", total=len(self.variants), counts="", budget="")
+
+            def show(variant=None) -> None:
+                described = {} if variant is None else {"description": f"{variant.op} {variant.knobs}"}
+                left = "" if self.budget_s is None else \
+                    f"{max(0.0, self.budget_s - (time.monotonic() - started)):.0f} s of budget left"
+                bar.update(task, completed=sum(report.counts.values()), budget=left, **described,
+                           counts=" ".join(f"{s} {n}" for s, n in report.counts.items() if n))
+
             try:
-                for variant in self.variants:
-                    if self.budget_s is not None and time.monotonic() - started > self.budget_s:
-                        report.stopped = f"time budget of {self.budget_s:g} s used"
-                        break
-                    key = self.key(variant)
-                    if self.db.lookup(key) is not None:
-                        status = "skipped"
-                    else:
-                        bar.update(task, description=f"{variant.op} {variant.knobs}")
-                        compiler.wait(variant)
-                        status = self._measure(key, variant)
-                    report.counts[status] += 1
-                    done += 1
-                    bar.update(task, advance=1, counts=" ".join(f"{s} {n}" for s, n in report.counts.items() if n))
-                    if status == "failed" and not _cuda_context_alive(self.measured):
-                        report.stopped = "CUDA context lost; rerun in a new process to continue"
-                        break
+                report.stopped = self._drive(pending, report, started, show)
             except KeyboardInterrupt:
                 report.stopped = "interrupted"
-                report.remaining = len(self.variants) - done
+                report.remaining = len(self.variants) - sum(report.counts.values())
                 self.console.print(report.summary(), soft_wrap=True)
                 raise
             bar.update(task, description="sweep")
-        report.remaining = len(self.variants) - done
+        report.remaining = len(self.variants) - sum(report.counts.values())
         self.console.print(report.summary(), soft_wrap=True)
         return report
 
-    def _measure(self, key: Key, variant) -> str:
-        """Build, check and (on a GPU) time one variant; store and return its status."""
-        counts = {"bytes": getattr(variant, "bytes", None), "flop": getattr(variant, "flop", None)}
+    def _pending(self, report: SweepReport) -> list[tuple[Key, object]]:
+        """(key, variant) of each variant to measure; the others are counted 'skipped'."""
+        pending, keys = [], set()
+        for variant in self.variants:
+            key = self.key(variant)
+            record = self.db.lookup(key)
+            if key.columns() in keys or (record is not None and not (self.retry_failed and record.status == "failed")):
+                report.counts["skipped"] += 1
+            else:
+                keys.add(key.columns())
+                pending.append((key, variant))
+        return pending
+
+    def _drive(self, pending: list, report: SweepReport, started: float, show) -> str | None:
+        """Measure ``pending`` ((key, variant), ...), recording each; return why it stopped early, or None."""
+        tasks = {}
+        for n, (_, variant) in enumerate(pending):
+            task = variant.compile_task() if self.compile_workers > 0 and hasattr(variant, "compile_task") else None
+            if task is not None:
+                tasks[n] = task
+        to_compile = collections.deque(tasks)
+        ready = [n for n in range(len(pending)) if n not in tasks]  # ascending: a heap
+        left = len(pending)
+        compiler = measurers = None
         try:
-            variant.build()
-        except Exception as exc:  # compile errors, out of resources / shared memory, Triton errors, OOM
-            return self._failed(key, "build", exc, counts)
-        try:
-            verdict = variant.check()
-        except Exception as exc:
-            return self._failed(key, "check", exc, counts)
-        errors = {"rel_error": getattr(verdict, "error", None), "baseline_error": getattr(verdict, "baseline_error", None)}
-        if not verdict.passed:
-            self.db.put(Record(key, "wrong", detail=str(verdict), **errors, **counts))
-            return "wrong"
-        if not self.measured:
-            self.db.put(Record(key, "checked", detail=str(verdict), **errors, **counts))
-            return "checked"
-        try:
-            timing = time_cuda(variant.run, **self.timing)
-        except Exception as exc:
-            return self._failed(key, "time", exc, counts)
-        self.db.put(Record(key, "ok", median_ms=timing.median_ms, q20_ms=timing.q20_ms, q80_ms=timing.q80_ms,
-                           n_reps=timing.n, cuda_graph=timing.cuda_graph, detail=str(verdict), **errors, **counts))
-        return "ok"
+            if tasks:
+                compiler = Pool("compile", min(self.compile_workers, len(tasks)), _compiling, env=self._env)
+            if self.processes and pending:
+                measurers = Pool("measure", min(self.processes, len(pending)), _measuring,
+                                 ([v for _, v in pending], self.measured, self.timing), env=self._env)
+            pools = [p for p in (compiler, measurers) if p is not None]
+            while left:
+                if self.budget_s is not None and time.monotonic() - started > self.budget_s:
+                    return f"time budget of {self.budget_s:g} s used"
+                while to_compile and compiler.idle():
+                    if compiler.submit(to_compile[0], tasks[to_compile[0]], self.compile_timeout_s):
+                        to_compile.popleft()
+                while ready and measurers is not None and measurers.idle():
+                    if measurers.submit(ready[0], (ready[0], self._run_limit(pending[ready[0]][0])), self.variant_timeout_s):
+                        show(pending[heapq.heappop(ready)][1])
+                if ready and measurers is None:
+                    key, variant = pending[heapq.heappop(ready)]
+                    show(variant)
+                    status, fields = measure(variant, measured=self.measured, timing=self.timing,
+                                             limit=self._run_limit(key))
+                    self._record(report, key, status, fields)
+                    left -= 1
+                    if status == "failed" and not _cuda_context_alive(self.measured):
+                        return "CUDA context lost; rerun in a new process to continue"
+                wait(pools, 0 if ready and measurers is None else TICK_S)
+                for event in compiler.collect() if compiler is not None else []:
+                    if event.kind == "done":
+                        heapq.heappush(ready, event.task)
+                    else:
+                        self._failed(report, *pending[event.task], _compile_failure(event))
+                        left -= 1
+                for event in measurers.collect() if measurers is not None else []:
+                    if event.kind == "done":
+                        self._record(report, pending[event.task][0], *event.value)
+                    else:
+                        self._failed(report, *pending[event.task], _measure_failure(event))
+                    left -= 1
+                show()
+            return None
+        except WorkerStartError as exc:
+            return str(exc)
+        finally:
+            for pool in (compiler, measurers):
+                if pool is not None:
+                    pool.close()
 
-    def _failed(self, key: Key, stage: str, exc: Exception, counts: dict) -> str:
-        reason = f"{stage}: {type(exc).__name__}: {exc}"[:REASON_CHARS]
-        self.db.put(Record(key, "failed", detail=reason, **counts))
-        return "failed"
+    def _env(self, index: int) -> dict:
+        """Environment of worker ``index``: on a GPU, the one GPU it sees (in turn)."""
+        return {"CUDA_VISIBLE_DEVICES": self.gpus[index % len(self.gpus)]} if self.gpus else {}
 
+    def _run_limit(self, key: Key) -> RunLimit | None:
+        """``slow_factor`` x the fastest 'ok' time of ``key``'s operator (same dims, dtype, device and
+        versions) in the DB; None before there is one, or without a GPU."""
+        if not self.measured or not self.slow_factor:
+            return None
+        best = self.db.best(key.op, key.dims, key.dtype, device=key.device, versions=key.versions)
+        if not best:
+            return None
+        ms = best[0].median_ms
+        return RunLimit(self.slow_factor * ms, f"{self.slow_factor:g}x the operator's best {ms:.3g} ms")
 
-class _Compiler:
-    """Worker processes running the ``compile_task`` of each variant, in order (``Sweep(compile_workers=)``).
-    Leaving the ``with`` block drops the tasks not yet started."""
+    def _record(self, report: SweepReport, key: Key, status: str, fields: dict) -> None:
+        self.db.put(Record(key, status, **fields))
+        report.counts[status] += 1
 
-    def __init__(self, workers: int, variants: list):
-        tasks = {id(v): v.compile_task() for v in variants if workers > 0 and hasattr(v, "compile_task")}
-        tasks = {k: t for k, t in tasks.items() if t is not None}
-        self.pool, self.futures = None, {}
-        if tasks:
-            import concurrent.futures
-            import multiprocessing
-
-            self.pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(tasks)),
-                                                               mp_context=multiprocessing.get_context("spawn"))
-            self.futures = {k: self.pool.submit(fn, *args) for k, (fn, args) in tasks.items()}
-
-    def wait(self, variant) -> None:
-        """Until ``variant``'s task (if any) has run; its failure is left to ``build()``."""
-        future = self.futures.get(id(variant))
-        if future is not None:
-            try:
-                future.result()
-            except Exception:  # noqa: BLE001 - build() meets the same error in this process and records it
-                pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            # a sweep stopped by its budget leaves compiles running: end them now, not at interpreter exit
-            for process in list(getattr(self.pool, "_processes", {}).values()):
-                process.kill()
-            self.pool.shutdown(wait=False, cancel_futures=True)
+    def _failed(self, report: SweepReport, key: Key, variant, reason: str) -> None:
+        self._record(report, key, "failed", {"bytes": getattr(variant, "bytes", None),
+                                             "flop": getattr(variant, "flop", None), "detail": reason[:REASON_CHARS]})
 
 
 def _cuda_context_alive(measured: bool) -> bool:

@@ -164,6 +164,10 @@ class Operands:
         self.c = parse(gemm.spec)
         self._tensors = None
 
+    def __getstate__(self) -> dict:
+        """Pickled (for a measuring process) without its tensors: made there on first use."""
+        return {**self.__dict__, "_tensors": None}
+
     def tensors(self) -> dict:
         """{"a", "b" (``dtype``), "reference" (float64), "baseline" (``dtype``), plus what ``extra`` added}."""
         if Operands._active is not self:

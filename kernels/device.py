@@ -87,6 +87,12 @@ def peak_tensor_flops(compute_capability: tuple[int, int], sm_count: int, sm_clo
     return None if rate is None else float(sm_count) * sm_clock_hz * rate
 
 
+def device_count() -> int:
+    """CUDA devices this process sees (0 without a driver or a GPU)."""
+    err, count = cudart.cudaGetDeviceCount()
+    return count if err == cudart.cudaError_t.cudaSuccess else 0
+
+
 def query_device(index: int = 0) -> DeviceFacts | NoDevice:
     """Facts about CUDA device ``index``, or ``NoDevice`` with the runtime's reason."""
     err, count = cudart.cudaGetDeviceCount()

@@ -112,6 +112,13 @@ class Workspace:
         self.offsets = dropout_offsets(self.graph)
         self._active = None
 
+    def __getstate__(self) -> dict:
+        """Pickled (for a measuring process) without what it computed or holds: rebuilt there on first use."""
+        state = dict(self.__dict__)
+        state.pop("values", None)
+        state["_active"] = None
+        return state
+
     @functools.cached_property
     def values(self) -> dict:
         return evaluate_training_graph(self.graph, self.training.operators, self.seed, self.device, self.mask_seed)

@@ -1,26 +1,25 @@
-"""Benchmark harness: sweep statuses (failed / wrong / checked or ok), resume, time budget, SIGKILL midway,
-and on a GPU the timing of a copy kernel against the measured ceilings."""
+"""Benchmark harness: sweep statuses (failed / wrong / checked or ok), in this process or in measuring
+processes, resume, time budget, SIGKILL midway, and on a GPU the timing of a copy kernel against the
+measured ceilings and the per-run limit.  (Crashing and hanging workers: tests/test_sweep_processes.py.)"""
+import dataclasses
 import io
-import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
 
-from kernels.bench import CPU_DEVICE, Sweep, _Compiler, time_cuda
+from kernels.bench import CPU_DEVICE, SLOW_FACTOR, Sweep, time_cuda
 from kernels.bench import measure_ceilings
 from kernels.device import query_device
-from kernels.tuning_db import TuningDB
+from kernels.tuning_db import Record, TuningDB
+import sweep_script
 from scale_variants import ScaleVariant, variants
 
-REPO = Path(__file__).resolve().parents[1]
 HAS_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_GPU else "cpu"
 GOOD = "ok" if HAS_GPU else "checked"  # without a GPU, correct variants are checked, never timed
@@ -37,10 +36,13 @@ def builds(log):
     return Counter(log.read_text().splitlines()) if log.exists() else Counter()
 
 
-def test_sweep_records_failed_wrong_and_good_then_resumes(tmp_path):
+@pytest.mark.parametrize("processes", [0, 2], ids=["in-process", "2 measuring processes"])
+def test_sweep_records_failed_wrong_and_good_then_resumes(tmp_path, processes):
+    if HAS_GPU and processes > torch.cuda.device_count():
+        pytest.skip("one measuring process per GPU")
     log = tmp_path / "builds.log"
     with TuningDB(tmp_path / "t.db") as db:
-        report, text = sweep(db, variants(N, DEVICE, log=log))
+        report, text = sweep(db, variants(N, DEVICE, log=log), processes=processes)
         assert report.counts == {"ok": 0, "checked": 0, "failed": 1, "wrong": 1, "skipped": 0, GOOD: 3}
         assert report.stopped is None and report.remaining == 0 and report.measured == HAS_GPU
         by_block = {r.key.knobs["BLOCK"]: r for r in db.query(op=ScaleVariant.op)}
@@ -89,17 +91,9 @@ SWEEP = textwrap.dedent("""
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "Ctrl-C"])
 def test_stopped_sweep_resumes_without_redoing_finished_variants(tmp_path, sig):
     path, log = tmp_path / "t.db", tmp_path / "builds.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    proc = subprocess.Popen([sys.executable, "-c", SWEEP, str(path), str(log), str(N)], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    proc = sweep_script.start(SWEEP, path, log, N, stderr=subprocess.PIPE, text=True)
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if path.exists():
-                with TuningDB(path) as db:
-                    if len(db.query()) >= 2:
-                        break
-            time.sleep(0.05)
+        sweep_script.wait_for_records(proc, path, 2)
     finally:
         proc.send_signal(sig)
         stderr = proc.communicate(timeout=60)[1]
@@ -171,34 +165,17 @@ def test_gpu_sweep_times_only_correct_variants(tmp_path):
         assert all(r.median_ms is None for r in db.query() if r.status != "ok")
 
 
-class _Marked:
-    """A variant whose compile task writes a file (the task runs in a spawned worker process)."""
-
-    def __init__(self, path, fail=False):
-        self.path, self.fail = path, fail
-
-    def compile_task(self):
-        return (_fail if self.fail else _touch), (str(self.path),)
-
-
-def _touch(path: str) -> None:
-    with open(path, "w") as f:
-        f.write(str(os.getpid()))
-
-
-def _fail(path: str) -> None:
-    raise RuntimeError("does not compile")
-
-
-def test_compile_workers_run_each_task_in_other_processes(tmp_path):
-    """``Sweep(compile_workers=)``'s pool: each variant's task has run in a worker by the time
-    ``wait`` returns; a failing task is left to ``build()`` (no exception here)."""
-    variants = [_Marked(tmp_path / f"v{n}") for n in range(3)] + [_Marked(tmp_path / "bad", fail=True)]
-    with _Compiler(2, variants) as compiler:
-        for v in variants:
-            compiler.wait(v)
-        compiler.wait(object())  # a variant without a task: nothing to wait for
-    pids = {int((tmp_path / f"v{n}").read_text()) for n in range(3)}
-    assert os.getpid() not in pids and not (tmp_path / "bad").exists()
-    with _Compiler(0, variants) as compiler:  # no workers: nothing runs ahead
-        assert compiler.pool is None and not compiler.futures
+@pytest.mark.gpu
+def test_a_run_far_slower_than_the_operators_best_is_abandoned(tmp_path):
+    """A variant whose one run takes over ``SLOW_FACTOR`` x its operator's best 'ok' time is recorded
+    failed with both times, and never timed in full."""
+    variant = ScaleVariant((1 << 26) + 1, 1024, device="cuda")
+    with TuningDB(tmp_path / "t.db") as db:
+        key = Sweep(db, [], progress=False).key(variant)
+        db.put(Record(dataclasses.replace(key, knobs={"BLOCK": 1, "grid": "cdiv"}), "ok", median_ms=1e-4, q20_ms=1e-4,
+                      q80_ms=1e-4))
+        report, _ = sweep(db, [variant])
+        record = db.lookup(key)
+    assert report.counts["failed"] == 1 and record.status == "failed"
+    assert record.detail.startswith("time: RunTooLong: ") and record.detail.endswith(
+        f"ms per run, > {SLOW_FACTOR:g}x the operator's best 0.0001 ms")

@@ -1,0 +1,199 @@
+"""The sweep's process machinery on CPU (``kernels.workers``, ``kernels.bench.Sweep``), with fake variants.
+
+Compile tasks that abort, hang or raise, and measuring processes that die or hang, each end up
+recorded 'failed' with the reason while the sweep measures the others; the budget holds while a
+variant hangs; a sweep SIGKILLed at a random moment and rerun loses no finished record and
+measures none again; real variants survive the pickle that takes them to a measuring process.
+"""
+import io
+import os
+import pickle
+import random
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import sweep_script
+from fake_variants import FakeVariant, broken_setup, measured, pid_server
+from kernels.bench import Sweep
+from kernels.tuning_db import TuningDB
+from kernels.workers import Pool, WorkerStartError, wait
+
+LIMIT_S = 3  # compile and variant time limits in these tests
+
+
+def sweep(db, variants, **kwargs):
+    out = io.StringIO()
+    began = time.monotonic()
+    report = Sweep(db, variants, progress=False, console=Console(file=out, width=200), **kwargs).run()
+    return report, time.monotonic() - began
+
+
+def details(db) -> dict:
+    return {r.key.knobs["name"]: (r.status, r.detail) for r in db.query()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_pool_replaces_retired_workers_and_gives_up_on_broken_starts():
+    pool = Pool("test", 1, pid_server, (True,), env=lambda index: {"DATAMOVE_WORKER": f"worker {index}"})
+    answers = []
+    try:
+        for task in range(3):
+            while not pool.idle():
+                wait([pool], 0.5)
+                pool.collect()
+            pool.submit(task, "DATAMOVE_WORKER")
+            events = []
+            while not events:
+                wait([pool], 0.5)
+                events = pool.collect()
+            assert [(e.task, e.kind) for e in events] == [(task, "done")]
+            answers.append(events[0].value)
+    finally:
+        pool.close()
+    pids = {pid for pid, _ in answers}
+    assert len(pids) == 3 and os.getpid() not in pids  # a fresh worker after each retirement
+    assert {value for _, value in answers} == {"worker 0"} and "DATAMOVE_WORKER" not in os.environ
+    pool = Pool("test", 1, broken_setup)
+    try:
+        with pytest.raises(WorkerStartError, match="setup cannot start"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                wait([pool], 0.5)
+                pool.collect()
+    finally:
+        pool.close()
+
+
+def test_compile_failures_are_recorded_with_reasons_and_never_built(tmp_path):
+    log = tmp_path / "builds.log"
+    variants = [FakeVariant("a", log, compile="ok"), FakeVariant("abort", log, compile="abort"),
+                FakeVariant("hang", log, compile="hang"), FakeVariant("raise", log, compile="raise"),
+                FakeVariant("memory", log, compile="memory"), FakeVariant("b", log, compile="ok"), FakeVariant("c", log)]
+    with TuningDB(tmp_path / "t.db") as db:
+        report, seconds = sweep(db, variants, compile_workers=2, compile_timeout_s=LIMIT_S)
+        assert report.stopped is None and report.counts["checked"] == 3 and report.counts["failed"] == 4
+        got = details(db)
+    assert got["abort"] == ("failed", "compile: worker died (SIGABRT)")
+    assert got["hang"] == ("failed", f"compile: timed out after {LIMIT_S} s")
+    assert got["raise"] == ("failed", "compile: RuntimeError: raise: planted failure")
+    assert got["memory"] == ("failed", "compile: MemoryError: memory: planted")  # and its worker replaced
+    assert {name: status for name, (status, _) in got.items() if status == "checked"} == dict.fromkeys("abc", "checked")
+    assert {name: len(pids) for name, pids in measured(log).items()} == dict.fromkeys("abc", 1)
+    assert seconds < 30
+
+
+def test_measuring_process_failures_are_recorded_and_the_rest_measured(tmp_path):
+    log = tmp_path / "builds.log"
+    variants = [FakeVariant("a", log), FakeVariant("abort", log, build="abort"), FakeVariant("b", log),
+                FakeVariant("hang", log, build="hang"), FakeVariant("raise", log, build="raise"),
+                FakeVariant("wrong", log, check="wrong"), FakeVariant("c", log), FakeVariant("d", log)]
+    with TuningDB(tmp_path / "t.db") as db:
+        report, seconds = sweep(db, variants, processes=2, variant_timeout_s=LIMIT_S)
+        assert report.stopped is None and report.remaining == 0
+        assert report.counts == {"ok": 0, "checked": 4, "failed": 3, "wrong": 1, "skipped": 0}
+        got = details(db)
+    assert got["abort"] == ("failed", "build: measuring process died (SIGABRT)")
+    assert got["hang"] == ("failed", f"build: timed out after {LIMIT_S} s (measuring process replaced)")
+    assert got["raise"] == ("failed", "build: RuntimeError: raise: planted failure")
+    assert got["wrong"][0] == "wrong" and all(got[n][0] == "checked" for n in "abcd")
+    builds = measured(log)
+    assert all(len(pids) == 1 for pids in builds.values()) and len(builds) == len(variants)
+    assert os.getpid() not in {pid for pids in builds.values() for pid in pids}
+    assert not any(alive(pid) for pids in builds.values() for pid in pids)  # the sweep leaves no process behind
+    assert seconds < 30
+
+
+@pytest.mark.parametrize("where", ["compile", "measure"])
+def test_budget_is_honoured_while_a_variant_hangs(tmp_path, where):
+    log = tmp_path / "builds.log"
+    hung = FakeVariant("hung", log, compile="hang") if where == "compile" else FakeVariant("hung", log, build="hang")
+    variants = [hung, FakeVariant("after", log, compile="ok" if where == "compile" else None)]
+    budget_s = 2.0
+    with TuningDB(tmp_path / "t.db") as db:
+        report, seconds = sweep(db, variants, budget_s=budget_s, compile_workers=1, processes=1,
+                                compile_timeout_s=600, variant_timeout_s=600)
+        assert report.stopped == f"time budget of {budget_s:g} s used" and report.remaining == 2
+        assert db.query() == []  # a variant stopped by the budget is not its own failure: left for the next run
+    assert budget_s <= seconds < budget_s + 3
+
+
+SWEEP = textwrap.dedent("""
+    import sys
+    from fake_variants import FakeVariant
+    from kernels.bench import Sweep
+    from kernels.tuning_db import TuningDB
+    variants = [FakeVariant(f"v{i}", sys.argv[2], compile="ok" if i % 3 == 0 else None, build="pause") for i in range(12)]
+    Sweep(TuningDB(sys.argv[1]), variants, processes=2, compile_workers=1, progress=False).run()
+""")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sweep_killed_at_a_random_moment_loses_nothing_and_repeats_nothing(tmp_path, seed):
+    rng = random.Random(seed)
+    records_before_kill, extra_s = rng.randint(1, 8), rng.uniform(0.0, 0.3)
+    path, log = tmp_path / "t.db", tmp_path / "builds.log"
+    proc = sweep_script.start(SWEEP, path, log, stderr=subprocess.PIPE)
+    try:
+        sweep_script.wait_for_records(proc, path, records_before_kill, timeout_s=60)
+        time.sleep(extra_s)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    with TuningDB(path) as db:
+        finished = {r.key.knobs["name"] for r in db.query()}
+    assert records_before_kill <= len(finished) < 12, "the sweep finished before it could be killed"
+    children = {pid for pids in measured(log).values() for pid in pids}
+    end = time.monotonic() + 5
+    while any(alive(pid) for pid in children) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children)  # the orphans ended with their parent
+    before = measured(log)
+
+    variants = [FakeVariant(f"v{i}", log, compile="ok" if i % 3 == 0 else None) for i in range(12)]
+    with TuningDB(path) as db:
+        report, _ = sweep(db, variants, processes=2, compile_workers=1)
+        assert report.counts["skipped"] == len(finished) and report.counts["checked"] == 12 - len(finished)
+        assert len(db.query(status="checked")) == 12
+    after = measured(log)
+    for name in finished:
+        assert len(after[name]) == 1, name  # finished before the kill: not measured again
+    for name in set(after) - finished:
+        assert len(after[name]) == len(before.get(name, [])) + 1, name  # the rest: once more, by the rerun
+
+
+def test_real_variants_travel_pickled_without_their_tensors():
+    """What a measuring process receives: the variants of one pickle share their workspace, which
+    arrives without the tensors computed here and builds and checks there."""
+    from dataflow import snapshot
+    from kernels import attention_variants as av
+    from kernels import contraction_variants as cv
+    from kernels import sweep_variants as sv
+
+    training = snapshot.stored_fused()["bert"].with_dims(dict(B=2, L=5, N=12, H=3, P=4, U=7))
+    spaces, _ = sv.sweep_variants("bert", training, "cpu", dtype=torch.float32, limit_configs=1)
+    fused = [v for s in spaces if s.op.name == "alpha" for v in s.variants()]
+    gemm = cv.training_gemms(training)[0]
+    gemms = cv.gemm_variants(gemm, "cpu", layouts=1, first_configs=[])
+    attention = av.config_variants(av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2, dtype=torch.float32), "cpu"))[:2]
+    fused[0].ws.values, gemms[0].operands.tensors(), attention[0].ws.exact  # computed here
+    fused[0].ws.activate(fused[0])
+    copies = pickle.loads(pickle.dumps(fused + gemms + attention))
+    copied_fused, copied_gemm, copied_attention = copies[:len(fused)], copies[len(fused)], copies[len(fused) + 1:]
+    assert all(v.ws is copied_fused[0].ws for v in copied_fused) and copied_attention[0].ws is copied_attention[1].ws
+    assert "values" not in copied_fused[0].ws.__dict__ and copied_fused[0].ws._active is None
+    assert copied_gemm.operands._tensors is None and "exact" not in copied_attention[0].ws.__dict__
+    for variant in (copied_fused[1], copied_gemm, copied_attention[1]):
+        variant.build()
+        assert variant.check().passed
