@@ -237,18 +237,16 @@ class _Module:
         versions = self.specialised.setdefault(name, [])
         for known_key, known_name, _, returned in versions:
             if known_key == key:
-                return self.call_value(call, known_name, bound, returned)
+                return self.call_value(call, known_name, values, returned)
         lowering = _Function(self, node, {p: _as_param(p, v) for p, v in values.items()})
         lowered = _with_body(node, lowering.lower_body(node.body))
         same = next((n for _, n, f, _ in versions if ast.dump(_with_body(f, f.body, name)) == ast.dump(lowered)), None)
         lowered.name = same or (name if not versions else f"{name}_{len(versions) + 1}")
         versions.append((key, lowered.name, lowered, lowering.returned))
-        return self.call_value(call, lowered.name, bound, lowering.returned)
+        return self.call_value(call, lowered.name, values, lowering.returned)
 
-    def call_value(self, call: ast.Call, name: str, bound, returned) -> object:
-        args = []
-        for value in bound.arguments.values():
-            args.append(value.expr if isinstance(value, (Arr, Num)) else _static_node(value.value))
+    def call_value(self, call: ast.Call, name: str, values: dict, returned) -> object:
+        args = [value.expr if isinstance(value, (Arr, Num)) else _static_node(value.value) for value in values.values()]
         expr = _call(_load(name), *args)
         ast.copy_location(expr, call)
         if isinstance(returned, Arr):
@@ -300,6 +298,7 @@ class _Function:
         self.target = "t"
         self.taken = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | set(params) | set(module.globals)
         self.written = set(params)  # array names assigned so far
+        self.named: dict[str, str] = {}  # ast.dump of an assigned computation -> its name
 
     # --- statements -------------------------------------------------------------------------
 
@@ -326,13 +325,19 @@ class _Function:
             value = ast.copy_location(ast.BinOp(target, stmt.op, stmt.value), stmt)
             stmt = ast.copy_location(ast.Assign([ast.Name(stmt.target.id, ast.Store())], value), stmt)
         if isinstance(stmt, ast.Assign):
-            if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
-                raise m.error(stmt, "only assignments to one name are supported",
-                              "assign each result to its own name (no slices, no tuple unpacking)")
-            name = stmt.targets[0].id
-            self.target = name
-            value = self.expr(stmt.value)
-            return self.assign(stmt, name, value)
+            target = stmt.targets[0]
+            pairs = [(target, stmt.value)]
+            if isinstance(target, ast.Tuple) and isinstance(stmt.value, ast.Tuple) \
+                    and len(target.elts) == len(stmt.value.elts):
+                pairs = list(zip(target.elts, stmt.value.elts))  # q, k, v = a, b, c
+            if len(stmt.targets) != 1 or not all(isinstance(t, ast.Name) for t, _ in pairs):
+                raise m.error(stmt, "only assignments to names are supported",
+                              "assign each result to its own name (no slices, no unpacking of arrays)")
+            values = []
+            for name, value in pairs:
+                self.target = name.id
+                values.append(self.expr(value))
+            return [new for (name, value), v in zip(pairs, values) for new in self.assign(stmt, name.id, value, v)]
         if isinstance(stmt, ast.Return):
             if stmt.value is None:
                 raise m.error(stmt, "the function returns nothing", "return its outputs")
@@ -361,12 +366,12 @@ class _Function:
                               "np.where(cond, a, b)") from None
             body, orelse = (stmt.body, stmt.orelse) if taken else (stmt.orelse, stmt.body)
             lowered = self.lower_body(body)
-            saved = dict(self.env)
+            saved = dict(self.env), dict(self.named)
             try:
                 other = self.lower_body(orelse)
             except SpecError:
                 other = orelse
-            self.env = saved
+            self.env, self.named = saved
             if not taken:
                 lowered, other = other, lowered
             return [ast.If(stmt.test, lowered or [ast.copy_location(ast.Pass(), stmt)], other)]
@@ -374,22 +379,38 @@ class _Function:
         raise m.error(stmt, f"{kind} statements are not supported in a layer spec",
                       "write whole-array assignments and one return")
 
-    def assign(self, stmt: ast.Assign, name: str, value) -> list[ast.stmt]:
+    def assign(self, stmt: ast.stmt, name: str, node: ast.expr, value) -> list[ast.stmt]:
         """Bind ``name``; a name assigned again (``p = p / s``) gets a new array (``p_2``), so views of
         its old value stay valid and DaCe sees no copies."""
-        if isinstance(value, Static) or (isinstance(value, Num) and isinstance(stmt.value, ast.Constant)):
+        if isinstance(value, Static) or (isinstance(value, Num) and isinstance(node, ast.Constant)):
             self.env[name] = value
             return []
         if isinstance(value, Compare):
-            raise self.m.error(stmt.value, "comparisons are only supported as np.where's condition",
+            raise self.m.error(node, "comparisons are only supported as np.where's condition",
                                "write np.where(a > b, x, y), or np.maximum for ReLU")
-        if isinstance(value, Arr) and isinstance(value.expr, ast.Name):
-            self.env[name] = value  # a view or alias of another array: no copy
+        value = self.known(value)
+        hoisted = self.prelude[-1] if self.prelude else None
+        if isinstance(value.expr, ast.Name) and hoisted is not None and hoisted.targets[0].id == value.expr.id:
+            self.prelude.pop()  # ``mu = x.mean(...)``: the mean hoisted for this statement takes its name
+            self.named = {k: v for k, v in self.named.items() if v != value.expr.id}
+            value = replace(value, expr=hoisted.value)
+        if isinstance(value.expr, ast.Name):
+            self.env[name] = value  # a view or alias of another value, or the same computation again: no copy
             return []
         array = self.new_name(name) if name in self.written else name
         self.written.add(array)
+        self.named[ast.dump(value.expr)] = array
         self.env[name] = replace(value, expr=_load(array))
         return [ast.Assign([ast.Name(array, ast.Store())], value.expr)]
+
+    def known(self, value):
+        """The same computation assigned before (``x.var`` recomputing the user's ``x.mean``) is reused
+        by name, so that the graph computes it once (names are never reassigned, see ``assign``)."""
+        if isinstance(value, (Arr, Num)) and not isinstance(value.expr, ast.Name):
+            name = self.named.get(ast.dump(value.expr))
+            if name is not None:
+                return replace(value, expr=_load(name))
+        return value
 
     def new_name(self, base: str) -> str:
         name, n = base, 1
@@ -401,10 +422,12 @@ class _Function:
 
     def temp(self, base: str, value: Arr) -> Arr:
         """Hoist ``value`` into a new name before the current statement (it is used twice)."""
+        value = self.known(value)
         if isinstance(value.expr, ast.Name):
             return value
         name = self.new_name(f"{self.target}_{base}")
         self.written.add(name)
+        self.named[ast.dump(value.expr)] = name
         self.prelude.append(ast.Assign([ast.Name(name, ast.Store())], value.expr))
         return Arr(_load(name), value.stored, value.visible)
 
@@ -415,7 +438,7 @@ class _Function:
         if method is None:
             raise self.m.error(node, f"{type(node).__name__} expressions are not supported",
                                "write it with " + _SUPPORTED)
-        return method(node)
+        return self.known(method(node))
 
     def e_Name(self, node: ast.Name):
         if node.id in self.env:
@@ -710,7 +733,7 @@ class _Function:
             return Num(build(*(v.expr for v in values)))
         result = self.broadcast(node, arrays)
         exprs = [self.render(v) if isinstance(v, Arr) else v.expr for v in values]
-        return Arr.of(build(*exprs), result)
+        return self.known(Arr.of(build(*exprs), result))
 
     def arith(self, node: ast.AST, op: ast.operator, left, right):
         return self.elementwise(node, lambda a, b: ast.BinOp(a, op, b), [left, right])
@@ -795,7 +818,7 @@ class _Function:
             stored = tuple(l for i, l in enumerate(value.stored) if i not in gone)
             visible = tuple(None if p in axes else e - sum(g < e for g in gone)
                             for p, e in enumerate(value.visible) if keep or p not in axes)
-            return Arr(expr, stored, visible)
+            return self.known(Arr(expr, stored, visible))
 
         def total(value: Arr, what: str) -> ast.expr:
             return _call(_np(what), value.expr, axis=_int_node([value.visible[a] for a in axes]))
@@ -806,11 +829,12 @@ class _Function:
         if kind == "min":
             negated = replace(array, expr=ast.UnaryOp(ast.USub(), array.expr))
             return reduced(array, ast.UnaryOp(ast.USub(), total(negated, "max")), keepdims)
+        # a mean is named where it is computed, so that a variance of the same axes reuses it
+        x = self.temp("x", array) if kind in ("var", "std") else array
+        mean = self.temp("mean", reduced(x, ast.BinOp(total(x, "sum"), ast.Div(), count), True))
         if kind == "mean":
-            return reduced(array, ast.BinOp(total(array, "sum"), ast.Div(), count), keepdims)
+            return replace(mean, visible=reduced(x, mean.expr, keepdims).visible)
         # var, std: the mean of the centred square
-        x = self.temp("x", array)
-        mean = reduced(x, ast.BinOp(total(x, "sum"), ast.Div(), count), True)
         centred = self.temp("centred", self.arith(node, ast.Sub(), x, mean))
         square = self.arith(node, ast.Mult(), centred, centred)
         if ddof:

@@ -244,6 +244,7 @@ def _returned_einsums(sdfg, records: list[EinsumRecord]) -> list[EinsumRecord]:
         for node in state.data_nodes():
             if node.data.startswith("__return") and node.data not in written_by_library and any(
                     isinstance(e.src, nodes.LibraryNode) or (isinstance(e.src, nodes.AccessNode) and _is_view(sdfg, e.src.data))
+                    or (isinstance(e.src, nodes.MapExit) and e.src.map.label.startswith("einsum"))  # a loop-nest einsum
                     for e in state.in_edges(node)):
                 written_by_library.append(node.data)
     if len(missing) != len(written_by_library):

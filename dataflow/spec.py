@@ -214,7 +214,9 @@ def _return_names(path: Path, tree: ast.Module, function: types.FunctionType) ->
                 raise SpecError(f"{path}:{node.lineno}: the layer function must end with one return of its outputs")
             value = returns[0].value
             items = value.elts if isinstance(value, ast.Tuple) else [value]
-            return [item.id if isinstance(item, ast.Name) else f"out{n}" for n, item in enumerate(items)]
+            arguments = set(inspect.signature(function).parameters)
+            names = [item.id if isinstance(item, ast.Name) else f"out{n}" for n, item in enumerate(items)]
+            return [f"{name}_out" if name in arguments else name for name in names]  # x = x + ...; return x
     raise SpecError(f"{path}: cannot find the source of {function.__name__}")
 
 

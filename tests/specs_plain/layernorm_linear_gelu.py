@@ -1,9 +1,9 @@
-"""LayerNorm + Linear + GELU, written plainly."""
+"""LayerNorm + Linear + GELU, written plainly (mean, (x - mu) ** 2, h @ w + c, Python floats)."""
 import numpy as np
 
 from dataflow.spec import Tensor, dims
 
-B, T, D, F = dims(B=4, T=16, D=32, F=64)
+B, T, D, F = dims(B=3, T=5, D=7, F=9)
 INDEX = {"b": B, "t": T, "d": D, "f": F}
 
 

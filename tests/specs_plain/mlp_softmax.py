@@ -3,7 +3,7 @@ import numpy as np
 
 from dataflow.spec import Tensor, dims
 
-N, C0, C1, C2, C3 = dims(N=8, C0=16, C1=24, C2=20, C3=12)
+N, C0, C1, C2, C3 = dims(N=5, C0=7, C1=9, C2=11, C3=3)
 INDEX = {"n": N, "a": C0, "b": C1, "c": C2, "d": C3}
 
 
