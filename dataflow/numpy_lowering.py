@@ -66,7 +66,7 @@ _HINTS = {  # refused NumPy functions and methods -> what to write instead
     "random": "declare a Dropout(letters, p) argument and multiply by it",
     "float64": "write np.float32(...) or a plain Python number (taken in the spec's dtype)",
 }
-_SUPPORTED = ("@, np.einsum, np.matmul, np.dot, np.tensordot, np.sum/max/min/mean/var/std, np.exp, np.log, "
+SUPPORTED = ("@, np.einsum, np.matmul, np.dot, np.tensordot, np.sum/max/min/mean/var/std, np.exp, np.log, "
               "np.sqrt, np.tanh, np.abs, np.square, np.reciprocal, np.maximum, np.minimum, np.where, "
               "np.transpose, np.swapaxes, arithmetic and ** with a constant exponent")
 
@@ -174,7 +174,7 @@ class _Module:
     """Lowering state of one spec module: letters, helper specialisations, the error format."""
 
     def __init__(self, spec: LayerSpec, source: str, tree: ast.Module, module_dict: dict):
-        self.spec, self.source, self.tree, self.globals = spec, source, tree, module_dict
+        self.spec, self.source, self.globals = spec, source, module_dict
         self.functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
         reserved = set()
         for node in ast.walk(tree):
@@ -291,7 +291,6 @@ class _Function:
 
     def __init__(self, module: _Module, node: ast.FunctionDef, params: dict):
         self.m = module
-        self.node = node
         self.env: dict[str, object] = dict(params)
         self.returned = None
         self.prelude: list[ast.stmt] = []
@@ -437,7 +436,7 @@ class _Function:
         method = getattr(self, f"e_{type(node).__name__}", None)
         if method is None:
             raise self.m.error(node, f"{type(node).__name__} expressions are not supported",
-                               "write it with " + _SUPPORTED)
+                               "write it with " + SUPPORTED)
         return self.known(method(node))
 
     def e_Name(self, node: ast.Name):
@@ -544,7 +543,7 @@ class _Function:
         if name in ("np.pi", "np.e", "math.pi", "math.e"):
             return Num(_float32(ast.Constant(getattr(math, node.attr))), getattr(math, node.attr))
         if name is not None:
-            raise self.m.error(node, f"{name} is not supported here", "write it with " + _SUPPORTED)
+            raise self.m.error(node, f"{name} is not supported here", "write it with " + SUPPORTED)
         if node.attr == "T":
             array = self.array(node.value)
             return replace(array, visible=tuple(reversed(array.visible)))
@@ -574,7 +573,7 @@ class _Function:
         if name is None and isinstance(node.func, ast.Attribute):
             return self.method(node, node.func.attr, self.expr(node.func.value))
         if name is None:
-            raise m.error(node, "this call is not supported", "write it with " + _SUPPORTED)
+            raise m.error(node, "this call is not supported", "write it with " + SUPPORTED)
         short = name.split(".", 1)[1]
         if name == "np.float32":
             value = self.expr(node.args[0])
@@ -615,7 +614,7 @@ class _Function:
             return self.arith(node, ast.Mult(), Num(_float32(ast.Constant(-1)), -1.0), self.expr(node.args[0]))
         if short == "where":
             return self.where(node)
-        raise m.error(node, f"{name} is not supported", "write it with " + _SUPPORTED)
+        raise m.error(node, f"{name} is not supported", "write it with " + SUPPORTED)
 
     def method(self, node: ast.Call, name: str, value, args=None):
         args = node.args if args is None else args
@@ -641,7 +640,7 @@ class _Function:
             visible = list(value.visible)
             visible[a], visible[b] = visible[b], visible[a]
             return replace(value, visible=tuple(visible))
-        raise m.error(node, f".{name}() is not supported", "write it with " + _SUPPORTED)
+        raise m.error(node, f".{name}() is not supported", "write it with " + SUPPORTED)
 
     # --- helpers for values -------------------------------------------------------------------
 

@@ -22,14 +22,13 @@ import dace
 from dace.sdfg import nodes
 
 from dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
+from dataflow.numpy_lowering import SUPPORTED, spec_line
 from dataflow.sdfg import EinsumRecord
 from dataflow.spec import LayerSpec, SpecError
 
 _FUNCTIONS = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "max": "maximum", "min": "minimum",
               "abs": "abs"}
 _REDUCTIONS = {"x + y": "sum", "max(x, y)": "max"}
-SUPPORTED = ("@, np.einsum, np.sum/max/min/mean/var/std, element-wise arithmetic, ** with a constant exponent, "
-             "np.exp/log/sqrt/tanh/abs/maximum/minimum, np.where(a > b, x, y)")
 
 
 def _constant_value(code: str) -> str:
@@ -218,8 +217,6 @@ def _where(sdfg, state, node, raws: list[_RawPrimitive], constants: dict[str, st
 
 def _origin(spec: LayerSpec, sdfg, array: str) -> str:
     """Where the spec computes ``array``: ``file:line: the line``, from DaCe's debug information."""
-    from dataflow.numpy_lowering import spec_line
-
     for state in sdfg.states():
         for node in state.data_nodes():
             if node.data != array:
