@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import dace
 import dace.frontend.common.einsum as dace_einsum
 
+from dataflow.numpy_lowering import SUPPORTED
 from dataflow.spec import LayerSpec, SpecError
 
 
@@ -77,6 +78,5 @@ def build_sdfg(spec: LayerSpec) -> tuple[dace.SDFG, list[EinsumRecord]]:
     callbacks = sorted(name for name, value in sdfg.symbols.items() if "callback" in str(value).lower())
     if callbacks:
         raise SpecError(f"{spec.path}: {', '.join(callbacks)} became a Python callback (a NumPy call DaCe does not "
-                        "support): write it with supported NumPy (np.einsum, np.sum/np.max with axis=, "
-                        "element-wise arithmetic, np.exp/np.sqrt/np.tanh/np.maximum)")
+                        f"support): write it with {SUPPORTED}")
     return sdfg, records

@@ -5,10 +5,16 @@ Every map becomes a ``Primitive`` of kind ``"map"`` (its tasklet as an expressio
 ``dataflow.sdfg``) one of kind ``"einsum"``; the nodes implementing an einsum (library nodes,
 views, loop nests) are skipped.  Letters flow from the spec's annotations through einsum strings
 and map memlets to every tensor.
+
+Two forms that ``dataflow.numpy_lowering`` emits are read specially: ``np.where(a > b, x, y)`` (a
+DaCe library node) becomes one map ``where(in0 > in1, in2, in3)``, the comparison inlined; a
+one-operand einsum that only permutes letters (``np.einsum("ts->st", k)``, a transpose) is no
+primitive: its readers read its operand with permuted letters, so nothing is moved.
 """
 from __future__ import annotations
 
 import ast
+import linecache
 import re
 from dataclasses import dataclass, field, replace
 
@@ -16,6 +22,7 @@ import dace
 from dace.sdfg import nodes
 
 from dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
+from dataflow.numpy_lowering import SUPPORTED, spec_line
 from dataflow.sdfg import EinsumRecord
 from dataflow.spec import LayerSpec, SpecError
 
@@ -151,6 +158,8 @@ def _read_state(sdfg, state, records: dict[str, EinsumRecord], raws: list[_RawPr
             src = in_edge.data.data
             axes = list(node.axes) if node.axes is not None else list(range(len(sdfg.arrays[src].shape)))
             raws.append(_RawPrimitive("reduce", kind, [(src, [str(a) for a in axes])], (out_edge.data.data, [])))
+        elif isinstance(node, nodes.LibraryNode) and set(node.in_connectors) == {"_mrg_t", "_mrg_f", "_mrg_mask"}:
+            raws.append(_where(sdfg, state, node, raws, constants))
         elif isinstance(node, nodes.AccessNode) and node.data in records:
             if node.data in emitted:
                 continue
@@ -172,6 +181,56 @@ def _read_state(sdfg, state, records: dict[str, EinsumRecord], raws: list[_RawPr
             raise SpecError(f"unsupported construct {node.label}: a call DaCe could not inline")
 
 
+def _where(sdfg, state, node, raws: list[_RawPrimitive], constants: dict[str, str]) -> _RawPrimitive:
+    """``np.where(cond, a, b)`` as one map; a comparison computing ``cond`` that only this reads is
+    inlined.  Operands are aligned on the output's trailing axes (NumPy's broadcasting)."""
+    edges = {edge.dst_conn: edge for edge in state.in_edges(node)}
+    (out_edge,) = state.out_edges(node)
+    shape = _dims_of(sdfg, out_edge.data.data)
+    index = [f"__w{k}" for k in range(len(shape))]
+    params = {p: dim == "1" for p, dim in zip(index, shape)}
+    inputs: list[tuple[str, list[str]]] = []
+    parts = []
+    for conn in ("_mrg_mask", "_mrg_t", "_mrg_f"):
+        array = edges[conn].data.data
+        if array in constants:
+            parts.append(f"({constants[array]})")
+            continue
+        readers = sum(1 for st in sdfg.states() for n in st.data_nodes() if n.data == array
+                      for _ in st.out_edges(n))
+        source = next((r for r in raws if r.output[0] == array and r.kind == "map"), None)
+        if conn == "_mrg_mask" and source is not None and readers == 1 \
+                and isinstance(ast.parse(source.expr, mode="eval").body, ast.Compare):
+            raws.remove(source)
+            own = source.output[1]
+            rename = dict(zip(own, index[len(index) - len(own):]))
+            names = {f"in{k}": f"in{len(inputs) + k}" for k in range(len(source.inputs))}
+            parts.append(_map_expression(f"__out = {source.expr}", names))
+            inputs += [(name, [rename.get(i, i) for i in idx]) for name, idx in source.inputs]
+            continue
+        rank = len(_dims_of(sdfg, array))
+        parts.append(f"in{len(inputs)}")
+        inputs.append((array, index[len(index) - rank:]))
+    return _RawPrimitive("map", f"where({parts[0]}, {parts[1]}, {parts[2]})", inputs,
+                         (out_edge.data.data, index), params)
+
+
+def _origin(spec: LayerSpec, sdfg, array: str) -> str:
+    """Where the spec computes ``array``: ``file:line: the line``, from DaCe's debug information."""
+    for state in sdfg.states():
+        for node in state.data_nodes():
+            if node.data != array:
+                continue
+            for edge in state.in_edges(node):
+                info = getattr(edge.src, "debuginfo", None)
+                if info is None or not info.start_line:
+                    continue
+                path, line = spec_line(info.filename, info.start_line) or (info.filename, info.start_line)
+                text = linecache.getline(str(path), line).strip()
+                return f"{path}:{line}: {text}" if text else f"{path}:{line}"
+    return str(spec.path)
+
+
 def _returned_einsums(sdfg, records: list[EinsumRecord]) -> list[EinsumRecord]:
     """Simplification renames an einsum returned directly to ``__return``: point its record there."""
     missing = [r for r in records if r.output not in sdfg.arrays]
@@ -182,6 +241,7 @@ def _returned_einsums(sdfg, records: list[EinsumRecord]) -> list[EinsumRecord]:
         for node in state.data_nodes():
             if node.data.startswith("__return") and node.data not in written_by_library and any(
                     isinstance(e.src, nodes.LibraryNode) or (isinstance(e.src, nodes.AccessNode) and _is_view(sdfg, e.src.data))
+                    or (isinstance(e.src, nodes.MapExit) and e.src.map.label.startswith("einsum"))  # a loop-nest einsum
                     for e in state.in_edges(node)):
                 written_by_library.append(node.data)
     if len(missing) != len(written_by_library):
@@ -205,7 +265,8 @@ def walk_sdfg(spec: LayerSpec, sdfg: dace.SDFG, records: list[EinsumRecord]) -> 
     for state in sdfg.states():
         _read_state(sdfg, state, by_output, raws, constants, aliases)
     if aliases:
-        raise SpecError(f"unsupported copies between arrays: {aliases}")
+        raise SpecError(f"{_origin(spec, sdfg, next(iter(aliases)))}: a copy of an array is not supported: "
+                        "use the array itself")
 
     out_arrays = sorted(name for name in sdfg.arrays if name.startswith("__return"))
     rename = dict(zip(out_arrays, spec.output_names))
@@ -223,12 +284,14 @@ def walk_sdfg(spec: LayerSpec, sdfg: dace.SDFG, records: list[EinsumRecord]) -> 
                             f"a dim of size {dim}")
 
     primitives: list[Primitive] = []
+    relabelled: dict[str, tuple[str, tuple[int, ...]]] = {}  # array -> (source, source axis -> array axis)
     pending = list(raws)
     while pending:  # topological: a primitive is ready when all its inputs have letters
         ready = [raw for raw in pending if all(name in letters for name, _ in raw.inputs)]
         if not ready:
-            names = sorted({name for raw in pending for name, _ in raw.inputs if name not in letters})
-            raise SpecError(f"{spec.path}: cannot follow the dataflow through {', '.join(names)}")
+            missing = sorted({name for raw in pending for name, _ in raw.inputs if name not in letters})
+            raise SpecError(f"{_origin(spec, sdfg, missing[0])}: DaCe turned this into a construct datamove cannot "
+                            "read; write it with " + SUPPORTED)
         raw = ready[0]
         pending.remove(raw)
         out_name = rename.get(raw.output[0], raw.output[0])
@@ -240,6 +303,15 @@ def walk_sdfg(spec: LayerSpec, sdfg: dace.SDFG, records: list[EinsumRecord]) -> 
             for term, (name, _) in zip(terms, raw.inputs):
                 for letter, dim in zip(term, _dims_of(sdfg, name)):
                     bind(letter, dim, f"einsum {raw.expr!r} on {name}")
+            if len(terms) == 1 and sorted(terms[0]) == sorted(out) and len(set(out)) == len(out):
+                if out_name in spec.output_names:
+                    raise SpecError(f"{spec.path}: the output {out_name} is a transposed view: compute it in the "
+                                    "order of its axes")
+                (name, _), = raw.inputs  # a relabelling: its readers read the operand, permuted
+                source, positions = relabelled.get(name, (name, tuple(range(len(terms[0])))))
+                relabelled[raw.output[0]] = (source, tuple(out.index(terms[0][p]) for p in positions))
+                letters[raw.output[0]] = out
+                continue
             inputs = tuple(Operand(name, term) for term, (name, _) in zip(terms, raw.inputs))
             output = Operand(out_name, out)
         elif raw.kind == "reduce":
@@ -277,6 +349,7 @@ def walk_sdfg(spec: LayerSpec, sdfg: dace.SDFG, records: list[EinsumRecord]) -> 
         letters[out_name] = output.letters
         role = "output" if out_name in spec.output_names else "intermediate"
         tensors[out_name] = TensorInfo(out_name, output.letters, role)
+        inputs = tuple(_unrelabelled(op, relabelled) for op in inputs)
         inputs = tuple(Operand(rename.get(op.tensor, op.tensor), op.letters) for op in inputs)
         primitives.append(Primitive(f"{raw.kind}:{out_name}", raw.kind, inputs, output, raw.expr))
 
@@ -285,6 +358,14 @@ def walk_sdfg(spec: LayerSpec, sdfg: dace.SDFG, records: list[EinsumRecord]) -> 
     if unknown_dims:
         raise SpecError(f"{spec.path}: sizes {', '.join(unknown_dims)} are not declared dims")
     return PrimitiveGraph(tensors, primitives, letter_dims, dict(spec.dim_values), list(spec.output_names))
+
+
+def _unrelabelled(operand: Operand, relabelled: dict[str, tuple[str, tuple[int, ...]]]) -> Operand:
+    """An operand reading a relabelled (transposed) array reads its source with permuted letters."""
+    if operand.tensor not in relabelled:
+        return operand
+    source, positions = relabelled[operand.tensor]
+    return Operand(source, "".join(operand.letters[p] for p in positions))
 
 
 def _axis_letters(sdfg, array: str, letters: str) -> str:

@@ -84,18 +84,13 @@ class LayerSpec:
         return {letter: self.dim_values[dim] for letter, dim in self.letter_dims.items()}
 
 
-# NumPy constructs that DaCe turns into Python callbacks or refuses, with the supported form.
+# NumPy constructs refused anywhere in a spec module, with the supported form (what the layer
+# function itself may use is checked, and lowered, by ``dataflow.numpy_lowering``).
 UNSUPPORTED_CALLS = {
-    "var": "write the variance out: np.sum((x - mean[...]) * (x - mean[...]), axis=a) / np.float32(n)",
-    "std": "write np.sqrt of the explicit variance (see np.var)",
-    "mean": "write np.sum(x, axis=a) / np.float32(n)",
     "random": "declare a Dropout(letters, p) argument and multiply by it",
-    "dot": "use np.einsum with named index letters",
-    "matmul": "use np.einsum with named index letters",
     "softmax": "write the softmax out with np.max, np.exp, np.sum",
 }
 UNSUPPORTED_KEYWORDS = {
-    "keepdims": "drop keepdims= and broadcast the result explicitly, e.g. m[:, :, None]",
     "out": "assign the result to a name instead of out=",
     "where": "drop where= (masks are multiplications by a mask tensor)",
 }
@@ -219,7 +214,9 @@ def _return_names(path: Path, tree: ast.Module, function: types.FunctionType) ->
                 raise SpecError(f"{path}:{node.lineno}: the layer function must end with one return of its outputs")
             value = returns[0].value
             items = value.elts if isinstance(value, ast.Tuple) else [value]
-            return [item.id if isinstance(item, ast.Name) else f"out{n}" for n, item in enumerate(items)]
+            arguments = set(inspect.signature(function).parameters)
+            names = [item.id if isinstance(item, ast.Name) else f"out{n}" for n, item in enumerate(items)]
+            return [f"{name}_out" if name in arguments else name for name in names]  # x = x + ...; return x
     raise SpecError(f"{path}: cannot find the source of {function.__name__}")
 
 
@@ -249,8 +246,10 @@ def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
             arguments.append(Argument(param.name, ann.letters, "dropout", False, float(ann.p)))
         else:
             arguments.append(Argument(param.name, ann.letters, "tensor", ann.requires_grad))
-    return LayerSpec(path, function, arguments, letter_dims, dim_values, chosen,
-                     _return_names(path, tree, function))
+    from dataflow.numpy_lowering import lower_spec  # it reads LayerSpec: imported here, not at the top
+
+    spec = LayerSpec(path, function, arguments, letter_dims, dim_values, chosen, _return_names(path, tree, function))
+    return lower_spec(spec, source, tree)
 
 
 def _apply_options(path: Path, module, options: dict[str, str]) -> dict[str, str]:

@@ -1,0 +1,205 @@
+"""Specs written in plain NumPy (``tests/specs_plain/``): @, implicit broadcasting, keepdims,
+mean/var/std, Python floats, transposes.  Each is analysed (fusion included), its operator
+classes are checked, its forward graph is checked against NumPy running the spec itself, and its
+training graph, run by the reference executor (unfused and fused), against torch.autograd on a
+layer written here with torch's own operators, in float64 at the specs' small odd dims.
+"""
+import importlib.util
+import types
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dataflow.executor import dropout_masks, execute
+from dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION
+from dataflow.pipeline import analyse_spec
+from test_executor import SEED, random_inputs, relative_error
+
+warnings.filterwarnings("ignore", module="dace")
+
+SPECS = Path(__file__).parent / "specs_plain"
+
+
+def _softmax_heads(q, k, v, scale=True):
+    scores = q @ k.transpose(-1, -2) / (q.shape[-1] ** 0.5 if scale else 1.0)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _rms(x, g, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+
+
+def attention_transpose(t, m):
+    q, k, v = t["x"] @ t["wq"], t["x"] @ t["wk"], t["x"] @ t["wv"]
+    scores = torch.where(t["causal"] < 0, -1e9, q @ k.T / q.shape[-1] ** 0.5)
+    return torch.softmax(scores, dim=-1) @ v @ t["wo"] + t["x"]
+
+
+def mlp_softmax(t, m):
+    x1 = torch.relu(t["input"] @ t["w1"] + t["b1"])
+    x2 = torch.relu(x1 @ t["w2"] + t["b2"])
+    return torch.softmax(x2 @ t["w3"] + t["b3"], dim=-1)
+
+
+def layernorm_linear_gelu(t, m):
+    h = F.layer_norm(t["x"], t["x"].shape[-1:], t["g"], t["beta"], eps=1e-5)
+    return F.gelu(h @ t["w"] + t["c"], approximate="tanh")
+
+
+def rmsnorm(t, m):
+    return _rms(t["x"], t["g"], 1e-6)
+
+
+def swiglu_mlp(t, m):
+    return (F.silu(t["x"] @ t["w_gate"]) * (t["x"] @ t["w_up"])) @ t["w_down"]
+
+
+def gelu_mlp(t, m):
+    return F.gelu(t["x"] @ t["w1"] + t["b1"], approximate="tanh") @ t["w2"] + t["b2"] + t["x"]
+
+
+def mha_heads(t, m):
+    q, k, v = (torch.einsum("bsd,hde->bhse", t["x"], t[w]) for w in ("wq", "wk", "wv"))
+    return torch.einsum("bhse,hed->bsd", _softmax_heads(q, k, v), t["wo"])
+
+
+def gpt2_plain(t, m):
+    x = t["x"]
+    h = F.layer_norm(x, x.shape[-1:], t["ln1_g"], t["ln1_b"], eps=1e-5)
+    q, k, v = (torch.einsum("bsd,hde->bhse", h, t[w]) + t[b][:, None, :]
+               for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + t["causal"], dim=-1) * m["drop_attn"]
+    x = x + (torch.einsum("bhse,hed->bsd", att @ v, t["wo"]) + t["bo"]) * m["drop_res"]
+    h2 = F.layer_norm(x, x.shape[-1:], t["ln2_g"], t["ln2_b"], eps=1e-5)
+    return x + (F.gelu(h2 @ t["w_fc"] + t["b_fc"], approximate="tanh") @ t["w_out"] + t["b_out"]) * m["drop_mlp"]
+
+
+def t5_block(t, m):
+    x = t["x"]
+    h = _rms(x, t["g1"], 1e-6)
+    q, k, v = (torch.einsum("bsd,hde->bhse", h, t[w]) for w in ("wq", "wk", "wv"))
+    x1 = x + torch.einsum("bhse,hed->bsd", _softmax_heads(q, k, v, scale=False), t["wo"])
+    return x1 + torch.relu(_rms(x1, t["g2"], 1e-6) @ t["wi"]) @ t["wf"]
+
+
+def std_norm(t, m):
+    x = t["x"]
+    z = (x - x.mean(-1, keepdim=True)) / (x.std(-1, correction=0, keepdim=True) + 1e-3)
+    return z * t["g"] + t["b"]
+
+
+def einsum_implicit(t, m):
+    h = torch.einsum("btd,fd->btf", t["x"], t["w"])
+    return torch.einsum("btf,fd->btd", torch.tanh(h), t["u"]) + t["x"]
+
+
+def instance_norm(t, m):
+    x = t["x"]
+    c = x - x.mean((1, 2), keepdim=True)
+    return c / torch.sqrt(c.pow(2).mean((1, 2), keepdim=True) + 1e-5) * t["g"]
+
+
+def logsoftmax_misc(t, m):
+    x, w = t["x"], t["w"]
+    logp = torch.log_softmax(x, dim=1)
+    leaky = torch.where(logp > -2.0, logp, 0.1 * logp)
+    return torch.minimum(leaky / (1 + w.abs()), w ** 2 - 1) - x.amin(dim=-1)[:, None]
+
+
+CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of the forward pass), torch layer
+    "mlp_softmax": ((3, 1, 5), mlp_softmax),  # bias and ReLU each one map; the softmax one operator
+    "layernorm_linear_gelu": ((1, 1, 2), layernorm_linear_gelu),  # LN, Linear, bias, GELU
+    "rmsnorm": ((0, 1, 1), rmsnorm),  # the square before the first reduction stays element-wise
+    "swiglu_mlp": ((3, 0, 2), swiglu_mlp),  # SiLU one chain, the gate's product another
+    "gelu_mlp": ((2, 0, 4), gelu_mlp),
+    "attention_transpose": ((6, 1, 3), attention_transpose),  # scale, mask, residual
+    "mha_heads": ((6, 1, 1), mha_heads),
+    "gpt2_plain": ((8, 3, 14), gpt2_plain),
+    "t5_block": ((8, 3, 5), t5_block),
+    "std_norm": ((0, 1, 0), std_norm),  # mean, std and the affine tail: one normalization
+    "einsum_implicit": ((2, 0, 2), einsum_implicit),
+    "instance_norm": ((0, 1, 0), instance_norm),
+    "logsoftmax_misc": ((0, 2, 6), logsoftmax_misc),  # log-softmax and np.min: two normalizations
+}
+
+
+@pytest.fixture(scope="module")
+def analyses():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = analyse_spec(SPECS / f"{name}.py")
+        return cache[name]
+    return get
+
+
+def numpy_forward(spec, values: dict) -> np.ndarray:
+    """The spec's own function run by NumPy on float64 arrays, its dims bound to their sizes."""
+    module_spec = importlib.util.spec_from_file_location(f"plain_{spec.path.stem}", spec.path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    namespace = dict(vars(module), **spec.dim_values)
+    for name, value in vars(module).items():
+        if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
+            namespace[name] = types.FunctionType(value.__code__, namespace, name, value.__defaults__)
+    return namespace[spec.name](*(values[arg.name] for arg in spec.arguments))
+
+
+def test_corpus_covers_every_spec_file():
+    assert sorted(p.stem for p in SPECS.glob("*.py")) == sorted(CORPUS) and len(CORPUS) >= 12
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_plain_spec_matches_numpy_and_torch(analyses, name):
+    analysis = analyses(name)
+    (contractions, normalizations, elementwise), layer = CORPUS[name]
+    classes = Counter(op.cls for op in analysis.operators)
+    assert (classes[CONTRACTION], classes[NORMALIZATION], classes[ELEMENTWISE]) == \
+        (contractions, normalizations, elementwise), [(op.cls, op.name) for op in analysis.operators]
+
+    graph, training, fused = analysis.graph, analysis.training, analysis.fused
+    values = random_inputs(graph, training, np.random.default_rng(3))
+    result = execute(training.graph, values, SEED)
+    in_fused = execute(fused.graph, values, SEED, schedule=fused.operators)
+    masks = dropout_masks(graph, SEED)
+    (out,) = graph.outputs
+    expected = numpy_forward(analysis.spec, {**values, **masks})
+    assert relative_error(result[out], expected) < 1e-12
+
+    leaves = {n: torch.tensor(values[n], requires_grad=info.role == "input")
+              for n, info in graph.tensors.items() if info.role in ("input", "constant")}
+    y = layer(leaves, {n: torch.tensor(mask) for n, mask in masks.items()})
+    assert relative_error(y.detach().numpy(), expected) < 1e-12
+    y.backward(torch.tensor(values[training.seeds[out]]))
+    grads = {n: leaf.grad.numpy() for n, leaf in leaves.items() if leaf.requires_grad}
+    assert set(grads) == set(training.input_grads)
+    floor = 1e-5 * max(np.linalg.norm(g) for g in grads.values())  # gradients that vanish exactly (key biases)
+    for leaf, grad in grads.items():
+        for env in (result, in_fused):
+            assert relative_error(env[training.input_grads[leaf]], grad, floor) < 1e-10, leaf
+
+
+def test_plain_spec_letters_come_from_annotations(analyses):
+    """Dims keep the annotations' letters; q @ k.T names the key position with INDEX's other
+    letter of the same dim; a transpose moves nothing (no map reads k permuted into a copy)."""
+    graph = analyses("attention_transpose").graph
+    einsums = [p.expr for p in graph.primitives if p.kind == "einsum"]
+    assert einsums == ["sd,de->se"] * 3 + ["se,te->st", "st,te->se", "se,ed->sd"]
+    assert all(p.kind != "map" or p.expr != "in0" for p in graph.primitives)
+    assert graph.tensors["y"].letters == "sd"
+
+
+def test_analyze_command_on_a_plain_spec(tmp_path, capsys):
+    from datamove.cli import main
+
+    out = tmp_path / "gpt2_plain.json"
+    assert main([str(SPECS / "gpt2_plain.py"), "--analyze", "--dims", "B=3,T=7", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "contraction" in text and "normalization" in text
+    assert '"class": "contraction"' in out.read_text()
