@@ -39,6 +39,8 @@ from typing import Callable
 
 from layouts.plan import LAYOUT_CHANGE, MEASURED, PREDICTED, Plan, Step
 
+STATES_PER_POSITION = 512  # layout states kept per position of the execution order: bounds the search
+
 @dataclass(frozen=True)
 class Candidate:
     """One way to run ``operators`` (a contiguous run of the execution order) as one kernel.
@@ -94,7 +96,12 @@ def select(order: list[str], candidates: list[Candidate], *, produced: set[str],
     in ``boundary``); ``outputs``: tensors leaving the layer (their boundary layout is paid for).
     Returns (steps, search facts): steps as ``(candidate | None, change)`` pairs in order, a change
     being ``(tensor, from, to, ms, source)`` inserted before its reader (or after its writer for an
-    output)."""
+    output).
+
+    The search is A* over (position, layouts of the live tensors); every node at one position has
+    the same heuristic, so they are settled in order of distance and the first
+    ``STATES_PER_POSITION`` settled there are the best ones: later ones are dropped (exact whenever
+    no position fills up; ``facts["dropped"]`` counts the nodes dropped)."""
     started = time.monotonic()
     candidates = prune(candidates)
     position = {name: n for n, name in enumerate(order)}
@@ -114,13 +121,19 @@ def select(order: list[str], candidates: list[Candidate], *, produced: set[str],
     pushed, edges = 1, 0
     stuck: dict[int, list[str]] = {}
     reached, goal = 0, None
+    settled_at: dict[int, int] = {}
+    dropped = 0
     while queue:
         _, _, node = heapq.heappop(queue)
         if node in settled:
             continue
+        index, state = node
+        if settled_at.get(index, 0) >= STATES_PER_POSITION:
+            dropped += 1
+            continue
+        settled_at[index] = settled_at.get(index, 0) + 1
         distance = best[node]
         settled.add(node)
-        index, state = node
         reached = max(reached, index)
         if index == len(order):
             goal = node
@@ -144,7 +157,7 @@ def select(order: list[str], candidates: list[Candidate], *, produced: set[str],
         goal, c, changes = came_from[goal]
         chosen.append((c, changes))
     facts = {"operators": len(order), "candidates": len(candidates), "states": len(best), "settled": len(settled),
-             "edges": edges, "seconds": round(time.monotonic() - started, 3)}
+             "edges": edges, "dropped": dropped, "seconds": round(time.monotonic() - started, 3)}
     return chosen[::-1], facts
 
 

@@ -183,3 +183,31 @@ def test_operator_without_candidate_is_named(monkeypatch):
     with pytest.raises(ValueError, match="operators without a candidate that runs: stack\\(q,k,v\\)"):
         plan_layer(fused, "bert", dtype="bfloat16", figures=device_figures("H100"))
 
+
+
+def test_states_per_position_bound_the_search(monkeypatch):
+    """With the bound reached the search still returns a complete plan, no cheaper than the optimum,
+    and says how many nodes it dropped; the GPT-2 layer at test sizes (32k states unbounded) is
+    selected in seconds."""
+    import random
+
+    import layouts.select as search
+
+    rng = random.Random(11)
+    order = [f"op{n}" for n in range(6)]
+    tensors = [f"t{n}" for n in range(6)]
+    candidates = [cand(f"{op}_{k}", [op], {t: rng.choice(("ab", "ba")) for t in (tensors[:n] or ["w"])[-3:]},
+                       {tensors[n]: ("ab", "ba")[k % 2]}, round(rng.uniform(0.5, 3.0), 3))
+                  for n, op in enumerate(order) for k in range(4)]
+    optimum = brute_force(order, candidates, set(tensors), {})
+    monkeypatch.setattr(search, "STATES_PER_POSITION", 1)
+    steps, facts = select(order, candidates, produced=set(tensors), boundary={}, change_cost=change_cost)
+    assert [op for c, _ in steps for op in c.operators] == order
+    assert facts["dropped"] > 0
+    assert sum(c.time_ms + sum(ch[3] for ch in changes) for c, changes in steps) >= optimum - 1e-9
+    monkeypatch.undo()
+    fused = stored_fused()["gpt2"].with_dims(dict(B=2, T=21, D=32, H=2, E=16, F=72))
+    started = time.monotonic()
+    plan = plan_layer(fused, "gpt2", dtype="float32", figures=device_figures("H100"))
+    assert time.monotonic() - started < 20
+    _consistent(plan, fused.graph)
