@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# The main job and the end-to-end layer benchmark in one GPU run:
-#   benchmarks/end_to_end.sh OUT BUDGET_S CASE [CASE ...]      CASE = B,L,dtype (e.g. 8,512,bfloat16)
+# The main job timed cold and warm on a GPU:
+#   benchmarks/main_job.sh OUT BUDGET_S CASE [CASE ...]      CASE = B,L,dtype (e.g. 8,512,bf16)
 # For each case: `optimize-layer configs/bert.py` into OUT/<case> with the tuning database OUT/tuning.db
 # (cold unless OUT/tuning.db exists), then once more (warm: everything read back from the database),
-# timing both; then benchmarks/layer.py on every artifact (results into OUT/results).
-# Every job's output is kept in OUT/<case>.log; OUT/times.txt lists the wall times.
+# timing both.  Every job's output is kept in OUT/<case>-{cold,warm}.log; OUT/times.txt lists the wall
+# times.  The artifacts then go to the end-to-end benchmark: benchmarks/layer.py --artifact OUT/bert-*
 set -uo pipefail
 out=$1; budget=$2; shift 2
 mkdir -p "$out"
-artifacts=()
 for case in "$@"; do
   IFS=, read -r b l dtype <<<"$case"
   dir="$out/bert-B$b-L$l-$dtype"
@@ -21,6 +20,4 @@ for case in "$@"; do
     printf '%s %s rc=%s wall_s=%.1f\n' "$(basename "$dir")" "$run" "$rc" "$(echo "$end - $start" | bc)" | tee -a "$out/times.txt"
     tail -n 8 "$out/$(basename "$dir")-$run.log"
   done
-  artifacts+=("$dir")
 done
-python3 benchmarks/layer.py --artifact "${artifacts[@]}" --out "$out/results"
