@@ -12,12 +12,13 @@ for case in "$@"; do
   IFS=, read -r b l dtype <<<"$case"
   dir="$out/bert-B$b-L$l-$dtype"
   for run in cold warm; do
-    start=$(date +%s.%N)
+    start=$(date +%s%N)
     python3 -m datamove.cli configs/bert.py --dims "B=$b,L=$l" --dtype "$dtype" --budget-s "$budget" \
       --db "$out/tuning.db" --out "$dir" >"$out/$(basename "$dir")-$run.log" 2>&1
     rc=$?
-    end=$(date +%s.%N)
-    printf '%s %s rc=%s wall_s=%.1f\n' "$(basename "$dir")" "$run" "$rc" "$(echo "$end - $start" | bc)" | tee -a "$out/times.txt"
+    end=$(date +%s%N)
+    printf '%s %s rc=%s wall_s=%d.%d\n' "$(basename "$dir")" "$run" "$rc" $(((end - start) / 1000000000)) \
+      $(((end - start) / 100000000 % 10)) | tee -a "$out/times.txt"
     tail -n 8 "$out/$(basename "$dir")-$run.log"
   done
 done
