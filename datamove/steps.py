@@ -287,23 +287,36 @@ def stack_groups(steps: list[Step]) -> list[list[str]]:
     the order their buffer stacks them.
 
     A stacked GEMM pairs its stacked operands member by member (member n of A with member n of B
-    or of the output).  A group takes the order of its first appearance, unless a step pairs it
-    with a group already ordered: then it follows that order, so a GEMM over both reads two
-    buffers in one member order and stacks them as views (``stacked_view``), not copies."""
+    or of the output).  A group takes the order of its first appearance, and every group paired
+    with it, in any step of the plan, follows that order (and so on through their pairings): a GEMM
+    over two groups then reads both in one member order and stacks them as views
+    (``stacked_view``), not copies.  (The weights' group, first met in the forward, orders the
+    gradients' group that the backward meets first beside an unstacked operand.)"""
     links = [[list(m) for m in (step.config.get("operands") or {}).values() if len(m) > 1] for step in steps]
+    pairs: dict[frozenset, list[tuple[list[str], list[str]]]] = {}  # members -> (as listed, a list paired with it)
+    for lists in links:
+        for members in lists:
+            pairs.setdefault(frozenset(members), []).extend((members, other) for other in lists if other is not members)
     groups: list[list[str]] = []
 
     def group_of(members):
         return next((g for g in groups if set(g) == set(members)), None)
 
-    for lists in links:
-        for members in lists:
-            if group_of(members) is None:
-                if any(set(members) & set(g) for g in groups):
-                    raise ValueError(f"stacked operand {members} overlaps another stack group")
-                ordered = next((group_of(other) for other in lists if group_of(other) is not None), None)
-                partner = next((other for other in lists if group_of(other) is ordered), None) if ordered else None
-                groups.append([members[partner.index(m)] for m in ordered] if ordered else list(members))
+    for members in (m for lists in links for m in lists):
+        if group_of(members) is not None:
+            continue
+        if any(set(members) & set(g) for g in groups):
+            raise ValueError(f"stacked operand {members} overlaps another stack group")
+        groups.append(list(members))
+        reached = [members]
+        while reached:
+            order = group_of(reached.pop())
+            for listed, other in pairs[frozenset(order)]:
+                if group_of(other) is None:
+                    if any(set(other) & set(g) for g in groups):
+                        raise ValueError(f"stacked operand {other} overlaps another stack group")
+                    groups.append([other[listed.index(m)] for m in order])
+                    reached.append(other)
     return groups
 
 

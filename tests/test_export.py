@@ -267,3 +267,20 @@ def test_replace_bert_layers_keeps_the_model(tmp_path):
     expected = original(input_ids=ids, attention_mask=mask).last_hidden_state
     ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
     assert error(ours.detach(), expected.detach()) < FLOAT32_TOLERANCE
+
+
+def test_stack_groups_follow_their_partners_through_the_plan():
+    """The gradients' stack, first met beside the unstacked x, takes the weights' order because a
+    later GEMM pairs the two: both are then read as views of their buffers, no copy per call."""
+    from datamove.steps import stack_groups
+    from layouts.plan import GEMM, Step
+
+    def gemm(name, a, b, out):
+        return Step(name, "forward", GEMM, (name,), {}, {}, {"operands": {"a": a, "b": b, "out": out}}, 0.0, "predicted")
+
+    steps = [gemm("qkv", ["wq", "wk", "wv"], ["x"], ["q", "k", "v"]),
+             gemm("d_w", ["d_v", "d_k", "d_q"], ["x"], ["d_wv", "d_wk", "d_wq"]),
+             gemm("d_x", ["wv", "wk", "wq"], ["d_v", "d_k", "d_q"], ["d_x"])]
+    assert stack_groups(steps) == [["wq", "wk", "wv"], ["q", "k", "v"], ["d_q", "d_k", "d_v"], ["d_wq", "d_wk", "d_wv"]]
+    with pytest.raises(ValueError, match="overlaps another stack group"):
+        stack_groups(steps + [gemm("bad", ["wq", "wk"], ["x"], ["y"])])
