@@ -219,9 +219,11 @@ def main() -> int:
         return 2
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(), "versions": versions(),
-              "cases": [run_case(a) for a in args.artifact]}
-    text = markdown(report)
-    write_results(args.out, "layer", report, text)
+              "cases": []}
+    for artifact in args.artifact:  # the results rewritten after each case: what was measured stays
+        report["cases"].append(run_case(artifact))
+        text = markdown(report)
+        write_results(args.out, "layer", report, text)
     print(text)
     return 0
 
