@@ -175,6 +175,33 @@ def test_timings_of_another_device_or_dtype_are_refused():
         Timings([Record(key, "ok", 0.05)], "NVIDIA H200", "float16")
 
 
+def test_unmeasured_layout_change_priced_like_measured_ones_of_its_size():
+    """A change not measured yet costs at least the median of the changes measured on tensors of
+    its size (a transposing copy runs near one speed whatever the permutation), so the selection
+    does not chase the cost model's optimism round after round; a measured change keeps its time."""
+    from datamove.candidates import CandidateBuilder
+
+    fused = stored_fused()["bert"]
+    graph = fused.graph
+    sizes = {x: graph.size(x) for x in "phbjk"}
+    device = "NVIDIA H200"
+
+    def change(letters, source, target, ms):
+        key = Key(device, {}, f"layout:{letters}", {x: sizes[x] for x in letters}, "bfloat16",
+                  {"from": source, "to": target}, {"impl": "triton-tiles"})
+        return Record(key, "ok", ms)
+
+    timings = Timings([change("phbj", "phbj", "bjph", 0.026), change("phbj", "bjph", "phbj", 0.027),
+                       change("phbj", "phbj", "bpjh", 0.025)], device, "bfloat16")
+    builder = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H200"), timings)
+    unmeasured = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H200"), Timings([], device, "bfloat16"))
+    model_ms, source = unmeasured.layout_change("k", "phbk", "bkph")
+    assert source == "predicted" and model_ms < 0.026
+    assert builder.layout_change("k", "phbk", "bkph") == (0.026, "predicted")  # wk's size: the median
+    assert builder.layout_change("q", "phbj", "bpjh") == (0.025, "measured")
+    assert builder.layout_change("pre_act", "bju", "ubj") == unmeasured.layout_change("pre_act", "bju", "ubj")  # 4x more
+
+
 def test_operator_without_candidate_is_named(monkeypatch):
     import datamove.candidates as candidates
 
