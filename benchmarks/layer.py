@@ -36,7 +36,7 @@ import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
 from datamove.steps import Run
-from kernels.bench import time_cuda, write_results
+from kernels.bench import capture_graph, time_cuda, write_results
 from kernels.device import query_device, versions
 
 REPS = 20
@@ -100,27 +100,13 @@ def wall_ms(step) -> float:
     return (time.perf_counter() - started) * 1e3 / REPS
 
 
-def graphed(step):
-    """``step`` captured in a CUDA graph (warmed up on a side stream first); returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def measure(step) -> dict:
     for _ in range(3):
         step()
     result = {"kernel_ms": statistics.median(kernel_ms(step) for _ in range(ROUNDS)),
               "wall_ms": statistics.median(wall_ms(step) for _ in range(ROUNDS))}
     try:
-        replay = graphed(step)
+        replay, _ = capture_graph(step)
         result["graphed_ms"] = statistics.median(wall_ms(replay) for _ in range(ROUNDS))
     except Exception as exc:  # noqa: BLE001 - a layer that cannot be captured is reported, not fatal
         result["graphed_error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -1059,10 +1059,11 @@ def spec_line(filename: str, line: int) -> tuple[str, int] | None:
     return (path, lines[line]) if lines.get(line) else None
 
 
-def lower_spec(spec: LayerSpec, source: str, tree: ast.Module) -> LayerSpec:
-    """``spec`` with its layer function (and the helpers it calls) lowered to the dialect DaCe reads;
-    ``spec`` itself if nothing needed lowering."""
-    module = _Module(spec, source, tree, spec.function.__globals__)
+def lower_spec(spec: LayerSpec) -> LayerSpec:
+    """``spec`` (as ``dataflow.spec.load_spec`` reads it) with its layer function (and the helpers
+    it calls) lowered to the dialect DaCe reads; ``spec`` itself if nothing needed lowering."""
+    source = spec.path.read_text()
+    module = _Module(spec, source, ast.parse(source, filename=str(spec.path)), spec.function.__globals__)
     node = module.functions.get(spec.function.__name__)
     if node is None:
         raise SpecError(f"{spec.path}: cannot find the source of {spec.function.__name__}")

@@ -12,6 +12,7 @@ from dataflow.graph import PrimitiveGraph
 from dataflow.operators import Operator, group_operators
 from dataflow.sdfg import build_sdfg
 from dataflow.sdfg_reader import walk_sdfg
+from dataflow.numpy_lowering import lower_spec
 from dataflow.spec import LayerSpec, load_spec
 
 
@@ -50,7 +51,7 @@ class Analysis:
 def forward_graph(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None
                   ) -> tuple[LayerSpec, PrimitiveGraph]:
     """Load a spec and read its SDFG into the forward primitive graph."""
-    spec = load_spec(path, dims, options)
+    spec = lower_spec(load_spec(path, dims, options))
     sdfg, einsums = build_sdfg(spec)
     return spec, walk_sdfg(spec, sdfg, einsums)
 

@@ -222,7 +222,8 @@ def _return_names(path: Path, tree: ast.Module, function: types.FunctionType) ->
 
 def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
               options: dict[str, str] | None = None) -> LayerSpec:
-    """Load a spec file; ``dim_overrides`` replace its dim defaults, ``options`` its module constants."""
+    """Load a spec file as written (``dataflow.numpy_lowering.lower_spec`` then lowers its plain NumPy);
+    ``dim_overrides`` replace its dim defaults, ``options`` its module constants."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"{path}: no such spec file")
@@ -246,10 +247,7 @@ def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
             arguments.append(Argument(param.name, ann.letters, "dropout", False, float(ann.p)))
         else:
             arguments.append(Argument(param.name, ann.letters, "tensor", ann.requires_grad))
-    from dataflow.numpy_lowering import lower_spec  # it reads LayerSpec: imported here, not at the top
-
-    spec = LayerSpec(path, function, arguments, letter_dims, dim_values, chosen, _return_names(path, tree, function))
-    return lower_spec(spec, source, tree)
+    return LayerSpec(path, function, arguments, letter_dims, dim_values, chosen, _return_names(path, tree, function))
 
 
 def _apply_options(path: Path, module, options: dict[str, str]) -> dict[str, str]:

@@ -118,7 +118,7 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
         if not flush_l2:
             calls_per_rep = max(1, math.ceil(GRAPH_MIN_REPLAY_MS / max(call_ms, 1e-4)))
         try:
-            call = _capture(fn, calls_per_rep)
+            call, _ = capture_graph(fn, calls_per_rep)
         except Exception:
             if cuda_graph:
                 raise
@@ -145,8 +145,10 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
     return Timing(median_ms=median, q20_ms=q20, q80_ms=q80, n=n * calls_per_rep, cuda_graph=use_graph)
 
 
-def _capture(fn: Callable[[], object], calls: int) -> Callable[[], None]:
-    """Capture ``calls`` back-to-back calls of ``fn`` in a CUDA graph; return its replay."""
+def capture_graph(fn: Callable[[], object], calls: int = 1) -> tuple[Callable[[], None], object]:
+    """Capture ``calls`` back-to-back calls of ``fn`` in a CUDA graph (after three warm-up calls on
+    a side stream); return its replay and what the last captured call returned (tensors each
+    replay rewrites in place)."""
     import torch
 
     side = torch.cuda.Stream()
@@ -158,10 +160,10 @@ def _capture(fn: Callable[[], object], calls: int) -> Callable[[], None]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            result = fn()
     graph.replay()
     torch.cuda.synchronize()
-    return graph.replay
+    return graph.replay, result
 
 
 class Variant(Protocol):

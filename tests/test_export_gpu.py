@@ -15,6 +15,7 @@ import torch
 from dataflow.snapshot import stored_fused
 from datamove.export import load_layer, load_weights, write_artifact
 from datamove.weights import from_spec
+from kernels.bench import capture_graph
 from plans import selected_plan, spec_module, spec_order_plan
 
 pytestmark = pytest.mark.gpu
@@ -118,18 +119,10 @@ def test_compile_fullgraph_and_cuda_graph_replay(tmp_path, plan):
     assert torch.equal(again, eager) and torch.equal(x.grad, eager_grad)
 
     static_x = x.detach().clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            layer(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = layer(static_x)
+    replay, static_y = capture_graph(lambda: layer(static_x))
     outputs = []
     for _ in range(3):
-        graph.replay()
+        replay()
         outputs.append(static_y.clone())
     assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2])
 
@@ -149,18 +142,10 @@ def test_cuda_graph_train_step(tmp_path, plan):
 
     for training in (True, False):
         layer.train(training)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = step()
+        replay, static = capture_graph(step)
         replays = []
         for _ in range(3):
-            graph.replay()
+            replay()
             replays.append([t.clone() for t in static])
         if training:
             for first, second in zip(replays, replays[1:]):
