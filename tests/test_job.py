@@ -64,6 +64,27 @@ def test_mue_and_class_totals_by_hand():
     assert "| elementwise | 2 | 1.000 | 3.00 | 0.0030 |" in text  # class total: kernels, Gflop, 1e6 elements, ms
 
 
+def test_compute_ceiling_is_never_below_a_measured_kernel():
+    """A GEMM measured at a higher clock than the ceiling's 8192^3 GEMM raises the roof (an H200 run
+    showed 105% of peak); predicted times do not; without measurements the cost model's figures."""
+    from types import SimpleNamespace
+
+    from datamove.report import peak_percent
+    from datamove.report_data import ceilings_of
+    from layouts.cost_model import device_figures
+
+    measured = SimpleNamespace(device="NVIDIA H200", copy_bytes_per_s=4.25e12, gemm_flop_per_s=6.8e14)
+    fast = KernelRow("gemm", "contraction", "forward", 7.2e10, 1, 1, 1, 1, 0.1, "measured", "cuBLAS")
+    optimistic = KernelRow("pred", "contraction", "forward", 9.0e10, 1, 1, 1, 1, 0.1, "predicted", "cuBLAS")
+    limits = ceilings_of(measured, device_figures("H200"), "bfloat16", [fast, optimistic])
+    assert limits["flops"] == pytest.approx(7.2e14) and peak_percent(fast, limits["flops"]) == pytest.approx(100.0)
+    assert "fastest kernel measured" in limits["source"]
+    slow = KernelRow("gemm", "contraction", "forward", 3.4e10, 1, 1, 1, 1, 0.1, "measured", "cuBLAS")
+    assert ceilings_of(measured, device_figures("H200"), "bfloat16", [slow])["flops"] == 6.8e14
+    model = ceilings_of(None, device_figures("H200"), "bfloat16", [fast])
+    assert model["flops"] == device_figures("H200").peak("bfloat16") and "cost-model" in model["source"]
+
+
 def _chromium():
     return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome", "headless_shell")
                  if shutil.which(n)), None)
