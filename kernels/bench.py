@@ -207,6 +207,9 @@ class RunLimit:
     why: str  # what the bound is, e.g. "20x the operator's best 0.034 ms"
 
 
+TOO_SLOW = "too slow"  # a sweep's count of variants recorded 'failed' because a run took too long
+
+
 class RunTooLong(RuntimeError):
     """One run of the timed callable took longer than its ``RunLimit``."""
 
@@ -297,7 +300,8 @@ class SweepReport:
 
     device: str
     measured: bool
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("ok", "checked", "failed", "wrong", "skipped"), 0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("ok", "checked", "failed", TOO_SLOW, "wrong", "skipped"), 0))  # TOO_SLOW: failed as RunTooLong
     remaining: int = 0
     stopped: str | None = None  # None: all variants done; else why the sweep stopped early
 
@@ -517,7 +521,8 @@ class Sweep:
 
     def _record(self, report: SweepReport, key: Key, status: str, fields: dict) -> None:
         self.db.put(Record(key, status, **fields))
-        report.counts[status] += 1
+        abandoned = status == "failed" and RunTooLong.__name__ in (fields.get("detail") or "")
+        report.counts[TOO_SLOW if abandoned else status] += 1
 
     def _failed(self, report: SweepReport, key: Key, variant, reason: str) -> None:
         self._record(report, key, "failed", {"bytes": getattr(variant, "bytes", None),

@@ -102,7 +102,7 @@ def test_measuring_process_failures_are_recorded_and_the_rest_measured(tmp_path)
     with TuningDB(tmp_path / "t.db") as db:
         report, seconds = sweep(db, variants, processes=2, variant_timeout_s=LIMIT_S)
         assert report.stopped is None and report.remaining == 0
-        assert report.counts == {"ok": 0, "checked": 4, "failed": 3, "wrong": 1, "skipped": 0}
+        assert report.counts == {"ok": 0, "checked": 4, "failed": 3, "too slow": 0, "wrong": 1, "skipped": 0}
         got = details(db)
     assert got["abort"] == ("failed", "build: measuring process died (SIGABRT)")
     assert got["hang"] == ("failed", f"build: timed out after {LIMIT_S} s (measuring process replaced)")
