@@ -14,6 +14,11 @@ names:
 - an element-wise operator of several maps (GELU written out) is inlined into one expression
   first, so its backward is one map reading the operator's inputs, not its inner tensors.
 
+The derived graph is then rewritten so that ReLU's backward reads what the forward saves anyway
+(``relu_masks_from_outputs``): ``d_x = d_y * (x > 0)`` for ``y = maximum(x, 0)`` becomes
+``d_x = d_y * (y > 0)``, and through a dropout ``h = y * mask``, ``d_x = d_h * (h > 0) * scale``;
+the forward then need not save x, and the backward need not regenerate the mask.
+
 Normalizations are recognised structurally inside the forward normalization operators
 (``dataflow.operators``): the maps between the reductions are composed into one symbolic
 expression per tensor (sympy) and compared with the defining formula of
@@ -106,13 +111,15 @@ class TrainingGraph:
         return result
 
 
-def build_training_graph(graph: PrimitiveGraph, closed_forms: bool = True) -> TrainingGraph:
+def build_training_graph(graph: PrimitiveGraph, closed_forms: bool = True, relu_masks: bool = True) -> TrainingGraph:
     """Differentiate ``graph`` (a forward graph) into its training graph.
 
     ``closed_forms=False`` differentiates normalizations by the generic chain rule through
-    max / exp / sum / div (correct but wasteful; kept to cross-check the closed forms).
+    max / exp / sum / div (correct but wasteful; kept to cross-check the closed forms);
+    ``relu_masks=False`` leaves ReLU's backward reading its input (``relu_masks_from_outputs``).
     """
-    return _Backward(graph, recognise_normalizations(graph) if closed_forms else [], elementwise_chains(graph)).run()
+    training = _Backward(graph, recognise_normalizations(graph) if closed_forms else [], elementwise_chains(graph)).run()
+    return relu_masks_from_outputs(training) if relu_masks else training
 
 
 # --- symbolic derivatives of map expressions ----------------------------------------------------
@@ -662,3 +669,105 @@ class _Backward:
         return TrainingGraph(graph, phases, dict(self.grads), dict(self.seeds),
                              {name: tuple(p.name for p in self.prims[a:b]) for name, (a, b) in derived.items()},
                              list(self.closed_forms))
+
+
+# --- ReLU's mask from its output ----------------------------------------------------------------
+
+def _is(expr: str, *forms: str) -> bool:
+    """``expr`` is one of ``forms`` up to spacing and the spelling of constants (``0`` / ``0.0``)."""
+    def canonical(text: str) -> str:
+        tree = ast.parse(text, mode="eval")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+                node.value = float(node.value)
+        return ast.dump(tree)
+    return canonical(expr) in {canonical(form) for form in forms}
+
+
+def relu_masks_from_outputs(training: TrainingGraph) -> TrainingGraph:
+    """Make every ReLU's backward read the ReLU's output (or its dropout's) instead of its input.
+
+    Match, structurally (no names): a forward map ``y = maximum(x, 0)`` element by element (x read
+    under y's letters), whose only derived backward primitive is the map ``d_x = d_y * (x > 0)``.
+
+    - Through a dropout: y's only reader is a forward map ``h = y * m`` (either order) with ``m`` of
+      role "dropout" over the same letters, whose derived map ``d_y = d_h * m`` is y's whole
+      gradient, read only by ``d_x``.  The two backward maps become one,
+      ``d_x = d_h * (h > 0) * scale_m``, reading h instead of x and m.  Exact: m is 0 or
+      s = ``dropout_scale(p)`` (>= 1), so h = y * m > 0 exactly where y > 0 (x > 0) and m = s, hence
+      ``m * (x > 0) == (h > 0) * s`` element by element, and both sides round ``d_h * s`` once
+      (``(d_h * (h > 0)) * s`` or ``(d_h * s) * 1``; y * s does not underflow to 0 as s >= 1).
+      ``scale_m`` is the graph's scalar (``PrimitiveGraph.scalars``), so evaluation-mode graphs
+      (p = 0, masks of ones) scale by 1 as their masks do.
+    - Otherwise, when nothing else in the backward reads x: ``d_x = d_y * (y > 0)``.  Exact:
+      maximum(x, 0) > 0 exactly where x > 0 (NaN compares false either way).
+
+    Only ``maximum(x, 0)`` is rewritten, not ``maximum(0, x)``, whose derivative routes the
+    gradient to x where x >= 0 (x == 0 included, where y > 0 is false).  The gain: the forward no
+    longer saves x (BERT's pre-activation, as large as h, which the backward's weight gradient
+    reads anyway) and the backward no longer regenerates the mask.
+    """
+    graph = training.graph
+    prims = {p.name: p for p in graph.primitives}
+    producer = graph.producer()
+    consumers = graph.consumers()
+    derived = {name: list(names) for name, names in training.derived.items()}
+    replaced: dict[str, Primitive] = {}  # backward primitive -> its rewrite
+    removed: set[str] = set()
+    for relu in training.primitives(FORWARD):
+        backward = [prims[name] for name in training.derived.get(relu.name, ())]
+        if relu.kind != "map" or not _is(relu.expr, "maximum(in0, 0)") or len(backward) != 1:
+            continue
+        (x,), y, (d_x,) = relu.inputs, relu.output, backward
+        if x.letters != y.letters or not _is(d_x.expr, "in0 * (in1 > 0)") or d_x.inputs[1] != x:
+            continue
+        d_y = d_x.inputs[0]
+        through = _through_dropout(training, relu, d_y, consumers, producer)
+        if through is not None:
+            d_h, h, mask, via = through
+            replaced[d_x.name] = Primitive(d_x.name, "map", (d_h, h), d_x.output, f"in0 * (in1 > 0) * scale_{mask}")
+            removed.add(via.name)
+            derived = {name: [n for n in names if n != via.name] for name, names in derived.items()}
+        elif all(reader.name == d_x.name or training.phases[reader.name] == FORWARD for reader in consumers[x.tensor]):
+            replaced[d_x.name] = Primitive(d_x.name, "map", (d_y, y), d_x.output, d_x.expr)
+    if not replaced:
+        return training
+    primitives = [replaced.get(p.name, p) for p in graph.primitives if p.name not in removed]
+    gone = {prims[name].output.tensor for name in removed}
+    tensors = {name: info for name, info in graph.tensors.items() if name not in gone}
+    return TrainingGraph(PrimitiveGraph(tensors, primitives, graph.letter_dims, graph.dim_values, list(graph.outputs)),
+                         {p.name: training.phases[p.name] for p in primitives},
+                         {t: g for t, g in training.grads.items() if g not in gone}, dict(training.seeds),
+                         {name: tuple(names) for name, names in derived.items()}, list(training.closed_forms))
+
+
+def _through_dropout(training: TrainingGraph, relu: Primitive, d_y: Operand, consumers, producer
+                     ) -> tuple[Operand, Operand, str, Primitive] | None:
+    """For ReLU ``relu`` whose backward reads the gradient ``d_y`` of its output: (d_h, h, the
+    mask, the backward map ``d_y = d_h * m``) with the operands named in ``relu``'s letters, when
+    the output's one reader is a dropout ``h = y * m`` and ``d_y`` is all of y's gradient and read
+    only by ReLU's backward; else None."""
+    graph, y = training.graph, relu.output
+    readers = consumers[y.tensor]
+    if len(readers) != 1 or y.tensor in graph.outputs or d_y.tensor in graph.outputs:
+        return None
+    (drop,) = readers
+    if drop.kind != "map" or len(drop.inputs) != 2 or not _is(drop.expr, "in0 * in1", "in1 * in0"):
+        return None
+    mine = next((op for op in drop.inputs if op.tensor == y.tensor), None)
+    mask = next((op for op in drop.inputs if op.tensor != y.tensor), None)
+    if mine is None or mask is None or graph.tensors[mask.tensor].role != "dropout" \
+            or not mine.letters == mask.letters == drop.output.letters:
+        return None
+    via = producer.get(d_y.tensor)
+    if via is None or via.name not in training.derived.get(drop.name, ()) or via.kind != "map" \
+            or not _is(via.expr, "in0 * in1", "in1 * in0") or training.grads.get(y.tensor) != d_y.tensor \
+            or len(consumers[d_y.tensor]) != 1:
+        return None
+    d_h = next((op for op in via.inputs if op.tensor != mask.tensor), None)
+    if d_h is None or mask not in via.inputs or training.grads.get(drop.output.tensor) != d_h.tensor \
+            or d_h.letters != drop.output.letters or via.output.letters != mine.letters:
+        return None
+    rename = dict(zip(mine.letters, y.letters))  # the dropout's letters -> the ReLU's
+    to_relu = lambda op: Operand(op.tensor, "".join(rename[l] for l in op.letters))  # noqa: E731
+    return to_relu(d_h), to_relu(drop.output), mask.tensor, via

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from dataflow.dropout_mask import dropout_scale
+
+SCALE_PREFIX = "scale_"  # ``scale_<mask>`` in a map expression: the keep factor of dropout tensor <mask>
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -39,7 +43,9 @@ class Primitive:
 
     kind "einsum": ``expr`` is the subscripts, e.g. ``"phi,ibj->phbj"``, inputs in that order.
     kind "map": ``expr`` is an element-wise Python expression over ``in0, in1, ...`` (the inputs),
-    dim names (e.g. ``N``) and the functions exp, log, sqrt, tanh, maximum, minimum, where.
+    dim names (e.g. ``N``), ``scale_<mask>`` (the factor ``dataflow.dropout_mask.dropout_scale(p)``
+    of a kept element of dropout tensor ``<mask>``, at the graph's current ``p``: see
+    ``PrimitiveGraph.scalars``) and the functions exp, log, sqrt, tanh, maximum, minimum, where.
     kind "reduce": ``expr`` is "sum" or "max", over the input letters missing from the output.
     """
 
@@ -79,6 +85,15 @@ class PrimitiveGraph:
         for letter in letters:
             total *= self.dim_values[self.letter_dims[letter]]
         return total
+
+    def scalars(self) -> dict[str, float]:
+        """Every name a map expression may use besides its operands and functions: each dim name's
+        value, and ``scale_<mask>`` for each dropout tensor (1 when its ``p`` is 0, so a graph whose
+        probabilities are set to 0, as evaluation mode does, scales by 1)."""
+        values = {name: float(value) for name, value in self.dim_values.items()}
+        values.update({SCALE_PREFIX + name: dropout_scale(info.p) for name, info in self.tensors.items()
+                       if info.role == "dropout"})
+        return values
 
     def producer(self) -> dict[str, Primitive]:
         return {prim.output.tensor: prim for prim in self.primitives}

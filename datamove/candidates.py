@@ -103,7 +103,7 @@ def _scale(graph, prims, source: str, target: str) -> float | None:
     """The constant factor of the chain of one-input maps from ``source`` to ``target`` (None if not linear)."""
     producer = {p.output.tensor: p for p in prims}
     factor, tensor = 1.0, target
-    namespace = {name: float(v) for name, v in graph.dim_values.items()}
+    namespace = graph.scalars()
     namespace["sqrt"] = math.sqrt
     while tensor != source:
         prim = producer.get(tensor)

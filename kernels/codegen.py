@@ -34,7 +34,8 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   over i of BERT's ibj masks); otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
   Knob ``dropout="load"`` reads a stored mask (values 0 or ``dropout_scale(p)``) instead;
 - sizes as runtime int arguments ``size_<letter>``, dim names used in expressions (``N``,
-  ``sqrt(P)``) as float arguments ``dim_<name>``.
+  ``sqrt(P)``) and dropout keep factors ``scale_<mask>`` (``PrimitiveGraph.scalars``: 1 in a graph
+  whose probabilities are 0) as float arguments ``dim_<name>``.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class _Plan:
     loads: tuple  # external tensors read from memory
     regenerated: tuple  # dropout masks regenerated from (seed, offset)
     outputs: tuple
-    dim_names: tuple  # dim names used in expressions -> dim_<name> float args
+    dim_names: tuple  # dim names and dropout scales used in expressions -> dim_<name> float args
     grouped: tuple  # the regenerated masks drawn one Philox call per sixteen columns (``_grouped_masks``)
     row_grouped: tuple  # ... per sixteen rows (the same rule along the tile's rows)
     row_calls: tuple  # ... per column for the 16 rows of one call, 64 G + 2 t + 8 i + e (``_row_call_masks``)
@@ -124,11 +125,11 @@ def _plan(graph, op, knobs: dict) -> _Plan:
     regenerate = knobs.get("dropout", "regenerate") == "regenerate"
     regenerated = tuple(t for t in op.inputs if graph.tensors[t].role == "dropout" and regenerate)
     loads = tuple(t for t in op.inputs if t not in regenerated)
-    dim_names = set()
+    dim_names, scalars = set(), graph.scalars()
     for prim in op.primitives:
         if prim.kind == "map":
             for node in ast.walk(ast.parse(prim.expr, mode="eval")):
-                if isinstance(node, ast.Name) and node.id in graph.dim_values:
+                if isinstance(node, ast.Name) and node.id in scalars:
                     dim_names.add(node.id)
     grouped = _grouped_masks(graph, letters, cols, regenerated, knobs["block_col"])
     row_grouped = tuple(t for t in _grouped_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in grouped)
@@ -139,7 +140,7 @@ def _plan(graph, op, knobs: dict) -> _Plan:
 
 
 class _Expr(ast.NodeTransformer):
-    """Map expression -> Triton expression: inK -> value variables, dims -> dim_<name> args."""
+    """Map expression -> Triton expression: inK -> value variables, dims and scales -> dim_<name> args."""
 
     def __init__(self, operands: list[str], dims):
         self.operands, self.dims = operands, dims
@@ -206,7 +207,7 @@ def _part_code(graph, op, knobs: dict, index64: bool) -> tuple[list, list[str], 
             sig.append(([f"stride_{t}_{l}" for l in axes[t]], ""))
     sig.append(([f"size_{l}" for l in L.letters], "extents of " + ", ".join(f"{l}={L.dims[l]}" for l in L.letters)))
     if plan.dim_names:
-        sig.append(([f"dim_{d}" for d in plan.dim_names], "dim values as floats"))
+        sig.append(([f"dim_{d}" for d in plan.dim_names], "dim values and dropout scales as floats"))
     for t in plan.regenerated:
         sig.append(([f"seed_{t}", f"offset_{t}"], f"Philox key and counter offset of dropout mask {t}"))
     if plan.split > 1:
@@ -343,7 +344,7 @@ Knobs: {knobs}"""
 
     def emit_map(prim, depth: int):
         operands = [_var(o.tensor) for o in prim.inputs]
-        expr = ast.unparse(_Expr(operands, graph.dim_values).visit(ast.parse(prim.expr, mode="eval")))
+        expr = ast.unparse(_Expr(operands, graph.scalars()).visit(ast.parse(prim.expr, mode="eval")))
         w(f"{_var(prim.output.tensor)} = {expr}", depth)
 
     def emit_store(t: str, depth: int):
@@ -709,7 +710,7 @@ class CompiledOperator:
             for x in bound.values():
                 args += list(x.stride())
             args += [self._size(plan, l) for l in plan.letters.letters]
-            args += [float(self.graph.dim_values[d]) for d in plan.dim_names]
+            args += [self.graph.scalars()[d] for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
                 if offset % DECISION_GROUP and t in plan.grouped + plan.row_grouped + plan.row_calls:

@@ -96,7 +96,7 @@ def _aligned(value: torch.Tensor, letters: str, target: str) -> torch.Tensor:
 def map_value(graph, prim, arrays: list, dtype) -> torch.Tensor:
     """Evaluate map ``prim`` on ``arrays`` (its operands, spec order): a tensor over its output letters."""
     out = prim.output.letters
-    namespace = {name: float(value) for name, value in graph.dim_values.items()}
+    namespace = graph.scalars()
     namespace.update(FUNCTIONS)
     for k, (operand, array) in enumerate(zip(prim.inputs, arrays)):
         namespace[f"in{k}"] = _aligned(array, operand.letters, out)

@@ -9,6 +9,7 @@ import pytest
 
 from dataflow.autodiff import BACKWARD, FORWARD, build_training_graph, derivative
 from dataflow.executor import execute, run_primitive, tensor_shape
+from dataflow.fusion import fuse
 from dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, primitive_flop
 from dataflow.pipeline import forward_graph
 
@@ -160,13 +161,37 @@ def test_symbolic_derivatives_match_finite_differences(expr):
 
 
 def test_relu_backward_is_a_mask(bert):
-    _, training = bert
+    graph, _ = bert
+    training = build_training_graph(graph, relu_masks=False)  # the derivation, before relu_masks_from_outputs
     d_pre_act = training.graph.producer()["d_pre_act"]
     assert d_pre_act.expr == "in0 * (in1 > 0)" and d_pre_act.inputs[1].tensor == "pre_act"
     graph = training.graph
     values = {"d_act": np.ones(tensor_shape(graph, "d_act")),
               "pre_act": np.linspace(-1, 1, graph.size("ubj")).reshape(tensor_shape(graph, "pre_act"))}
     np.testing.assert_array_equal(run_primitive(graph, d_pre_act, values), values["pre_act"] > 0)
+
+
+def test_relu_mask_comes_from_the_dropout_output(bert):
+    """BERT's ``hidden = maximum(pre_act, 0) * drop_act``: the backward reads hidden (saved anyway
+    for d_w2) and scales by the mask's keep factor, so neither pre_act nor the mask is needed."""
+    _, training = bert
+    d_pre_act = training.graph.producer()["d_pre_act"]
+    assert d_pre_act.expr == "in0 * (in1 > 0) * scale_drop_act"
+    assert [op.tensor for op in d_pre_act.inputs] == ["d_hidden", "hidden"]
+    assert "d_act" not in training.graph.tensors and "act" not in training.grads
+    assert training.derived["map:act"] == ("map:d_pre_act",) and training.derived["map:hidden"] == ()
+    read = {op.tensor for p in training.primitives(BACKWARD) for op in p.inputs}
+    assert not {"pre_act", "act", "drop_act"} & read and "hidden" in read
+    ops = {op.name: op for op in fuse(training).operators}
+    assert ops["hidden"].outputs == ("hidden",)  # pre_act: an intermediate of the forward operator
+    assert set(ops["d_b1"].inputs) == {"d_ffn", "d_hidden", "hidden"}
+
+
+@pytest.mark.parametrize("path,options", [("configs/bert.py", {"activation": "gelu"}), ("configs/gpt2.py", None)],
+                         ids=["bert-gelu", "gpt2"])
+def test_relu_masks_leave_gelu_alone(path, options):
+    _, graph = forward_graph(path, None, options)
+    assert build_training_graph(graph).graph == build_training_graph(graph, relu_masks=False).graph
 
 
 def test_gelu_chain_differentiates_as_one_map():

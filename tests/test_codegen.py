@@ -48,7 +48,7 @@ def evaluate(graph, op, inputs: dict, dtype) -> dict:
     env = {"exp": torch.exp, "log": torch.log, "sqrt": lambda a: torch.sqrt(as_t(a)), "tanh": torch.tanh,
            "abs": torch.abs, "maximum": lambda a, b: torch.maximum(as_t(a), as_t(b)),
            "minimum": lambda a, b: torch.minimum(as_t(a), as_t(b)), "where": torch.where,
-           **{d: float(v) for d, v in graph.dim_values.items()}}
+           **graph.scalars()}
     for prim in op.primitives:
         out = prim.output.letters
         if prim.kind == "map":

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from dataflow.autodiff import build_training_graph
 from dataflow.executor import dropout_offsets, execute
+from dataflow.fusion import fuse
+from dataflow.pipeline import forward_graph
 from kernels.accuracy import assert_closer
 from kernels.codegen import allocate, compile_operator
 from layouts.space import (Configuration, combine_parts, configurations, default_configuration, knob_choices,
@@ -60,8 +63,12 @@ def _reference(spec: str, dims: str = "small") -> dict:
 
 def _check(spec, name, config, dtype=torch.float32, dims: str = "small"):
     graph, ops = _setup(spec, DIMS[dims][spec])
-    op, env = ops[name], _reference(spec, dims)
-    offsets = dropout_offsets(graph)
+    return _check_operator(graph, ops[name], _reference(spec, dims), config, dtype)
+
+
+def _check_operator(graph, op, env, config, dtype=torch.float32):
+    """Run ``op`` compiled under ``config`` on its inputs from ``env`` (the executor's run) and compare."""
+    name, offsets = op.name, dropout_offsets(graph)
     compiled = compile_operator(graph, op, config)
     tensors = {}
     for t in compiled.loads:
@@ -167,12 +174,18 @@ def test_bf16(spec, name):
 
 
 def test_stored_dropout_mask_in_a_part():
-    """knob dropout="load" in an operator of several parts: the mask is read, not regenerated."""
-    graph, ops = _setup("bert")
-    op = ops["d_b1"]
+    """knob dropout="load" in an operator of several parts: the mask is read, not regenerated.  Such
+    an operator: BERT's d_b1 as derived before ``relu_masks_from_outputs`` (its dropout dX reads the mask)."""
+    _, forward = forward_graph("configs/bert.py", SMALL["bert"])
+    fused = fuse(build_training_graph(forward, relu_masks=False))
+    graph, op = fused.graph, next(op for op in fused.operators if op.name == "d_b1")
+    assert len(parts(op)) == 2 and "drop_act" in op.inputs
+    rng = np.random.default_rng(0)
+    env = execute(graph, {n: rng.standard_normal([graph.size(l) for l in t.letters]) + 0.1 for n, t in graph.tensors.items()
+                          if t.role in ("input", "constant", "grad_output")}, seed=SEED)
     base = default_configuration(graph, op)
     config = Configuration(base.layouts, {**base.knobs, "dropout": "load"})
-    compiled = _check("bert", "d_b1", config)
+    compiled = _check_operator(graph, op, env, config)
     assert "dropout_keep(" not in compiled.source.split("def d_b1_part1")[1] and "drop_act_ptr" in compiled.source
 
 
@@ -237,12 +250,12 @@ def test_split_only_for_terminal_reductions():
 
 DROPOUT = [(s, n) for s, n in CASES if any(_setup(s)[0].tensors[t].role == "dropout" for t in _setup(s)[1][n].inputs)]
 # At GROUPED dims in the default layouts: the operators whose tile columns run along their mask's
-# last logical letters (k, t, j, d; the reduced b, j of d_b1's second part) draw one call per sixteen
+# last logical letters (k, t, j, d) draw one call per sixteen
 # columns when a block holds whole groups of 64 columns; x1, y, d_ffn, d_attn (BERT, vector i of an
 # ibj mask: rows b, j) and GPT-2's d_bout (rows d of a bsd mask), reduced along columns in blocks of 16
 # rows, take the rows 64 G + 2 t + 8 i + e of one call and one call per column for them; blocks of
 # other row counts draw one call per element.
-GROUPED_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "d_k_q"), ("gpt2", "attention"),
+GROUPED_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_k_q"), ("gpt2", "attention"),
              ("gpt2", "h2"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}  # GPT-2 y: tiles of 32 columns
 ROW_CALL_OPS = {("bert", "x1"), ("bert", "y"), ("bert", "d_ffn"), ("bert", "d_attn"), ("gpt2", "d_bout")}
 
@@ -266,9 +279,9 @@ def test_dropout_grouped(spec, name, chunk):
     assert grouped or row_calls or "dropout_keep(" in source
 
 
-@pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_b1"), ("bert", "x1")])
+@pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_k_q"), ("bert", "x1")])
 def test_dropout_per_element_in_blocks_of_four(spec, name):
-    """Blocks of 4 columns (alpha, hidden, d_b1) or 4 rows (x1) split the groups of Philox calls: one
+    """Blocks of 4 columns (alpha, hidden, d_k_q) or 4 rows (x1) split the groups of Philox calls: one
     call per element."""
     graph, ops = _setup(spec, GROUPED[spec])
     config = _configured(graph, ops[name], loop_chunk=4, block_col=4, loop_rows=4)

@@ -108,6 +108,22 @@ def torch_reference(key, graph, training, values, masks):
     return y.detach().numpy(), grads
 
 
+def test_relu_mask_from_output_is_exact(graphs):
+    """BERT's ReLU + dropout backward reading hidden instead of pre_act and the mask
+    (``dataflow.autodiff.relu_masks_from_outputs``) gives the very gradients of the derivation
+    that reads them, with dropout on and off (``p=0``: masks of ones, keep factor 1); that they
+    match torch.autograd is ``test_training_graph_matches_torch_autograd``."""
+    graph, training, _ = graphs["bert"]
+    plain = build_training_graph(graph, relu_masks=False)
+    assert "pre_act" in {op.tensor for p in plain.graph.primitives for op in p.inputs if plain.phases[p.name] == "backward"}
+    assert "pre_act" not in {op.tensor for p in training.primitives("backward") for op in p.inputs}
+    values = random_inputs(graph, training, np.random.default_rng(11))
+    for p in (None, 0.0):
+        ours, theirs = execute(training.graph, values, SEED, p), execute(plain.graph, values, SEED, p)
+        for name, grad in training.input_grads.items():
+            np.testing.assert_array_equal(ours[grad], theirs[plain.input_grads[name]], err_msg=name)
+
+
 def relative_error(a, b, floor=0.0):
     """||a - b|| / ||b||; ``floor`` bounds the denominator below for gradients that vanish in
     exact arithmetic (BERT's and GPT-2's key bias: softmax is shift-invariant along each query)."""

@@ -59,8 +59,9 @@ def randomize(layer, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen))
 
 
-def check_against_executor(layer, activations: dict, constants: dict | None = None) -> None:
-    """Forward + backward of ``layer`` with dropout on vs the float64 executor with the same seed."""
+def check_against_executor(layer, activations: dict, constants: dict | None = None, p: float | None = None) -> None:
+    """Forward + backward of ``layer`` with dropout on vs the float64 executor with the same seed
+    (``p=0.0``: the layer in evaluation mode vs the executor with masks of ones)."""
     face, graph = layer.interface, layer.graph
     inputs = {t: torch.randn(layer.program(True).shape(t, face.torch_order[t]), generator=torch.Generator().manual_seed(5),
                              requires_grad=True) for t in activations}
@@ -76,7 +77,7 @@ def check_against_executor(layer, activations: dict, constants: dict | None = No
     values.update({t: spec(t, x) for t, x in inputs.items()})
     (out,) = face.outputs
     values[face.grad_outputs[out]] = spec(out, grad)
-    env = execute(graph, values, seed=seed)
+    env = execute(graph, values, seed=seed, p=p)
     assert error(spec(out, outputs), env[out]) < FLOAT32_TOLERANCE, "forward output"
     for t, x in inputs.items():
         assert error(spec(t, x.grad), env[face.input_grads[t]]) < FLOAT32_TOLERANCE, f"gradient of {t}"
@@ -92,6 +93,15 @@ def test_bert_matches_the_executor_with_dropout(tmp_path, plan_for):
     assert plan_for is spec_order_plan or {"attention_forward", "attention_backward", "gemm_epilogue"} <= kinds
     randomize(layer, 1)
     check_against_executor(layer, {"x": None})
+
+
+def test_bert_backward_in_evaluation_mode(tmp_path):
+    """Evaluation mode (probabilities 0): the ReLU backward's keep factor (``scale_drop_act``) is 1,
+    as the masks are ones."""
+    layer = load(write(tmp_path, "bert", BERT_DIMS, selected_plan))
+    randomize(layer, 3)
+    layer.eval()
+    check_against_executor(layer, {"x": None}, p=0.0)
 
 
 def test_gpt2_matches_the_executor_with_dropout(tmp_path):

@@ -32,7 +32,8 @@ PAPER = {
     # backward
     "BSB (layernorm dgamma, dbeta)": {"d_ln2_beta", "d_ln2_gamma_unreduced", "d_ln2_gamma"},
     "BLNRD (layernorm dX, dropout dX; FFN)": {"d_diff_div_expr", "d_resid2_g_xhat", "d_resid2", "d_ffn"},
-    "BDRB (bias dW, dropout dX, ReLU dX, bias dW)": {"d_b2", "d_act", "d_pre_act", "d_b1"},
+    # dropout dX and ReLU dX are one map reading hidden (dataflow.autodiff.relu_masks_from_outputs)
+    "BDRB (bias dW, dropout dX, ReLU dX, bias dW)": {"d_b2", "d_pre_act", "d_b1"},
     "EBSB (residual, layernorm dgamma, dbeta)": {"d_x1", "d_ln1_beta", "d_ln1_gamma_unreduced", "d_ln1_gamma"},
     "BLNRD (layernorm dX, dropout dX; attention)": {"d_layernorm_diff_div_expr", "d_resid1_g_xhat", "d_resid1",
                                                     "d_attn"},
