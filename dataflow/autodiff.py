@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
+from dataflow.graph import SCALE_PREFIX, Operand, Primitive, PrimitiveGraph, TensorInfo
 from dataflow.operators import NORMALIZATION, Operator, group_operators, make_operator
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -725,7 +725,7 @@ def relu_masks_from_outputs(training: TrainingGraph) -> TrainingGraph:
         through = _through_dropout(training, relu, d_y, consumers, producer)
         if through is not None:
             d_h, h, mask, via = through
-            replaced[d_x.name] = Primitive(d_x.name, "map", (d_h, h), d_x.output, f"in0 * (in1 > 0) * scale_{mask}")
+            replaced[d_x.name] = Primitive(d_x.name, "map", (d_h, h), d_x.output, f"in0 * (in1 > 0) * {SCALE_PREFIX}{mask}")
             removed.add(via.name)
             derived = {name: [n for n in names if n != via.name] for name, names in derived.items()}
         elif all(reader.name == d_x.name or training.phases[reader.name] == FORWARD for reader in consumers[x.tensor]):

@@ -56,27 +56,23 @@ class Timings:
             self.times.setdefault(key, []).append((r.median_ms, r.key.knobs))
         for found in self.times.values():
             found.sort(key=lambda pair: pair[0])
+        self.changes_by_size: dict[int, list[float]] = {}  # elements -> each measured layout change's time, ascending
+        for (op, dims, _), found in self.times.items():
+            if op.startswith("layout:"):
+                self.changes_by_size.setdefault(math.prod(json.loads(dims).values()), []).append(found[0][0])
+        for times in self.changes_by_size.values():
+            times.sort()
 
     def lookup(self, op: str, dims: dict, layout, accept=lambda knobs: True) -> tuple[float, dict] | None:
         """The fastest (ms, knobs) of ``op`` at ``dims`` in ``layout`` whose knobs ``accept`` allows."""
         found = self.times.get((op, canonical_json(dims), canonical_json(layout)), [])
         return next((pair for pair in found if accept(pair[1])), None)
 
-
-    def per_layout(self, op: str, dims: dict) -> list[float]:
-        """The fastest time of ``op`` at ``dims`` in each layout measured, ascending."""
-        dims_key = canonical_json(dims)
-        return sorted(found[0][0] for (name, d, _), found in self.times.items() if name == op and d == dims_key)
-
-    def layout_changes(self, elements: int) -> list[float]:
-        """The time of every layout change measured on a tensor of ``elements`` elements, ascending."""
-        return sorted(found[0][0] for (name, d, _), found in self.times.items()
-                      if name.startswith("layout:") and math.prod(json.loads(d).values()) == elements)
-
     def fastest(self, op: str, dims: dict) -> float | None:
         """The fastest time of ``op`` at ``dims`` in any layout (PyTorch's baselines: one layout each)."""
-        times = self.per_layout(op, dims)
-        return times[0] if times else None
+        dims_key = canonical_json(dims)
+        times = [found[0][0] for (name, d, _), found in self.times.items() if name == op and d == dims_key]
+        return min(times) if times else None
 
 
 NO_TIMINGS = Timings([], "", "")
@@ -364,8 +360,8 @@ class CandidateBuilder:
         found = self.timings.lookup(f"layout:{letters}", {x: self.graph.size(x) for x in letters},
                                     {"from": source, "to": target})
         ms, source_kind, _ = self._time(found, "copy", 0.0, 2 * elements * self.itemsize)
-        measured = self.timings.layout_changes(elements)
-        if found is None and measured:
+        measured = self.timings.changes_by_size.get(elements) if found is None else None
+        if measured:
             ms = max(ms, measured[len(measured) // 2])
         return ms, source_kind
 

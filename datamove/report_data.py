@@ -101,4 +101,3 @@ def ceilings_of(ceilings, figures, dtype: str, rows: list[KernelRow]) -> dict:
     return {"bandwidth": ceilings.copy_bytes_per_s, "flops": max(ceilings.gemm_flop_per_s, reached),
             "source": f"measured on {ceilings.device}: device-to-device copy; the faster of an 8192^3 bf16 GEMM "
                       f"and the fastest kernel measured for this report"}
-

@@ -631,6 +631,7 @@ class CompiledOperator:
         self.loads = tuple(t for plan in self.plans for t in plan.loads)  # every tensor read from memory
         self._kernels: dict[bool, object] = {}
         self._scratch: dict[tuple, list] = {}  # (part, device) -> mode "split" buffers
+        self.scalars = graph.scalars()  # the dim_<name> float arguments' values
         self.source, self.path = self._variant(False)[1:]
 
     def _variant(self, index64: bool):
@@ -710,7 +711,7 @@ class CompiledOperator:
             for x in bound.values():
                 args += list(x.stride())
             args += [self._size(plan, l) for l in plan.letters.letters]
-            args += [self.graph.scalars()[d] for d in plan.dim_names]
+            args += [self.scalars[d] for d in plan.dim_names]
             for t in plan.regenerated:
                 seed, offset = seeds[t]
                 if offset % DECISION_GROUP and t in plan.grouped + plan.row_grouped + plan.row_calls:

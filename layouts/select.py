@@ -41,6 +41,7 @@ from layouts.plan import LAYOUT_CHANGE, MEASURED, PREDICTED, Plan, Step
 
 STATES_PER_POSITION = 512  # layout states kept per position of the execution order: bounds the search
 
+
 @dataclass(frozen=True)
 class Candidate:
     """One way to run ``operators`` (a contiguous run of the execution order) as one kernel.
