@@ -342,9 +342,11 @@ Knobs: {knobs}"""
             extra = f", mask={mask}, other=0.0" if mask else ""
             w(f"{_var(t)} = tl.load({t}_ptr + {offset_of(t)}{extra}).to(tl.float32)", depth)
 
+    scalars = graph.scalars()  # the names a map expression may use besides its operands
+
     def emit_map(prim, depth: int):
         operands = [_var(o.tensor) for o in prim.inputs]
-        expr = ast.unparse(_Expr(operands, graph.scalars()).visit(ast.parse(prim.expr, mode="eval")))
+        expr = ast.unparse(_Expr(operands, scalars).visit(ast.parse(prim.expr, mode="eval")))
         w(f"{_var(prim.output.tensor)} = {expr}", depth)
 
     def emit_store(t: str, depth: int):

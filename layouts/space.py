@@ -377,7 +377,7 @@ def access_pattern(config: Configuration) -> str:
     """The part of ``config`` that decides which addresses a tile touches: the tensors' layouts and
     (per part) the vector letter and letter order.  Configurations with the same pattern differ
     only in tile sizes, mode, warps and the dropout source (the *knobs* of a two-stage search)."""
-    parts_knobs = config.knobs["parts"] if "parts" in config.knobs else (config.knobs,)
+    parts_knobs = _each_part(config)
     layouts = ",".join(f"{t}:{config.layouts[t]}" for t in sorted(config.layouts))
     return layouts + "|" + ";".join(f"{k['vector']}/{k['order']}" for k in parts_knobs)
 
@@ -400,7 +400,11 @@ def _plain_knobs(knobs: dict, num_warps: int) -> bool:
     return knobs["mode"] in PLAIN_MODES and num_warps == 4 and knobs["block_row"] * knobs["block_col"] <= PLAIN_TILE
 
 
+def _each_part(config: Configuration) -> tuple:
+    """The knobs of each part of ``config`` (one part: its own knobs)."""
+    return config.knobs["parts"] if "parts" in config.knobs else (config.knobs,)
+
+
 def _plain(config: Configuration) -> bool:
-    parts_knobs = config.knobs["parts"] if "parts" in config.knobs else (config.knobs,)
-    return all(_plain_knobs(k, config.knobs["num_warps"]) for k in parts_knobs) \
+    return all(_plain_knobs(k, config.knobs["num_warps"]) for k in _each_part(config)) \
         and config.knobs.get("dropout", "regenerate") == "regenerate"
