@@ -116,6 +116,13 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(seed, *tensors, *output[len(prog.interface.outputs):],
                           *([key_padding_mask] if key_padding_mask is not None else []))
     ctx.counts = (len(tensors), len(prog.kept), key_padding_mask is not None)
+    ctx.set_materialize_grads(False)  # the kept tensors get no gradient: no zero tensors filled for them
+
+
+def _output_grads(prog: LayerProgram, grads, device) -> list[torch.Tensor]:
+    """The outputs' gradients, zeros for an output nothing downstream used (autograd passes None)."""
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, _, dtype) in zip(grads, prog.forward_meta())]
 
 
 def _backward(ctx, grads):
@@ -125,7 +132,7 @@ def _backward(ctx, grads):
     seed, tensors, kept_tensors_ = saved[0], list(saved[1:1 + inputs]), list(saved[1 + inputs:1 + inputs + kept])
     mask = saved[-1] if has_mask else None
     outputs = len(prog.interface.outputs)
-    result = layer_backward(ctx.program, seed, tensors, kept_tensors_, list(grads[:outputs]), mask)
+    result = layer_backward(ctx.program, seed, tensors, kept_tensors_, _output_grads(prog, grads[:outputs], tensors[0].device), mask)
     constants = len(prog.interface.constants)
     return None, None, list(result) + [None] * constants, None
 

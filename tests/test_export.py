@@ -178,6 +178,32 @@ def test_torch_compile_fullgraph_matches_eager(tmp_path):
     assert torch.equal(x.grad, eager)
 
 
+def test_backward_fills_no_zero_gradients(tmp_path):
+    """The tensors the forward op returns for the backward get no gradient: autograd must not fill
+    zero tensors for them (on the GPU those fills were 36 us of a 0.8 ms BERT-large step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(s in str(func) for s in ("zeros", "fill", "zero_")):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    layer = load(write(tmp_path, "bert", BERT_DIMS)).train()
+    randomize(layer, 5)
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"], requires_grad=True)
+    fills = Fills()
+    with fills:
+        grads = torch.autograd.grad(layer(x), [x, *layer.parameters()], torch.randn(d["B"], d["L"], d["N"]))
+    assert fills.ops == []
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
 def test_refuses_wrong_inputs(tmp_path):
     layer = load(write(tmp_path, "bert", BERT_DIMS))
     d = BERT_DIMS
