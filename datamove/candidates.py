@@ -228,7 +228,7 @@ class CandidateBuilder:
         flop = sum(graph.size(p.output.letters) for p in op.primitives if p.kind != "einsum")
         result = []
         for configs in groups.values():
-            default = representatives(configs)[0]
+            default = representatives(configs, graph, op)[0]
             found = None
             for config in configs:
                 hit = self.timings.lookup(op_signature(self.spec, op), dict(graph.dim_values), config.layouts,

@@ -52,7 +52,8 @@ import triton
 from dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from kernels.interpreter import interpreted
 from kernels.philox import dropout_scale, keep_threshold
-from layouts.space import Configuration, OperatorLetters, operator_letters, parts, terminal_reductions, tile_axes
+from layouts.space import (Configuration, OperatorLetters, grouped_masks, operator_letters, parts, terminal_reductions,
+                           tile_axes)
 
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
 _FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
@@ -73,25 +74,11 @@ class _Plan:
     regenerated: tuple  # dropout masks regenerated from (seed, offset)
     outputs: tuple
     dim_names: tuple  # dim names and dropout scales used in expressions -> dim_<name> float args
-    grouped: tuple  # the regenerated masks drawn one Philox call per sixteen columns (``_grouped_masks``)
+    grouped: tuple  # the regenerated masks drawn one Philox call per sixteen columns (``layouts.space.grouped_masks``)
     row_grouped: tuple  # ... per sixteen rows (the same rule along the tile's rows)
     row_calls: tuple  # ... per column for the 16 rows of one call, 64 G + 2 t + 8 i + e (``_row_call_masks``)
     split: int  # row slices of mode "split" (1: none)
     reduced_outputs: tuple  # tensors the reduce primitives produce, in primitive order
-
-
-def _grouped_masks(graph, letters: OperatorLetters, cols: str, regenerated: tuple, block_col: int) -> tuple:
-    """The masks of ``regenerated`` whose decisions can come sixteen per Philox call along the tile's
-    columns: the column letters ``cols`` are the mask's trailing letters in spec order (column c of
-    a row is logical index ``row base + c``), their extent is a multiple of 64 (so is every other
-    logical stride: each row base starts a group of 64 counters, ``dataflow.dropout_mask``) and so is
-    ``block_col`` (each block of columns is whole groups)."""
-    extent = 1
-    for letter in cols:
-        extent *= graph.dim_values[letters.dims[letter]]
-    if not cols or extent % DECISION_GROUP or block_col % DECISION_GROUP:
-        return ()
-    return tuple(t for t in regenerated if letters.tensor_axes[t].endswith(cols))
 
 
 def _row_call_masks(graph, letters: OperatorLetters, rows: str, regenerated: tuple, block_row: int) -> tuple:
@@ -102,7 +89,7 @@ def _row_call_masks(graph, letters: OperatorLetters, rows: str, regenerated: tup
     ``generate_source``) instead of sixteen consecutive ones: one call, every one of its bytes."""
     if block_row != DECISIONS_PER_CALL:
         return ()
-    return _grouped_masks(graph, letters, rows, regenerated, DECISION_GROUP)
+    return grouped_masks(graph, letters, rows, regenerated, DECISION_GROUP)
 
 
 def _plan(graph, op, knobs: dict) -> _Plan:
@@ -131,8 +118,8 @@ def _plan(graph, op, knobs: dict) -> _Plan:
             for node in ast.walk(ast.parse(prim.expr, mode="eval")):
                 if isinstance(node, ast.Name) and node.id in scalars:
                     dim_names.add(node.id)
-    grouped = _grouped_masks(graph, letters, cols, regenerated, knobs["block_col"])
-    row_grouped = tuple(t for t in _grouped_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in grouped)
+    grouped = grouped_masks(graph, letters, cols, regenerated, knobs["block_col"])
+    row_grouped = tuple(t for t in grouped_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in grouped)
     row_calls = () if reduce_axis != 1 else tuple(
         t for t in _row_call_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in grouped + row_grouped)
     return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),

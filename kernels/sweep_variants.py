@@ -271,7 +271,7 @@ def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool
             configs = configurations(training.graph, op, exhaustive=exhaustive)[:limit_configs]
         except Exception as exc:  # an operator the layout space cannot describe yet
             configs, notes[op.name] = [], f"no configurations: {type(exc).__name__}: {exc}"
-        first = {access_pattern(c): c for c in representatives(configs)}
+        first = {access_pattern(c): c for c in representatives(configs, training.graph, op)}
         patterns: dict = {}
         for config in configs:
             patterns.setdefault(access_pattern(config), []).append(config)
