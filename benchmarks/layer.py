@@ -161,7 +161,7 @@ def run_case(artifact: Path) -> dict:
                 rows[f"{name}|{direction}"] = measure(_call(module, x, dy, backward))
             except Exception as exc:  # noqa: BLE001 - one failing baseline is reported, the rest go on
                 rows[f"{name}|{direction}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"artifact": str(artifact), "dims": d, "dtype": str(dtype).removeprefix("torch."),
+    return {"artifact": str(artifact), "dims": d, "dtype": str(dtype).removeprefix("torch."), "date": _now(),
             "plan_device": manifest["device"], "rows": rows, "breakdown": breakdown(layer)}
 
 
@@ -172,7 +172,8 @@ def markdown(report: dict) -> str:
              "plainly; graphed: the same replayed from one CUDA graph. Medians; ratio = time / tuned layer's.", ""]
     for case in report["cases"]:
         d = case["dims"]
-        lines += [f"## B={d['B']} L={d['L']} {case['dtype']} (plan timed on: {case['plan_device']['name']})", "",
+        lines += [f"## B={d['B']} L={d['L']} {case['dtype']} (plan timed on: {case['plan_device']['name']}; "
+                  f"measured {case.get('date', report['date'])})", "",
                   "| layer | direction | kernel ms | wall ms | graphed ms | kernel ratio |", "|---|---|---|---|---|---|"]
         ours = {k.split("|")[1]: v.get("kernel_ms") for k, v in case["rows"].items() if k.startswith("datamove|")}
         for key, row in case["rows"].items():
@@ -195,6 +196,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, nargs="+", required=True, help="optimize-layer output folders")
@@ -203,7 +208,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/layer.py needs a CUDA GPU: nothing measured", file=sys.stderr)
         return 2
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": _now(),
               "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(), "versions": versions(),
               "cases": []}
     for artifact in args.artifact:  # the results rewritten after each case: what was measured stays
