@@ -40,7 +40,9 @@ def kept_tensors(program: LayerProgram) -> list[str]:
         roles = step.config.get("roles", {})
         if roles.get("lse"):
             names += [roles["lse"]] + ([saved_mask_name(roles["lse"])] if program.saves_mask else [])
-        needed += [t for t in names if t not in written and t not in needed and t not in given]
+        for t in names:  # the attention backward names its statistics twice (a read and a role)
+            if t not in written and t not in needed and t not in given:
+                needed.append(t)
         written.update(step.writes)
     grads = set(face.grad_outputs.values())
     forward_names = set()
