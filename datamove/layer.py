@@ -91,7 +91,7 @@ class LayerProgram:
         self.forward_steps = [launcher for phase, launcher in launchers if phase == "forward"]
         self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
         self.layouts = plan.layouts
-        self.name, self.kept = "", []  # set by datamove.module.register
+        self.name, self.kept, self.stacked = "", [], []  # set by datamove.module.register
         leaving = set(interface.outputs) | set(interface.input_grads.values())
         self.leaving = {s.config["tensor"]: copy_name(s.config["tensor"], s.config["to"]) for s in plan.steps
                         if s.kind == LAYOUT_CHANGE and s.config["tensor"] in leaving}  # outputs changed to PyTorch's order
@@ -145,9 +145,29 @@ class LayerProgram:
             result.append((tuple(shape[d] for d in perm), tuple(stride[d] for d in perm), dtype))
         return result + [self._meta(t) for t in self.kept]
 
+    def stacked_gradients(self) -> list[StackedGradients]:
+        """The parameters whose gradients one stacked GEMM writes into one buffer (e.g. Q/K/V's
+        weights): the backward op returns that buffer once, in the first member's place, and an
+        empty tensor in the others' (custom-op results may not share storage; cloning two of three
+        was 4 us per call on the H200); ``StackedGradients.views`` rebuilds each member's gradient."""
+        writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
+        results = self.interface.activations + self.interface.parameters
+        found = []
+        for group in {id(g): g for g in self.buffers.group_of.values()}.values():
+            members = {n: results.index(t) for t in self.interface.parameters
+                       for n, member in enumerate(group) if member == self.interface.input_grads[t]}
+            if len(members) < 2 or any(self.interface.input_grads[results[i]] in self.leaving for i in members.values()):
+                continue
+            layout = writes[group[0]]
+            letters = self.graph.tensors[group[0]].letters
+            found.append(StackedGradients(members, (len(group), *self.shape(group[0], layout)),
+                                          tuple(layout.index(x) for x in letters)))
+        return found
+
     def backward_meta(self) -> list[tuple[tuple, tuple, torch.dtype]]:
         """(shape, strides, dtype) of the backward op's results: activations' gradients in PyTorch
-        order, then the parameters' in the layouts the gradient steps write."""
+        order, then the parameters' in the layouts the gradient steps write (a stacked group's
+        buffer and empty tensors in its members' places, ``stacked_gradients``)."""
         writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
         result = []
         for t in self.interface.activations + self.interface.parameters:
@@ -160,6 +180,10 @@ class LayerProgram:
                 perm = [letters.index(x) for x in order]
                 shape, stride = tuple(shape[d] for d in perm), tuple(stride[d] for d in perm)
             result.append((shape, stride, self.dtype))
+        for stacked in self.stacked_gradients():
+            for n, index in stacked.members.items():
+                shape = stacked.shape if n == min(stacked.members) else (0,)
+                result[index] = (shape, tuple(torch.empty(shape, device="meta").stride()), self.dtype)
         return result
 
     def forward(self, store: dict, run: Run) -> dict:
@@ -173,6 +197,42 @@ class LayerProgram:
         for launcher in self.backward_steps:
             launcher(store, run)
         return store
+
+
+@dataclass(frozen=True)
+class StackedGradients:
+    """Parameter gradients stored as one buffer (``LayerProgram.stacked_gradients``): ``members``
+    {stack index -> position among the backward op's results}, the buffer's ``shape`` (stack
+    count, then the write layout's sizes), ``axes``: the buffer axes of a member's spec letters."""
+
+    members: dict[int, int]
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+
+    def returned(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The backward's results with the buffer once, in the first member's place (checked: every
+        member is its slice of that buffer; inside a custom op views keep no ``_base``, so the
+        buffer is rebuilt over the first member's storage)."""
+        first = min(self.members)
+        head = results[self.members[first]]
+        strides = torch.empty(self.shape, device="meta").stride()
+        buffer = head.as_strided(self.shape, strides, head.storage_offset() - first * strides[0])
+        for n, index in self.members.items():
+            view = buffer[n].permute(self.axes)
+            if results[index].data_ptr() != view.data_ptr() or results[index].stride() != view.stride():
+                raise RuntimeError(f"stacked gradients: result {index} is not slice {n} of its group's buffer")
+        results = list(results)
+        for n, index in self.members.items():
+            results[index] = buffer if n == first else buffer.new_empty(0)
+        return results
+
+    def views(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each member's gradient again, a view of the buffer ``returned`` put in the first place."""
+        buffer = results[self.members[min(self.members)]]
+        results = list(results)
+        for n, index in self.members.items():
+            results[index] = buffer[n].permute(self.axes)
+        return results
 
 
 def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.device, order: str = "") -> None:

@@ -25,6 +25,7 @@ def register(program: LayerProgram) -> str:
     PROGRAMS[name] = program
     program.name = name
     program.kept = kept_tensors(program)
+    program.stacked = program.stacked_gradients()
     return name
 
 
@@ -67,7 +68,7 @@ def _unaliased(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     seen, result = set(), []
     for t in tensors:
         key = t.untyped_storage().data_ptr()
-        result.append(t.clone() if key in seen else t)
+        result.append(t.clone() if key in seen and t.numel() else t)
         seen.add(key)
     return result
 
@@ -92,7 +93,8 @@ def _(program, seed, inputs, key_padding_mask):
 @torch.library.custom_op("datamove::layer_backward", mutates_args=())
 def layer_backward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor], kept: list[torch.Tensor],
                    grads: list[torch.Tensor], key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """The backward steps: gradients of the activations (PyTorch order) and parameters."""
+    """The backward steps: gradients of the activations (PyTorch order) and parameters (a stacked
+    group's as its one buffer and empty tensors, ``LayerProgram.stacked_gradients``)."""
     prog = PROGRAMS[program]
     face = prog.interface
     store = {**_inputs(prog, inputs), **dict(zip(prog.kept, kept))}
@@ -101,6 +103,8 @@ def layer_backward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
     prog.backward(store, Run(seed, key_padding_mask))
     result = [prog.to_torch(t, prog.leaving_value(store, face.input_grads[t])) if t in face.activations
               else prog.leaving_value(store, face.input_grads[t]) for t in face.activations + face.parameters]
+    for stacked in prog.stacked:
+        result = stacked.returned(result)
     return _unaliased(result)
 
 
@@ -134,9 +138,12 @@ def _backward(ctx, grads):
     seed, tensors, kept_tensors_ = saved[0], list(saved[1:1 + inputs]), list(saved[1 + inputs:1 + inputs + kept])
     mask = saved[-1] if has_mask else None
     outputs = len(prog.interface.outputs)
-    result = layer_backward(ctx.program, seed, tensors, kept_tensors_, _output_grads(prog, grads[:outputs], tensors[0].device), mask)
+    result = list(layer_backward(ctx.program, seed, tensors, kept_tensors_, _output_grads(prog, grads[:outputs], tensors[0].device),
+                                 mask))
+    for stacked in prog.stacked:
+        result = stacked.views(result)
     constants = len(prog.interface.constants)
-    return None, None, list(result) + [None] * constants, None
+    return None, None, result + [None] * constants, None
 
 
 torch.library.register_autograd("datamove::layer_forward", _backward, setup_context=_setup_context)
