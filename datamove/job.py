@@ -20,7 +20,7 @@ if not torch.cuda.is_available():  # before triton is imported: no GPU, kernels 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEFAULT_DB = Path.home() / ".cache" / "datamove" / "tuning.db"
-LAYOUT_CHANGE_ROUNDS = 4  # measure the inserted layout changes and select again, at most this often
+SELECTION_ROUNDS = 4  # measure what the plan chose untuned (knobs of its layouts, its layout changes), select again: at most this often
 
 
 @dataclass
@@ -142,15 +142,19 @@ def run_job(o: JobOptions) -> int:
     stages("selection")
     plan = plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
                       boundary=boundary_layouts(torch_order), device=device)
-    for _ in range(LAYOUT_CHANGE_ROUNDS if measured else 0):  # price the changes it wants by measurement, choose again
+    for _ in range(SELECTION_ROUNDS if measured else 0):  # measure what the plan chose untuned, choose again
+        from datamove.tuning import measure_layout_changes, tune_chosen
+
+        tuned = tune_chosen(tuner, fused, spec_name, dtype=getattr(torch, o.dtype), plan=plan)
         wanted = {(s.config["tensor"], s.config["from"], s.config["to"]) for s in plan.steps
                   if s.kind == LAYOUT_CHANGE and s.source != MEASURED}
-        if not wanted or tuner.report.stopped:
+        if wanted and not tuner.report.stopped:
+            print(f"measuring the {len(wanted)} layout change(s) the plan inserts", flush=True)
+            measure_layout_changes(tuner, fused.graph, wanted, getattr(torch, o.dtype))
+        if not (tuned or wanted) or tuner.report.stopped:
             break
-        from datamove.tuning import measure_layout_changes
-
-        print(f"measuring the {len(wanted)} layout change(s) the plan inserts, then choosing again", flush=True)
-        measure_layout_changes(tuner, fused.graph, wanted, getattr(torch, o.dtype))
+        print(f"{tuned} knob setting(s) of the chosen layouts and {len(wanted)} layout change(s) measured: choosing again",
+              flush=True)
         timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
         plan = plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
                           boundary=boundary_layouts(torch_order), device=device)

@@ -22,6 +22,8 @@ from kernels.contraction_variants import (Operands, consumer_configurations, epi
 from kernels.gemm import valid_configs
 from kernels.layout_change import LayoutChangeVariant
 from kernels.sweep_variants import sweep_variants
+from layouts.plan import GENERATED
+from layouts.space import Configuration, access_pattern
 
 EPILOGUE_CONFIGS = 3
 # Triton GEMM configurations every GEMM tries first (and the fused epilogues take the fastest of):
@@ -115,6 +117,25 @@ def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1
 
     tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
     return tuner.report
+
+
+def chosen_patterns(spaces: list, plan) -> list:
+    """Every variant of the access patterns that ``plan``'s generated steps run (``spaces``:
+    ``sweep_variants``' ``OperatorSpace`` list)."""
+    chosen = {(s.name, access_pattern(Configuration({**s.reads, **s.writes, **s.config["masks"]}, s.config["knobs"])))
+              for s in plan.steps if s.kind == GENERATED}
+    return [v for space in spaces for pattern, group in space.patterns.items() if (space.op.name, pattern) in chosen
+            for v in group]
+
+
+def tune_chosen(tuner: Tuner, fused, spec: str, *, dtype, plan) -> int:
+    """Every knob setting of the layouts the plan chose for its generated operators, where ``tune``
+    measured only one (it tunes each operator's fastest first-stage layout; the selection may take
+    another for the layout changes it saves); returns how many variants were measured, not read back."""
+    spaces, _ = sweep_variants(spec, fused, "cuda", dtype=dtype)
+    before = sum(n for status, n in tuner.report.counts.items() if status != "skipped")
+    tuner.measure(chosen_patterns(spaces, plan))
+    return sum(n for status, n in tuner.report.counts.items() if status != "skipped") - before
 
 
 def measure_layout_changes(tuner: Tuner, graph, changes, dtype) -> int:

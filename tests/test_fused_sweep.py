@@ -197,6 +197,32 @@ def test_first_stage_draws_dropout_masks_in_groups_where_a_tile_can():
     assert ungrouped["block_col"] % 64  # without the operator: the middle plain configuration, per-element draws
 
 
+def test_the_main_job_tunes_the_layouts_its_plan_chose():
+    """After a selection the main job sweeps every knob setting of the layouts the plan's generated
+    steps run (``datamove.tuning.chosen_patterns``): the first stage measured one setting per
+    layout and the second only each operator's fastest layout, so a layout chosen for the changes
+    it saves would otherwise stay at one setting (BERT-large's bias + ReLU + dropout over ubj)."""
+    from datamove.candidates import plan_layer
+    from datamove.tuning import chosen_patterns
+    from layouts.cost_model import device_figures
+    from layouts.plan import GENERATED
+
+    fused = _training("bert")
+    spaces, _ = sv.sweep_variants("bert", fused, "cpu", dtype=torch.float32)
+    plan = plan_layer(fused, "bert", dtype="float32", figures=device_figures("H100"))
+    variants = chosen_patterns(spaces, plan)
+    steps = {s.name: s for s in plan.steps if s.kind == GENERATED}
+    assert {v.op_obj.name for v in variants} == set(steps)
+    for space in (s for s in spaces if s.op.name in steps):  # the others run in the attention or a GEMM epilogue
+        step = steps[space.op.name]
+        layouts = {**step.reads, **step.writes, **step.config["masks"]}
+        mine = [v for v in variants if v.op_obj is space.op]
+        assert len({access_pattern(v.config) for v in mine}) == 1
+        assert mine == space.patterns[access_pattern(mine[0].config)]
+        assert any(v.config.layouts == layouts and v.config.knobs == step.config["knobs"] for v in mine)
+    assert len(variants) > len(steps)  # whole patterns, not the chosen settings alone
+
+
 @pytest.mark.gpu
 def test_compiling_ahead_in_workers_leaves_only_loading(tmp_path):
     """At full size: kernels compiled by ``Sweep(compile_workers=2)``'s spawned processes are only
