@@ -158,9 +158,10 @@ class LayerProgram:
                        for n, member in enumerate(group) if member == self.interface.input_grads[t]}
             if len(members) < 2 or any(self.interface.input_grads[results[i]] in self.leaving for i in members.values()):
                 continue
-            layout = writes[group[0]]
-            letters = self.graph.tensors[group[0]].letters
-            found.append(StackedGradients(members, (len(group), *self.shape(group[0], layout)),
+            member = group[min(members)]
+            layout, letters = writes[member], self.graph.tensors[member].letters
+            shape = (len(group), *self.shape(member, layout))
+            found.append(StackedGradients(members, shape, tuple(torch.empty(shape, device="meta").stride()),
                                           tuple(layout.index(x) for x in letters)))
         return found
 
@@ -182,8 +183,8 @@ class LayerProgram:
             result.append((shape, stride, self.dtype))
         for stacked in self.stacked_gradients():
             for n, index in stacked.members.items():
-                shape = stacked.shape if n == min(stacked.members) else (0,)
-                result[index] = (shape, tuple(torch.empty(shape, device="meta").stride()), self.dtype)
+                result[index] = (stacked.shape, stacked.strides, self.dtype) if n == min(stacked.members) \
+                    else ((0,), (1,), self.dtype)
         return result
 
     def forward(self, store: dict, run: Run) -> dict:
@@ -203,10 +204,12 @@ class LayerProgram:
 class StackedGradients:
     """Parameter gradients stored as one buffer (``LayerProgram.stacked_gradients``): ``members``
     {stack index -> position among the backward op's results}, the buffer's ``shape`` (stack
-    count, then the write layout's sizes), ``axes``: the buffer axes of a member's spec letters."""
+    count, then the write layout's sizes) and row-major ``strides``, ``axes``: the buffer axes of a
+    member's spec letters."""
 
     members: dict[int, int]
     shape: tuple[int, ...]
+    strides: tuple[int, ...]
     axes: tuple[int, ...]
 
     def returned(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -215,8 +218,7 @@ class StackedGradients:
         buffer is rebuilt over the first member's storage)."""
         first = min(self.members)
         head = results[self.members[first]]
-        strides = torch.empty(self.shape, device="meta").stride()
-        buffer = head.as_strided(self.shape, strides, head.storage_offset() - first * strides[0])
+        buffer = head.as_strided(self.shape, self.strides, head.storage_offset() - first * self.strides[0])
         for n, index in self.members.items():
             view = buffer[n].permute(self.axes)
             if results[index].data_ptr() != view.data_ptr() or results[index].stride() != view.stride():
