@@ -18,7 +18,10 @@ Three times per layer and direction, each the median over repetitions:
   in training);
 - wall: host time per call of ``REPS`` plain calls, synchronised at the end;
 - graphed: the same calls replayed from one CUDA graph (captured after warm-up).
-Ratios are against the tuned layer's.  The tuned layer's breakdown: each plan step timed alone
+Ratios are against the tuned layer's; the kernel time's median round also gives, per kernel name,
+time and launches per call (the Markdown lists the slowest of the tuned layer and both compile
+modes side by side: where one spends time the other does not, e.g. work outside the plan's steps).
+The tuned layer's breakdown: each plan step timed alone
 (``kernels.bench.time_cuda``: device events, L2 flushed, medians, replayed from a CUDA graph) beside
 the plan's time for it.
 """
@@ -40,7 +43,8 @@ from kernels.bench import capture_graph, time_cuda, write_results
 from kernels.device import query_device, versions
 
 REPS = 20
-ROUNDS = 5
+ROUNDS = 5  # odd: the kernel table is the median round's
+KERNEL_TABLE_LAYERS = ("datamove", "compile-default", "compile-max-autotune")
 
 
 def _baselines(manifest: dict, dtype: torch.dtype, device) -> dict:
@@ -78,8 +82,9 @@ def _call(layer, x, dy, backward: bool):
     return step
 
 
-def kernel_ms(step) -> float:
-    """GPU busy time per call: every device activity's duration over ``REPS`` calls / ``REPS``."""
+def kernel_profile(step) -> tuple[float, list[dict]]:
+    """GPU busy time per call (every device activity's duration over ``REPS`` calls / ``REPS``, ms)
+    and the same per kernel name (``per_kernel``)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -87,8 +92,20 @@ def kernel_ms(step) -> float:
         for _ in range(REPS):
             step()
         torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.events() if e.device_type.name == "CUDA")
-    return total_us / 1e3 / REPS
+    events = [(e.name, e.device_time_total) for e in prof.events() if e.device_type.name == "CUDA"]
+    return sum(us for _, us in events) / 1e3 / REPS, per_kernel(events, REPS)
+
+
+def per_kernel(events, calls: int) -> list[dict]:
+    """Device activities ``(name, us)`` of ``calls`` calls grouped by name, slowest first:
+    ``{"name", "us": time per call, "count": launches per call}``."""
+    total: dict[str, list] = {}
+    for name, us in events:
+        entry = total.setdefault(name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    return sorted(({"name": name, "us": us / calls, "count": n / calls} for name, (us, n) in total.items()),
+                  key=lambda row: -row["us"])
 
 
 def wall_ms(step) -> float:
@@ -103,8 +120,9 @@ def wall_ms(step) -> float:
 def measure(step) -> dict:
     for _ in range(3):
         step()
-    result = {"kernel_ms": statistics.median(kernel_ms(step) for _ in range(ROUNDS)),
-              "wall_ms": statistics.median(wall_ms(step) for _ in range(ROUNDS))}
+    profiles = sorted((kernel_profile(step) for _ in range(ROUNDS)), key=lambda p: p[0])
+    kernel, kernels = profiles[len(profiles) // 2]  # the median round (ROUNDS is odd)
+    result = {"kernel_ms": kernel, "kernels": kernels, "wall_ms": statistics.median(wall_ms(step) for _ in range(ROUNDS))}
     try:
         replay, _ = capture_graph(step)
         result["graphed_ms"] = statistics.median(wall_ms(replay) for _ in range(ROUNDS))
@@ -192,8 +210,26 @@ def markdown(report: dict) -> str:
             lines.append(f"| {row['step']} | {row['phase']} | {row['kind']} | {row['ms']:.4f}{launched} | "
                          f"{row['plan_ms']:.4f} ({row['plan_source']}) |")
         total = sum(r["ms"] for r in case["breakdown"])
-        lines += [f"| total | | | {total:.4f} | |", ""]
+        lines += [f"| total | | | {total:.4f} | |", ""] + kernel_lines(case)
     return "\n".join(lines) + "\n"
+
+
+def kernel_lines(case: dict, layers=KERNEL_TABLE_LAYERS, most: int = 16) -> list[str]:
+    """Markdown: the slowest kernels of one fwd+bwd call of each of ``layers``, side by side."""
+    tables = {name: case["rows"].get(f"{name}|fwd+bwd", {}).get("kernels") for name in layers}
+    tables = {name: rows for name, rows in tables.items() if rows}
+    if not tables:
+        return []
+    lines = ["Kernels of one fwd+bwd call, slowest first (profiler; us per call, launches per call):", "",
+             "| " + " | ".join(f"{name} | us | n" for name in tables) + " |",
+             "|" + "---|---|---|" * len(tables)]
+    for n in range(min(most, max(len(rows) for rows in tables.values()))):
+        cells = []
+        for rows in tables.values():
+            row = rows[n] if n < len(rows) else None
+            cells += [row["name"][:70].replace("|", "/"), f"{row['us']:.1f}", f"{row['count']:g}"] if row else ["", "", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _now() -> str:
