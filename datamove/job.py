@@ -103,7 +103,6 @@ def run_job(o: JobOptions) -> int:
     from kernels.device import DeviceFacts, query_device, versions
     from kernels.interpreter import interpreted
     from layouts.cost_model import DEVICES, device_figures
-    from layouts.plan import LAYOUT_CHANGE, MEASURED
 
     stages = Stages()
     stages("analysis and fusion")
@@ -140,24 +139,25 @@ def run_job(o: JobOptions) -> int:
         print(f"No GPU ({reason}): NOTHING IS MEASURED. The selection runs on the cost model with the figures of "
               f"{figures.name}, and every time in the plan and the report is a prediction.", flush=True)
     stages("selection")
-    plan = plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
-                      boundary=boundary_layouts(torch_order), device=device)
-    for _ in range(SELECTION_ROUNDS if measured else 0):  # measure what the plan chose untuned, choose again
+
+    def choose():
+        return plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
+                          boundary=boundary_layouts(torch_order), device=device)
+
+    plan = choose()
+    if measured:
         from datamove.tuning import measure_layout_changes, tune_chosen
 
-        tuned = tune_chosen(tuner, fused, spec_name, dtype=getattr(torch, o.dtype), plan=plan)
-        wanted = {(s.config["tensor"], s.config["from"], s.config["to"]) for s in plan.steps
-                  if s.kind == LAYOUT_CHANGE and s.source != MEASURED}
-        if wanted and not tuner.report.stopped:
-            print(f"measuring the {len(wanted)} layout change(s) the plan inserts", flush=True)
-            measure_layout_changes(tuner, fused.graph, wanted, getattr(torch, o.dtype))
-        if not (tuned or wanted) or tuner.report.stopped:
-            break
-        print(f"{tuned} knob setting(s) of the chosen layouts and {len(wanted)} layout change(s) measured: choosing again",
-              flush=True)
-        timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
-        plan = plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
-                          boundary=boundary_layouts(torch_order), device=device)
+        def choose_again():
+            nonlocal timings
+            timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
+            return choose()
+
+        dtype = getattr(torch, o.dtype)
+        plan = refine_plan(plan, choose_again,
+                           lambda chosen: tune_chosen(tuner, fused, spec_name, dtype=dtype, plan=chosen),
+                           lambda wanted: measure_layout_changes(tuner, fused.graph, wanted, dtype),
+                           lambda: tuner.report.stopped)
     stages("export")
     write_artifact(out, plan, fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
                    torch_order=torch_order, weights=weights, versions=versions(),
@@ -169,6 +169,28 @@ def run_job(o: JobOptions) -> int:
     stages.done()
     print(summary(plan, out, paths, tuning, stages))
     return 0
+
+
+def refine_plan(plan, choose, measure_chosen, measure_changes, stopped, rounds: int = SELECTION_ROUNDS):
+    """Measure what ``plan`` chose without a measurement and choose again, at most ``rounds`` times:
+    ``measure_chosen(plan)`` tunes the knobs of the layouts its generated operators run and returns
+    how many variants were new, ``measure_changes(wanted)`` times the layout changes it inserts unmeasured
+    ((tensor, from, to) set), ``choose()`` selects again from the database; ``stopped()``: the
+    tuning budget is spent.  Ends when a round measured nothing new."""
+    from layouts.plan import LAYOUT_CHANGE, MEASURED
+
+    for _ in range(rounds):
+        tuned = measure_chosen(plan)
+        wanted = {(s.config["tensor"], s.config["from"], s.config["to"]) for s in plan.steps
+                  if s.kind == LAYOUT_CHANGE and s.source != MEASURED}
+        if wanted and not stopped():
+            measure_changes(wanted)
+        if not (tuned or wanted) or stopped():
+            break
+        print(f"{tuned} knob setting(s) of the chosen layouts and {len(wanted)} layout change(s) measured: "
+              f"choosing again", flush=True)
+        plan = choose()
+    return plan
 
 
 def summary(plan, out: Path, paths: dict, tuning, stages: Stages) -> str:
