@@ -137,6 +137,16 @@ def _store_rows(x_ptr, stride_xb, stride_xh, stride_xr, stride_xp, b, h, offs, o
 
 
 @triton.jit
+def _biased(x, b_ptr, h, stride_bh, stride_bp, offs_p, P_AXIS: tl.constexpr):
+    """``x`` (a [rows, P] tile, ``P_AXIS`` 1, or a [P, cols] one, 0) plus head h's bias [P], added in
+    fp32 and rounded to x's dtype (as a separate bias-add kernel stores it)."""
+    bias = tl.load(b_ptr + h * stride_bh + offs_p * stride_bp).to(tl.float32)
+    if P_AXIS == 1:
+        return (x.to(tl.float32) + bias[None, :]).to(x.dtype)
+    return (x.to(tl.float32) + bias[:, None]).to(x.dtype)
+
+
+@triton.jit
 def _dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P: tl.constexpr):
     """[J, P] pointers to rows ``offs_j`` of one head in the fp32 dQ accumulator, (b, h, j, p)
     contiguous; ``stat_base`` = (b * H + h) * Lq, the head's first row."""
@@ -173,21 +183,25 @@ def _attn_fwd_kernel(
     lse_ptr,  # (b, h, j) float32, contiguous
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, written if MASK_IO == 1
+    bq_ptr, bk_ptr, bv_ptr,  # (h, p) any strides: biases added to q, k, v as they are loaded (unused unless HAS_BIAS)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
     stride_ob, stride_oh, stride_oj, stride_op,
     stride_mb, stride_mk,
+    stride_bqh, stride_bqp, stride_bkh, stride_bkp, stride_bvh, stride_bvp,
     drop_sb, drop_sh, drop_sj, drop_sk,  # logical strides of (b, h, j, k) for the dropout index
     H, Lq, Lk,
     qk_scale,  # scale * log2(e)
     drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), dropout_scale(dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
+    if HAS_BIAS:
+        q = _biased(q, bq_ptr, h, stride_bqh, stride_bqp, offs_p, 1)
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
@@ -204,6 +218,8 @@ def _attn_fwd_kernel(
         offs_k = start_k + tl.arange(0, BLOCK_K)
         col_ok = offs_k < Lk
         kt = tl.load(k_base + offs_k[None, :] * stride_kk + offs_p[:, None] * stride_kp, mask=col_ok[None, :], other=0.0)
+        if HAS_BIAS:
+            kt = _biased(kt, bk_ptr, h, stride_bkh, stride_bkp, offs_p, 0)
         s = tl.dot(q, kt) * qk_scale  # (j, k), log2 units
         if CAUSAL or HAS_KPM or not EVEN_K:
             valid = _visible(col_ok[None, :], b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk, CAUSAL, HAS_KPM)
@@ -220,6 +236,8 @@ def _attn_fwd_kernel(
                                BLOCK_K, GROUPED, MASK_IO)
             p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
+        if HAS_BIAS:
+            v = _biased(v, bv_ptr, h, stride_bvh, stride_bvp, offs_p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
@@ -271,6 +289,7 @@ def _attn_bwd_dkdv_kernel(
     dv_ptr,  # (b, h, k, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
+    bq_ptr, bk_ptr, bv_ptr,  # (h, p) any strides: biases added to q, k, v as they are loaded (unused unless HAS_BIAS)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -279,6 +298,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvk, stride_dvp,
     stride_dqb, stride_dqh, stride_dqj, stride_dqp,
     stride_mb, stride_mk,
+    stride_bqh, stride_bqp, stride_bkh, stride_bkp, stride_bvh, stride_bvp,
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,  # scale, scale * log2(e)
@@ -286,15 +306,20 @@ def _attn_bwd_dkdv_kernel(
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_k, pid_bh, b, h, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
                                                                 H, Lk, BLOCK_K, P)
+    if HAS_BIAS:
+        k = _biased(k, bk_ptr, h, stride_bkh, stride_bkp, offs_p, 1)
     key_ok = col_ok
     if HAS_KPM:
         pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
         key_ok = key_ok & (pad == 0)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp,
                 mask=col_ok[:, None], other=0.0)
+    if HAS_BIAS:
+        v = _biased(v, bv_ptr, h, stride_bvh, stride_bvp, offs_p, 1)
     q_base = q_ptr + b * stride_qb + h * stride_qh
     do_base = do_ptr + b * stride_dob + h * stride_doh
     stat_base = pid_bh.to(tl.int64) * Lq
@@ -307,6 +332,8 @@ def _attn_bwd_dkdv_kernel(
         offs_j = start_j + tl.arange(0, BLOCK_J)
         row_ok = offs_j < Lq
         q = tl.load(q_base + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp, mask=row_ok[:, None], other=0.0)
+        if HAS_BIAS:
+            q = _biased(q, bq_ptr, h, stride_bqh, stride_bqp, offs_p, 1)
         do = tl.load(do_base + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop, mask=row_ok[:, None], other=0.0)
         lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
@@ -360,22 +387,26 @@ def _attn_bwd_dq_kernel(
     dq_ptr,  # (b, h, j, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
+    bq_ptr, bk_ptr, bv_ptr,  # (h, p) any strides: biases added to q, k, v as they are loaded (unused unless HAS_BIAS)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
     stride_dob, stride_doh, stride_doj, stride_dop,
     stride_dqb, stride_dqh, stride_dqj, stride_dqp,
     stride_mb, stride_mk,
+    stride_bqh, stride_bqp, stride_bkh, stride_bkp, stride_bvh, stride_bvp,
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,
     drop_threshold, dropout_scale, seed, offset,  # keep_threshold(dropout_p), dropout_scale(dropout_p)
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
-    GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr,
+    GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
+    if HAS_BIAS:
+        q = _biased(q, bq_ptr, h, stride_bqh, stride_bqp, offs_p, 1)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -395,6 +426,9 @@ def _attn_bwd_dq_kernel(
         col_ok = offs_k < Lk
         k = tl.load(k_base + offs_k[:, None] * stride_kk + offs_p[None, :] * stride_kp, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
+        if HAS_BIAS:
+            k = _biased(k, bk_ptr, h, stride_bkh, stride_bkp, offs_p, 1)
+            v = _biased(v, bv_ptr, h, stride_bvh, stride_bvp, offs_p, 1)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if CAUSAL or HAS_KPM or not EVEN:
             valid = _visible(col_ok[None, :] & row_ok[:, None], b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk,
@@ -561,6 +595,17 @@ def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=N
     return torch.empty((B, H, Lq, Lk // 16), device=q.device, dtype=torch.int16)
 
 
+def _bias_args(bias, q) -> tuple:
+    """Kernel arguments of ``bias``: (bq, bk, bv) logical (h, p) views of any strides in q's dtype
+    and device, added to q, k, v as the kernels load them; or None (placeholders, never read)."""
+    if bias is None:
+        return (q, q, q), (0,) * 6
+    H, P = q.shape[1], q.shape[3]
+    if len(bias) != 3 or any(b.shape != (H, P) or b.dtype != q.dtype or b.device != q.device for b in bias):
+        raise ValueError(f"bias must be (bq, bk, bv), each ({H}, {P}) in {q.dtype} on {q.device}")
+    return tuple(bias), tuple(x for b in bias for x in b.stride())
+
+
 def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, saved_mask):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D logical (b, h, j|k, p) views")
@@ -591,14 +636,16 @@ def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, save
 
 def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                       causal: bool = False, key_padding_mask=None, dropout_strides=None, o=None, saved_mask=None,
-                      block_j=None, block_k=None, num_warps=None, num_stages=None):
+                      bias=None, block_j=None, block_k=None, num_warps=None, num_stages=None):
     """Forward pass. ``q``: (b, h, j, p), ``k``, ``v``: (b, h, k, p) logical views of any strides.
 
     ``key_padding_mask``: bool (b, k), True = key excluded. ``dropout_strides``: logical strides
     (sb, sh, sj, sk) of the probabilities' dropout index (default: (b, h, j, k) row-major).
     ``o``: optional output (b, h, j, p) of any strides, else allocated like ``q``.
     ``saved_mask``: optional ``new_saved_mask`` buffer the kernel writes the keep decisions to
-    (for a backward with ``dropout_mask="saved"``).
+    (for a backward with ``dropout_mask="saved"``).  ``bias``: optional (bq, bk, bv), each (h, p):
+    the kernel attends over q + bq, k + bk, v + bv (each sum rounded to the inputs' dtype), so a
+    bias add before the attention needs no kernel of its own.
     Returns ``(o, lse)``, lse float32 (b, h, j) contiguous, natural log.
     """
     B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
@@ -608,15 +655,16 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     o = torch.empty_like(q) if o is None else o
     lse = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Lq, block_j), B * H)
+    biases, bias_strides = _bias_args(bias, q)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, kpm, lse if saved_mask is None else saved_mask,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *kpm_strides, *drop,
+        q, k, v, o, lse, kpm, lse if saved_mask is None else saved_mask, *biases,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *kpm_strides, *bias_strides, *drop,
         H, Lq, Lk, scale * LOG2E,
         keep_threshold(dropout_p), dropout_scale(dropout_p), seed, offset,
         P=P, BLOCK_J=block_j, BLOCK_K=block_k,
         CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
         GROUPED=_block_grouped(grouped, block_k, saved_mask), MASK_IO=0 if saved_mask is None else 1,
-        EVEN_K=Lk % block_k == 0,
+        EVEN_K=Lk % block_k == 0, HAS_BIAS=bias is not None,
         num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"],
     )
     return o, lse
@@ -624,8 +672,8 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
 
 def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 0.0, seed: int = 0,
                        offset: int = 0, causal: bool = False, key_padding_mask=None, dropout_strides=None,
-                       saved_mask=None, dq=None, dk=None, dv=None, block_j=None, block_k=None, num_warps=None,
-                       num_stages=None, dq_mode=None, dropout_mask=None):
+                       saved_mask=None, dq=None, dk=None, dv=None, bias=None, block_j=None, block_k=None,
+                       num_warps=None, num_stages=None, dq_mode=None, dropout_mask=None):
     """Backward pass: ``(dq, dk, dv)`` for upstream ``do`` (b, h, j, p) of any strides.
 
     ``o``, ``lse`` (and ``saved_mask``) come from ``attention_forward`` with the same arguments.
@@ -635,7 +683,8 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     "split" (own kernel). ``dropout_mask`` (module doc): "regenerate" (``saved_mask`` None: the
     dK/dV kernel, and with "split" the dQ kernel, draw the mask from (seed, offset)) or "saved"
     (the kernels read ``saved_mask``, the forward's ``new_saved_mask`` buffer; None only where
-    ``new_saved_mask`` gives None, and then the mask is drawn as with "regenerate").
+    ``new_saved_mask`` gives None, and then the mask is drawn as with "regenerate").  ``bias``: as
+    the forward's (the gradients are those of the biased q, k, v, which are those of q, k, v).
     """
     B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
                                                                         dropout_strides, saved_mask)
@@ -666,18 +715,19 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
                  HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, GROUPED=_block_grouped(grouped, block_k, saved_mask),
-                 MASK_IO=mask_io,
+                 MASK_IO=mask_io, HAS_BIAS=bias is not None,
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
+    biases, bias_strides = _bias_args(bias, q)
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), dropout_scale(dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
-        q, k, v, do, lse, delta, dq_acc, arrivals, dq, dk, dv, kpm, mask,
+        q, k, v, do, lse, delta, dq_acc, arrivals, dq, dk, dv, kpm, mask, *biases,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dq.stride(), *kpm_strides,
-        *drop, *scalars, DQ_ATOMIC=atomic, **flags,
+        *bias_strides, *drop, *scalars, DQ_ATOMIC=atomic, **flags,
     )
     if not atomic:
         _attn_bwd_dq_kernel[(triton.cdiv(Lq, block_j), B * H)](
-            q, k, v, do, lse, delta, dq, kpm, mask,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *kpm_strides, *drop,
+            q, k, v, do, lse, delta, dq, kpm, mask, *biases,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *kpm_strides, *bias_strides, *drop,
             *scalars, **flags,
         )
     return dq, dk, dv

@@ -226,6 +226,34 @@ def test_dropout_paths(Lk, order, offset, grouped):
             assert relative_error(g, r) < FP32_TOL, f"{dq_mode} {option} {name}: {relative_error(g, r):.2e}"
 
 
+@pytest.mark.parametrize("dq_mode", ["atomic", "split"])
+def test_biases_added_as_the_kernels_load(dq_mode):
+    """``bias=(bq, bk, bv)``: the kernels attend over q + bq, k + bk, v + bv (BERT's Q/K/V bias add
+    folded into the attention): O and the gradients equal, bit for bit, the kernels' on inputs biased
+    beforehand, and match float64 with the mask; dQ, dK, dV are the gradients of the unbiased inputs."""
+    B, H, Lq, Lk, P = 2, 3, 37, 29, 16
+    args = dict(scale=0.25, dropout_p=0.2, seed=77, offset=5, key_padding_mask=padding_mask(B, Lk).to(DEVICE))
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, "bjhp", seed=21)
+    gen = torch.Generator().manual_seed(22)
+    biases64 = [torch.randn(H, P, generator=gen, dtype=torch.float64) for _ in range(3)]
+    biases = [b.to(DEVICE, torch.float32).t().contiguous().t() for b in biases64]  # (h, p) views, p outer in memory
+    q, k, v = (t.detach() for t in kernel_inputs)
+    do_dev = stored_as(do.to(DEVICE, torch.float32), "pjhb")
+    o, lse = attention_forward(q, k, v, **args, bias=biases)
+    grads = attention_backward(do_dev, q, k, v, o, lse, **args, bias=biases, dq_mode=dq_mode)
+    pre = [t + b[None, :, None, :] for t, b in zip((q, k, v), biases)]
+    o_pre, lse_pre = attention_forward(*pre, **args)
+    assert torch.equal(o, o_pre) and torch.equal(lse, lse_pre)
+    for got, want in zip(grads, attention_backward(do_dev, *pre, o_pre, lse_pre, **args, dq_mode=dq_mode)):
+        assert torch.equal(got, want)
+    biased64 = [t.detach().to(DEVICE) + b.to(DEVICE)[None, :, None, :] for t, b in zip(ref_inputs, biases64)]
+    _, reference, _ = run_both(biased64, [t.detach().clone().requires_grad_() for t in pre], do, **args)
+    for name, g, r in zip(NAMES, (o, *grads), reference):
+        assert relative_error(g, r) < FP32_TOL, f"{name}: {relative_error(g, r):.2e}"
+    with pytest.raises(ValueError, match=r"bias must be \(bq, bk, bv\), each \(3, 16\)"):
+        attention_forward(q, k, v, **args, bias=biases[:2])
+
+
 def test_config_space_runs():
     """Interpreter configurations of both passes compute the same, right result (Lk = 64: the mask
     drawn one Philox call per sixteen keys where the key blocks are whole groups of 64, so "saved",
