@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kernels.attention_variants import AttentionCase
 from kernels.contraction import parse
@@ -190,6 +190,35 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
     return AttentionRoles(members, tuple(backward), roles, letters, scale), ""
 
 
+def attention_bias(fused, roles: AttentionRoles) -> dict | None:
+    """The operator right before the fused attention's forward if all it does is add a bias to
+    each of q, k and v (BERT's ``stack(q,k,v)``): ``{"op": its name, "q": (tensor before the add,
+    bias), "k": ..., "v": ...}``, the biases over the heads and feature letters; the attention can
+    then add them as it loads q, k, v (``kernels.attention``'s ``bias``).  None where it does more,
+    or where anything but the attention reads q, k or v."""
+    graph, t, letters = fused.graph, roles.tensors, roles.letters
+    order = [op.name for op in fused.operators]
+    op = next((o for o in fused.operators if t["q"] in o.outputs), None)
+    if op is None or op.cls == "contraction" or set(op.outputs) != {t["q"], t["k"], t["v"]} \
+            or order.index(op.name) + 1 != order.index(roles.members[0]):
+        return None
+    feature = {"q": letters["features"], "k": letters["features"], "v": letters["value_features"]}
+    found = {"op": op.name}
+    for prim in op.primitives:
+        role = next((r for r in "qkv" if t[r] == prim.output.tensor), None)
+        if role is None or prim.kind != "map" or len(prim.inputs) != 2 or prim.expr.replace(" ", "") not in ("in0+in1", "in1+in0"):
+            return None
+        pre, bias = sorted(prim.inputs, key=lambda x: -len(x.letters))
+        if graph.tensors[pre.tensor].letters != graph.tensors[t[role]].letters or pre.letters != prim.output.letters \
+                or sorted(graph.tensors[bias.tensor].letters) != sorted(letters["heads"] + feature[role]):
+            return None
+        found[role] = (pre.tensor, bias.tensor)
+    inside = set(roles.members) | set(roles.backward)
+    if len(found) != 4 or any(o.name not in inside and set(o.inputs) & {t["q"], t["k"], t["v"]} for o in fused.operators):
+        return None
+    return found
+
+
 def _feeds(op, wanted: set, ops: dict, reach: set) -> bool:
     """Whether ``op``'s outputs lead (within ``reach``) to a tensor in ``wanted``."""
     frontier, seen = list(op.outputs), set()
@@ -306,7 +335,10 @@ class CandidateBuilder:
         return [Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer), reads, writes,
                           config, ms, source)]
 
-    def attention(self, roles: AttentionRoles, q_layouts: set[str]) -> list[Candidate]:
+    def attention(self, roles: AttentionRoles, q_layouts: set[str], bias: dict | None = None) -> list[Candidate]:
+        """The fused attention's forward and backward in each storage order of ``q_layouts``; with
+        ``bias`` (``attention_bias``) also with that bias add folded in: a forward covering the bias
+        operator too and a backward, both reading the tensors before the add and the biases."""
         graph, letters, t = self.graph, roles.letters, roles.tensors
         kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
         size = {role: graph.size(letters[role]) for role in letters}
@@ -323,24 +355,31 @@ class CandidateBuilder:
                     for role in ("q", "k", "v", "o")}
             layout_key = {**{r: order.replace("j", "k") if r in ("k", "v") else order for r in ("q", "k", "v", "o")},
                           "do": order}
-            for direction, kind, members in (("forward", ATTENTION_FORWARD, roles.members),
-                                             ("backward", ATTENTION_BACKWARD, roles.backward)):
-                found = self.timings.lookup(case.op(direction), case.dims, layout_key,
-                                            lambda k: k.get("impl") == "fused" and k.get("dropout_mask", "regenerate") == "regenerate"
-                                            and (k.get("backward") or {}).get("dropout_mask", "regenerate") == "regenerate")
-                ms, source, knobs = self._time(found, "attention", case.flop(direction), case.bytes(direction))
-                if direction == "forward":
-                    reads = {t[r]: like[r] for r in ("q", "k", "v")}
-                    writes = {t["o"]: like["o"], lse: lse_layout}
-                    knob = (knobs or {}).get("forward") or {}
-                else:
-                    reads = {**{t[r]: like[r] for r in ("q", "k", "v", "o")}, t["do"]: like["o"], lse: lse_layout}
-                    writes = {t["dq"]: like["q"], t["dk"]: like["k"], t["dv"]: like["v"]}
-                    knob = {k: v for k, v in ((knobs or {}).get("backward") or {}).items() if k != "dropout_mask"}
-                config = {"knobs": knob, "roles": {**t, "lse": lse}, "letters": letters, "scale": roles.scale,
-                          "causal": False}
-                result.append(Candidate(f"attention_{direction}", graph_phase(direction), kind, members, reads, writes,
-                                        config, ms, source))
+            for folded in (None, bias) if bias else (None,):
+                timed = replace(case, bias=True) if folded else case
+                inputs = {r: folded[r][0] if folded else t[r] for r in ("q", "k", "v")}
+                biases = {folded[r][1]: graph.tensors[folded[r][1]].letters for r in ("q", "k", "v")} if folded else {}
+                for direction, kind, members in (("forward", ATTENTION_FORWARD, roles.members),
+                                                 ("backward", ATTENTION_BACKWARD, roles.backward)):
+                    found = self.timings.lookup(timed.op(direction), timed.dims, layout_key,
+                                                lambda k: k.get("impl") == "fused" and k.get("dropout_mask", "regenerate") == "regenerate"
+                                                and (k.get("backward") or {}).get("dropout_mask", "regenerate") == "regenerate")
+                    ms, source, knobs = self._time(found, "attention", timed.flop(direction), timed.bytes(direction))
+                    reads = {**{inputs[r]: like[r] for r in ("q", "k", "v")}, **biases}
+                    if direction == "forward":
+                        writes = {t["o"]: like["o"], lse: lse_layout}
+                        knob = (knobs or {}).get("forward") or {}
+                        operators, name = ((folded["op"], *members), f"{folded['op']}+attention_forward") if folded \
+                            else (members, "attention_forward")
+                    else:
+                        reads.update({t["o"]: like["o"], t["do"]: like["o"], lse: lse_layout})
+                        writes = {t["dq"]: like["q"], t["dk"]: like["k"], t["dv"]: like["v"]}
+                        knob = {k: v for k, v in ((knobs or {}).get("backward") or {}).items() if k != "dropout_mask"}
+                        operators, name = members, "attention_backward"
+                    config = {"knobs": knob, "roles": {**t, "lse": lse}, "letters": letters, "scale": roles.scale,
+                              "causal": False, **({"bias": {r: list(folded[r]) for r in ("q", "k", "v")}} if folded else {})}
+                    result.append(Candidate(name, graph_phase(direction), kind, operators, reads, writes, config, ms,
+                                            source))
         return result
 
     def layout_change(self, tensor: str, source: str, target: str) -> tuple[float, str]:
@@ -423,8 +462,12 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
     roles, why = attention_roles(fused)
     if roles is not None:
         producers = [c for cs in runs.values() for c in cs if roles.tensors["q"] in c.writes]
-        for c in builder.attention(roles, {c.writes[roles.tensors["q"]] for c in _keep(producers, spec_letters)}):
-            runs.setdefault(c.name, []).append(c)
+        bias = attention_bias(fused, roles)
+        q_layouts = {c.writes[roles.tensors["q"]] for c in _keep(producers, spec_letters)}
+        if bias:  # the folded forward reads what the bias operator reads: its producers' layouts too
+            q_layouts |= {c.writes[bias["q"][0]] for cs in runs.values() for c in _keep(cs, spec_letters) if bias["q"][0] in c.writes}
+        for c in builder.attention(roles, q_layouts, bias):
+            runs.setdefault(c.name + ("+bias" if "bias" in c.config else ""), []).append(c)
     order = [op.name for op in fused.operators]
     candidates = _kept_runs(runs, order, spec_letters)
     missing = [op.name for op in fused.operators if not any(op.name in c.operators for c in candidates)]

@@ -79,8 +79,9 @@ def boundary_layouts(torch_order: dict) -> dict:
 
 def attention_setups(fused, dtype_name: str) -> list[dict]:
     """``kernels.attention_variants.AttentionCase`` arguments of the graph's fused attention in the
-    spec's layout of its inputs (what the tuning measures)."""
-    from datamove.candidates import attention_roles
+    spec's layout of its inputs (what the tuning measures), and ``bias``: whether the bias add
+    before it folds in (``datamove.candidates.attention_bias``; the tuning measures that too)."""
+    from datamove.candidates import attention_bias, attention_roles
 
     roles, _ = attention_roles(fused)
     if roles is None:
@@ -91,7 +92,7 @@ def attention_setups(fused, dtype_name: str) -> list[dict]:
     mask = roles.tensors["mask"]
     return [dict(B=graph.size(letters["batch"]), H=graph.size(letters["heads"]), L=graph.size(letters["rows"]),
                  P=graph.size(letters["features"]), dropout_p=graph.tensors[mask].p if mask else 0.0,
-                 layout="".join(kernel[x] for x in q))]
+                 layout="".join(kernel[x] for x in q), bias=attention_bias(fused, roles) is not None)]
 
 
 def run_job(o: JobOptions) -> int:

@@ -203,7 +203,9 @@ class GemmLauncher(Launcher):
 
 
 class _AttentionLauncher(Launcher):
-    """Shared by the attention's two passes: the roles' tensors as logical (b, h, rows, p) views."""
+    """Shared by the attention's two passes: the roles' tensors as logical (b, h, rows, p) views;
+    with a bias add folded in (config "bias": role -> (tensor before the add, bias)), q, k, v are
+    read before the add and the biases as logical (h, p) views, which the kernels add."""
 
     def __init__(self, step: Step, graph, buffers: Buffers):
         super().__init__(step, graph, buffers)
@@ -218,6 +220,9 @@ class _AttentionLauncher(Launcher):
             own = graph.tensors[self.roles[role]].letters
             wanted = [letters["batch"], letters["heads"], letters[key_role[role]], letters[feature_role[role]]]
             self.axes[role] = [own.index(x) for x in wanted]
+        self.bias = config.get("bias")
+        self.bias_axes = {role: [graph.tensors[bias].letters.index(x) for x in (letters["heads"], letters[feature_role[role]])]
+                          for role, (_, bias) in (self.bias or {}).items()}
         self.mask = self.roles.get("mask")
         self.dropout_p = graph.tensors[self.mask].p if self.mask else 0.0
         self.offset = dropout_offsets(graph)[self.mask] if self.mask else 0
@@ -232,6 +237,13 @@ class _AttentionLauncher(Launcher):
     def view(self, tensor: torch.Tensor, role: str) -> torch.Tensor:
         return tensor.permute(self.axes[role])
 
+    def inputs(self, store: dict) -> tuple:
+        """(q, k, v) as logical views and the biases the kernels add to them (None: no bias folded in)."""
+        if not self.bias:
+            return tuple(self.view(_read(self.step, store, self.roles[r]), r) for r in ("q", "k", "v")), None
+        return (tuple(self.view(_read(self.step, store, self.bias[r][0]), r) for r in ("q", "k", "v")),
+                tuple(_read(self.step, store, self.bias[r][1]).permute(self.bias_axes[r]) for r in ("q", "k", "v")))
+
     def common(self, run: Run) -> dict:
         return dict(scale=self.scale, dropout_p=self.dropout_p, seed=run.seed, offset=self.offset, causal=self.causal,
                     key_padding_mask=run.key_padding_mask, dropout_strides=self.dropout_strides)
@@ -244,25 +256,27 @@ class AttentionForwardLauncher(_AttentionLauncher):
 
     def __call__(self, store: dict, run: Run) -> None:
         r = self.roles
-        q, k, v = (self.view(_read(self.step, store, r[role]), role) for role in ("q", "k", "v"))
+        (q, k, v), bias = self.inputs(store)
         o = self.output(store, r["o"])
         saved = None
         if self.saves_mask:
             saved = new_saved_mask(q, k, dropout_p=self.dropout_p, offset=self.offset, dropout_strides=self.dropout_strides)
             store[saved_mask_name(self.lse)] = saved
-        _, lse = attention_forward(q, k, v, o=self.view(o, "o"), saved_mask=saved, **self.common(run), **self.knobs)
+        _, lse = attention_forward(q, k, v, o=self.view(o, "o"), saved_mask=saved, bias=bias, **self.common(run),
+                                   **self.knobs)
         store[r["o"]], store[self.lse] = o, lse
 
 
 class AttentionBackwardLauncher(_AttentionLauncher):
     def __call__(self, store: dict, run: Run) -> None:
         r = self.roles
-        q, k, v, o = (self.view(_read(self.step, store, r[role]), role) for role in ("q", "k", "v", "o"))
+        (q, k, v), bias = self.inputs(store)
+        o = self.view(_read(self.step, store, r["o"]), "o")
         do = self.view(_read(self.step, store, r["do"]), "o")
         grads = {role: self.output(store, r[role]) for role in ("dq", "dk", "dv")}
         attention_backward(do, q, k, v, o, store[self.lse], saved_mask=store.get(saved_mask_name(self.lse)),
                            dq=self.view(grads["dq"], "q"), dk=self.view(grads["dk"], "k"), dv=self.view(grads["dv"], "v"),
-                           **self.common(run), **self.knobs)
+                           bias=bias, **self.common(run), **self.knobs)
         for role, tensor in grads.items():
             store[r[role]] = tensor
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kernels.attention_variants import AttentionCase, Workspace, config_variants
+from kernels.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
 from kernels.bench import Sweep
 from kernels.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
                                           gemm_variants, training_gemms)
@@ -26,6 +26,7 @@ from layouts.plan import GENERATED
 from layouts.space import Configuration, access_pattern
 
 EPILOGUE_CONFIGS = 3
+BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurations measured again with Q/K/V biases
 # Triton GEMM configurations every GEMM tries first (and the fused epilogues take the fastest of):
 # the ones fastest at BERT-large sizes on Hopper (benchmarks/results/contractions.md), TMA tiles
 # where the layouts allow them, else the same tiles without TMA.
@@ -88,11 +89,13 @@ def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1
     of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations
     (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
     ``pick_layouts``; None: one per transposition pattern), and the fused epilogues; the attention's
-    configurations; last, every knob setting of each fused operator's ``top`` fastest patterns.
+    configurations (where the spec's Q/K/V bias add can fold into it, ``attention``'s ``bias``, the
+    fastest again with the biases); last, every knob setting of each fused operator's ``top`` fastest patterns.
     The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
     the selection has said which it wants.
 
-    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout) to measure."""
+    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout) to measure, each
+    with ``bias``: whether the bias add before it folds in (``datamove.candidates.attention_bias``)."""
     spaces, _ = sweep_variants(spec, fused, "cuda", dtype=dtype)
     tuner.measure([v for s in spaces for v in s.first_stage()])
 
@@ -112,8 +115,12 @@ def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1
     tuner.measure(later)
 
     for setup in attention:
-        ws = Workspace(AttentionCase(**setup, dtype=dtype), "cuda")
-        tuner.measure(config_variants(ws), cuda_graph=True)
+        setup = dict(setup)
+        biased = setup.pop("bias", False)
+        variants = config_variants(Workspace(AttentionCase(**setup, dtype=dtype), "cuda"))
+        tuner.measure(variants, cuda_graph=True)
+        if biased:  # the bias add folded in: the fastest configurations again, adding the biases
+            tuner.measure(biased_variants(tuner.ranker.ranked(variants), BIASED_ATTENTION_CONFIGS), cuda_graph=True)
 
     tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
     return tuner.report

@@ -23,7 +23,8 @@ the mask that ``native_dropout`` drew in the checked call; SDPA: its dropout mas
 regenerated, so the check runs it with dropout 0 against the dropout-0 reference (the timed run
 uses ``dropout_p``), and on a GPU the verdict names the attention kernels the timed call launched.
 
-Keys: ``op`` = ``"attention:<direction>:dropout=<p>"``, ``dims`` = {b, h, j, k, p}, ``layout`` =
+Keys: ``op`` = ``"attention:<direction>:dropout=<p>"`` (``":bias"`` appended where biases (h, p) are
+added to q, k, v as the fused kernels load them, ``AttentionCase.bias``: forward and backward only), ``dims`` = {b, h, j, k, p}, ``layout`` =
 {tensor: storage order}, ``knobs`` = {"impl": "fused", "forward": {...}, "backward": {...}} (direction
 "forward": {"impl": "fused", "forward": {...}, "dropout_mask": ...}) /
 {"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,6 +52,7 @@ DIRECTIONS = ("forward", "backward", "fwd+bwd")
 SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn", "math")
 LAUNCHES = ("cuda-graph", "python")
 NAMES = ("o", "dq", "dk", "dv")
+BIASES = ("bq", "bk", "bv")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class AttentionCase:
     dropout_p: float
     layout: str = "bjhp"  # storage order of the (b, h, j, p) tensors; K and V: the same with k for j
     dtype: torch.dtype = DTYPE
+    bias: bool = False  # biases (h, p) added to q, k, v as the kernels load them (fused variants only)
 
     @property
     def dims(self) -> dict:
@@ -72,7 +75,7 @@ class AttentionCase:
         return self.P ** -0.5
 
     def op(self, direction: str) -> str:
-        return f"attention:{direction}:dropout={self.dropout_p:g}"
+        return f"attention:{direction}:dropout={self.dropout_p:g}" + (":bias" if self.bias else "")
 
     def layouts(self) -> dict:
         key_layout = self.layout.replace("j", "k")
@@ -118,15 +121,19 @@ class Workspace:
 
     @functools.cached_property
     def exact(self) -> dict:
-        """Float64 q, k, v, do (b, h, j|k, p), rounded through ``dtype`` so every implementation reads the same values."""
+        """Float64 q, k, v, do (b, h, j|k, p), and with ``case.bias`` bq, bk, bv (h, p), rounded
+        through ``dtype`` so every implementation reads the same values."""
         c = self.case
         gen = torch.Generator().manual_seed(self.seed)
-        return {n: torch.randn(c.B, c.H, c.L, c.P, generator=gen, dtype=torch.float64).to(c.dtype).to(self.device, torch.float64)
-                for n in ("q", "k", "v", "do")}
+        shapes = {n: (c.B, c.H, c.L, c.P) for n in ("q", "k", "v", "do")}
+        shapes.update({n: (c.H, c.P) for n in (BIASES if c.bias else ())})
+        return {n: torch.randn(shape, generator=gen, dtype=torch.float64).to(c.dtype).to(self.device, torch.float64)
+                for n, shape in shapes.items()}
 
     def inputs(self) -> dict:
-        """Fresh q, k, v, do in ``dtype``, stored in the case's layout (logical views)."""
-        return {n: stored_as(t.to(self.case.dtype), self.case.layout) for n, t in self.exact.items()}
+        """Fresh q, k, v, do in ``dtype``, stored in the case's layout (logical views), and the biases."""
+        return {n: t.to(self.case.dtype) if n in BIASES else stored_as(t.to(self.case.dtype), self.case.layout)
+                for n, t in self.exact.items()}
 
     @functools.cached_property
     def keep(self) -> torch.Tensor | None:
@@ -136,8 +143,9 @@ class Workspace:
         return keep_mask_torch(SEED, 0, (c.B, c.H, c.L, c.L), c.dropout_p, self.device)
 
     def _run_chain(self, dtype, keep, keep_scale) -> dict:
-        x = {n: t.to(dtype, copy=True).requires_grad_(n != "do") for n, t in self.exact.items()}
-        o = _chain(x["q"], x["k"], x["v"], self.case.scale, keep, keep_scale)
+        x = {n: t.to(dtype, copy=True).requires_grad_(n in ("q", "k", "v")) for n, t in self.exact.items()}
+        q, k, v = (x[n] + x[b][None, :, None, :] if self.case.bias else x[n] for n, b in zip("qkv", BIASES))
+        o = _chain(q, k, v, self.case.scale, keep, keep_scale)
         o.backward(x["do"])
         return dict(o=o.detach(), dq=x["q"].grad, dk=x["k"].grad, dv=x["v"].grad)
 
@@ -213,6 +221,8 @@ class FusedVariant(_Base):
     def __init__(self, ws: Workspace, direction: str, forward: dict | None = None, backward: dict | None = None,
                  launch: str = "cuda-graph"):
         P = ws.case.P
+        if ws.case.bias and direction == "fwd+bwd":
+            raise ValueError("biased cases run the forward and the backward kernels, not fused_attention")
         backward = dict(default_config(P, "backward"), **(backward or {}))
         self.forward = dict(forward or default_config(P, "forward")) if direction != "backward" else None
         self.backward = backward if direction != "forward" else None
@@ -229,6 +239,8 @@ class FusedVariant(_Base):
         x, args = self.x, self.ws.case.args()
         if self.direction == "fwd+bwd":
             return self._fwd_bwd()
+        if self.ws.case.bias:
+            args["bias"] = tuple(x[n] for n in BIASES)
         if "saved_mask" not in x:
             x["saved_mask"] = new_saved_mask(x["q"], x["k"], dropout_p=args["dropout_p"],
                                              offset=args["offset"]) if self.dropout_mask == "saved" else None
@@ -277,8 +289,8 @@ class SdpaVariant(_Base):
     """PyTorch SDPA with ``backend`` forced (or "default"); direction "forward" or "fwd+bwd"."""
 
     def __init__(self, ws: Workspace, direction: str, backend: str, launch: str = "cuda-graph"):
-        if backend not in SDPA_BACKENDS or direction == "backward":
-            raise ValueError(f"SDPA backend {backend!r}, direction {direction!r}")
+        if backend not in SDPA_BACKENDS or direction == "backward" or ws.case.bias:
+            raise ValueError(f"SDPA backend {backend!r}, direction {direction!r}, bias {ws.case.bias}")
         self.backend = backend
         self.impl = {"impl": "sdpa", "backend": backend}
         super().__init__(ws, direction, launch)
@@ -307,6 +319,11 @@ class EagerVariant(_Base):
 
     impl = {"impl": "eager"}
 
+    def __init__(self, ws: Workspace, direction: str, launch: str = "cuda-graph"):
+        if ws.case.bias:
+            raise ValueError("the eager baseline takes no bias")
+        super().__init__(ws, direction, launch)
+
     def _forward(self):
         x, case = self.x, self.ws.case
         a = torch.softmax(torch.einsum("bhjp,bhkp->bhjk", x["q"], x["k"]) * case.scale, dim=-1)
@@ -330,6 +347,20 @@ def config_variants(ws: Workspace) -> list:
              for option in DROPOUT_MASK_OPTIONS for c in attention_configs(P, "forward")
              if option in mask_options(c["block_k"])]
             + [FusedVariant(ws, "backward", backward=c) for c in attention_configs(P, "backward")])
+
+
+def biased_variants(ranked: list, per_direction: int) -> list:
+    """The ``per_direction`` fastest forward and backward variants of ``ranked`` (``Sweep.ranked``
+    of ``config_variants``) again, with biases added to q, k, v (``AttentionCase.bias``): what the
+    selection needs to price a bias add folded into the attention."""
+    if not ranked:
+        return []
+    ws = ranked[0].ws
+    biased = Workspace(replace(ws.case, bias=True), ws.device, ws.seed)
+    chosen = []
+    for direction in ("forward", "backward"):
+        chosen += [v for v in ranked if v.direction == direction][:per_direction]
+    return [FusedVariant(biased, v.direction, v.forward, v.backward or {"dropout_mask": v.dropout_mask}) for v in chosen]
 
 
 def baseline_variants(ws: Workspace, directions=("forward", "fwd+bwd"), launches=LAUNCHES, backends=SDPA_BACKENDS) -> list:

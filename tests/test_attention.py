@@ -244,8 +244,11 @@ def test_biases_added_as_the_kernels_load(dq_mode):
     pre = [t + b[None, :, None, :] for t, b in zip((q, k, v), biases)]
     o_pre, lse_pre = attention_forward(*pre, **args)
     assert torch.equal(o, o_pre) and torch.equal(lse, lse_pre)
-    for got, want in zip(grads, attention_backward(do_dev, *pre, o_pre, lse_pre, **args, dq_mode=dq_mode)):
-        assert torch.equal(got, want)
+    for name, got, want in zip(NAMES[1:], grads, attention_backward(do_dev, *pre, o_pre, lse_pre, **args, dq_mode=dq_mode)):
+        if name == "dQ" and dq_mode == "atomic" and DEVICE == "cuda":  # fp32 atomics add in any order
+            assert relative_error(got, want) < 1e-6
+        else:
+            assert torch.equal(got, want), name
     biased64 = [t.detach().to(DEVICE) + b.to(DEVICE)[None, :, None, :] for t, b in zip(ref_inputs, biases64)]
     _, reference, _ = run_both(biased64, [t.detach().clone().requires_grad_() for t in pre], do, **args)
     for name, g, r in zip(NAMES, (o, *grads), reference):

@@ -77,3 +77,34 @@ def test_sweep_records_checked_failed_and_resumes(tmp_path):
         again = Sweep(db, variants, progress=False).run()
         assert again.counts["skipped"] == len(variants)
         assert time.monotonic() - started < 5
+
+
+def test_attention_with_biases_is_checked_against_biased_inputs(tmp_path):
+    """A biased attention case (``AttentionCase(bias=True)``: q + bq, k + bk, v + bv inside the
+    kernels) has its own keys and passes the float64 check on the biased reference; a variant that
+    ignored the biases would not (its O is checked against the biased chain); baselines refuse biases."""
+    import pytest
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    ws = av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2, dtype=dtype, bias=True), DEVICE)
+    variants = [av.FusedVariant(ws, "forward"), av.FusedVariant(ws, "backward")]
+    with TuningDB(tmp_path / "tuning.db") as db:
+        report = Sweep(db, variants, progress=False).run()
+        assert report.counts["wrong"] == 0 and report.counts["failed"] == 0
+        assert {r.key.op for r in db.query()} == {"attention:forward:dropout=0.2:bias", "attention:backward:dropout=0.2:bias"}
+        configs = av.config_variants(av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2, dtype=dtype), DEVICE))
+        plain = [v for v in configs if v.direction == "forward"][:2] + [v for v in configs if v.direction == "backward"][:2]
+        sweep = Sweep(db, plain, progress=False)
+        sweep.run()
+        again = av.biased_variants(sweep.ranked(plain), per_direction=1)  # the main job's second look, with biases
+        assert [(v.direction, v.ws.case.bias) for v in again] == [("forward", True), ("backward", True)]
+        assert (again[0].forward, again[1].backward) == (sweep.ranked(plain)[0].forward, plain[2].backward)
+        assert Sweep(db, again, progress=False).run().counts["wrong"] == 0
+    plain = av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2, dtype=dtype), DEVICE)
+    unbiased = av.FusedVariant(plain, "forward")
+    unbiased.build()
+    assert not ws.verdict(unbiased.run()).passed  # the same inputs without the biases: far from the biased reference
+    with pytest.raises(ValueError, match="bias"):
+        av.EagerVariant(ws, "forward")
+    with pytest.raises(ValueError, match="bias"):
+        av.FusedVariant(ws, "fwd+bwd")

@@ -91,6 +91,8 @@ def test_bert_matches_the_executor_with_dropout(tmp_path, plan_for):
     layer = load(write(tmp_path, "bert", BERT_DIMS, plan_for))
     kinds = {s.kind for s in layer.plan.steps}
     assert plan_for is spec_order_plan or {"attention_forward", "attention_backward", "gemm_epilogue"} <= kinds
+    folded = [s for s in layer.plan.steps if "bias" in s.config]  # Q/K/V's bias add inside the attention
+    assert plan_for is spec_order_plan or [s.name for s in folded] == ["stack(q,k,v)+attention_forward", "attention_backward"]
     randomize(layer, 1)
     check_against_executor(layer, {"x": None})
 

@@ -131,3 +131,12 @@ def test_selection_rounds_measure_what_the_plan_chose_until_nothing_is_new(capsy
     rounds = []
     refine_plan(plan(), lambda: plan(), lambda p: rounds.append(p) or 1, calls.append, lambda: None)
     assert len(rounds) == SELECTION_ROUNDS
+
+
+def test_the_tuning_measures_the_attention_with_its_bias_add_folded_in():
+    from dataflow.snapshot import stored_fused
+    from datamove.job import attention_setups
+
+    (bert,) = attention_setups(stored_fused()["bert"], "bfloat16")
+    assert bert == dict(B=8, H=16, L=512, P=64, dropout_p=0.1, layout="phbj", bias=True)  # the spec's order of q
+    assert attention_setups(stored_fused()["gpt2"], "bfloat16") == []  # its scores are masked causally: no fused attention
