@@ -127,6 +127,8 @@ def _setup_context(ctx, inputs, output):
 
 def _output_grads(prog: LayerProgram, grads, device) -> list[torch.Tensor]:
     """The outputs' gradients, zeros for an output nothing downstream used (autograd passes None)."""
+    if all(g is not None for g in grads):
+        return list(grads)
     return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
             for g, (shape, _, dtype) in zip(grads, prog.forward_meta())]
 
