@@ -23,6 +23,8 @@ projections sharing ``x`` run as one GEMM over stacked weights, ``"sphi,ibj->sph
 """
 from __future__ import annotations
 
+import functools
+
 import itertools
 import math
 from dataclasses import dataclass
@@ -92,12 +94,19 @@ def layout_of(tensor: torch.Tensor, letters: str) -> str:
     """The storage order of a tensor whose dims are ``letters``; raises unless it is dense in that order."""
     if tensor.dim() != len(letters):
         raise ValueError(f"tensor of {tensor.dim()} dims for letters {letters!r}")
-    order = sorted(range(len(letters)), key=lambda d: (-tensor.stride(d), d))
+    return _dense_order(tuple(tensor.shape), tensor.stride(), letters)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dense_order(shape: tuple, strides: tuple, letters: str) -> str:
+    """``layout_of`` for one (shape, strides): kept, as a layer's GEMM steps check the same few
+    every call (host time per launch counts where nothing is graphed)."""
+    order = sorted(range(len(letters)), key=lambda d: (-strides[d], d))
     layout = "".join(letters[d] for d in order)
-    sizes = dict(zip(letters, tensor.shape))
+    sizes = dict(zip(letters, shape))
     expected = row_major_strides(layout, sizes)
-    if any(tensor.stride(d) != expected[x] for d, x in enumerate(letters) if sizes[x] > 1):
-        raise ValueError(f"tensor with strides {tensor.stride()} is not dense in any order of {letters!r}")
+    if any(strides[d] != expected[x] for d, x in enumerate(letters) if sizes[x] > 1):
+        raise ValueError(f"tensor with strides {strides} is not dense in any order of {letters!r}")
     return layout
 
 
