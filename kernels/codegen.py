@@ -40,6 +40,7 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.util
 import os
@@ -592,9 +593,19 @@ def allocate(graph, tensor: str, layout: str, dtype=torch.float32, device="cpu")
     """An empty tensor stored in ``layout`` (order of its letters), returned as a view whose shape
     follows the tensor's spec-order letters."""
     letters = graph.tensors[tensor].letters
-    sizes = {l: graph.dim_values[graph.letter_dims[l]] for l in letters}
-    storage = torch.empty([sizes[l] for l in layout], dtype=dtype, device=device)
-    return storage.permute([layout.index(l) for l in letters])
+    shape, strides = _strided(letters, tuple(graph.dim_values[graph.letter_dims[l]] for l in letters), layout)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strided(letters: str, sizes: tuple, layout: str) -> tuple[tuple, tuple]:
+    """(shape in ``letters`` order, strides of dense storage in ``layout``) for ``allocate``."""
+    size = dict(zip(letters, sizes))
+    stride, strides = 1, {}
+    for letter in reversed(layout):
+        strides[letter] = stride
+        stride *= size[letter]
+    return sizes, tuple(strides[l] for l in letters)
 
 
 class CompiledOperator:
@@ -620,6 +631,10 @@ class CompiledOperator:
         self.loads = tuple(t for plan in self.plans for t in plan.loads)  # every tensor read from memory
         self._kernels: dict[bool, object] = {}
         self._scratch: dict[tuple, list] = {}  # (part, device) -> mode "split" buffers
+        self._bound = [(kind, t) for plan in self.plans for kind, names in (("load", plan.loads), ("output", plan.outputs))
+                       for t in names]  # each part's loads, then its outputs: the kernel's pointer order
+        self._templates: dict[tuple, tuple] = {}  # (shapes and strides, device) -> ``_template``
+        self._checked: set = set()  # load shapes and strides that passed ``_check_shapes``
         self.scalars = graph.scalars()  # the dim_<name> float arguments' values
         self.source, self.path = self._variant(False)[1:]
 
@@ -662,19 +677,26 @@ class CompiledOperator:
         return (sum(self._programs(plan, knobs) for plan, knobs in zip(self.plans, self.part_knobs)),)
 
     def run(self, tensors: dict, seeds: dict | None = None, outputs: dict | None = None) -> dict:
+        loads = [tensors[t] for t in self.loads]
+        shapes = tuple((tuple(x.shape), x.stride()) for x in loads)
+        if shapes not in self._checked:  # shapes refused or passed once per (shapes, strides)
+            self._check_shapes(tensors)
+            self._checked.add(shapes)
+        reference = next((x for t, x in zip(self.loads, loads) if x.is_floating_point()
+                          and self.graph.tensors[t].role != "dropout"), loads[0])
+        outputs = outputs or {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
+                              for plan in self.plans for t in plan.outputs}
+        kernel, args, kwargs, programs = self._launch(tensors, outputs, seeds or {})
+        kernel[(programs,)](*args, **kwargs)
+        return outputs
+
+    def _check_shapes(self, tensors: dict) -> None:
         for plan in self.plans:
             for t in plan.loads:
                 expected = tuple(self._size(plan, l) for l in plan.letters.tensor_axes[t])
                 if tuple(tensors[t].shape) != expected:
                     raise ValueError(f"{t}: shape {tuple(tensors[t].shape)} != {expected} "
                                      f"(spec order {plan.letters.tensor_axes[t]})")
-        reference = next((tensors[t] for t in self.loads if tensors[t].is_floating_point()
-                          and self.graph.tensors[t].role != "dropout"), tensors[self.loads[0]])
-        outputs = outputs or {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
-                              for plan in self.plans for t in plan.outputs}
-        kernel, args, kwargs, programs = self._launch(tensors, outputs, seeds or {})
-        kernel[(programs,)](*args, **kwargs)
-        return outputs
 
     def warmup(self, dtype: torch.dtype, seeds: dict) -> None:
         """Compile for ``dtype`` inputs and outputs stored in the configured layouts, without
@@ -689,38 +711,62 @@ class CompiledOperator:
         kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=(programs,), **kwargs)
 
     def _launch(self, tensors: dict, outputs: dict, seeds: dict) -> tuple:
-        """(kernel, positional args, keyword args, programs) of one launch on ``tensors`` -> ``outputs``."""
-        reach, args, ends, blocks = [], [], [], {}
+        """(kernel, positional args, keyword args, programs) of one launch on ``tensors`` -> ``outputs``:
+        the arguments' template (``_template``) made once per tensors' shapes, strides and device,
+        filled with this call's tensors and seeds (host time per launch counts where nothing is graphed)."""
+        bound = [tensors[t] if kind == "load" else outputs[t] for kind, t in self._bound]
+        key = (tuple((tuple(x.shape), x.stride()) for x in bound), bound[0].device)
+        template = self._templates.get(key)
+        if template is None:
+            template = self._templates[key] = self._template(bound)
+        kernel, slots, kwargs, programs, grouped = template
+        for t in grouped:
+            if seeds[t][1] % DECISION_GROUP:
+                raise ValueError(f"dropout mask {t}: counter offset {seeds[t][1]} is not a multiple of {DECISION_GROUP}, "
+                                 f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
+        args = []
+        for kind, value in slots:
+            if kind == _TENSOR:
+                args.append(bound[value])
+            elif kind == _SEED:
+                seed = seeds[value][0]
+                args += [seed if isinstance(seed, torch.Tensor) else int(seed), int(seeds[value][1])]
+            else:
+                args.append(value)
+        return kernel, args, kwargs, programs
+
+    def _template(self, bound: list) -> tuple:
+        """(kernel, argument slots, keyword args, programs, grouped masks) for tensors shaped and
+        strided as ``bound`` (``self._bound``'s order): a slot is (_TENSOR, index into ``bound``),
+        (_SEED, mask: its seed and counter offset) or (_VALUE, the argument)."""
+        reach, slots, ends, blocks, grouped, n = [], [], [], {}, [], 0
         for k, (plan, part_knobs) in enumerate(zip(self.plans, self.part_knobs)):
             axes = plan.letters.tensor_axes
-            bound = {**{t: tensors[t] for t in plan.loads}, **{t: outputs[t] for t in plan.outputs}}
-            reach += [sum((n - 1) * abs(s) for n, s in zip(x.shape, x.stride())) for x in bound.values()]
+            mine = bound[n:n + len(plan.loads) + len(plan.outputs)]
+            reach += [sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride())) for x in mine]
             reach += [self._extent(plan, axes[t]) for t in plan.regenerated] + [self._extent(plan, plan.letters.letters)]
-            args += list(bound.values())
-            for x in bound.values():
-                args += list(x.stride())
-            args += [self._size(plan, l) for l in plan.letters.letters]
-            args += [self.scalars[d] for d in plan.dim_names]
-            for t in plan.regenerated:
-                seed, offset = seeds[t]
-                if offset % DECISION_GROUP and t in plan.grouped + plan.row_grouped + plan.row_calls:
-                    raise ValueError(f"dropout mask {t}: counter offset {offset} is not a multiple of {DECISION_GROUP}, "
-                                     f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
-                args += [seed if isinstance(seed, torch.Tensor) else int(seed), int(offset)]
+            slots += [(_TENSOR, n + i) for i in range(len(mine))]
+            slots += [(_VALUE, stride) for x in mine for stride in x.stride()]
+            n += len(mine)
+            slots += [(_VALUE, self._size(plan, l)) for l in plan.letters.letters]
+            slots += [(_VALUE, self.scalars[d]) for d in plan.dim_names]
+            slots += [(_SEED, t) for t in plan.regenerated]
+            grouped += [t for t in plan.regenerated if t in plan.grouped + plan.row_grouped + plan.row_calls]
             suffix = "" if len(self.plans) == 1 else f"_{k}"
             if plan.split > 1:
-                args += self._split_buffers(k, plan, part_knobs, next(iter(bound.values())).device)
+                slots += [(_VALUE, x) for x in self._split_buffers(k, plan, part_knobs, mine[0].device)]
                 blocks[f"BLOCK_SPLIT{suffix}"] = plan.split
             blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]
             blocks[f"BLOCK_COL{suffix}"] = part_knobs["block_col"]
             ends.append((ends[-1] if ends else 0) + self._programs(plan, part_knobs))
         if len(self.plans) > 1:
-            args += ends[:-1]
+            slots += [(_VALUE, end) for end in ends[:-1]]
         index64 = max(reach) >= 2 ** 31 - 1
         kernel = self._kernels.get(index64) or self._variant(index64)[0]
-        return kernel, args, {**blocks, "num_warps": self.config.knobs["num_warps"]}, ends[-1]
+        return kernel, slots, {**blocks, "num_warps": self.config.knobs["num_warps"]}, ends[-1], tuple(grouped)
 
 
+_TENSOR, _SEED, _VALUE = "tensor", "seed", "value"  # kinds of CompiledOperator._template's argument slots
 _compiled: dict[tuple, CompiledOperator] = {}
 
 
