@@ -137,10 +137,15 @@ def _store_rows(x_ptr, stride_xb, stride_xh, stride_xr, stride_xp, b, h, offs, o
 
 
 @triton.jit
-def _biased(x, b_ptr, h, stride_bh, stride_bp, offs_p, P_AXIS: tl.constexpr):
-    """``x`` (a [rows, P] tile, ``P_AXIS`` 1, or a [P, cols] one, 0) plus head h's bias [P], added in
-    fp32 and rounded to x's dtype (as a separate bias-add kernel stores it)."""
-    bias = tl.load(b_ptr + h * stride_bh + offs_p * stride_bp).to(tl.float32)
+def _head_bias(b_ptr, h, stride_bh, stride_bp, offs_p):
+    """Head h's bias [P] (an (h, p) tensor of any strides), fp32."""
+    return tl.load(b_ptr + h * stride_bh + offs_p * stride_bp).to(tl.float32)
+
+
+@triton.jit
+def _biased(x, bias, P_AXIS: tl.constexpr):
+    """``x`` (a [rows, P] tile, ``P_AXIS`` 1, or a [P, cols] one, 0) plus ``bias`` [P] (fp32),
+    rounded to x's dtype (as a separate bias-add kernel stores it)."""
     if P_AXIS == 1:
         return (x.to(tl.float32) + bias[None, :]).to(x.dtype)
     return (x.to(tl.float32) + bias[:, None]).to(x.dtype)
@@ -201,7 +206,9 @@ def _attn_fwd_kernel(
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
     if HAS_BIAS:
-        q = _biased(q, bq_ptr, h, stride_bqh, stride_bqp, offs_p, 1)
+        q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p), 1)
+        bias_k = _head_bias(bk_ptr, h, stride_bkh, stride_bkp, offs_p)
+        bias_v = _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p)
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
@@ -219,7 +226,7 @@ def _attn_fwd_kernel(
         col_ok = offs_k < Lk
         kt = tl.load(k_base + offs_k[None, :] * stride_kk + offs_p[:, None] * stride_kp, mask=col_ok[None, :], other=0.0)
         if HAS_BIAS:
-            kt = _biased(kt, bk_ptr, h, stride_bkh, stride_bkp, offs_p, 0)
+            kt = _biased(kt, bias_k, 0)
         s = tl.dot(q, kt) * qk_scale  # (j, k), log2 units
         if CAUSAL or HAS_KPM or not EVEN_K:
             valid = _visible(col_ok[None, :], b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk, CAUSAL, HAS_KPM)
@@ -237,7 +244,7 @@ def _attn_fwd_kernel(
             p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         if HAS_BIAS:
-            v = _biased(v, bv_ptr, h, stride_bvh, stride_bvp, offs_p, 1)
+            v = _biased(v, bias_v, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
@@ -311,7 +318,8 @@ def _attn_bwd_dkdv_kernel(
     pid_k, pid_bh, b, h, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
                                                                 H, Lk, BLOCK_K, P)
     if HAS_BIAS:
-        k = _biased(k, bk_ptr, h, stride_bkh, stride_bkp, offs_p, 1)
+        k = _biased(k, _head_bias(bk_ptr, h, stride_bkh, stride_bkp, offs_p), 1)
+        bias_q = _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p)
     key_ok = col_ok
     if HAS_KPM:
         pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
@@ -319,7 +327,7 @@ def _attn_bwd_dkdv_kernel(
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp,
                 mask=col_ok[:, None], other=0.0)
     if HAS_BIAS:
-        v = _biased(v, bv_ptr, h, stride_bvh, stride_bvp, offs_p, 1)
+        v = _biased(v, _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p), 1)
     q_base = q_ptr + b * stride_qb + h * stride_qh
     do_base = do_ptr + b * stride_dob + h * stride_doh
     stat_base = pid_bh.to(tl.int64) * Lq
@@ -333,7 +341,7 @@ def _attn_bwd_dkdv_kernel(
         row_ok = offs_j < Lq
         q = tl.load(q_base + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp, mask=row_ok[:, None], other=0.0)
         if HAS_BIAS:
-            q = _biased(q, bq_ptr, h, stride_bqh, stride_bqp, offs_p, 1)
+            q = _biased(q, bias_q, 1)
         do = tl.load(do_base + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop, mask=row_ok[:, None], other=0.0)
         lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
@@ -406,7 +414,9 @@ def _attn_bwd_dq_kernel(
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
     if HAS_BIAS:
-        q = _biased(q, bq_ptr, h, stride_bqh, stride_bqp, offs_p, 1)
+        q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p), 1)
+        bias_k = _head_bias(bk_ptr, h, stride_bkh, stride_bkp, offs_p)
+        bias_v = _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -427,8 +437,8 @@ def _attn_bwd_dq_kernel(
         k = tl.load(k_base + offs_k[:, None] * stride_kk + offs_p[None, :] * stride_kp, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
         if HAS_BIAS:
-            k = _biased(k, bk_ptr, h, stride_bkh, stride_bkp, offs_p, 1)
-            v = _biased(v, bv_ptr, h, stride_bvh, stride_bvp, offs_p, 1)
+            k = _biased(k, bias_k, 1)
+            v = _biased(v, bias_v, 1)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if CAUSAL or HAS_KPM or not EVEN:
             valid = _visible(col_ok[None, :] & row_ok[:, None], b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk,
