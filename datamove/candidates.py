@@ -24,6 +24,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 
+from dataflow.graph import is_expression
 from kernels.attention_variants import AttentionCase
 from kernels.contraction import parse
 from kernels.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, same_call_layouts, training_gemms
@@ -32,7 +33,7 @@ from kernels.tuning_db import canonical_json
 from layouts.cost_model import DeviceFigures, predict_ms
 from layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
 from layouts.select import Candidate, best_sum, select, to_plan
-from layouts.space import configurations, representatives
+from layouts.space import configurations, masks_grouped, representatives
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec order first): bounds the search
@@ -206,7 +207,7 @@ def attention_bias(fused, roles: AttentionRoles) -> dict | None:
     found = {"op": op.name}
     for prim in op.primitives:
         role = next((r for r in "qkv" if t[r] == prim.output.tensor), None)
-        if role is None or prim.kind != "map" or len(prim.inputs) != 2 or prim.expr.replace(" ", "") not in ("in0+in1", "in1+in0"):
+        if role is None or prim.kind != "map" or len(prim.inputs) != 2 or not is_expression(prim.expr, "in0 + in1", "in1 + in0"):
             return None
         pre, bias = sorted(prim.inputs, key=lambda x: -len(x.letters))
         if graph.tensors[pre.tensor].letters != graph.tensors[t[role]].letters or pre.letters != prim.output.letters \
@@ -256,8 +257,9 @@ class CandidateBuilder:
             groups.setdefault(layouts, []).append(config)
         flop = sum(graph.size(p.output.letters) for p in op.primitives if p.kind != "einsum")
         result = []
+        grouped = masks_grouped(graph, op)
         for configs in groups.values():
-            default = representatives(configs, graph, op)[0]
+            default = representatives(configs, grouped)[0]
             found = None
             for config in configs:
                 hit = self.timings.lookup(op_signature(self.spec, op), dict(graph.dim_values), config.layouts,

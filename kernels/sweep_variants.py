@@ -32,7 +32,7 @@ from kernels.accuracy import Closeness
 from kernels.codegen import allocate, compile_operator
 from kernels.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
 from kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
-from layouts.space import access_pattern, configurations, representatives
+from layouts.space import access_pattern, configurations, masks_grouped, representatives
 
 DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
 # zero (GPUs round to nearest), so CPU checks of generated kernels use float32 instead
@@ -271,7 +271,7 @@ def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool
             configs = configurations(training.graph, op, exhaustive=exhaustive)[:limit_configs]
         except Exception as exc:  # an operator the layout space cannot describe yet
             configs, notes[op.name] = [], f"no configurations: {type(exc).__name__}: {exc}"
-        first = {access_pattern(c): c for c in representatives(configs, training.graph, op)}
+        first = {access_pattern(c): c for c in representatives(configs, masks_grouped(training.graph, op))}
         patterns: dict = {}
         for config in configs:
             patterns.setdefault(access_pattern(config), []).append(config)

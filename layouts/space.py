@@ -58,6 +58,7 @@ knobs are those above without ``num_warps`` / ``dropout`` (one launch, one warp 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -382,11 +383,11 @@ def access_pattern(config: Configuration) -> str:
     return layouts + "|" + ";".join(f"{k['vector']}/{k['order']}" for k in parts_knobs)
 
 
-def representatives(configs: list[Configuration], graph=None, op=None) -> list[Configuration]:
+def representatives(configs: list[Configuration], prefer=None) -> list[Configuration]:
     """One configuration per ``access_pattern`` of ``configs`` (first-seen order): among those
-    in ``PLAIN_MODES`` with 4 warps and tiles of at most ``PLAIN_TILE`` (else all), and of those,
-    given the operator (``graph``, ``op``), the ones drawing every regenerated dropout mask sixteen
-    decisions per Philox call (``grouped_masks``) where any does, the middle one, as in
+    in ``PLAIN_MODES`` with 4 warps and tiles of at most ``PLAIN_TILE`` (else all), and of those
+    the ones the rule ``prefer`` accepts where it accepts any (``masks_grouped``: drawing every
+    regenerated dropout mask sixteen decisions per Philox call), the middle one, as in
     ``default_configuration``: the first stage of a two-stage search measures these.  (A tile whose
     block misses the 64-decision groups draws once per element, four to sixteen times the Philox work:
     BERT-large's bias + ReLU + dropout over ubj ran 0.20 ms so against 0.06 over bju.)"""
@@ -396,23 +397,28 @@ def representatives(configs: list[Configuration], graph=None, op=None) -> list[C
     chosen = []
     for group in groups.values():
         preferred = [c for c in group if _plain(c)] or group
-        if graph is not None:
-            preferred = [c for c in preferred if _masks_grouped(graph, op, c)] or preferred
+        if prefer is not None:
+            preferred = [c for c in preferred if prefer(c)] or preferred
         chosen.append(preferred[len(preferred) // 2])
     return chosen
 
 
-def _masks_grouped(graph, op, config: Configuration) -> bool:
-    """Every dropout mask ``op`` regenerates is drawn in groups along the tile's columns or rows
-    (one-part configurations; a multi-part one counts as grouped)."""
-    if "parts" in config.knobs:
-        return True
+def masks_grouped(graph, op):
+    """The rule, for ``representatives``, whether a configuration of ``op`` draws every dropout mask
+    it regenerates in groups along its tile's columns or rows (``grouped_masks``; a multi-part
+    configuration counts as grouped).  The operator's letters are found once, at the first
+    one-part configuration, not per configuration."""
     masks = tuple(t for t in op.inputs if graph.tensors[t].role == "dropout")
-    letters = operator_letters(graph, op)
-    _, rows, cols = tile_axes(letters, config.knobs)
-    grouped = grouped_masks(graph, letters, cols, masks, config.knobs["block_col"]) \
-        + grouped_masks(graph, letters, rows, masks, config.knobs["block_row"])
-    return set(grouped) == set(masks)
+    letters = functools.cache(lambda: operator_letters(graph, op))
+
+    def rule(config: Configuration) -> bool:
+        if "parts" in config.knobs:
+            return True
+        _, rows, cols = tile_axes(letters(), config.knobs)
+        grouped = grouped_masks(graph, letters(), cols, masks, config.knobs["block_col"]) \
+            + grouped_masks(graph, letters(), rows, masks, config.knobs["block_row"])
+        return set(grouped) == set(masks)
+    return rule
 
 
 def grouped_masks(graph, letters: OperatorLetters, axis: str, regenerated: tuple, block: int) -> tuple:
