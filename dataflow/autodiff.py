@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from dataflow.graph import SCALE_PREFIX, Operand, Primitive, PrimitiveGraph, TensorInfo
+from dataflow.graph import SCALE_PREFIX, Operand, Primitive, PrimitiveGraph, TensorInfo, is_expression
 from dataflow.operators import NORMALIZATION, Operator, group_operators, make_operator
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -673,17 +673,6 @@ class _Backward:
 
 # --- ReLU's mask from its output ----------------------------------------------------------------
 
-def _is(expr: str, *forms: str) -> bool:
-    """``expr`` is one of ``forms`` up to spacing and the spelling of constants (``0`` / ``0.0``)."""
-    def canonical(text: str) -> str:
-        tree = ast.parse(text, mode="eval")
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-                node.value = float(node.value)
-        return ast.dump(tree)
-    return canonical(expr) in {canonical(form) for form in forms}
-
-
 def relu_masks_from_outputs(training: TrainingGraph) -> TrainingGraph:
     """Make every ReLU's backward read the ReLU's output (or its dropout's) instead of its input.
 
@@ -716,10 +705,10 @@ def relu_masks_from_outputs(training: TrainingGraph) -> TrainingGraph:
     removed: set[str] = set()
     for relu in training.primitives(FORWARD):
         backward = [prims[name] for name in training.derived.get(relu.name, ())]
-        if relu.kind != "map" or not _is(relu.expr, "maximum(in0, 0)") or len(backward) != 1:
+        if relu.kind != "map" or not is_expression(relu.expr, "maximum(in0, 0)") or len(backward) != 1:
             continue
         (x,), y, (d_x,) = relu.inputs, relu.output, backward
-        if x.letters != y.letters or not _is(d_x.expr, "in0 * (in1 > 0)") or d_x.inputs[1] != x:
+        if x.letters != y.letters or not is_expression(d_x.expr, "in0 * (in1 > 0)") or d_x.inputs[1] != x:
             continue
         d_y = d_x.inputs[0]
         through = _through_dropout(training, relu, d_y, consumers, producer)
@@ -752,7 +741,7 @@ def _through_dropout(training: TrainingGraph, relu: Primitive, d_y: Operand, con
     if len(readers) != 1 or y.tensor in graph.outputs or d_y.tensor in graph.outputs:
         return None
     (drop,) = readers
-    if drop.kind != "map" or len(drop.inputs) != 2 or not _is(drop.expr, "in0 * in1", "in1 * in0"):
+    if drop.kind != "map" or len(drop.inputs) != 2 or not is_expression(drop.expr, "in0 * in1", "in1 * in0"):
         return None
     mine = next((op for op in drop.inputs if op.tensor == y.tensor), None)
     mask = next((op for op in drop.inputs if op.tensor != y.tensor), None)
@@ -761,7 +750,7 @@ def _through_dropout(training: TrainingGraph, relu: Primitive, d_y: Operand, con
         return None
     via = producer.get(d_y.tensor)
     if via is None or via.name not in training.derived.get(drop.name, ()) or via.kind != "map" \
-            or not _is(via.expr, "in0 * in1", "in1 * in0") or training.grads.get(y.tensor) != d_y.tensor \
+            or not is_expression(via.expr, "in0 * in1", "in1 * in0") or training.grads.get(y.tensor) != d_y.tensor \
             or len(consumers[d_y.tensor]) != 1:
         return None
     d_h = next((op for op in via.inputs if op.tensor != mask.tensor), None)

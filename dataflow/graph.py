@@ -8,11 +8,23 @@ the paper's operators is ``dataflow.operators``' job.  Plain Python: no DaCe nee
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field, replace
 
 from dataflow.dropout_mask import dropout_scale
 
 SCALE_PREFIX = "scale_"  # ``scale_<mask>`` in a map expression: the keep factor of dropout tensor <mask>
+
+
+def is_expression(expr: str, *forms: str) -> bool:
+    """``expr`` is one of ``forms`` up to spacing and the spelling of constants (``0`` / ``0.0``)."""
+    def canonical(text: str) -> str:
+        tree = ast.parse(text, mode="eval")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+                node.value = float(node.value)
+        return ast.dump(tree)
+    return canonical(expr) in {canonical(form) for form in forms}
 
 
 @dataclass(frozen=True)
