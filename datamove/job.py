@@ -122,7 +122,7 @@ def run_job(o: JobOptions) -> int:
     timings = NO_TIMINGS
     tuning = None
     if measured:
-        from datamove.tuning import Tuner, tune
+        from datamove.tuning import Tuner, fused_spaces, tune
         from kernels.bench import measure_ceilings
         from kernels.tuning_db import TuningDB
 
@@ -133,7 +133,9 @@ def run_job(o: JobOptions) -> int:
         ceilings = measure_ceilings(db)
         tuner = Tuner(db, budget_s=o.budget_s, gpus=o.gpus, retry_failed=o.retry_failed)
         print(f"measuring on {tuner.gpus} GPU(s), one process each", flush=True)
-        tuning = tune(tuner, fused, spec_name, dtype=getattr(torch, o.dtype), attention=attention_setups(fused, o.dtype))
+        dtype = getattr(torch, o.dtype)
+        spaces = fused_spaces(fused, spec_name, dtype)
+        tuning = tune(tuner, fused, spaces, dtype=dtype, attention=attention_setups(fused, o.dtype))
         timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
     else:
         reason = facts.reason if not isinstance(facts, DeviceFacts) else "TRITON_INTERPRET=1"
@@ -154,9 +156,8 @@ def run_job(o: JobOptions) -> int:
             timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
             return choose()
 
-        dtype = getattr(torch, o.dtype)
         plan = refine_plan(plan, choose_again,
-                           lambda chosen: tune_chosen(tuner, fused, spec_name, dtype=dtype, plan=chosen),
+                           lambda chosen: tune_chosen(tuner, spaces, chosen),
                            lambda wanted: measure_layout_changes(tuner, fused.graph, wanted, dtype),
                            lambda: tuner.report.stopped)
     stages("export")

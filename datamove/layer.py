@@ -168,7 +168,8 @@ class LayerProgram:
     def backward_meta(self) -> list[tuple[tuple, tuple, torch.dtype]]:
         """(shape, strides, dtype) of the backward op's results: activations' gradients in PyTorch
         order, then the parameters' in the layouts the gradient steps write (a stacked group's
-        buffer and empty tensors in its members' places, ``stacked_gradients``)."""
+        buffer and empty tensors in its members' places: ``self.stacked``, set with ``kept`` by
+        ``datamove.module.register``)."""
         writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
         result = []
         for t in self.interface.activations + self.interface.parameters:
@@ -181,7 +182,7 @@ class LayerProgram:
                 perm = [letters.index(x) for x in order]
                 shape, stride = tuple(shape[d] for d in perm), tuple(stride[d] for d in perm)
             result.append((shape, stride, self.dtype))
-        for stacked in self.stacked_gradients():
+        for stacked in self.stacked:
             for n, index in stacked.members.items():
                 result[index] = (stacked.shape, stacked.strides, self.dtype) if n == min(stacked.members) \
                     else ((0,), (1,), self.dtype)

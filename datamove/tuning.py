@@ -82,9 +82,10 @@ def first_gemm_configs(dtype, count: int) -> list:
     return (preferred + [c for c in configs if c not in preferred])[:count]
 
 
-def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1, layouts: int | None = None,
+def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int = 1, layouts: int | None = None,
          first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
-    """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``) into ``db``, the most
+    """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``; ``spaces``: its fused
+    operators' variants, ``fused_spaces``) into ``db``, the most
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
     of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations
     (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
@@ -96,7 +97,6 @@ def tune(tuner: Tuner, fused, spec: str, *, dtype, attention: list, top: int = 1
 
     ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout) to measure, each
     with ``bias``: whether the bias add before it folds in (``datamove.candidates.attention_bias``)."""
-    spaces, _ = sweep_variants(spec, fused, "cuda", dtype=dtype)
     tuner.measure([v for s in spaces for v in s.first_stage()])
 
     configs = first_gemm_configs(dtype, first_configs)
@@ -135,11 +135,18 @@ def chosen_patterns(spaces: list, plan) -> list:
             for v in group]
 
 
-def tune_chosen(tuner: Tuner, fused, spec: str, *, dtype, plan) -> int:
-    """Every knob setting of the layouts the plan chose for its generated operators, where ``tune``
-    measured only one (it tunes each operator's fastest first-stage layout; the selection may take
-    another for the layout changes it saves); returns how many variants were measured, not read back."""
-    spaces, _ = sweep_variants(spec, fused, "cuda", dtype=dtype)
+def fused_spaces(fused, spec: str, dtype) -> list:
+    """The variants of ``fused``'s element-wise / normalization operators on the GPU, per operator
+    and access pattern (``kernels.sweep_variants``): built once per job, swept by ``tune`` and
+    ``tune_chosen``."""
+    return sweep_variants(spec, fused, "cuda", dtype=dtype)[0]
+
+
+def tune_chosen(tuner: Tuner, spaces: list, plan) -> int:
+    """Every knob setting of the layouts the plan chose for its generated operators (``spaces``:
+    ``fused_spaces``), where ``tune`` measured only one (it tunes each operator's fastest
+    first-stage layout; the selection may take another for the layout changes it saves); returns
+    how many variants were measured, not read back."""
     before = sum(n for status, n in tuner.report.counts.items() if status != "skipped")
     tuner.measure(chosen_patterns(spaces, plan))
     return sum(n for status, n in tuner.report.counts.items() if status != "skipped") - before

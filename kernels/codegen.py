@@ -634,7 +634,6 @@ class CompiledOperator:
         self._bound = [(kind, t) for plan in self.plans for kind, names in (("load", plan.loads), ("output", plan.outputs))
                        for t in names]  # each part's loads, then its outputs: the kernel's pointer order
         self._templates: dict[tuple, tuple] = {}  # (shapes and strides, device) -> ``_template``
-        self._checked: set = set()  # load shapes and strides that passed ``_check_shapes``
         self.scalars = graph.scalars()  # the dim_<name> float arguments' values
         self.source, self.path = self._variant(False)[1:]
 
@@ -678,10 +677,6 @@ class CompiledOperator:
 
     def run(self, tensors: dict, seeds: dict | None = None, outputs: dict | None = None) -> dict:
         loads = [tensors[t] for t in self.loads]
-        shapes = tuple((tuple(x.shape), x.stride()) for x in loads)
-        if shapes not in self._checked:  # shapes refused or passed once per (shapes, strides)
-            self._check_shapes(tensors)
-            self._checked.add(shapes)
         reference = next((x for t, x in zip(self.loads, loads) if x.is_floating_point()
                           and self.graph.tensors[t].role != "dropout"), loads[0])
         outputs = outputs or {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
@@ -717,7 +712,8 @@ class CompiledOperator:
         bound = [tensors[t] if kind == "load" else outputs[t] for kind, t in self._bound]
         key = (tuple((tuple(x.shape), x.stride()) for x in bound), bound[0].device)
         template = self._templates.get(key)
-        if template is None:
+        if template is None:  # first call with these shapes and strides: checked here, once
+            self._check_shapes(tensors)
             template = self._templates[key] = self._template(bound)
         kernel, slots, kwargs, programs, grouped = template
         for t in grouped:

@@ -24,7 +24,6 @@ projections sharing ``x`` run as one GEMM over stacked weights, ``"sphi,ibj->sph
 from __future__ import annotations
 
 import functools
-
 import itertools
 import math
 from dataclasses import dataclass
