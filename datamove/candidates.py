@@ -42,19 +42,24 @@ KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec 
 class Timings:
     """Measured times by key, from tuning-database records of exactly one device and dtype.
 
-    A record of another device or dtype is refused (``ValueError`` naming both), never used."""
+    A record of another device or dtype is refused (``ValueError`` naming both), never used.  A
+    kernel whose every record failed or was wrong (``broken``) is not offered at a predicted time."""
 
     def __init__(self, records, device: str, dtype: str):
         self.device, self.dtype = device, dtype
         self.times: dict[tuple, list[tuple[float, dict]]] = {}  # fastest first
+        self._broken: set[tuple] = set()  # keys with failed / wrong records and none ok
         for r in records:
             if r.key.device != device or r.key.dtype != dtype:
                 raise ValueError(f"timing of {r.key.op} is from {r.key.device} / {r.key.dtype}; this selection is for "
                                  f"{device} / {dtype}: query the tuning database for this device and dtype only")
+            key = (r.key.op, canonical_json(r.key.dims), canonical_json(r.key.layout))
+            if r.status in ("failed", "wrong"):
+                self._broken.add(key)
             if r.status != "ok" or r.median_ms is None:
                 continue
-            key = (r.key.op, canonical_json(r.key.dims), canonical_json(r.key.layout))
             self.times.setdefault(key, []).append((r.median_ms, r.key.knobs))
+        self._broken -= self.times.keys()
         for found in self.times.values():
             found.sort(key=lambda pair: pair[0])
         self.changes_by_size: dict[int, list[float]] = {}  # elements -> each measured layout change's time, ascending
@@ -68,6 +73,12 @@ class Timings:
         """The fastest (ms, knobs) of ``op`` at ``dims`` in ``layout`` whose knobs ``accept`` allows."""
         found = self.times.get((op, canonical_json(dims), canonical_json(layout)), [])
         return next((pair for pair in found if accept(pair[1])), None)
+
+    def broken(self, op: str, dims: dict, layout) -> bool:
+        """Whether ``op`` at ``dims`` in ``layout`` failed (build, launch, time limit) or was wrong on
+        this device at every setting tried, and never ran correctly: no candidate then, not a
+        cost-model guess at a kernel known not to run."""
+        return (op, canonical_json(dims), canonical_json(layout)) in self._broken
 
     def fastest(self, op: str, dims: dict) -> float | None:
         """The fastest time of ``op`` at ``dims`` in any layout (PyTorch's baselines: one layout each)."""
@@ -266,6 +277,8 @@ class CandidateBuilder:
                                           lambda knobs, c=config: canonical_json(knobs) == canonical_json(c.knobs))
                 if hit is not None and (found is None or hit[0] < found[0][0]):
                     found = (hit, config)
+            if found is None and self.timings.broken(op_signature(self.spec, op), dict(graph.dim_values), default.layouts):
+                continue
             ms, source, _ = self._time(found[0] if found else None, "generated", flop,
                                        moved_bytes(graph, op, self.itemsize))
             config = found[1] if found else default
@@ -301,6 +314,8 @@ class CandidateBuilder:
                 reads = {t: "".join(renames[t][x] for x in layouts[k] if x != stack) for k in ("a", "b") for t in members[k]}
                 writes = {t: "".join(renames[t][x] for x in layouts["out"] if x != stack) for t in members["out"]}
                 found = self.timings.lookup(g.op, g.sizes, dict(zip(("a", "b", "out"), timed_as)))
+                if found is None and self.timings.broken(g.op, g.sizes, dict(zip(("a", "b", "out"), timed_as))):
+                    continue
                 ms, source, knobs = self._time(found, "gemm", g.flop, self.itemsize * sum(
                     math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out)))
                 backend = (knobs or {}).get("backend", "cublas")
@@ -318,6 +333,8 @@ class CandidateBuilder:
         c = parse(g.spec)
         spec_layouts = {"a": c.a, "b": c.b, "out": c.out}
         found = self.timings.lookup(epilogue_op(g, ep), g.sizes, spec_layouts, lambda knobs: knobs.get("backend") == "triton")
+        if found is None and self.timings.broken(epilogue_op(g, ep), g.sizes, spec_layouts):
+            return []
         if any(self.graph.tensors[t].letters != self.graph.tensors[ep.produced].letters for t in (ep.output, ep.saved) if t):
             return []
         out_layout = "".join(renames[ep.produced][x] for x in c.out)
@@ -340,7 +357,8 @@ class CandidateBuilder:
     def attention(self, roles: AttentionRoles, q_layouts: set[str], bias: dict | None = None) -> list[Candidate]:
         """The fused attention's forward and backward in each storage order of ``q_layouts``; with
         ``bias`` (``attention_bias``) also with that bias add folded in: a forward covering the bias
-        operator too and a backward, both reading the tensors before the add and the biases."""
+        operator too and a backward, both reading the tensors before the add and the biases; one of
+        those not measured is priced no faster than the measured one without the bias add."""
         graph, letters, t = self.graph, roles.letters, roles.tensors
         kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
         size = {role: graph.size(letters[role]) for role in letters}
@@ -357,6 +375,7 @@ class CandidateBuilder:
                     for role in ("q", "k", "v", "o")}
             layout_key = {**{r: order.replace("j", "k") if r in ("k", "v") else order for r in ("q", "k", "v", "o")},
                           "do": order}
+            plain_ms: dict[str, float] = {}  # direction -> the measured time without the bias add folded in
             for folded in (None, bias) if bias else (None,):
                 timed = replace(case, bias=True) if folded else case
                 inputs = {r: folded[r][0] if folded else t[r] for r in ("q", "k", "v")}
@@ -366,7 +385,13 @@ class CandidateBuilder:
                     found = self.timings.lookup(timed.op(direction), timed.dims, layout_key,
                                                 lambda k: k.get("impl") == "fused" and k.get("dropout_mask", "regenerate") == "regenerate"
                                                 and (k.get("backward") or {}).get("dropout_mask", "regenerate") == "regenerate")
+                    if found is None and self.timings.broken(timed.op(direction), timed.dims, layout_key):
+                        continue
                     ms, source, knobs = self._time(found, "attention", timed.flop(direction), timed.bytes(direction))
+                    if folded and source == PREDICTED and plain_ms.get(direction) is not None:
+                        ms = max(ms, plain_ms[direction])  # the same kernel plus bias loads: not faster than measured without
+                    if not folded and source == MEASURED:
+                        plain_ms[direction] = ms
                     reads = {**{inputs[r]: like[r] for r in ("q", "k", "v")}, **biases}
                     if direction == "forward":
                         writes = {t["o"]: like["o"], lse: lse_layout}

@@ -146,9 +146,11 @@ def _head_bias(b_ptr, h, stride_bh, stride_bp, offs_p):
 def _biased(x, bias, P_AXIS: tl.constexpr):
     """``x`` (a [rows, P] tile, ``P_AXIS`` 1, or a [P, cols] one, 0) plus ``bias`` [P] (fp32),
     rounded to x's dtype (as a separate bias-add kernel stores it)."""
-    if P_AXIS == 1:
-        return (x.to(tl.float32) + bias[None, :]).to(x.dtype)
-    return (x.to(tl.float32) + bias[:, None]).to(x.dtype)
+    if P_AXIS == 1:  # one return after the branches: Triton 3.6 also builds what follows a constexpr if's return
+        y = x.to(tl.float32) + bias[None, :]
+    else:
+        y = x.to(tl.float32) + bias[:, None]
+    return y.to(x.dtype)
 
 
 @triton.jit

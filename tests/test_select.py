@@ -8,6 +8,7 @@ pays, one where a residual constrains the choice, one where a forward choice cos
 one where a fused forward needs its own backward.
 """
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -258,3 +259,37 @@ def test_a_consumer_keeps_its_variant_in_the_producers_layouts():
     assert matching in kept and len([c for c in kept if c.name == "add"]) == KEEP_PER_OPERATOR + 1
     steps, _ = select(["gemm", "add"], kept, produced={"t", "u", "v"}, boundary={}, change_cost=change_cost)
     assert [c for c, _ in steps] == [producer, matching] and all(not changes for _, changes in steps)
+
+
+def test_a_kernel_that_never_ran_is_not_offered_and_a_folded_one_is_not_cheaper():
+    """A variant whose every record failed or was wrong (and none ran) gets no candidate: the cost
+    model is not asked to guess at a kernel known not to run here (the H200 run of 2026-11-25: every
+    biased attention backward failed to compile, and the plan took one at a predicted 0.063 ms where
+    the plain backward measured 0.117).  The attention with the bias add folded in, not measured, is
+    priced no faster than the measured one without it (the same kernel plus bias loads)."""
+    from datamove.candidates import CandidateBuilder, attention_bias, attention_roles
+    from kernels.attention_variants import AttentionCase
+
+    fused = stored_fused()["bert"]
+    device = "NVIDIA H200"
+    roles, _ = attention_roles(fused)
+    bias = attention_bias(fused, roles)
+    case = AttentionCase(*(fused.graph.size(roles.letters[r]) for r in ("batch", "heads", "rows", "features")),
+                         fused.graph.tensors[roles.tensors["mask"]].p)
+    layout = {"q": "phbj", "k": "phbk", "v": "phbk", "o": "phbj", "do": "phbj"}
+
+    def record(direction, status, ms=None, folded=False):
+        timed = replace(case, bias=folded)
+        return Record(Key(device, {}, timed.op(direction), timed.dims, "bfloat16", layout, {"impl": "fused"}), status, ms)
+
+    plain = {"forward": 5.0, "backward": 7.0}  # slower than the model's guesses
+    timings = Timings([record(d, "ok", ms) for d, ms in plain.items()] + [record("backward", "failed", folded=True),
+                       record("backward", "wrong", folded=True)], device, "bfloat16")
+    assert timings.broken(replace(case, bias=True).op("backward"), case.dims, layout)
+    assert not timings.broken(case.op("backward"), case.dims, layout)
+    builder = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H200"), timings)
+    found = {(c.name, "bias" in c.config): c for c in builder.attention(roles, {"phbj"}, bias)}
+    assert set(found) == {("attention_forward", False), ("attention_backward", False),
+                          (f"{bias['op']}+attention_forward", True)}
+    assert found[(f"{bias['op']}+attention_forward", True)].time_ms == plain["forward"]
+    assert found[(f"{bias['op']}+attention_forward", True)].source == "predicted"
