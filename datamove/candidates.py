@@ -379,6 +379,7 @@ class CandidateBuilder:
             for folded in (None, bias) if bias else (None,):
                 timed = replace(case, bias=True) if folded else case
                 inputs = {r: folded[r][0] if folded else t[r] for r in ("q", "k", "v")}
+                # the bias operator's inputs (k's bias is a parameter of the layer, though the kernels need not load it)
                 biases = {folded[r][1]: graph.tensors[folded[r][1]].letters for r in ("q", "k", "v")} if folded else {}
                 for direction, kind, members in (("forward", ATTENTION_FORWARD, roles.members),
                                                  ("backward", ATTENTION_BACKWARD, roles.backward)):

@@ -205,7 +205,8 @@ class GemmLauncher(Launcher):
 class _AttentionLauncher(Launcher):
     """Shared by the attention's two passes: the roles' tensors as logical (b, h, rows, p) views;
     with a bias add folded in (config "bias": role -> (tensor before the add, bias)), q, k, v are
-    read before the add and the biases as logical (h, p) views, which the kernels add."""
+    read before the add and q's and v's biases as logical (h, p) views, which the kernels add (k's
+    changes nothing: ``kernels.attention``, biases)."""
 
     def __init__(self, step: Step, graph, buffers: Buffers):
         super().__init__(step, graph, buffers)
@@ -242,7 +243,7 @@ class _AttentionLauncher(Launcher):
         if not self.bias:
             return tuple(self.view(_read(self.step, store, self.roles[r]), r) for r in ("q", "k", "v")), None
         return (tuple(self.view(_read(self.step, store, self.bias[r][0]), r) for r in ("q", "k", "v")),
-                tuple(_read(self.step, store, self.bias[r][1]).permute(self.bias_axes[r]) for r in ("q", "k", "v")))
+                tuple(_read(self.step, store, self.bias[r][1]).permute(self.bias_axes[r]) for r in ("q", "v")))
 
     def common(self, run: Run) -> dict:
         return dict(scale=self.scale, dropout_p=self.dropout_p, seed=run.seed, offset=self.offset, causal=self.causal,

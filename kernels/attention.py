@@ -51,6 +51,15 @@ How the backward gets the mask is the knob ``dropout_mask`` of its configuration
 
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 
+Biases (``bias=(bq, bv)``, each (h, p)): the attention over q + bq, k + bk and v + bv, the bias
+add before it (BERT's Q/K/V) folded in.  q + bq is formed as q is loaded, rounded to q's dtype as a
+bias-add kernel would store it.  k's bias needs no argument: it adds (q_j + bq) . bk to every score
+of row j, which the softmax cancels, and dQ = dS (k + bk) = dS k since each row of dS sums to 0
+(leaving it out also keeps dQ clear of that sum's rounding times bk); lse is then the one of the
+scores without it, which only the backward reads.  v's bias: the forward adds (sum_k P~) bv to O
+once after its loop (fp32); dP~ = dO (v + bv)^T takes v + bv formed once per key block in the dK/dV
+kernel (rounded to v's dtype) and the row term dO_j . bv (fp32) in the dQ kernel.
+
 Arithmetic: fp16/bf16 (or fp32, TF32 dots on GPU) operands, fp32 accumulation and statistics;
 the softmax runs in base 2 with log2(e) folded into the scale.
 """
@@ -143,14 +152,10 @@ def _head_bias(b_ptr, h, stride_bh, stride_bp, offs_p):
 
 
 @triton.jit
-def _biased(x, bias, P_AXIS: tl.constexpr):
-    """``x`` (a [rows, P] tile, ``P_AXIS`` 1, or a [P, cols] one, 0) plus ``bias`` [P] (fp32),
-    rounded to x's dtype (as a separate bias-add kernel stores it)."""
-    if P_AXIS == 1:  # one return after the branches: Triton 3.6 also builds what follows a constexpr if's return
-        y = x.to(tl.float32) + bias[None, :]
-    else:
-        y = x.to(tl.float32) + bias[:, None]
-    return y.to(x.dtype)
+def _biased(x, bias):
+    """``x`` (a [rows, P] tile) plus ``bias`` [P] (fp32), rounded to x's dtype (as a separate
+    bias-add kernel stores it)."""
+    return (x.to(tl.float32) + bias[None, :]).to(x.dtype)
 
 
 @triton.jit
@@ -190,13 +195,13 @@ def _attn_fwd_kernel(
     lse_ptr,  # (b, h, j) float32, contiguous
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, written if MASK_IO == 1
-    bq_ptr, bk_ptr, bv_ptr,  # (h, p) any strides: biases added to q, k, v as they are loaded (unused unless HAS_BIAS)
+    bq_ptr, bv_ptr,  # (h, p) any strides: the biases of q and v (unused unless HAS_BIAS; module doc: k's needs none)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
     stride_ob, stride_oh, stride_oj, stride_op,
     stride_mb, stride_mk,
-    stride_bqh, stride_bqp, stride_bkh, stride_bkp, stride_bvh, stride_bvp,
+    stride_bqh, stride_bqp, stride_bvh, stride_bvp,
     drop_sb, drop_sh, drop_sj, drop_sk,  # logical strides of (b, h, j, k) for the dropout index
     H, Lq, Lk,
     qk_scale,  # scale * log2(e)
@@ -208,9 +213,7 @@ def _attn_fwd_kernel(
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
     if HAS_BIAS:
-        q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p), 1)
-        bias_k = _head_bias(bk_ptr, h, stride_bkh, stride_bkp, offs_p)
-        bias_v = _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p)
+        q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p))
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
@@ -219,6 +222,7 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_J], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_J], tl.float32)
+    kept_i = tl.zeros([BLOCK_J], tl.float32)  # with HAS_BIAS and HAS_DROPOUT: the kept probabilities' sum, as l_i
     acc = tl.zeros([BLOCK_J, P], tl.float32)
     k_end = Lk
     if CAUSAL:
@@ -227,8 +231,6 @@ def _attn_fwd_kernel(
         offs_k = start_k + tl.arange(0, BLOCK_K)
         col_ok = offs_k < Lk
         kt = tl.load(k_base + offs_k[None, :] * stride_kk + offs_p[:, None] * stride_kp, mask=col_ok[None, :], other=0.0)
-        if HAS_BIAS:
-            kt = _biased(kt, bias_k, 0)
         s = tl.dot(q, kt) * qk_scale  # (j, k), log2 units
         if CAUSAL or HAS_KPM or not EVEN_K:
             valid = _visible(col_ok[None, :], b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk, CAUSAL, HAS_KPM)
@@ -244,12 +246,16 @@ def _attn_fwd_kernel(
             keep = _keep_block(seed, drop_threshold, drop_row, start_k, drop_sk, mask_ptr, mask_rows, Lk,
                                BLOCK_K, GROUPED, MASK_IO)
             p = tl.where(keep, p, 0.0)
+            if HAS_BIAS:
+                kept_i = kept_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
-        if HAS_BIAS:
-            v = _biased(v, bias_v, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
+    if HAS_BIAS:  # sum_k p_jk (v_k + bv) = sum_k p_jk v_k + (sum_k p_jk) bv: v's bias once, after the loop
+        if not HAS_DROPOUT:
+            kept_i = l_i
+        acc += kept_i[:, None] * _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p)[None, :]
     empty = l_i == 0.0  # only for fully padded rows
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc * (dropout_scale / l_safe)[:, None]
@@ -298,7 +304,7 @@ def _attn_bwd_dkdv_kernel(
     dv_ptr,  # (b, h, k, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
-    bq_ptr, bk_ptr, bv_ptr,  # (h, p) any strides: biases added to q, k, v as they are loaded (unused unless HAS_BIAS)
+    bq_ptr, bv_ptr,  # (h, p) any strides: the biases of q and v (unused unless HAS_BIAS; module doc: k's needs none)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -307,7 +313,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvk, stride_dvp,
     stride_dqb, stride_dqh, stride_dqj, stride_dqp,
     stride_mb, stride_mk,
-    stride_bqh, stride_bqp, stride_bkh, stride_bkp, stride_bvh, stride_bvp,
+    stride_bqh, stride_bqp, stride_bvh, stride_bvp,
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,  # scale, scale * log2(e)
@@ -320,7 +326,6 @@ def _attn_bwd_dkdv_kernel(
     pid_k, pid_bh, b, h, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
                                                                 H, Lk, BLOCK_K, P)
     if HAS_BIAS:
-        k = _biased(k, _head_bias(bk_ptr, h, stride_bkh, stride_bkp, offs_p), 1)
         bias_q = _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p)
     key_ok = col_ok
     if HAS_KPM:
@@ -329,7 +334,7 @@ def _attn_bwd_dkdv_kernel(
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp,
                 mask=col_ok[:, None], other=0.0)
     if HAS_BIAS:
-        v = _biased(v, _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p), 1)
+        v = _biased(v, _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p))
     q_base = q_ptr + b * stride_qb + h * stride_qh
     do_base = do_ptr + b * stride_dob + h * stride_doh
     stat_base = pid_bh.to(tl.int64) * Lq
@@ -343,7 +348,7 @@ def _attn_bwd_dkdv_kernel(
         row_ok = offs_j < Lq
         q = tl.load(q_base + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp, mask=row_ok[:, None], other=0.0)
         if HAS_BIAS:
-            q = _biased(q, bias_q, 1)
+            q = _biased(q, bias_q)
         do = tl.load(do_base + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop, mask=row_ok[:, None], other=0.0)
         lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
@@ -397,14 +402,14 @@ def _attn_bwd_dq_kernel(
     dq_ptr,  # (b, h, j, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
-    bq_ptr, bk_ptr, bv_ptr,  # (h, p) any strides: biases added to q, k, v as they are loaded (unused unless HAS_BIAS)
+    bq_ptr, bv_ptr,  # (h, p) any strides: the biases of q and v (unused unless HAS_BIAS; module doc: k's needs none)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
     stride_dob, stride_doh, stride_doj, stride_dop,
     stride_dqb, stride_dqh, stride_dqj, stride_dqp,
     stride_mb, stride_mk,
-    stride_bqh, stride_bqp, stride_bkh, stride_bkp, stride_bvh, stride_bvp,
+    stride_bqh, stride_bqp, stride_bvh, stride_bvp,
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,
@@ -415,12 +420,11 @@ def _attn_bwd_dq_kernel(
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P)
-    if HAS_BIAS:
-        q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p), 1)
-        bias_k = _head_bias(bk_ptr, h, stride_bkh, stride_bkp, offs_p)
-        bias_v = _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
+    if HAS_BIAS:  # do_j . (v_k + bv) = do_j . v_k + do_j . bv: v's bias as one term per row
+        q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p))
+        do_bv = tl.sum(do.to(tl.float32) * _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p)[None, :], 1)
     lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0)
     k_base = k_ptr + b * stride_kb + h * stride_kh
@@ -438,15 +442,14 @@ def _attn_bwd_dq_kernel(
         col_ok = offs_k < Lk
         k = tl.load(k_base + offs_k[:, None] * stride_kk + offs_p[None, :] * stride_kp, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp, mask=col_ok[:, None], other=0.0)
-        if HAS_BIAS:
-            k = _biased(k, bias_k, 1)
-            v = _biased(v, bias_v, 1)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if CAUSAL or HAS_KPM or not EVEN:
             valid = _visible(col_ok[None, :] & row_ok[:, None], b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk,
                              CAUSAL, HAS_KPM)
             p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
+        if HAS_BIAS:
+            dp += do_bv[:, None]
         if HAS_DROPOUT:
             keep = _keep_block(seed, drop_threshold, drop_row, start_k, drop_sk, mask_ptr, mask_rows, Lk,
                                BLOCK_K, GROUPED, MASK_IO)
@@ -608,13 +611,13 @@ def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=N
 
 
 def _bias_args(bias, q) -> tuple:
-    """Kernel arguments of ``bias``: (bq, bk, bv) logical (h, p) views of any strides in q's dtype
-    and device, added to q, k, v as the kernels load them; or None (placeholders, never read)."""
+    """Kernel arguments of ``bias``: (bq, bv) logical (h, p) views of any strides in q's dtype and
+    device (module doc); or None (placeholders, never read)."""
     if bias is None:
-        return (q, q, q), (0,) * 6
+        return (q, q), (0,) * 4
     H, P = q.shape[1], q.shape[3]
-    if len(bias) != 3 or any(b.shape != (H, P) or b.dtype != q.dtype or b.device != q.device for b in bias):
-        raise ValueError(f"bias must be (bq, bk, bv), each ({H}, {P}) in {q.dtype} on {q.device}")
+    if len(bias) != 2 or any(b.shape != (H, P) or b.dtype != q.dtype or b.device != q.device for b in bias):
+        raise ValueError(f"bias must be (bq, bv), each ({H}, {P}) in {q.dtype} on {q.device}")
     return tuple(bias), tuple(x for b in bias for x in b.stride())
 
 
@@ -655,9 +658,9 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     (sb, sh, sj, sk) of the probabilities' dropout index (default: (b, h, j, k) row-major).
     ``o``: optional output (b, h, j, p) of any strides, else allocated like ``q``.
     ``saved_mask``: optional ``new_saved_mask`` buffer the kernel writes the keep decisions to
-    (for a backward with ``dropout_mask="saved"``).  ``bias``: optional (bq, bk, bv), each (h, p):
-    the kernel attends over q + bq, k + bk, v + bv (each sum rounded to the inputs' dtype), so a
-    bias add before the attention needs no kernel of its own.
+    (for a backward with ``dropout_mask="saved"``).  ``bias``: optional (bq, bv), each (h, p): the
+    kernel attends over q + bq (rounded to q's dtype), k + bk for any bk, and v + bv, so a bias add
+    before the attention needs no kernel of its own (module doc: biases).
     Returns ``(o, lse)``, lse float32 (b, h, j) contiguous, natural log.
     """
     B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,

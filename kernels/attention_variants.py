@@ -24,7 +24,7 @@ regenerated, so the check runs it with dropout 0 against the dropout-0 reference
 uses ``dropout_p``), and on a GPU the verdict names the attention kernels the timed call launched.
 
 Keys: ``op`` = ``"attention:<direction>:dropout=<p>"`` (``":bias"`` appended where biases (h, p) are
-added to q, k, v as the fused kernels load them, ``AttentionCase.bias``: forward and backward only), ``dims`` = {b, h, j, k, p}, ``layout`` =
+added to q, k, v, the bias add folded into the fused kernels (``kernels.attention``: biases), ``AttentionCase.bias``: forward and backward only), ``dims`` = {b, h, j, k, p}, ``layout`` =
 {tensor: storage order}, ``knobs`` = {"impl": "fused", "forward": {...}, "backward": {...}} (direction
 "forward": {"impl": "fused", "forward": {...}, "dropout_mask": ...}) /
 {"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
@@ -64,7 +64,7 @@ class AttentionCase:
     dropout_p: float
     layout: str = "bjhp"  # storage order of the (b, h, j, p) tensors; K and V: the same with k for j
     dtype: torch.dtype = DTYPE
-    bias: bool = False  # biases (h, p) added to q, k, v as the kernels load them (fused variants only)
+    bias: bool = False  # biases (h, p) added to q, k, v, folded into the kernels (fused variants only)
 
     @property
     def dims(self) -> dict:
@@ -240,7 +240,7 @@ class FusedVariant(_Base):
         if self.direction == "fwd+bwd":
             return self._fwd_bwd()
         if self.ws.case.bias:
-            args["bias"] = tuple(x[n] for n in BIASES)
+            args["bias"] = (x["bq"], x["bv"])  # the reference adds bk too: the kernels need not (``kernels.attention``)
         if "saved_mask" not in x:
             x["saved_mask"] = new_saved_mask(x["q"], x["k"], dropout_p=args["dropout_p"],
                                              offset=args["offset"]) if self.dropout_mask == "saved" else None

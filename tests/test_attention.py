@@ -227,34 +227,40 @@ def test_dropout_paths(Lk, order, offset, grouped):
 
 
 @pytest.mark.parametrize("dq_mode", ["atomic", "split"])
-def test_biases_added_as_the_kernels_load(dq_mode):
-    """``bias=(bq, bk, bv)``: the kernels attend over q + bq, k + bk, v + bv (BERT's Q/K/V bias add
-    folded into the attention): O and the gradients equal, bit for bit, the kernels' on inputs biased
-    beforehand, and match float64 with the mask; dQ, dK, dV are the gradients of the unbiased inputs."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_biases_folded_in(dq_mode, dtype):
+    """``bias=(bq, bv)``: the kernels attend over q + bq, k + bk, v + bv for any bk (BERT's Q/K/V bias
+    add folded in; k's bias shifts each row's scores by one constant): O and dQ, dK, dV (the
+    gradients of the unbiased q, k, v) against float64 with all three biases, bk nonzero, a key
+    padding mask and dropout.  fp32 within the fp32 tolerance; bf16 no farther than PyTorch's eager
+    chain at bf16 adding the same biases (the H200 tuning of 2026-11-25 judged a kernel that added
+    bk wrong at BERT-large B=8 L=512: dQ 1.5e-2 from float64 against PyTorch's 9.7e-3)."""
     B, H, Lq, Lk, P = 2, 3, 37, 29, 16
     args = dict(scale=0.25, dropout_p=0.2, seed=77, offset=5, key_padding_mask=padding_mask(B, Lk).to(DEVICE))
-    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, "bjhp", seed=21)
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, dtype, "bjhp", seed=21)
     gen = torch.Generator().manual_seed(22)
-    biases64 = [torch.randn(H, P, generator=gen, dtype=torch.float64) for _ in range(3)]
-    biases = [b.to(DEVICE, torch.float32).t().contiguous().t() for b in biases64]  # (h, p) views, p outer in memory
+    biases64 = [torch.randn(H, P, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE, torch.float64) for _ in range(3)]
+    bq, bv = (b.to(dtype).t().contiguous().t() for b in (biases64[0], biases64[2]))  # (h, p) views, p outer in memory
     q, k, v = (t.detach() for t in kernel_inputs)
-    do_dev = stored_as(do.to(DEVICE, torch.float32), "pjhb")
-    o, lse = attention_forward(q, k, v, **args, bias=biases)
-    grads = attention_backward(do_dev, q, k, v, o, lse, **args, bias=biases, dq_mode=dq_mode)
-    pre = [t + b[None, :, None, :] for t, b in zip((q, k, v), biases)]
-    o_pre, lse_pre = attention_forward(*pre, **args)
-    assert torch.equal(o, o_pre) and torch.equal(lse, lse_pre)
-    for name, got, want in zip(NAMES[1:], grads, attention_backward(do_dev, *pre, o_pre, lse_pre, **args, dq_mode=dq_mode)):
-        if name == "dQ" and dq_mode == "atomic" and DEVICE == "cuda":  # fp32 atomics add in any order
-            assert relative_error(got, want) < 1e-6
+    do_dev = stored_as(do.to(DEVICE, dtype), "pjhb")
+    o, lse = attention_forward(q, k, v, **args, bias=(bq, bv))
+    grads = attention_backward(do_dev, q, k, v, o, lse, **args, bias=(bq, bv), dq_mode=dq_mode)
+
+    def chain(precision):
+        leaves = [t.detach().to(DEVICE, precision).requires_grad_() for t in ref_inputs]
+        out = eager_attention(*(t + b.to(precision)[None, :, None, :] for t, b in zip(leaves, biases64)), **args)
+        out.backward(do.to(DEVICE, precision))
+        return [out] + [t.grad for t in leaves]
+
+    reference = chain(torch.float64)
+    baseline = chain(dtype) if dtype != torch.float32 else [None] * 4
+    for name, got, want, base in zip(NAMES, (o, *grads), reference, baseline):
+        if base is None:
+            assert relative_error(got, want) < FP32_TOL, f"{name}: {relative_error(got, want):.2e}"
         else:
-            assert torch.equal(got, want), name
-    biased64 = [t.detach().to(DEVICE) + b.to(DEVICE)[None, :, None, :] for t, b in zip(ref_inputs, biases64)]
-    _, reference, _ = run_both(biased64, [t.detach().clone().requires_grad_() for t in pre], do, **args)
-    for name, g, r in zip(NAMES, (o, *grads), reference):
-        assert relative_error(g, r) < FP32_TOL, f"{name}: {relative_error(g, r):.2e}"
-    with pytest.raises(ValueError, match=r"bias must be \(bq, bk, bv\), each \(3, 16\)"):
-        attention_forward(q, k, v, **args, bias=biases[:2])
+            assert_closer(got, base, want, what=name)
+    with pytest.raises(ValueError, match=r"bias must be \(bq, bv\), each \(3, 16\)"):
+        attention_forward(q, k, v, **args, bias=(bq, bv, bv))
 
 
 def test_config_space_runs():
