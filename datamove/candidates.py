@@ -379,8 +379,7 @@ class CandidateBuilder:
             for folded in (None, bias) if bias else (None,):
                 timed = replace(case, bias=True) if folded else case
                 inputs = {r: folded[r][0] if folded else t[r] for r in ("q", "k", "v")}
-                # the bias operator's inputs (k's bias is a parameter of the layer, though the kernels need not load it)
-                biases = {folded[r][1]: graph.tensors[folded[r][1]].letters for r in ("q", "k", "v")} if folded else {}
+                bias_of = {r: {folded[r][1]: graph.tensors[folded[r][1]].letters} if folded else {} for r in ("q", "k", "v")}
                 for direction, kind, members in (("forward", ATTENTION_FORWARD, roles.members),
                                                  ("backward", ATTENTION_BACKWARD, roles.backward)):
                     found = self.timings.lookup(timed.op(direction), timed.dims, layout_key,
@@ -393,14 +392,17 @@ class CandidateBuilder:
                         ms = max(ms, plain_ms[direction])  # the same kernel plus bias loads: not faster than measured without
                     if not folded and source == MEASURED:
                         plain_ms[direction] = ms
-                    reads = {**{inputs[r]: like[r] for r in ("q", "k", "v")}, **biases}
-                    if direction == "forward":
-                        writes = {t["o"]: like["o"], lse: lse_layout}
+                    if direction == "forward":  # with the bias add: its operands (bk too: a parameter the kernels
+                        # need not load), and the biased q out for the backward (``kernels.attention``: biases)
+                        reads = {**{inputs[r]: like[r] for r in ("q", "k", "v")}, **bias_of["q"], **bias_of["k"],
+                                 **bias_of["v"]}
+                        writes = {t["o"]: like["o"], lse: lse_layout, **({t["q"]: like["q"]} if folded else {})}
                         knob = (knobs or {}).get("forward") or {}
                         operators, name = ((folded["op"], *members), f"{folded['op']}+attention_forward") if folded \
                             else (members, "attention_forward")
                     else:
-                        reads.update({t["o"]: like["o"], t["do"]: like["o"], lse: lse_layout})
+                        reads = {t["q"]: like["q"], inputs["k"]: like["k"], inputs["v"]: like["v"], **bias_of["v"],
+                                 t["o"]: like["o"], t["do"]: like["o"], lse: lse_layout}
                         writes = {t["dq"]: like["q"], t["dk"]: like["k"], t["dv"]: like["v"]}
                         knob = {k: v for k, v in ((knobs or {}).get("backward") or {}).items() if k != "dropout_mask"}
                         operators, name = members, "attention_backward"

@@ -204,9 +204,10 @@ class GemmLauncher(Launcher):
 
 class _AttentionLauncher(Launcher):
     """Shared by the attention's two passes: the roles' tensors as logical (b, h, rows, p) views;
-    with a bias add folded in (config "bias": role -> (tensor before the add, bias)), q, k, v are
-    read before the add and q's and v's biases as logical (h, p) views, which the kernels add (k's
-    changes nothing: ``kernels.attention``, biases)."""
+    with a bias add folded in (config "bias": role -> (tensor before the add, bias); ``kernels.attention``:
+    biases), the forward reads q, k, v before the add and q's and v's biases as logical (h, p)
+    views, and writes the biased q (role q) for the backward, which reads it, k and v before the
+    add, and v's bias."""
 
     def __init__(self, step: Step, graph, buffers: Buffers):
         super().__init__(step, graph, buffers)
@@ -238,12 +239,13 @@ class _AttentionLauncher(Launcher):
     def view(self, tensor: torch.Tensor, role: str) -> torch.Tensor:
         return tensor.permute(self.axes[role])
 
-    def inputs(self, store: dict) -> tuple:
-        """(q, k, v) as logical views and the biases the kernels add to them (None: no bias folded in)."""
-        if not self.bias:
-            return tuple(self.view(_read(self.step, store, self.roles[r]), r) for r in ("q", "k", "v")), None
-        return (tuple(self.view(_read(self.step, store, self.bias[r][0]), r) for r in ("q", "k", "v")),
-                tuple(_read(self.step, store, self.bias[r][1]).permute(self.bias_axes[r]) for r in ("q", "v")))
+    def inputs(self, store: dict, roles=("q", "k", "v")) -> tuple:
+        """The tensors of ``roles`` as logical views: before the bias add where one is folded in."""
+        return tuple(self.view(_read(self.step, store, self.bias[r][0] if self.bias else self.roles[r]), r) for r in roles)
+
+    def bias_of(self, store: dict, role: str) -> torch.Tensor:
+        """The bias added to ``role``'s tensor, as a logical (h, p) view."""
+        return _read(self.step, store, self.bias[role][1]).permute(self.bias_axes[role])
 
     def common(self, run: Run) -> dict:
         return dict(scale=self.scale, dropout_p=self.dropout_p, seed=run.seed, offset=self.offset, causal=self.causal,
@@ -257,13 +259,17 @@ class AttentionForwardLauncher(_AttentionLauncher):
 
     def __call__(self, store: dict, run: Run) -> None:
         r = self.roles
-        (q, k, v), bias = self.inputs(store)
+        q, k, v = self.inputs(store)
         o = self.output(store, r["o"])
         saved = None
         if self.saves_mask:
             saved = new_saved_mask(q, k, dropout_p=self.dropout_p, offset=self.offset, dropout_strides=self.dropout_strides)
             store[saved_mask_name(self.lse)] = saved
-        _, lse = attention_forward(q, k, v, o=self.view(o, "o"), saved_mask=saved, bias=bias, **self.common(run),
+        biased = {}
+        if self.bias:
+            store[r["q"]] = self.output(store, r["q"])
+            biased = dict(bias=(self.bias_of(store, "q"), self.bias_of(store, "v")), q_biased=self.view(store[r["q"]], "q"))
+        _, lse = attention_forward(q, k, v, o=self.view(o, "o"), saved_mask=saved, **biased, **self.common(run),
                                    **self.knobs)
         store[r["o"]], store[self.lse] = o, lse
 
@@ -271,13 +277,14 @@ class AttentionForwardLauncher(_AttentionLauncher):
 class AttentionBackwardLauncher(_AttentionLauncher):
     def __call__(self, store: dict, run: Run) -> None:
         r = self.roles
-        (q, k, v), bias = self.inputs(store)
+        q = self.view(_read(self.step, store, r["q"]), "q")  # with a bias folded in, the forward's q + bq
+        k, v = self.inputs(store, ("k", "v"))
         o = self.view(_read(self.step, store, r["o"]), "o")
         do = self.view(_read(self.step, store, r["do"]), "o")
         grads = {role: self.output(store, r[role]) for role in ("dq", "dk", "dv")}
         attention_backward(do, q, k, v, o, store[self.lse], saved_mask=store.get(saved_mask_name(self.lse)),
                            dq=self.view(grads["dq"], "q"), dk=self.view(grads["dk"], "k"), dv=self.view(grads["dv"], "v"),
-                           bias=bias, **self.common(run), **self.knobs)
+                           v_bias=self.bias_of(store, "v") if self.bias else None, **self.common(run), **self.knobs)
         for role, tensor in grads.items():
             store[r[role]] = tensor
 

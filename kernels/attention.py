@@ -52,13 +52,17 @@ How the backward gets the mask is the knob ``dropout_mask`` of its configuration
 Fully masked rows (every key padded) give O = 0, zero gradients and lse = +inf.
 
 Biases (``bias=(bq, bv)``, each (h, p)): the attention over q + bq, k + bk and v + bv, the bias
-add before it (BERT's Q/K/V) folded in.  q + bq is formed as q is loaded, rounded to q's dtype as a
-bias-add kernel would store it.  k's bias needs no argument: it adds (q_j + bq) . bk to every score
-of row j, which the softmax cancels, and dQ = dS (k + bk) = dS k since each row of dS sums to 0
-(leaving it out also keeps dQ clear of that sum's rounding times bk); lse is then the one of the
-scores without it, which only the backward reads.  v's bias: the forward adds (sum_k P~) bv to O
-once after its loop (fp32); dP~ = dO (v + bv)^T takes v + bv formed once per key block in the dK/dV
-kernel (rounded to v's dtype) and the row term dO_j . bv (fp32) in the dQ kernel.
+add before it (BERT's Q/K/V) folded in.  The forward forms q + bq as it loads q, rounded to q's
+dtype as a bias-add kernel would store it, and writes it out (``q_biased``) for the backward, which
+reads it as its q: the dK/dV kernel's q tiles then go from their pipelined loads straight into its
+MMAs (adding bq to each tile there made the backward 18% slower at BERT-large B=8 L=512 on the
+H200).  k's bias needs no argument: it adds (q_j + bq) . bk to every score of row j, which the
+softmax cancels, and dQ = dS (k + bk) = dS k since each row of dS sums to 0 (leaving it out also
+keeps dQ clear of that sum's rounding times bk); lse is then the one of the scores without it,
+which only the backward reads.  v's bias (``v_bias`` in the backward): the forward adds
+(sum_k P~) bv to O once after its loop (fp32); dP~ = dO (v + bv)^T takes v + bv formed once per
+key block in the dK/dV kernel (rounded to v's dtype) and the row term dO_j . bv (fp32) in the dQ
+kernel.
 
 Arithmetic: fp16/bf16 (or fp32, TF32 dots on GPU) operands, fp32 accumulation and statistics;
 the softmax runs in base 2 with log2(e) folded into the scale.
@@ -196,12 +200,14 @@ def _attn_fwd_kernel(
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, written if MASK_IO == 1
     bq_ptr, bv_ptr,  # (h, p) any strides: the biases of q and v (unused unless HAS_BIAS; module doc: k's needs none)
+    qb_ptr,  # (b, h, j, p) any strides: q + bq written for the backward (unused unless HAS_BIAS)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
     stride_ob, stride_oh, stride_oj, stride_op,
     stride_mb, stride_mk,
     stride_bqh, stride_bqp, stride_bvh, stride_bvp,
+    stride_qbb, stride_qbh, stride_qbj, stride_qbp,
     drop_sb, drop_sh, drop_sj, drop_sk,  # logical strides of (b, h, j, k) for the dropout index
     H, Lq, Lk,
     qk_scale,  # scale * log2(e)
@@ -214,6 +220,7 @@ def _attn_fwd_kernel(
                                                                  H, Lq, BLOCK_J, P)
     if HAS_BIAS:
         q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p))
+        _store_rows(qb_ptr, stride_qbb, stride_qbh, stride_qbj, stride_qbp, b, h, offs_j, offs_p, row_ok, q)
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     if HAS_DROPOUT:
@@ -304,7 +311,7 @@ def _attn_bwd_dkdv_kernel(
     dv_ptr,  # (b, h, k, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
-    bq_ptr, bv_ptr,  # (h, p) any strides: the biases of q and v (unused unless HAS_BIAS; module doc: k's needs none)
+    bv_ptr,  # (h, p) any strides: v's bias (unused unless HAS_BIAS; q is the forward's q + bq: module doc)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
@@ -313,7 +320,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvk, stride_dvp,
     stride_dqb, stride_dqh, stride_dqj, stride_dqp,
     stride_mb, stride_mk,
-    stride_bqh, stride_bqp, stride_bvh, stride_bvp,
+    stride_bvh, stride_bvp,
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,  # scale, scale * log2(e)
@@ -325,8 +332,6 @@ def _attn_bwd_dkdv_kernel(
 ):
     pid_k, pid_bh, b, h, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
                                                                 H, Lk, BLOCK_K, P)
-    if HAS_BIAS:
-        bias_q = _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p)
     key_ok = col_ok
     if HAS_KPM:
         pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
@@ -347,8 +352,6 @@ def _attn_bwd_dkdv_kernel(
         offs_j = start_j + tl.arange(0, BLOCK_J)
         row_ok = offs_j < Lq
         q = tl.load(q_base + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp, mask=row_ok[:, None], other=0.0)
-        if HAS_BIAS:
-            q = _biased(q, bias_q)
         do = tl.load(do_base + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop, mask=row_ok[:, None], other=0.0)
         lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
@@ -402,14 +405,14 @@ def _attn_bwd_dq_kernel(
     dq_ptr,  # (b, h, j, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
-    bq_ptr, bv_ptr,  # (h, p) any strides: the biases of q and v (unused unless HAS_BIAS; module doc: k's needs none)
+    bv_ptr,  # (h, p) any strides: v's bias (unused unless HAS_BIAS; q is the forward's q + bq: module doc)
     stride_qb, stride_qh, stride_qj, stride_qp,
     stride_kb, stride_kh, stride_kk, stride_kp,
     stride_vb, stride_vh, stride_vk, stride_vp,
     stride_dob, stride_doh, stride_doj, stride_dop,
     stride_dqb, stride_dqh, stride_dqj, stride_dqp,
     stride_mb, stride_mk,
-    stride_bqh, stride_bqp, stride_bvh, stride_bvp,
+    stride_bvh, stride_bvp,
     drop_sb, drop_sh, drop_sj, drop_sk,
     H, Lq, Lk,
     scale, qk_scale,
@@ -423,7 +426,6 @@ def _attn_bwd_dq_kernel(
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
     if HAS_BIAS:  # do_j . (v_k + bv) = do_j . v_k + do_j . bv: v's bias as one term per row
-        q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p))
         do_bv = tl.sum(do.to(tl.float32) * _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p)[None, :], 1)
     lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0)
@@ -610,15 +612,16 @@ def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=N
     return torch.empty((B, H, Lq, Lk // 16), device=q.device, dtype=torch.int16)
 
 
-def _bias_args(bias, q) -> tuple:
-    """Kernel arguments of ``bias``: (bq, bv) logical (h, p) views of any strides in q's dtype and
-    device (module doc); or None (placeholders, never read)."""
-    if bias is None:
-        return (q, q), (0,) * 4
+def _bias_args(biases: tuple, q, what: str) -> tuple:
+    """Kernel arguments of ``biases``: logical (h, p) views of any strides in q's dtype and device
+    (module doc: biases), or (None, ...) for none (placeholders, never read)."""
+    if biases[0] is None:
+        return (q,) * len(biases), (0,) * (2 * len(biases))
     H, P = q.shape[1], q.shape[3]
-    if len(bias) != 2 or any(b.shape != (H, P) or b.dtype != q.dtype or b.device != q.device for b in bias):
-        raise ValueError(f"bias must be (bq, bv), each ({H}, {P}) in {q.dtype} on {q.device}")
-    return tuple(bias), tuple(x for b in bias for x in b.stride())
+    if any(b is None or b.shape != (H, P) or b.dtype != q.dtype or b.device != q.device for b in biases):
+        raise ValueError(f"{what} must be {'(h, p)' if len(biases) == 1 else 'each (h, p)'}: ({H}, {P}) in {q.dtype} "
+                         f"on {q.device}")
+    return tuple(biases), tuple(x for b in biases for x in b.stride())
 
 
 def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, saved_mask):
@@ -651,7 +654,7 @@ def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, save
 
 def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                       causal: bool = False, key_padding_mask=None, dropout_strides=None, o=None, saved_mask=None,
-                      bias=None, block_j=None, block_k=None, num_warps=None, num_stages=None):
+                      bias=None, q_biased=None, block_j=None, block_k=None, num_warps=None, num_stages=None):
     """Forward pass. ``q``: (b, h, j, p), ``k``, ``v``: (b, h, k, p) logical views of any strides.
 
     ``key_padding_mask``: bool (b, k), True = key excluded. ``dropout_strides``: logical strides
@@ -660,7 +663,8 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     ``saved_mask``: optional ``new_saved_mask`` buffer the kernel writes the keep decisions to
     (for a backward with ``dropout_mask="saved"``).  ``bias``: optional (bq, bv), each (h, p): the
     kernel attends over q + bq (rounded to q's dtype), k + bk for any bk, and v + bv, so a bias add
-    before the attention needs no kernel of its own (module doc: biases).
+    before the attention needs no kernel of its own (module doc: biases); it writes q + bq into
+    ``q_biased`` ((b, h, j, p) of any strides, required with ``bias``), the backward's q.
     Returns ``(o, lse)``, lse float32 (b, h, j) contiguous, natural log.
     """
     B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
@@ -670,10 +674,13 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     o = torch.empty_like(q) if o is None else o
     lse = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(Lq, block_j), B * H)
-    biases, bias_strides = _bias_args(bias, q)
+    if bias is not None and (len(bias) != 2 or q_biased is None or q_biased.shape != q.shape):
+        raise ValueError(f"bias must be (bq, bv) with q_biased, the {tuple(q.shape)} output q + bq is written to")
+    biases, bias_strides = _bias_args(tuple(bias or (None, None)), q, "bias (bq, bv)")
+    q_biased = q if q_biased is None else q_biased  # a placeholder without bias, never written
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, kpm, lse if saved_mask is None else saved_mask, *biases,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *kpm_strides, *bias_strides, *drop,
+        q, k, v, o, lse, kpm, lse if saved_mask is None else saved_mask, *biases, q_biased,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *kpm_strides, *bias_strides, *q_biased.stride(), *drop,
         H, Lq, Lk, scale * LOG2E,
         keep_threshold(dropout_p), dropout_scale(dropout_p), seed, offset,
         P=P, BLOCK_J=block_j, BLOCK_K=block_k,
@@ -687,7 +694,7 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
 
 def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 0.0, seed: int = 0,
                        offset: int = 0, causal: bool = False, key_padding_mask=None, dropout_strides=None,
-                       saved_mask=None, dq=None, dk=None, dv=None, bias=None, block_j=None, block_k=None,
+                       saved_mask=None, dq=None, dk=None, dv=None, v_bias=None, block_j=None, block_k=None,
                        num_warps=None, num_stages=None, dq_mode=None, dropout_mask=None):
     """Backward pass: ``(dq, dk, dv)`` for upstream ``do`` (b, h, j, p) of any strides.
 
@@ -698,8 +705,9 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     "split" (own kernel). ``dropout_mask`` (module doc): "regenerate" (``saved_mask`` None: the
     dK/dV kernel, and with "split" the dQ kernel, draw the mask from (seed, offset)) or "saved"
     (the kernels read ``saved_mask``, the forward's ``new_saved_mask`` buffer; None only where
-    ``new_saved_mask`` gives None, and then the mask is drawn as with "regenerate").  ``bias``: as
-    the forward's (the gradients are those of the biased q, k, v, which are those of q, k, v).
+    ``new_saved_mask`` gives None, and then the mask is drawn as with "regenerate").  After a
+    forward with ``bias=(bq, bv)``: ``q`` is its ``q_biased``, ``k`` and ``v`` as given to it, and
+    ``v_bias`` its bv (the gradients are those of the biased q, k, v, which are those of q, k, v).
     """
     B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
                                                                         dropout_strides, saved_mask)
@@ -730,9 +738,9 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     )
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
                  HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, GROUPED=_block_grouped(grouped, block_k, saved_mask),
-                 MASK_IO=mask_io, HAS_BIAS=bias is not None,
+                 MASK_IO=mask_io, HAS_BIAS=v_bias is not None,
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
-    biases, bias_strides = _bias_args(bias, q)
+    biases, bias_strides = _bias_args((v_bias,), q, "v_bias")
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), dropout_scale(dropout_p), seed, offset)
     _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, block_k), B * H)](
         q, k, v, do, lse, delta, dq_acc, arrivals, dq, dk, dv, kpm, mask, *biases,

@@ -239,16 +239,20 @@ class FusedVariant(_Base):
         x, args = self.x, self.ws.case.args()
         if self.direction == "fwd+bwd":
             return self._fwd_bwd()
+        biased = {}  # the reference adds bk too: the kernels need not (``kernels.attention``: biases)
         if self.ws.case.bias:
-            args["bias"] = (x["bq"], x["bv"])  # the reference adds bk too: the kernels need not (``kernels.attention``)
+            x.setdefault("q_biased", torch.empty_like(x["q"]))
+            biased = dict(bias=(x["bq"], x["bv"]), q_biased=x["q_biased"])
         if "saved_mask" not in x:
             x["saved_mask"] = new_saved_mask(x["q"], x["k"], dropout_p=args["dropout_p"],
                                              offset=args["offset"]) if self.dropout_mask == "saved" else None
         if self.direction == "forward":
-            return dict(o=attention_forward(x["q"], x["k"], x["v"], **args, saved_mask=x["saved_mask"], **self.forward)[0])
+            return dict(o=attention_forward(x["q"], x["k"], x["v"], **args, **biased, saved_mask=x["saved_mask"],
+                                            **self.forward)[0])
         if "o" not in x:
-            x["o"], x["lse"] = attention_forward(x["q"], x["k"], x["v"], **args, saved_mask=x["saved_mask"])
-        dq, dk, dv = attention_backward(x["do"], x["q"], x["k"], x["v"], x["o"], x["lse"], **args,
+            x["o"], x["lse"] = attention_forward(x["q"], x["k"], x["v"], **args, **biased, saved_mask=x["saved_mask"])
+        q, v_bias = (x["q_biased"], x["bv"]) if biased else (x["q"], None)
+        dq, dk, dv = attention_backward(x["do"], q, x["k"], x["v"], x["o"], x["lse"], **args, v_bias=v_bias,
                                         saved_mask=x["saved_mask"], **self.backward)
         return dict(dq=dq, dk=dk, dv=dv)
 

@@ -230,8 +230,8 @@ def test_dropout_paths(Lk, order, offset, grouped):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_biases_folded_in(dq_mode, dtype):
     """``bias=(bq, bv)``: the kernels attend over q + bq, k + bk, v + bv for any bk (BERT's Q/K/V bias
-    add folded in; k's bias shifts each row's scores by one constant): O and dQ, dK, dV (the
-    gradients of the unbiased q, k, v) against float64 with all three biases, bk nonzero, a key
+    add folded in; k's bias shifts each row's scores by one constant), the forward writing q + bq
+    for the backward (which gets v's bias): O and dQ, dK, dV (the gradients of the unbiased q, k, v) against float64 with all three biases, bk nonzero, a key
     padding mask and dropout.  fp32 within the fp32 tolerance; bf16 no farther than PyTorch's eager
     chain at bf16 adding the same biases (the H200 tuning of 2026-11-25 judged a kernel that added
     bk wrong at BERT-large B=8 L=512: dQ 1.5e-2 from float64 against PyTorch's 9.7e-3)."""
@@ -243,8 +243,10 @@ def test_biases_folded_in(dq_mode, dtype):
     bq, bv = (b.to(dtype).t().contiguous().t() for b in (biases64[0], biases64[2]))  # (h, p) views, p outer in memory
     q, k, v = (t.detach() for t in kernel_inputs)
     do_dev = stored_as(do.to(DEVICE, dtype), "pjhb")
-    o, lse = attention_forward(q, k, v, **args, bias=(bq, bv))
-    grads = attention_backward(do_dev, q, k, v, o, lse, **args, bias=(bq, bv), dq_mode=dq_mode)
+    q_biased = torch.empty_like(q)
+    o, lse = attention_forward(q, k, v, **args, bias=(bq, bv), q_biased=q_biased)
+    assert torch.equal(q_biased, (q.float() + bq.float()[None, :, None, :]).to(dtype))  # rounded as a bias add stores it
+    grads = attention_backward(do_dev, q_biased, k, v, o, lse, **args, v_bias=bv, dq_mode=dq_mode)
 
     def chain(precision):
         leaves = [t.detach().to(DEVICE, precision).requires_grad_() for t in ref_inputs]
@@ -259,8 +261,12 @@ def test_biases_folded_in(dq_mode, dtype):
             assert relative_error(got, want) < FP32_TOL, f"{name}: {relative_error(got, want):.2e}"
         else:
             assert_closer(got, base, want, what=name)
-    with pytest.raises(ValueError, match=r"bias must be \(bq, bv\), each \(3, 16\)"):
-        attention_forward(q, k, v, **args, bias=(bq, bv, bv))
+    with pytest.raises(ValueError, match=r"bias must be \(bq, bv\) with q_biased"):
+        attention_forward(q, k, v, **args, bias=(bq, bv))
+    with pytest.raises(ValueError, match=r"each \(h, p\): \(3, 16\)"):
+        attention_forward(q, k, v, **args, bias=(bq, bv[:2]), q_biased=q_biased)
+    with pytest.raises(ValueError, match=r"v_bias must be \(h, p\): \(3, 16\)"):
+        attention_backward(do_dev, q_biased, k, v, o, lse, **args, v_bias=bv.t())
 
 
 def test_config_space_runs():
