@@ -68,9 +68,12 @@ class Tuner:
     def measure(self, variants, **timing) -> None:
         if self.report.stopped:
             return
-        self.report.add(Sweep(self.db, variants, budget_s=self.left(), progress=self.progress,
-                              compile_workers=self.compile_workers, processes=self.gpus,
-                              retry_failed=self.retry_failed, **timing).run())
+        swept = Sweep(self.db, variants, budget_s=self.left(), progress=self.progress,
+                      compile_workers=self.compile_workers, processes=self.gpus, retry_failed=self.retry_failed,
+                      **timing).run()
+        if swept.stopped and self.left() == 0.0:  # the job's budget, not what was left of it for this sweep
+            swept.stopped = f"time budget of {self.budget_s:g} s used"
+        self.report.add(swept)
         self.report.wall_s = time.monotonic() - self.started
 
 

@@ -197,3 +197,16 @@ def test_real_variants_travel_pickled_without_their_tensors():
     for variant in (copied_fused[1], copied_gemm, copied_attention[1]):
         variant.build()
         assert variant.check().passed
+
+
+def test_a_job_stopped_by_its_budget_names_that_budget(tmp_path):
+    """The main job's sweeps share one budget: the one that runs out says the job's budget was used
+    (the H200 run of 2026-11-25 said "time budget of 0 s used": what was left for that sweep)."""
+    from datamove.tuning import Tuner
+
+    log = tmp_path / "builds.log"
+    with TuningDB(tmp_path / "t.db") as db:
+        tuner = Tuner(db, budget_s=2.0, progress=False, compile_workers=0, gpus=1)
+        time.sleep(0.5)
+        tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)])
+        assert tuner.report.stopped == "time budget of 2 s used"
