@@ -9,6 +9,8 @@ per eight keys, compared bit for bit with NumPy's). GPU (``gpu`` marker): BERT-l
 with dropout 0.1, both mask options.
 """
 import functools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -380,3 +382,28 @@ def test_bert_large_gpu(H, P, causal, backward, dropout_mask):
         saved = new_saved_mask(q, k, dropout_p=0.1)
         attention_forward(q, k, k, **args, saved_mask=saved)
         assert torch.equal(saved.cpu(), saved_bits(probability_keep(0x5EED, 0, 0.1, B, H, L, L)))
+
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("block_k,grouped,mask_io", [(64, True, 1), (128, False, 0)])
+def test_kernels_compile_for_hopper(has_bias, block_k, grouped, mask_io):
+    """Every attention kernel goes through Triton's compiler to sm_90 PTX (``compile_attention.py``,
+    in a process without the interpreter, which runs the kernels as Python and misses what only the
+    compiler checks: the first kernels with biases ran here and failed to compile on the H200, a
+    shape mismatch after a ``return`` in a constexpr branch under Triton 3.6)."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    flags = dict(BLOCK_K=block_k, GROUPED=grouped, MASK_IO=mask_io, HAS_BIAS=has_bias)
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_attention.py")), json.dumps(flags)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel",
+                                   "_attn_bwd_dq_kernel"]
