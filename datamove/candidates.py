@@ -53,7 +53,7 @@ class Timings:
             if r.key.device != device or r.key.dtype != dtype:
                 raise ValueError(f"timing of {r.key.op} is from {r.key.device} / {r.key.dtype}; this selection is for "
                                  f"{device} / {dtype}: query the tuning database for this device and dtype only")
-            key = (r.key.op, canonical_json(r.key.dims), canonical_json(r.key.layout))
+            key = _timing_key(r.key.op, r.key.dims, r.key.layout)
             if r.status in ("failed", "wrong"):
                 self._broken.add(key)
             if r.status != "ok" or r.median_ms is None:
@@ -71,20 +71,25 @@ class Timings:
 
     def lookup(self, op: str, dims: dict, layout, accept=lambda knobs: True) -> tuple[float, dict] | None:
         """The fastest (ms, knobs) of ``op`` at ``dims`` in ``layout`` whose knobs ``accept`` allows."""
-        found = self.times.get((op, canonical_json(dims), canonical_json(layout)), [])
+        found = self.times.get(_timing_key(op, dims, layout), [])
         return next((pair for pair in found if accept(pair[1])), None)
 
     def broken(self, op: str, dims: dict, layout) -> bool:
         """Whether ``op`` at ``dims`` in ``layout`` failed (build, launch, time limit) or was wrong on
         this device at every setting tried, and never ran correctly: no candidate then, not a
         cost-model guess at a kernel known not to run."""
-        return (op, canonical_json(dims), canonical_json(layout)) in self._broken
+        return _timing_key(op, dims, layout) in self._broken
 
     def fastest(self, op: str, dims: dict) -> float | None:
         """The fastest time of ``op`` at ``dims`` in any layout (PyTorch's baselines: one layout each)."""
         dims_key = canonical_json(dims)
         times = [found[0][0] for (name, d, _), found in self.times.items() if name == op and d == dims_key]
         return min(times) if times else None
+
+
+def _timing_key(op: str, dims: dict, layout) -> tuple:
+    """What ``Timings`` keeps its records by: the operator at its sizes in one layout (any knobs)."""
+    return op, canonical_json(dims), canonical_json(layout)
 
 
 NO_TIMINGS = Timings([], "", "")

@@ -90,6 +90,7 @@ class LayerProgram:
         launchers = [(s.phase, build_launcher(s, graph, ops, self.buffers, self.saves_mask)) for s in plan.steps]
         self.forward_steps = [launcher for phase, launcher in launchers if phase == "forward"]
         self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
+        self.backward_writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
         self.layouts = plan.layouts
         self.name, self.kept, self.stacked = "", [], []  # set by datamove.module.register
         leaving = set(interface.outputs) | set(interface.input_grads.values())
@@ -150,7 +151,6 @@ class LayerProgram:
         weights): the backward op returns that buffer once, in the first member's place, and an
         empty tensor in the others' (custom-op results may not share storage; cloning two of three
         was 4 us per call on the H200); ``StackedGradients.views`` rebuilds each member's gradient."""
-        writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
         results = self.interface.activations + self.interface.parameters
         found = []
         for group in {id(g): g for g in self.buffers.group_of.values()}.values():
@@ -159,7 +159,7 @@ class LayerProgram:
             if len(members) < 2 or any(self.interface.input_grads[results[i]] in self.leaving for i in members.values()):
                 continue
             member = group[min(members)]
-            layout, letters = writes[member], self.graph.tensors[member].letters
+            layout, letters = self.backward_writes[member], self.graph.tensors[member].letters
             shape = (len(group), *self.shape(member, layout))
             found.append(StackedGradients(members, shape, tuple(torch.empty(shape, device="meta").stride()),
                                           tuple(layout.index(x) for x in letters)))
@@ -170,11 +170,10 @@ class LayerProgram:
         order, then the parameters' in the layouts the gradient steps write (a stacked group's
         buffer and empty tensors in its members' places: ``self.stacked``, set with ``kept`` by
         ``datamove.module.register``)."""
-        writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
         result = []
         for t in self.interface.activations + self.interface.parameters:
             grad = self.interface.input_grads[t]
-            layout = self.leaving[grad].partition("@")[2] if grad in self.leaving else writes[grad]
+            layout = self.leaving[grad].partition("@")[2] if grad in self.leaving else self.backward_writes[grad]
             meta = allocate(self.graph, grad, layout, self.dtype, "meta")
             shape, stride = tuple(meta.shape), tuple(meta.stride())
             if t in self.interface.activations:

@@ -24,7 +24,8 @@ regenerated, so the check runs it with dropout 0 against the dropout-0 reference
 uses ``dropout_p``), and on a GPU the verdict names the attention kernels the timed call launched.
 
 Keys: ``op`` = ``"attention:<direction>:dropout=<p>"`` (``":bias"`` appended where biases (h, p) are
-added to q, k, v, the bias add folded into the fused kernels (``kernels.attention``: biases), ``AttentionCase.bias``: forward and backward only), ``dims`` = {b, h, j, k, p}, ``layout`` =
+added to q, k, v, the bias add folded into the fused kernels: ``kernels.attention``'s biases,
+``AttentionCase.bias``, forward and backward only), ``dims`` = {b, h, j, k, p}, ``layout`` =
 {tensor: storage order}, ``knobs`` = {"impl": "fused", "forward": {...}, "backward": {...}} (direction
 "forward": {"impl": "fused", "forward": {...}, "dropout_mask": ...}) /
 {"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
