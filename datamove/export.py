@@ -95,9 +95,12 @@ def _current_device(device: torch.device) -> str:
     return device.type
 
 
-def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_mismatch: bool = False) -> TunedLayer:
+def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_mismatch: bool = False,
+               cuda_graphs: bool = True) -> TunedLayer:
     """The tuned layer of an artifact (``write_artifact``), on ``device`` (default: CUDA if
-    available, else CPU, where Triton must run through its interpreter) in the plan's dtype."""
+    available, else CPU, where Triton must run through its interpreter) in the plan's dtype.
+    ``cuda_graphs``: on CUDA, replay the layer's own CUDA graphs (``datamove.graphs``); False
+    launches every kernel on every call."""
     out = Path(out_dir)
     manifest = read_manifest(out)
     plan = Plan.from_json(json.loads((out / PLAN).read_text()))
@@ -118,7 +121,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
         warnings.warn(f"{out}: the plan's times are predicted by the cost model ({timed_on['name']}); nothing was "
                       "measured: run optimize-layer on the GPU to tune it", stacklevel=2)
     interface = tensor_interface(graph, manifest["torch_order"])
-    layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device)
+    layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs)
     layer.weights_table = {kind: {t: tuple(v) for t, v in table.items()} for kind, table in manifest["weights"].items()}
     return layer
 

@@ -3,9 +3,12 @@
 ``replace_bert_layers(model, out_dir)`` swaps every ``BertLayer`` of a HF model (``BertModel``,
 ``BertForMaskedLM``, ...) for a ``BertLayerReplacement`` around a tuned layer loaded from the
 artifact, carrying the old layer's weights over; all replacements share one compiled program.
-HF's attention mask is passed through to the fused attention as a key-padding mask.
+HF's attention mask is passed through to the fused attention as a key-padding mask (converted once
+per model call).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -37,19 +40,51 @@ def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, keys: int)
     return excluded if bool(excluded.any()) else None
 
 
+class _LastMask:
+    """The last attention mask converted and its key-padding mask: a HF model passes one mask
+    tensor to every layer, so it is converted (and checked, which waits for the GPU) once per
+    model call, not once per layer."""
+
+    def __init__(self):
+        self.source, self.version, self.converted = None, -1, None
+
+    def __call__(self, attention_mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
+        if attention_mask is None or torch.compiler.is_compiling():
+            return key_padding_mask(attention_mask, batch, keys)
+        source = self.source() if self.source is not None else None
+        if source is not attention_mask or self.version != attention_mask._version:
+            self.converted = key_padding_mask(attention_mask, batch, keys)
+            self.source, self.version = weakref.ref(attention_mask), attention_mask._version
+        elif self.converted is not None and tuple(self.converted.shape) != (batch, keys):
+            raise ValueError(f"attention_mask covers {tuple(self.converted.shape)} (batch, keys), the layer ({batch}, {keys})")
+        return self.converted
+
+
+_last_mask = _LastMask()
+
+
 class BertLayerReplacement(torch.nn.Module):
     """A HF ``BertLayer``'s call signature around a tuned layer: ``forward(hidden_states,
-    attention_mask=None, ...)`` -> hidden states [batch, sequence, feature]."""
+    attention_mask=None, ...)`` -> hidden states [batch, sequence, feature].  HF's activation
+    checkpointing (``model.gradient_checkpointing_enable()``) sets ``gradient_checkpointing`` and
+    the checkpoint function, as on HF's own layers."""
+
+    gradient_checkpointing = False
 
     def __init__(self, layer: TunedLayer):
         super().__init__()
         self.layer = layer
 
+    def _layer(self, hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.layer(hidden_states, key_padding_mask=mask)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
         if args and args[0] is not None or kwargs.get("encoder_hidden_states") is not None:
             raise ValueError("cross-attention (encoder_hidden_states) is not part of the tuned layer")
-        mask = key_padding_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
-        return self.layer(hidden_states, key_padding_mask=mask)
+        mask = _last_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(self._layer, hidden_states, mask)
+        return self._layer(hidden_states, mask)
 
 
 def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:

@@ -92,10 +92,38 @@ class LayerProgram:
         self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
         self.backward_writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
         self.layouts = plan.layouts
-        self.name, self.kept, self.stacked = "", [], []  # set by datamove.module.register
+        self.name = ""  # the custom ops' name for it: set by datamove.module.register
         leaving = set(interface.outputs) | set(interface.input_grads.values())
         self.leaving = {s.config["tensor"]: copy_name(s.config["tensor"], s.config["to"]) for s in plan.steps
                         if s.kind == LAYOUT_CHANGE and s.config["tensor"] in leaving}  # outputs changed to PyTorch's order
+        self.torch_shapes = {t: self.shape(t, interface.torch_order[t]) for t in interface.torch_order}
+        self.kept = self._kept_tensors()
+        self.stacked = self.stacked_gradients()
+
+    def _kept_tensors(self) -> list[str]:
+        """What the backward steps read that neither they nor the caller provide: tensors the forward
+        writes (and its layout-change copies, attention statistics), returned by the forward."""
+        face = self.interface
+        given = set(face.activations + face.parameters + face.constants)
+        written, needed = set(), []
+        for launcher in self.backward_steps:
+            step = launcher.step
+            names = [copy_name(t, layout) if layout != self.layouts.get(t, layout) else t for t, layout in step.reads.items()]
+            roles = step.config.get("roles", {})
+            if roles.get("lse"):
+                names += [roles["lse"]] + ([saved_mask_name(roles["lse"])] if self.saves_mask else [])
+            for t in names:  # the attention backward names its statistics twice (a read and a role)
+                if t not in written and t not in needed and t not in given:
+                    needed.append(t)
+            written.update(step.writes)
+        grads = set(face.grad_outputs.values())
+        forward_names = set()
+        for launcher in self.forward_steps:
+            forward_names.update(launcher.step.writes)
+            forward_names.update(copy_name(t, l) for t, l in launcher.step.reads.items())
+            if launcher.step.kind == ATTENTION_FORWARD:
+                forward_names.update((launcher.lse, saved_mask_name(launcher.lse)) if self.saves_mask else (launcher.lse,))
+        return [t for t in needed if t not in grads and t in forward_names]
 
     def shape(self, tensor: str, order: str | None = None) -> tuple[int, ...]:
         """The tensor's shape in ``order`` (default: its spec letter order)."""
@@ -168,8 +196,7 @@ class LayerProgram:
     def backward_meta(self) -> list[tuple[tuple, tuple, torch.dtype]]:
         """(shape, strides, dtype) of the backward op's results: activations' gradients in PyTorch
         order, then the parameters' in the layouts the gradient steps write (a stacked group's
-        buffer and empty tensors in its members' places: ``self.stacked``, set with ``kept`` by
-        ``datamove.module.register``)."""
+        buffer and empty tensors in its members' places: ``self.stacked``)."""
         result = []
         for t in self.interface.activations + self.interface.parameters:
             grad = self.interface.input_grads[t]
@@ -198,6 +225,44 @@ class LayerProgram:
         for launcher in self.backward_steps:
             launcher(store, run)
         return store
+
+    def input_store(self, inputs: list[torch.Tensor]) -> dict:
+        """A store of the layer's inputs: ``inputs`` are the activations (PyTorch order, checked),
+        parameters and constants, in the interface's order."""
+        face = self.interface
+        names = face.activations + face.parameters + face.constants
+        if len(inputs) != len(names):
+            raise TypeError(f"expected {len(names)} tensors {names}, got {len(inputs)}")
+        return {t: self.to_spec(t, x, t) if t in face.activations else x for t, x in zip(names, inputs)}
+
+    def call_forward(self, inputs: list[torch.Tensor], run: Run) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forward on ``inputs`` (``input_store``'s): (the outputs in PyTorch order, the
+        ``kept`` tensors the backward reads)."""
+        store = self.forward(self.input_store(inputs), run)
+        return [self.to_torch(t, self.leaving_value(store, t)) for t in self.interface.outputs], [store[t] for t in self.kept]
+
+    def call_backward(self, inputs: list[torch.Tensor], kept: list[torch.Tensor], grads: list[torch.Tensor],
+                      run: Run) -> list[torch.Tensor]:
+        """The backward from ``call_forward``'s ``kept`` and the outputs' gradients (PyTorch order):
+        the gradients of the activations (PyTorch order) and of the parameters (spec order, in the
+        layouts the gradient steps write; a stacked group's as its one buffer and empty tensors,
+        ``stacked_gradients``)."""
+        face = self.interface
+        store = {**self.input_store(inputs), **dict(zip(self.kept, kept))}
+        for t, grad in zip(face.outputs, grads):
+            store[face.grad_outputs[t]] = self.to_spec(t, grad, f"gradient of {t}")
+        self.backward(store, run)
+        result = [self.to_torch(t, self.leaving_value(store, face.input_grads[t])) if t in face.activations
+                  else self.leaving_value(store, face.input_grads[t]) for t in face.activations + face.parameters]
+        for stacked in self.stacked:
+            result = stacked.returned(result)
+        return result
+
+    def gradient_views(self, result: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``call_backward``'s result with each stacked parameter's gradient as its view of the group's buffer."""
+        for stacked in self.stacked:
+            result = stacked.views(result)
+        return result
 
 
 @dataclass(frozen=True)

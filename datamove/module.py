@@ -7,12 +7,15 @@ one autograd node per layer call, opaque to ``torch.compile`` (which traces the 
 ``fullgraph=True``: fake implementations give every output's shape and strides).  The module holds the parameters (shape:
 spec letter order; storage: the plan's layouts; a stacked group such as Q/K/V's weights is one
 storage, so the stacked GEMM reads it without a copy) and the constants (buffers), and keeps two
-programs: training (the spec's dropout) and evaluation (dropout off), compiled on first use.
+programs: training (the spec's dropout) and evaluation (dropout off), compiled on first use.  On
+CUDA a call replays the layer's own CUDA graphs where it can (``datamove.graphs``) and goes
+through the custom ops otherwise.
 """
 import torch
 
+from datamove.graphs import LayerGraphs
 from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
-from datamove.steps import Run, copy_name, saved_mask_name
+from datamove.steps import Run
 from layouts.plan import ATTENTION_FORWARD, Plan
 
 
@@ -24,43 +27,7 @@ def register(program: LayerProgram) -> str:
     name = f"program{len(PROGRAMS)}"
     PROGRAMS[name] = program
     program.name = name
-    program.kept = kept_tensors(program)
-    program.stacked = program.stacked_gradients()
     return name
-
-
-def kept_tensors(program: LayerProgram) -> list[str]:
-    """What the backward steps read that neither they nor the caller provide: tensors the forward
-    writes (and its layout-change copies, attention statistics), returned by the forward op."""
-    face = program.interface
-    given = set(face.activations + face.parameters + face.constants)
-    written, needed = set(), []
-    for launcher in program.backward_steps:
-        step = launcher.step
-        names = [copy_name(t, layout) if layout != program.layouts.get(t, layout) else t for t, layout in step.reads.items()]
-        roles = step.config.get("roles", {})
-        if roles.get("lse"):
-            names += [roles["lse"]] + ([saved_mask_name(roles["lse"])] if program.saves_mask else [])
-        for t in names:  # the attention backward names its statistics twice (a read and a role)
-            if t not in written and t not in needed and t not in given:
-                needed.append(t)
-        written.update(step.writes)
-    grads = set(face.grad_outputs.values())
-    forward_names = set()
-    for launcher in program.forward_steps:
-        forward_names.update(launcher.step.writes)
-        forward_names.update(copy_name(t, l) for t, l in launcher.step.reads.items())
-        if launcher.step.kind == ATTENTION_FORWARD:
-            forward_names.update((launcher.lse, saved_mask_name(launcher.lse)) if program.saves_mask else (launcher.lse,))
-    return [t for t in needed if t not in grads and t in forward_names]
-
-
-def _inputs(program: LayerProgram, inputs: list[torch.Tensor]) -> dict:
-    face = program.interface
-    names = face.activations + face.parameters + face.constants
-    if len(inputs) != len(names):
-        raise TypeError(f"expected {len(names)} tensors {names}, got {len(inputs)}")
-    return {t: program.to_spec(t, x, t) if t in face.activations else x for t, x in zip(names, inputs)}
 
 
 def _unaliased(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -77,10 +44,8 @@ def _unaliased(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def layer_forward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
                   key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """The forward steps: returns the outputs (PyTorch order), then ``program.kept``."""
-    prog = PROGRAMS[program]
-    store = prog.forward(_inputs(prog, inputs), Run(seed, key_padding_mask))
-    outputs = [prog.to_torch(t, prog.leaving_value(store, t)) for t in prog.interface.outputs]
-    return _unaliased(outputs + [store[t] for t in prog.kept])
+    outputs, kept = PROGRAMS[program].call_forward(inputs, Run(seed, key_padding_mask))
+    return _unaliased(outputs + kept)
 
 
 @layer_forward.register_fake
@@ -95,17 +60,7 @@ def layer_backward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
                    grads: list[torch.Tensor], key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """The backward steps: gradients of the activations (PyTorch order) and parameters (a stacked
     group's as its one buffer and empty tensors, ``LayerProgram.stacked_gradients``)."""
-    prog = PROGRAMS[program]
-    face = prog.interface
-    store = {**_inputs(prog, inputs), **dict(zip(prog.kept, kept))}
-    for t, grad in zip(face.outputs, grads):
-        store[face.grad_outputs[t]] = prog.to_spec(t, grad, f"gradient of {t}")
-    prog.backward(store, Run(seed, key_padding_mask))
-    result = [prog.to_torch(t, prog.leaving_value(store, face.input_grads[t])) if t in face.activations
-              else prog.leaving_value(store, face.input_grads[t]) for t in face.activations + face.parameters]
-    for stacked in prog.stacked:
-        result = stacked.returned(result)
-    return _unaliased(result)
+    return _unaliased(PROGRAMS[program].call_backward(inputs, kept, grads, Run(seed, key_padding_mask)))
 
 
 @layer_backward.register_fake
@@ -140,10 +95,8 @@ def _backward(ctx, grads):
     seed, tensors, kept_tensors_ = saved[0], list(saved[1:1 + inputs]), list(saved[1 + inputs:1 + inputs + kept])
     mask = saved[-1] if has_mask else None
     outputs = len(prog.interface.outputs)
-    result = list(layer_backward(ctx.program, seed, tensors, kept_tensors_, _output_grads(prog, grads[:outputs], tensors[0].device),
-                                 mask))
-    for stacked in prog.stacked:
-        result = stacked.views(result)
+    result = prog.gradient_views(list(layer_backward(ctx.program, seed, tensors, kept_tensors_,
+                                                     _output_grads(prog, grads[:outputs], tensors[0].device), mask)))
     constants = len(prog.interface.constants)
     return None, None, result + [None] * constants, None
 
@@ -155,12 +108,19 @@ class TunedLayer(torch.nn.Module):
     """The tuned layer.  ``forward(*activations, key_padding_mask=None)``: activations in their
     PyTorch order (``interface.torch_order``), of exactly the tuned shapes, dtype and device;
     ``key_padding_mask``: optional bool (batch, keys), True = key excluded (the fused attention
-    applies it; a plan without one refuses it).  Returns the layer output(s) in PyTorch order."""
+    applies it; a plan without one refuses it).  Returns the layer output(s) in PyTorch order.
 
-    def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device):
+    On CUDA with ``cuda_graphs`` (the default) calls replay the layer's own CUDA graphs
+    (``datamove.graphs``); otherwise, and where a replay is not possible, they launch the kernels
+    through the custom ops."""
+
+    def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device,
+                 cuda_graphs: bool = True):
         super().__init__()
         self.plan, self.graph, self.operators, self.interface = plan, graph, operators, interface
         self.dtype, self.device_ = dtype, torch.device(device)
+        self.cuda_graphs = cuda_graphs and self.device_.type == "cuda"
+        self.graphs = LayerGraphs()
         self._programs: dict[bool, LayerProgram] = {}
         self.has_attention = any(s.kind == ATTENTION_FORWARD for s in plan.steps)
         self._allocate_parameters()
@@ -176,10 +136,11 @@ class TunedLayer(torch.nn.Module):
         self.reset_parameters()
 
     def sibling(self) -> "TunedLayer":
-        """Another layer of the same plan (its own parameters), sharing this one's compiled programs."""
+        """Another layer of the same plan (its own parameters and graphs), sharing this one's compiled programs."""
         twin = TunedLayer.__new__(TunedLayer)
         torch.nn.Module.__init__(twin)
         twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")})
+        twin.graphs = LayerGraphs()
         twin._allocate_parameters()
         return twin
 
@@ -207,6 +168,10 @@ class TunedLayer(torch.nn.Module):
         expected = (self.graph.size(letters["batch"]), self.graph.size(letters["keys"]))
         check(mask, "key_padding_mask", expected, torch.bool, self.device_, letters["batch"] + letters["keys"])
 
+    def cuda_graph_bytes(self) -> int:
+        """Bytes of static buffers this layer's CUDA graphs hold (0 before the first replay)."""
+        return self.graphs.held_bytes()
+
     def forward(self, *activations, key_padding_mask: torch.Tensor | None = None):
         face = self.interface
         if len(activations) != len(face.activations):
@@ -217,9 +182,13 @@ class TunedLayer(torch.nn.Module):
             self._check_mask(key_padding_mask)
         program = self.program(self.training)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
-            check(x, t, program.shape(t, face.torch_order[t]), self.dtype, self.device_, face.torch_order[t])
+            check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t])
+        tensors = [getattr(self, t) for t in face.parameters + face.constants]
+        if self.cuda_graphs and self.graphs.usable():
+            replayer = self.graphs.replayer(program, tensors, key_padding_mask)
+            if replayer is not None:
+                outputs = self.graphs(replayer, activations, tensors, key_padding_mask)
+                return outputs[0] if len(outputs) == 1 else tuple(outputs)
         seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)  # graph-safe: a new key per replay
-        tensors = [*activations, *(getattr(self, t) for t in face.parameters + face.constants)]
-        outputs = layer_forward(program.name, seed, tensors, key_padding_mask)[:len(face.outputs)]
+        outputs = layer_forward(program.name, seed, [*activations, *tensors], key_padding_mask)[:len(face.outputs)]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
-
