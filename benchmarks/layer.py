@@ -4,7 +4,8 @@
 
 Per artifact (written by ``optimize-layer``: its dims and dtype set the case), layers of the same
 shape and dtype with the same weights:
-- ``datamove``: the exported tuned layer (``datamove.export.load_layer``);
+- ``datamove``: the exported tuned layer (``datamove.export.load_layer``), replaying its own CUDA graphs;
+- ``datamove-plain``: the same with ``cuda_graphs=False`` (every kernel launched on every call);
 - ``hf-eager`` / ``hf-sdpa``: HF ``BertLayer`` with eager attention / SDPA;
 - ``torch-encoder``: ``nn.TransformerEncoderLayer`` (post-norm, batch_first, the spec's activation);
 - ``compile-default`` / ``compile-max-autotune``: ``torch.compile`` of HF ``BertLayer`` with SDPA
@@ -16,8 +17,9 @@ Three times per layer and direction, each the median over repetitions:
 - kernel: the GPU's busy time per call, the sum of every kernel's (and copy's) duration in a
   ``torch.profiler`` trace of ``REPS`` calls, divided by ``REPS`` (consecutive calls, L2 warm as
   in training);
-- wall: host time per call of ``REPS`` plain calls, synchronised at the end;
-- graphed: the same calls replayed from one CUDA graph (captured after warm-up).
+- wall: host time per call of ``REPS`` calls made as a user makes them, synchronised at the end;
+- graphed: the same calls replayed from one CUDA graph the caller captured (after warm-up; the
+  tuned layer launches its kernels into it).
 Ratios are against the tuned layer's; the kernel time's median round also gives, per kernel name,
 time and launches per call (the Markdown lists the slowest of the tuned layer and both compile
 modes side by side: where one spends time the other does not, e.g. work outside the plan's steps).
@@ -165,14 +167,16 @@ def run_case(artifact: Path) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layer = load_layer(artifact, device=device, allow_mismatch=True).train()
+        plain = load_layer(artifact, device=device, allow_mismatch=True, cuda_graphs=False).train()
     dtype = layer.dtype
     baselines = _baselines(manifest, dtype, device)
     load_weights(layer, baselines["hf-sdpa"])
+    load_weights(plain, baselines["hf-sdpa"])
     d = manifest["dims"]
     x = torch.randn(d["B"], d["L"], d["N"], device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
     rows = {}
-    for name, module in {"datamove": layer, **baselines}.items():
+    for name, module in {"datamove": layer, "datamove-plain": plain, **baselines}.items():
         for direction, backward in (("forward", False), ("fwd+bwd", True)):
             print(f"{artifact.name}: {name} {direction}", file=sys.stderr)
             try:
@@ -186,8 +190,9 @@ def run_case(artifact: Path) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"# The tuned layer against PyTorch ({report['device']}, {report['date']})", "",
              f"Versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}.", "",
-             "Kernel: GPU busy time per call (profiler sum, consecutive calls); wall: host time per call launched "
-             "plainly; graphed: the same replayed from one CUDA graph. Medians; ratio = time / tuned layer's.", ""]
+             "Kernel: GPU busy time per call (profiler sum, consecutive calls); wall: host time per call as a user "
+             "calls it (datamove: its own CUDA graphs; datamove-plain: every kernel launched); graphed: the same replayed "
+             "from one CUDA graph the caller captured. Medians; ratio = time / tuned layer's.", ""]
     for case in report["cases"]:
         d = case["dims"]
         lines += [f"## B={d['B']} L={d['L']} {case['dtype']} (plan timed on: {case['plan_device']['name']}; "

@@ -4,8 +4,8 @@ On a host whose CPU is slow, launching a layer's ~25 kernels from Python costs m
 kernels themselves; a CUDA graph launches them all in one call.  ``LayerGraphs`` (one per
 ``datamove.module.TunedLayer`` instance) keeps ``Replayer``s per (program, key-padding mask or
 not): each holds static buffers, a forward graph captured on its first use (after one warm-up
-run on the capturing stream, which compiles and loads every kernel) and a backward graph captured
-on its first backward, and is replayed from then on.  The design follows Megatron-core's
+run on the capturing stream, which compiles and loads every kernel) and backward graphs captured
+on first need, and is replayed from then on.  The design follows Megatron-core's
 ``CudaGraphManager``: one graph per layer and direction, a replayer busy while a backward is
 outstanding, another set of buffers (or a plain launch) for a second forward.
 
@@ -17,26 +17,30 @@ What a replay reads and writes:
 - the dropout key: drawn inside the forward graph by ``torch.randint`` (a new key on every replay,
   from PyTorch's generator: ``torch.manual_seed`` and the RNG state save/restore of activation
   checkpointing apply), kept for the backward, which regenerates the forward's masks from it;
-- static results: the outputs (handed out as aliases), the tensors the backward reads (kept
-  inside), the gradients (handed out as the replayer's own tensor objects, so autograd's
-  gradient accumulation copies them into ``.grad`` instead of keeping them: ``.grad`` never
-  aliases a static buffer, and accumulating over micro-batches adds into ``.grad``).
+- static results: the outputs, the tensors the backward reads (kept inside), the gradients; the
+  outputs and gradients are handed out as fresh aliases (no copy: autograd keeps a gradient it is
+  handed alone as ``.grad`` rather than copying it), and a replay never writes into a buffer that
+  something outside still holds.
 
-When a replay is safe: a replayer is free when nothing outside it holds what its next forward
-replay would overwrite: no autograd node from its last forward still waits for its backward (the
-node saves one token tensor, the dropout key's buffer, released by autograd after the backward,
-or when the graph is dropped), and no caller still holds one of its outputs.  Storage reference
-counts say both.  A call that finds every replayer of its kind busy gets a new one (up to
-``REPLAYERS``), else runs plainly (the custom ops).  A backward whose static gradients are still
-held elsewhere runs plainly on the replayer's buffers.  Under ``torch.compile`` tracing, and inside
-a CUDA graph the caller is capturing, the layer launches plainly (its launches become part of the
-caller's graph).
+When a replay is safe: a forward replay rewrites the replayer's outputs and kept tensors, so a
+replayer is free when no autograd node from its last forward still waits for its backward (the
+node saves one token tensor, the dropout key's buffer, which autograd releases after the backward
+or when the graph is dropped) and no caller still holds one of its outputs.  A backward replay
+rewrites a gradient set, so it takes a set none of whose gradients is held (as ``.grad`` while
+micro-batches accumulate, say: the next micro-batch's backward writes a second set, which autograd
+adds into ``.grad``).  Storage reference counts say all this.  A call that finds every replayer of
+its kind busy gets a new one (up to ``REPLAYERS``), else runs plainly (the custom ops); a backward
+that finds every gradient set held (``GRADIENT_SETS``) runs plainly on the replayer's buffers, into
+fresh tensors.  Under ``torch.compile`` tracing, and inside a CUDA graph the caller is capturing,
+the layer launches plainly (its launches become part of the caller's graph).
 
-Memory: every replayer's static buffers (inputs, outputs, kept tensors, gradients) stay allocated
-for the layer's life; ``LayerGraphs.held_bytes`` counts them.  Graphs of every layer on one device
-share one memory pool for their temporaries (replays never overlap: one stream order).
+Memory: every replayer's static buffers (inputs, outputs, kept tensors, gradient sets) stay
+allocated for the layer's life; ``LayerGraphs.held_bytes`` counts them.  Graphs of every layer on
+one device share one memory pool for their temporaries (replays never overlap: one stream order).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -45,14 +49,9 @@ from datamove.steps import Run
 from kernels.codegen import allocate
 
 REPLAYERS = 2  # static buffer sets per layer instance and kind of call: a second for a forward before the first's backward
-_POOLS: dict[torch.device, tuple] = {}  # device -> graph memory pool shared by every layer's graphs
+GRADIENT_SETS = 2  # gradient buffers per replayer: a second while autograd keeps the first as .grad (accumulation)
+_POOLS: dict[torch.device, torch.cuda.CUDAGraph] = {}  # device -> the first graph captured there, kept: its pool serves all
 _use_count = torch._C._storage_Use_Count  # references to a storage (a tensor or view holds one each)
-
-
-def _pool(device: torch.device):
-    if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    return _POOLS[device]
 
 
 class _Held:
@@ -69,7 +68,10 @@ class _Held:
         self.baseline = [_use_count(s._cdata) for s in self.storages]
 
     def free(self) -> bool:
-        return all(_use_count(s._cdata) <= n for s, n in zip(self.storages, self.baseline))
+        for storage, n in zip(self.storages, self.baseline):
+            if _use_count(storage._cdata) > n:
+                return False
+        return True
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.storages)
@@ -82,14 +84,16 @@ def _capture(device: torch.device, run_once, record):
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
+    keeper = _POOLS.get(device)  # the pool lives while a graph using it does: the first one is kept
+    with torch.no_grad(), torch.cuda.stream(stream):
         run_once()
-        graph.capture_begin(pool=_pool(device), capture_error_mode="thread_local")
+        graph.capture_begin(pool=keeper.pool() if keeper else None, capture_error_mode="thread_local")
         try:
             results = record()
         finally:
             graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
+    _POOLS.setdefault(device, graph)
     return graph, results
 
 
@@ -98,26 +102,25 @@ class Replayer:
 
     ``activations`` / ``grad_outputs``: static buffers in PyTorch order, in the plan's layouts (so
     ``LayerProgram.to_spec`` takes them as views); ``mask``: static bool (batch, keys) or None;
-    ``seed``: the forward graph's dropout key (int64 [1]).  ``outputs``, ``kept``, ``grads``: what
-    the graphs write (``grads``: activations' gradients in PyTorch order, then the parameters',
-    stacked groups as views of their buffer)."""
+    ``seed``: the forward graph's dropout key (int64 [1]).  ``outputs``, ``kept``: what the forward
+    graph writes; ``gradient_sets``: the backward graphs and what each writes (the activations'
+    gradients in PyTorch order, then the parameters', stacked groups as views of their buffer)."""
 
     def __init__(self, program: LayerProgram, tensors: list[torch.Tensor], mask_shape: tuple | None):
         self.program, face = program, program.interface
         device, dtype, graph = program.device, program.dtype, program.graph
         self.device = device
         spec = lambda t: allocate(graph, t, program.layouts[t], dtype, device)  # noqa: E731
-        self.activations = [program.to_torch(t, spec(t).normal_()) for t in face.activations]
+        self.activations = [program.to_torch(t, spec(t).zero_()) for t in face.activations]
         self.grad_outputs = [program.to_torch(t, spec(t)) for t in face.outputs]
         self.mask = torch.zeros(mask_shape, dtype=torch.bool, device=device) if mask_shape else None
         self.others = list(tensors)  # parameters and constants: the module's, read in place
         self.seed = torch.zeros(1, dtype=torch.int64, device=device)  # the warm-up's key: draws nothing from the generator
         self.forward_graph, (self.outputs, self.kept) = _capture(
             device, lambda: program.call_forward(self._inputs(), Run(self.seed, self.mask)), self._record_forward)
-        self.backward_graph, self.grads = None, []
+        self.gradient_sets: list[_GradientSet] = []
         self.token = self.seed  # what an autograd node saves: the replayer is busy while one holds it
         self.busy = _Held([self.token] + self.outputs)
-        self.grads_held: _Held | None = None
 
     def _inputs(self) -> list[torch.Tensor]:
         return [*self.activations, *self.others]
@@ -145,26 +148,36 @@ class Replayer:
 
     def backward(self, grads: tuple) -> list[torch.Tensor]:
         """The gradients from the outputs' ``grads`` (None: zero) and the last forward replay's
-        kept tensors: the backward graph's own gradient tensors (captured on first use), or fresh
-        ones launched plainly while a caller still holds the graph's last gradients."""
+        kept tensors, as fresh aliases of a gradient set nothing outside holds (autograd may keep
+        them as ``.grad``: that set then waits until they are released); a set is captured when
+        none is free and fewer than ``GRADIENT_SETS`` exist, else the backward runs plainly."""
         for static, g in zip(self.grad_outputs, grads):
             if g is None:
                 static.zero_()
             elif static.data_ptr() != g.data_ptr():
                 static.copy_(g)
-        if self.backward_graph is None:
-            self.backward_graph, self.grads = _capture(self.device, self._backward_plainly, self._backward_plainly)
-            self.grads_held = _Held(self.grads)
-        elif not self.grads_held.free():
-            return self._backward_plainly()
-        self.backward_graph.replay()
-        return self.grads
+        chosen = next((s for s in self.gradient_sets if s.held.free()), None)
+        if chosen is None:
+            if len(self.gradient_sets) >= GRADIENT_SETS:
+                return self._backward_plainly()
+            chosen = _GradientSet(*_capture(self.device, self._backward_plainly, self._backward_plainly))
+            self.gradient_sets.append(chosen)
+        chosen.graph.replay()
+        return [g.detach() for g in chosen.grads]
 
     def nbytes(self) -> int:
         """Bytes of the static buffers this replayer holds (the graphs' pooled temporaries not counted)."""
-        tensors = [*self.activations, *self.grad_outputs, *self.outputs, *self.kept, *self.grads, self.seed]
-        tensors += [self.mask] if self.mask is not None else []
+        tensors = [*self.activations, *self.grad_outputs, *self.outputs, *self.kept, self.seed]
+        tensors += [g for s in self.gradient_sets for g in s.grads] + ([self.mask] if self.mask is not None else [])
         return _Held(tensors).nbytes()
+
+
+class _GradientSet:
+    """A backward graph and the gradients it writes (``Replayer.gradient_sets``), ``held`` while
+    any alias of them lives outside."""
+
+    def __init__(self, graph, grads: list[torch.Tensor]):
+        self.graph, self.grads, self.held = graph, grads, _Held(grads)
 
 
 class _Replayed(torch.autograd.Function):
@@ -191,16 +204,17 @@ class LayerGraphs:
 
     def __init__(self):
         self.replayers: dict[tuple, list[Replayer]] = {}
-        self.pointers: tuple = ()  # the parameters' and constants' storage the graphs read
+        self.pointers: list[int] = []  # the parameters' and constants' storage the graphs read
+        self.failed = ""  # why capturing failed: the layer then launches plainly
 
     def usable(self) -> bool:
         """Whether this call may replay: not while torch.compile traces, nor inside a capture of the caller's."""
-        return not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
+        return not (torch.compiler.is_compiling() or self.failed or torch.cuda.is_current_stream_capturing())
 
     def replayer(self, program: LayerProgram, tensors: list[torch.Tensor], mask: torch.Tensor | None) -> Replayer | None:
         """A free replayer for this call (made and captured if none is and fewer than
         ``REPLAYERS`` exist), or None: launch plainly."""
-        pointers = tuple(t.data_ptr() for t in tensors)
+        pointers = list(map(torch.Tensor.data_ptr, tensors))
         if pointers != self.pointers:
             self.replayers.clear()  # parameters moved: the graphs read the old storage
             self.pointers = pointers
@@ -211,7 +225,13 @@ class LayerGraphs:
                 return replayer
         if len(replayers) >= REPLAYERS:
             return None
-        replayers.append(Replayer(program, tensors, key[1]))
+        try:
+            replayers.append(Replayer(program, tensors, key[1]))
+        except Exception as exc:  # noqa: BLE001 - a capture that fails leaves the layer correct, launched plainly
+            self.failed = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"datamove: capturing the layer's CUDA graph failed ({self.failed}); it launches its "
+                          "kernels plainly from now on", stacklevel=3)
+            return None
         return replayers[-1]
 
     def owner(self, token: torch.Tensor) -> Replayer:
@@ -226,7 +246,7 @@ class LayerGraphs:
     def __call__(self, replayer: Replayer, activations: tuple, tensors: list[torch.Tensor],
                  mask: torch.Tensor | None) -> list[torch.Tensor]:
         """Replay ``replayer``'s forward: through autograd when a gradient is wanted."""
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (*activations, *tensors)):
+        if torch.is_grad_enabled() and (any(x.requires_grad for x in activations) or any(t.requires_grad for t in tensors)):
             return list(_Replayed.apply(self, replayer, mask, *activations, *tensors))
         return replayer.forward(activations, mask)
 

@@ -183,7 +183,7 @@ class TunedLayer(torch.nn.Module):
         program = self.program(self.training)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t])
-        tensors = [getattr(self, t) for t in face.parameters + face.constants]
+        tensors = [*map(self._parameters.__getitem__, face.parameters), *map(self._buffers.__getitem__, face.constants)]
         if self.cuda_graphs and self.graphs.usable():
             replayer = self.graphs.replayer(program, tensors, key_padding_mask)
             if replayer is not None:

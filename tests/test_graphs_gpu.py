@@ -1,0 +1,195 @@
+"""The layer's own CUDA graphs (``datamove.graphs``) keep the semantics a training loop relies on (marker ``gpu``).
+
+Each test runs the same calls through a layer replaying its graphs and through its twin with
+``cuda_graphs=False`` (same weights, same seeds: a replay draws its dropout key from PyTorch's
+generator as the plain launch does) and compares outputs and gradients; kernels that add with
+atomics may sum in another order, hence ``assert_close`` at bf16 rounding rather than equality.
+"""
+import warnings
+
+import pytest
+import torch
+
+from datamove.export import load_layer
+from plans import selected_plan
+from test_export_gpu import SMALL, artifact
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return artifact(tmp_path_factory.mktemp("graphs"), SMALL, "bfloat16", selected_plan)
+
+
+def pair(path):
+    """(graphed, plain) layers with the same weights."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graphed, plain = load_layer(path, device="cuda"), load_layer(path, device="cuda", cuda_graphs=False)
+    plain.load_state_dict(graphed.state_dict())
+    return graphed, plain
+
+
+def inputs(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(SMALL["B"], SMALL["L"], SMALL["N"], device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(n)]
+
+
+def run_steps(layer, xs: list[torch.Tensor], seed: int = 1):
+    """Forward and backward of each input in turn, gradients accumulating: outputs, input grads, .grad."""
+    torch.manual_seed(seed)
+    outputs, grads = [], []
+    for x in xs:
+        x = x.clone().requires_grad_()
+        y = layer(x)
+        y.float().square().sum().backward()
+        outputs.append(y.detach().clone())
+        grads.append(x.grad)
+    return outputs, grads, {name: p.grad.clone() for name, p in layer.named_parameters()}
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_replays_match_plain_launches_and_accumulate_into_grad(path):
+    graphed, plain = pair(path)
+    xs = inputs(4)
+    for _ in range(2):  # the first step captures, the second replays
+        graphed.zero_grad(set_to_none=True), plain.zero_grad(set_to_none=True)
+        ours, theirs = run_steps(graphed, xs), run_steps(plain, xs)
+        for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+            close(a, b)
+        for name in ours[2]:
+            close(ours[2][name], theirs[2][name])
+    replayers = [r for rs in graphed.graphs.replayers.values() for r in rs]
+    assert replayers and all(r.gradient_sets for r in replayers)
+    assert graphed.cuda_graph_bytes() > 0
+
+
+def test_gradients_still_held_are_never_overwritten(path):
+    """Every call's gradients kept (``torch.autograd.grad``): each stays its own call's."""
+    graphed, plain = pair(path)
+    xs = inputs(4, seed=10)
+    results = []
+    for layer in (graphed, plain):
+        torch.manual_seed(11)
+        kept = []
+        for x in xs:
+            x = x.clone().requires_grad_()
+            kept.append(torch.autograd.grad(layer(x).float().square().sum(), [x, *layer.parameters()]))
+        results.append(kept)
+    for ours, theirs in zip(*results):
+        for a, b in zip(ours, theirs):
+            close(a, b)
+
+
+def test_dropout_draws_a_new_mask_per_replay_and_the_backward_uses_it(path):
+    graphed, plain = pair(path)
+    x = inputs(1)[0]
+    first, second = graphed(x), graphed(x)
+    assert not torch.equal(first, second)
+    torch.manual_seed(7)
+    ours = run_steps(graphed, [x], seed=7)
+    theirs = run_steps(plain, [x], seed=7)
+    close(ours[0][0], theirs[0][0])
+    close(ours[1][0], theirs[1][0])
+
+
+def test_a_second_forward_before_the_first_backward(path):
+    graphed, plain = pair(path)
+    x1, x2, x3 = inputs(3, seed=2)
+    results = []
+    for layer in (graphed, plain):
+        torch.manual_seed(3)
+        layer(x1).sum().backward()  # warm: the graphed layer has captured both directions
+        layer.zero_grad(set_to_none=True)
+        a, b, c = (x.clone().requires_grad_() for x in (x1, x2, x3))
+        ya, yb, yc = layer(a), layer(b), layer(c)  # three forwards outstanding: two replayers, then plain
+        (ya.float().square().sum() + 2 * yb.float().sum() + yc.float().pow(3).mean()).backward()
+        results.append([ya, yb, yc, a.grad, b.grad, c.grad] + [p.grad for p in layer.parameters()])
+    for ours, theirs in zip(*results):
+        close(ours.detach(), theirs.detach())
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing(path, reentrant):
+    graphed, _ = pair(path)
+    xs = inputs(2, seed=4)
+    expected = run_steps(graphed, xs, seed=5)
+    graphed.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    grads = []
+    for x in xs:
+        x = x.clone().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(graphed, x, use_reentrant=reentrant)
+        y.float().square().sum().backward()
+        grads.append(x.grad)
+    for a, b in zip(grads, expected[1]):
+        close(a, b)
+    for name, p in graphed.named_parameters():
+        close(p.grad, expected[2][name])
+
+
+def test_outputs_kept_across_calls_stay_intact(path):
+    """Evaluation under no_grad, outputs collected: a replay never overwrites an output still held."""
+    graphed, plain = pair(path)
+    graphed.eval(), plain.eval()
+    xs = inputs(4, seed=6)
+    with torch.no_grad():
+        ours = [graphed(x) for x in xs]
+        theirs = [plain(x) for x in xs]
+    for a, b in zip(ours, theirs):
+        close(a, b)
+
+
+def test_moved_parameters_are_captured_again(path):
+    graphed, plain = pair(path)
+    x = inputs(1, seed=8)[0]
+    graphed.eval(), plain.eval()
+    with torch.no_grad():
+        graphed(x)
+        for p, q in zip(graphed.parameters(), plain.parameters()):
+            p.data = p.data * 1.5  # new storage: the graphs read the old one
+            q.data = q.data * 1.5
+        close(graphed(x), plain(x))
+
+
+def test_hf_model_with_gradient_checkpointing(path):
+    """``gradient_checkpointing_enable()`` on a HF model with replaced layers: same loss and gradients."""
+    import transformers
+
+    from datamove.hf import replace_bert_layers
+
+    d = SMALL
+    config = transformers.BertConfig(hidden_size=d["N"], num_attention_heads=d["H"], intermediate_size=d["U"],
+                                     num_hidden_layers=2, hidden_act="relu", layer_norm_eps=1e-12, vocab_size=97,
+                                     max_position_embeddings=d["L"], attention_probs_dropout_prob=0.1,
+                                     hidden_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).cuda().to(torch.bfloat16).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        replace_bert_layers(model, path, dtype=torch.bfloat16)
+    ids = torch.randint(0, 97, (d["B"], d["L"]), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[:, -9:] = 0
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(9)
+        loss = model(input_ids=ids, attention_mask=mask).last_hidden_state.float().square().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    step()
+    plain_loss, plain_grads = step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable()
+    ckpt_loss, ckpt_grads = step()
+    close(ckpt_loss, plain_loss)
+    for name, grad in plain_grads.items():
+        close(ckpt_grads[name], grad)
