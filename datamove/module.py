@@ -104,6 +104,29 @@ def _backward(ctx, grads):
 torch.library.register_autograd("datamove::layer_forward", _backward, setup_context=_setup_context)
 
 
+class _Launched(torch.autograd.Function):
+    """A plain eager call: the program's steps launched directly, one autograd node, without the
+    custom ops' dispatch (their argument flattening and aliasing checks cost host time on every
+    call); the custom ops remain what ``torch.compile`` traces."""
+
+    @staticmethod
+    def forward(ctx, program: LayerProgram, seed, mask, *tensors):
+        outputs, kept = program.call_forward(list(tensors), Run(seed, mask))
+        ctx.program, ctx.inputs = program, len(tensors)
+        ctx.save_for_backward(seed, mask, *tensors, *kept)
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        program = ctx.program
+        seed, mask, *saved = ctx.saved_tensors
+        tensors, kept = saved[:ctx.inputs], saved[ctx.inputs:]
+        result = program.gradient_views(program.call_backward(
+            tensors, kept, _output_grads(program, grads, tensors[0].device), Run(seed, mask)))
+        return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
+
+
 class TunedLayer(torch.nn.Module):
     """The tuned layer.  ``forward(*activations, key_padding_mask=None)``: activations in their
     PyTorch order (``interface.torch_order``), of exactly the tuned shapes, dtype and device;
@@ -112,7 +135,7 @@ class TunedLayer(torch.nn.Module):
 
     On CUDA with ``cuda_graphs`` (the default) calls replay the layer's own CUDA graphs
     (``datamove.graphs``); otherwise, and where a replay is not possible, they launch the kernels
-    through the custom ops."""
+    (through the custom ops where ``torch.compile`` traces)."""
 
     def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device,
                  cuda_graphs: bool = True):
@@ -190,5 +213,8 @@ class TunedLayer(torch.nn.Module):
                 outputs = self.graphs(replayer, activations, tensors, key_padding_mask)
                 return outputs[0] if len(outputs) == 1 else tuple(outputs)
         seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)  # graph-safe: a new key per replay
-        outputs = layer_forward(program.name, seed, [*activations, *tensors], key_padding_mask)[:len(face.outputs)]
+        if torch.compiler.is_compiling():
+            outputs = layer_forward(program.name, seed, [*activations, *tensors], key_padding_mask)[:len(face.outputs)]
+        else:
+            outputs = _Launched.apply(program, seed, key_padding_mask, *activations, *tensors)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)

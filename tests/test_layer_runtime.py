@@ -1,0 +1,103 @@
+"""How the exported layer runs (CPU, Triton interpreter): its two launch paths agree, the CUDA-graph
+switch, and the HF wrapper's mask conversion and activation checkpointing.
+
+The GPU side (the layer's own CUDA graphs and the semantics a training loop relies on) is
+``tests/test_graphs_gpu.py``.
+"""
+import pytest
+import torch
+
+from datamove.layer import SEED_RANGE
+from datamove.module import layer_forward
+from plans import selected_plan
+from test_export import BERT_DIMS, load, randomize, write
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return write(tmp_path_factory.mktemp("runtime"), "bert", BERT_DIMS, selected_plan)
+
+
+def x_of(seed: int) -> torch.Tensor:
+    return torch.randn(BERT_DIMS["B"], BERT_DIMS["L"], BERT_DIMS["N"], generator=torch.Generator().manual_seed(seed))
+
+
+def test_custom_ops_match_the_eager_launch(bert):
+    """``torch.compile`` traces the custom ops; an eager call launches the same steps directly:
+    same output and gradients for the same dropout key (dropout on)."""
+    layer = load(bert)
+    randomize(layer, 4)
+    program = layer.program(True)
+    params = [getattr(layer, t) for t in layer.interface.parameters]
+    dy = x_of(2)
+    results = []
+    for through_ops in (False, True):
+        x = x_of(1).requires_grad_()
+        torch.manual_seed(3)
+        if through_ops:
+            seed = torch.randint(0, SEED_RANGE, (1,))
+            y = layer_forward(program.name, seed, [x, *params], None)[0]
+        else:
+            y = layer(x)
+        grads = torch.autograd.grad(y, [x, *params], dy)
+        results.append([y, *grads])
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(eager, traced, rtol=0, atol=0)
+
+
+def test_cuda_graphs_switch(bert):
+    """On CPU nothing is captured; on CUDA graphs are the default and ``cuda_graphs=False`` turns them off."""
+    assert not load(bert).cuda_graphs
+    assert load(bert).cuda_graph_bytes() == 0
+    layer = load(bert, cuda_graphs=False)
+    assert layer.sibling().cuda_graphs is False and layer.sibling().graphs is not layer.graphs
+
+
+def test_attention_mask_is_converted_once_per_model_call(monkeypatch):
+    from datamove import hf
+
+    calls = []
+    convert = hf.key_padding_mask
+    monkeypatch.setattr(hf, "key_padding_mask", lambda *args: calls.append(1) or convert(*args))
+    last = hf._LastMask()
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    first = last(mask, 3, 5)
+    assert last(mask, 3, 5) is first and len(calls) == 1  # the next layer of the same model call
+    mask[2, 4] = 0  # changed in place: converted again
+    assert bool(last(mask, 3, 5)[2, 4]) and len(calls) == 2
+    with pytest.raises(ValueError, match=r"covers \(3, 5\)"):
+        last(mask, 3, 6)
+
+
+def test_hf_gradient_checkpointing(bert):
+    """``gradient_checkpointing_enable()`` reaches the replaced layers and keeps their gradients (dropout on)."""
+    transformers = pytest.importorskip("transformers")
+    from datamove.hf import BertLayerReplacement, replace_bert_layers
+
+    d = BERT_DIMS
+    config = transformers.BertConfig(hidden_size=d["N"], num_attention_heads=d["H"], intermediate_size=d["U"],
+                                     num_hidden_layers=2, hidden_act="relu", layer_norm_eps=1e-12, vocab_size=50,
+                                     max_position_embeddings=64, attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).train()
+    assert replace_bert_layers(model, bert, dtype=torch.float32) == 2
+    ids = torch.randint(0, 50, (d["B"], d["L"]), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, -4:] = 0
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        model(input_ids=ids, attention_mask=mask).last_hidden_state.square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = step()
+    model.gradient_checkpointing_enable()
+    assert all(m.gradient_checkpointing for m in model.modules() if isinstance(m, BertLayerReplacement))
+    checkpointed = step()
+    assert plain.keys() == checkpointed.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6)
