@@ -52,6 +52,7 @@ import triton
 
 from dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from kernels.interpreter import interpreted
+from kernels.launch import DirectLaunch
 from kernels.philox import dropout_scale, keep_threshold
 from layouts.space import (Configuration, OperatorLetters, grouped_masks, operator_letters, parts, terminal_reductions,
                            tile_axes)
@@ -681,8 +682,7 @@ class CompiledOperator:
                           and self.graph.tensors[t].role != "dropout"), loads[0])
         outputs = outputs or {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
                               for plan in self.plans for t in plan.outputs}
-        kernel, args, kwargs, programs = self._launch(tensors, outputs, seeds or {})
-        kernel[(programs,)](*args, **kwargs)
+        self._launch(tensors, outputs, seeds or {})
         return outputs
 
     def _check_shapes(self, tensors: dict) -> None:
@@ -702,20 +702,25 @@ class CompiledOperator:
                   for t in self.loads}
         outputs = {t: allocate(self.graph, t, self.config.layouts[t], dtype, "meta")
                    for plan in self.plans for t in plan.outputs}
-        kernel, args, kwargs, programs = self._launch(stored, outputs, seeds)
-        kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=(programs,), **kwargs)
+        launch, args = self._arguments(stored, outputs, seeds)
+        launch.kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=launch.grid,
+                             **launch.kwargs)
 
-    def _launch(self, tensors: dict, outputs: dict, seeds: dict) -> tuple:
-        """(kernel, positional args, keyword args, programs) of one launch on ``tensors`` -> ``outputs``:
-        the arguments' template (``_template``) made once per tensors' shapes, strides and device,
-        filled with this call's tensors and seeds (host time per launch counts where nothing is graphed)."""
+    def _launch(self, tensors: dict, outputs: dict, seeds: dict) -> None:
+        launch, args = self._arguments(tensors, outputs, seeds)
+        launch(args)
+
+    def _arguments(self, tensors: dict, outputs: dict, seeds: dict) -> tuple:
+        """(launcher, positional args) of one launch on ``tensors`` -> ``outputs``: the arguments'
+        template (``_template``) made once per tensors' shapes, strides and device, filled with
+        this call's tensors and seeds (host time per launch counts where nothing is graphed)."""
         bound = [tensors[t] if kind == "load" else outputs[t] for kind, t in self._bound]
         key = (tuple((tuple(x.shape), x.stride()) for x in bound), bound[0].device)
         template = self._templates.get(key)
         if template is None:  # first call with these shapes and strides: checked here, once
             self._check_shapes(tensors)
             template = self._templates[key] = self._template(bound)
-        kernel, slots, kwargs, programs, grouped = template
+        launch, slots, grouped = template
         for t in grouped:
             if seeds[t][1] % DECISION_GROUP:
                 raise ValueError(f"dropout mask {t}: counter offset {seeds[t][1]} is not a multiple of {DECISION_GROUP}, "
@@ -729,11 +734,12 @@ class CompiledOperator:
                 args += [seed if isinstance(seed, torch.Tensor) else int(seed), int(seeds[value][1])]
             else:
                 args.append(value)
-        return kernel, args, kwargs, programs
+        return launch, args
 
     def _template(self, bound: list) -> tuple:
-        """(kernel, argument slots, keyword args, programs, grouped masks) for tensors shaped and
-        strided as ``bound`` (``self._bound``'s order): a slot is (_TENSOR, index into ``bound``),
+        """(launcher, argument slots, grouped masks) for tensors shaped and strided as ``bound``
+        (``self._bound``'s order): the launcher a ``kernels.launch.DirectLaunch`` of the kernel on
+        its grid with its constexprs; a slot is (_TENSOR, index into ``bound``),
         (_SEED, mask: its seed and counter offset) or (_VALUE, the argument)."""
         reach, slots, ends, blocks, grouped, n = [], [], [], {}, [], 0
         for k, (plan, part_knobs) in enumerate(zip(self.plans, self.part_knobs)):
@@ -759,7 +765,8 @@ class CompiledOperator:
             slots += [(_VALUE, end) for end in ends[:-1]]
         index64 = max(reach) >= 2 ** 31 - 1
         kernel = self._kernels.get(index64) or self._variant(index64)[0]
-        return kernel, slots, {**blocks, "num_warps": self.config.knobs["num_warps"]}, ends[-1], tuple(grouped)
+        launch = DirectLaunch(kernel, (ends[-1],), {**blocks, "num_warps": self.config.knobs["num_warps"]})
+        return launch, slots, tuple(grouped)
 
 
 _TENSOR, _SEED, _VALUE = "tensor", "seed", "value"  # kinds of CompiledOperator._template's argument slots

@@ -1,0 +1,77 @@
+"""Direct launches of compiled Triton kernels, without the JIT's per-call work.
+
+``kernel[grid](*args, **kwargs)`` binds the arguments, computes their specialisation (types,
+16-byte alignment of pointers, integers equal to 1 or divisible by 16) and looks the compiled
+kernel up on every call: on a slow host that is ~100 us a launch, more than many kernels take.
+``DirectLaunch`` makes the first launch of each specialisation through the JIT, keeps the compiled
+kernel, and hands it later calls' arguments straight (the bound argument list: the positional
+arguments, then the keyword ones in the kernel's parameter order).  Each call still computes the
+cheap part of the specialisation key (pointer alignment, integer classes), so an argument that
+would compile differently goes through the JIT again.  Under the interpreter, with a launch hook
+set (profilers), or with a Triton whose compiled kernels cannot be called this way, every launch
+goes through the JIT.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # Triton before 3.4: no launch hooks to honour
+    _knobs = None
+
+
+def _key(args) -> tuple:
+    """The part of Triton's specialisation that can differ between calls of one signature."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append(a.data_ptr() % 16 == 0)
+        elif isinstance(a, int) and not isinstance(a, bool):
+            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31))
+        else:
+            key.append(None)
+    return tuple(key)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler's): Triton 3.9 holds hooks in chains, empty when none."""
+    runtime = getattr(_knobs, "runtime", None)
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook) if runtime is not None else ()
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
+
+
+class DirectLaunch:
+    """``kernel`` (a ``triton.jit`` function) on a fixed ``grid`` with fixed keyword arguments
+    (constexprs and launch options such as ``num_warps``); ``__call__(args)`` launches it on the
+    positional ``args`` on the current CUDA stream."""
+
+    def __init__(self, kernel, grid: tuple, kwargs: dict):
+        self.kernel, self.kwargs = kernel, kwargs
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.names = [p.name for p in getattr(kernel, "params", ())]  # none under the interpreter
+        self.tail = None  # the keyword parameters' values in parameter order, after the positional ones
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, args: list) -> None:
+        key = _key(args)
+        compiled = self.compiled.get(key)
+        if compiled is None or _hooked():
+            compiled = self.kernel[self.grid](*args, **self.kwargs)
+            if self._direct(compiled, args):
+                self.compiled[key] = compiled
+            return
+        device = args[0].device.index if isinstance(args[0], torch.Tensor) else torch.cuda.current_device()
+        compiled.run(*self.grid, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *self.tail)
+
+    def _direct(self, compiled, args: list) -> bool:
+        """Whether later calls may launch ``compiled`` directly (and its bound argument tail set)."""
+        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) or compiled.function is None:
+            return False
+        if self.tail is None:
+            if not self.names or any(n not in self.kwargs for n in self.names[len(args):]):
+                return False
+            self.tail = [self.kwargs[n] for n in self.names[len(args):]]
+        return True
+

@@ -1,0 +1,62 @@
+"""``kernels.launch.DirectLaunch`` against a recording stand-in of a Triton JIT function and its
+compiled kernel (CPU: the real path needs a GPU; ``tests/test_graphs_gpu.py`` and the export
+tests run it there)."""
+from types import SimpleNamespace
+
+import torch
+
+from kernels.launch import DirectLaunch
+
+
+class Compiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", "meta"
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class Jit:
+    """A ``triton.jit`` function's interface: ``params``, ``kernel[grid](*args, **kwargs)`` -> compiled."""
+
+    def __init__(self, names):
+        self.params = [SimpleNamespace(name=n) for n in names]
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return Compiled(self.log)
+        return launch
+
+
+def test_first_launch_through_the_jit_then_direct(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    jit = Jit(["x", "n", "BLOCK"])
+    launch = DirectLaunch(jit, (5,), {"BLOCK": 64, "num_warps": 4})
+    x = torch.zeros(64)
+    launch([x, 32])
+    assert jit.log[-1] == ("jit", (5, 1, 1), (x, 32), {"BLOCK": 64, "num_warps": 4})
+    launch([x, 48])  # same specialisation (divisible by 16): straight to the compiled kernel, constexprs appended
+    kind, args = jit.log[-1]
+    assert kind == "direct" and args[:4] == (5, 1, 1, 77) and args[7:] == (None, None, None, x, 48, 64)
+    launch([x, 33])  # another specialisation: the JIT again
+    assert jit.log[-1][0] == "jit"
+    launch([x[1:], 48])  # a pointer no longer 16-byte aligned: the JIT again
+    assert jit.log[-1][0] == "jit"
+
+
+def test_interpreted_kernels_always_go_through_the_jit():
+    """Under the interpreter a launch returns no compiled kernel."""
+    calls = []
+
+    class Interpreted:
+        params = [SimpleNamespace(name="x")]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(args)
+
+    launch = DirectLaunch(Interpreted(), (2,), {})
+    for _ in range(3):
+        launch([torch.zeros(4)])
+    assert len(calls) == 3
