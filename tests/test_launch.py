@@ -39,7 +39,8 @@ def test_first_launch_through_the_jit_then_direct(monkeypatch):
     assert jit.log[-1] == ("jit", (5, 1, 1), (x, 32), {"BLOCK": 64, "num_warps": 4})
     launch([x, 48])  # same specialisation (divisible by 16): straight to the compiled kernel, constexprs appended
     kind, args = jit.log[-1]
-    assert kind == "direct" and args[:4] == (5, 1, 1, 77) and args[7:] == (None, None, None, x, 48, 64)
+    assert kind == "direct" and args[:9] == (5, 1, 1, 77, "fn", "meta", None, None, None)
+    assert args[9] is x and args[10:] == (48, 64)
     launch([x, 33])  # another specialisation: the JIT again
     assert jit.log[-1][0] == "jit"
     launch([x[1:], 48])  # a pointer no longer 16-byte aligned: the JIT again
