@@ -57,12 +57,17 @@ class Buffers:
     def __init__(self, graph, groups: list[list[str]], dtype: torch.dtype, device):
         self.graph, self.dtype, self.device = graph, dtype, device
         self.group_of = {t: group for group in groups for t in group}
+        self._strided: dict[tuple, tuple] = {}  # (tensor, layout) -> (shape, strides): kept, allocated every call
 
     def allocate(self, store: dict, tensor: str, layout: str) -> torch.Tensor:
         """``tensor`` (its slice of its group's buffer, allocated on first use) in ``layout``."""
         group = self.group_of.get(tensor)
         if group is None:
-            return allocate(self.graph, tensor, layout, self.dtype, self.device)
+            strided = self._strided.get((tensor, layout))
+            if strided is None:
+                meta = allocate(self.graph, tensor, layout, self.dtype, "meta")
+                strided = self._strided[(tensor, layout)] = (meta.shape, meta.stride())
+            return torch.empty_strided(*strided, dtype=self.dtype, device=self.device)
         if tensor in store:
             return store[tensor]
         letters = self.graph.tensors[tensor].letters

@@ -765,7 +765,12 @@ class CompiledOperator:
             slots += [(_VALUE, end) for end in ends[:-1]]
         index64 = max(reach) >= 2 ** 31 - 1
         kernel = self._kernels.get(index64) or self._variant(index64)[0]
-        launch = DirectLaunch(kernel, (ends[-1],), {**blocks, "num_warps": self.config.knobs["num_warps"]})
+        varying, n = [], 0  # argument positions of the tensors and seeds (strides, sizes, scalars: the template's)
+        for kind, _ in slots:
+            width = 2 if kind == _SEED else 1
+            varying += range(n, n + width) if kind in (_TENSOR, _SEED) else []
+            n += width
+        launch = DirectLaunch(kernel, (ends[-1],), {**blocks, "num_warps": self.config.knobs["num_warps"]}, varying)
         return launch, slots, tuple(grouped)
 
 

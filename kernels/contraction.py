@@ -298,15 +298,16 @@ def _sizes_of(c: Contraction, a: torch.Tensor, b: torch.Tensor) -> dict[str, int
     return sizes
 
 
-def _views(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
-    """(b0, b1, rows, cols) ``as_strided`` views of the three operands' storage, no copies."""
+def _views(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, dims=(0, 1, 2, 3)):
+    """``as_strided`` views of the three operands' storage, no copies: their (b0, b1, rows, cols)
+    dims, or those of them in ``dims`` (a batch dim of extent 1 left out saves indexing it)."""
     (b0, b1), m, n, k = plan.batch, plan.m, plan.n, plan.k
     for name, t, letters, layout in zip(_OPERANDS, (a, b, out), (plan.contraction.a, plan.contraction.b, plan.contraction.out), plan.layouts):
         if layout_of(t, letters) != layout:
             raise ValueError(f"{name} is stored as {layout_of(t, letters)!r}, the plan has {layout!r}")
-    return (a.as_strided((b0, b1, m, k), plan.a_strides),
-            b.as_strided((b0, b1, k, n), plan.b_strides),
-            out.as_strided((b0, b1, m, n), plan.c_strides))
+    return tuple(t.as_strided([shape[d] for d in dims], [strides[d] for d in dims])
+                 for t, shape, strides in ((a, (b0, b1, m, k), plan.a_strides), (b, (b0, b1, k, n), plan.b_strides),
+                                           (out, (b0, b1, m, n), plan.c_strides)))
 
 
 def run_cublas(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -318,15 +319,17 @@ def run_cublas(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tens
     """
     if not plan.blas:
         raise ValueError(f"{plan.describe()}: a batch letter is innermost in an operand; cuBLAS needs a unit-stride matrix dim")
-    va, vb, vc = _views(plan, a, b, out)
     b0, b1 = plan.batch
     if b0 * b1 == 1:
-        vc[0, 0].addmm_(va[0, 0], vb[0, 0], beta=0, alpha=alpha)
-    elif b1 == 1 or b0 == 1:
-        axis = 0 if b1 == 1 else 1
-        squeeze = lambda v: v.select(1 - axis, 0)  # noqa: E731
-        squeeze(vc).baddbmm_(squeeze(va), squeeze(vb), beta=0, alpha=alpha)
-    elif b0 <= b1:
+        va, vb, vc = _views(plan, a, b, out, (2, 3))
+        vc.addmm_(va, vb, beta=0, alpha=alpha)
+        return out
+    if b1 == 1 or b0 == 1:
+        va, vb, vc = _views(plan, a, b, out, (0 if b1 == 1 else 1, 2, 3))
+        vc.baddbmm_(va, vb, beta=0, alpha=alpha)
+        return out
+    va, vb, vc = _views(plan, a, b, out)
+    if b0 <= b1:
         for i in range(b0):
             vc[i].baddbmm_(va[i], vb[i], beta=0, alpha=alpha)
     else:

@@ -44,17 +44,18 @@ def _hooked() -> bool:
 class DirectLaunch:
     """``kernel`` (a ``triton.jit`` function) on a fixed ``grid`` with fixed keyword arguments
     (constexprs and launch options such as ``num_warps``); ``__call__(args)`` launches it on the
-    positional ``args`` on the current CUDA stream."""
+    positional ``args`` on the current CUDA stream.  ``varying``: the positions of the arguments
+    that may change between calls (the others are the same every call), default all."""
 
-    def __init__(self, kernel, grid: tuple, kwargs: dict):
-        self.kernel, self.kwargs = kernel, kwargs
+    def __init__(self, kernel, grid: tuple, kwargs: dict, varying: list[int] | None = None):
+        self.kernel, self.kwargs, self.varying = kernel, kwargs, varying
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.names = [p.name for p in getattr(kernel, "params", ())]  # none under the interpreter
         self.tail = None  # the keyword parameters' values in parameter order, after the positional ones
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, args: list) -> None:
-        key = _key(args)
+        key = _key(args if self.varying is None else [args[i] for i in self.varying])
         compiled = self.compiled.get(key)
         if compiled is None or _hooked():
             compiled = self.kernel[self.grid](*args, **self.kwargs)
