@@ -160,7 +160,7 @@ def markdown(report: dict) -> str:
     for case in report["cases"]:
         d = case["dims"]
         lines += [f"## B={d['B']} L={d['L']} {case['dtype']}, {case['layers']} layers (plan timed on "
-                  f"{case['plan_device']['name']})", "",
+                  f"{case['plan_device']['name']}; measured {case['date']})", "",
                   "| model | wall ms | kernel ms | wall / kernel | peak MiB | graphs MiB | wall ratio |",
                   "|---|---|---|---|---|---|---|"]
         ours = case["rows"].get("datamove", {}).get("wall_ms")
