@@ -307,6 +307,15 @@ def test_kernels_read_a_seed_kept_in_memory():
         assert torch.equal(by_int[t], by_tensor[t])
 
 
+def small_bert_config(transformers, attention_dropout: float):
+    """A two-layer HF BERT config of ``BERT_DIMS`` (vocabulary 50), hidden dropout off."""
+    d = BERT_DIMS
+    return transformers.BertConfig(hidden_size=d["N"], num_attention_heads=d["H"], intermediate_size=d["U"],
+                                   num_hidden_layers=2, hidden_act="relu", layer_norm_eps=1e-12, vocab_size=50,
+                                   max_position_embeddings=64, attention_probs_dropout_prob=attention_dropout,
+                                   hidden_dropout_prob=0.0)
+
+
 def test_replace_bert_layers_keeps_the_model(tmp_path):
     transformers = pytest.importorskip("transformers")
     import copy
@@ -314,9 +323,7 @@ def test_replace_bert_layers_keeps_the_model(tmp_path):
     from datamove.hf import BertLayerReplacement, replace_bert_layers
 
     d = BERT_DIMS
-    config = transformers.BertConfig(hidden_size=d["N"], num_attention_heads=d["H"], intermediate_size=d["U"],
-                                     num_hidden_layers=2, hidden_act="relu", layer_norm_eps=1e-12, vocab_size=50,
-                                     max_position_embeddings=64, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    config = small_bert_config(transformers, attention_dropout=0.0)
     config._attn_implementation = "eager"
     model = transformers.BertModel(config).eval()
     with torch.no_grad():

@@ -10,7 +10,7 @@ import torch
 from datamove.layer import SEED_RANGE
 from datamove.module import layer_forward
 from plans import selected_plan
-from test_export import BERT_DIMS, load, randomize, write
+from test_export import BERT_DIMS, load, randomize, small_bert_config, write
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
 
@@ -78,11 +78,8 @@ def test_hf_gradient_checkpointing(bert):
     from datamove.hf import BertLayerReplacement, replace_bert_layers
 
     d = BERT_DIMS
-    config = transformers.BertConfig(hidden_size=d["N"], num_attention_heads=d["H"], intermediate_size=d["U"],
-                                     num_hidden_layers=2, hidden_act="relu", layer_norm_eps=1e-12, vocab_size=50,
-                                     max_position_embeddings=64, attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.0)
     torch.manual_seed(0)
-    model = transformers.BertModel(config).train()
+    model = transformers.BertModel(small_bert_config(transformers, attention_dropout=0.1)).train()
     assert replace_bert_layers(model, bert, dtype=torch.float32) == 2
     ids = torch.randint(0, 50, (d["B"], d["L"]), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
