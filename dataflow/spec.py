@@ -123,6 +123,20 @@ def _check_source(path: Path, source: str) -> ast.Module:
     return tree
 
 
+def _read_source(path: Path) -> str:
+    """The spec file's text; a binary file or another encoding than UTF-8 is refused."""
+    data = path.read_bytes()
+    bad_byte = data.find(0)  # NUL: valid UTF-8, but never in Python source
+    try:
+        source = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        bad_byte = err.start
+    if bad_byte >= 0:
+        raise SpecError(f"{path}: not a UTF-8 Python source file (byte {bad_byte}): give the spec's .py file, "
+                        "e.g. configs/bert.py, saved as UTF-8 text")
+    return source
+
+
 def _import(path: Path, source: str) -> types.ModuleType:
     module_name = f"datamove_spec_{path.stem}_{abs(hash(path.resolve())) % 10**8}"
     module = types.ModuleType(module_name)
@@ -225,9 +239,11 @@ def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
     """Load a spec file as written (``dataflow.numpy_lowering.lower_spec`` then lowers its plain NumPy);
     ``dim_overrides`` replace its dim defaults, ``options`` its module constants."""
     path = Path(path)
+    if path.is_dir():
+        raise SpecError(f"{path}: a folder, not a spec file: give the spec's .py file, e.g. configs/bert.py")
     if not path.is_file():
         raise SpecError(f"{path}: no such spec file")
-    source = path.read_text()
+    source = _read_source(path)
     tree = _check_source(path, source)
     module = _import(path, source)
     chosen = _apply_options(path, module, options or {})

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from dataflow.spec import SpecError, parse_assignments
+from kernels.tuning_db import TuningDBError
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                              out=args.out, budget_s=args.budget_s, db=args.db, cost_model_device=args.cost_model_device,
                              gpus=args.gpus, retry_failed=args.retry_failed)
         return run_job(options)
-    except SpecError as err:
+    except (SpecError, TuningDBError) as err:
         print(f"optimize-layer: error: {err}", file=sys.stderr)
         return 2
 

@@ -14,7 +14,8 @@ without re-tuning:
 against this machine: an artifact whose times were measured on another GPU model, or a dtype or
 device the caller asks for that differs, is refused, naming both, unless ``allow_mismatch=True``
 (the plan then runs as chosen, untuned for this device); a cost-model artifact loads anywhere
-with a warning that nothing was measured.  Batch size and sequence length are those of the plan:
+with a warning that nothing was measured.  A missing or damaged file of the artifact is refused,
+naming it (``ArtifactError`` where it is not the JSON written).  Batch size and sequence length are those of the plan:
 other shapes are refused at call time, naming the tuned ones.
 
 Weights: ``load_weights(layer, module)`` copies a PyTorch module's weights (a HF ``BertLayer``,
@@ -42,10 +43,16 @@ from layouts.plan import GENERATED, Plan
 from layouts.space import Configuration
 
 PLAN, GRAPH, MANIFEST, KERNELS = "plan.json", "graph.json", "manifest.json", "kernels"
+MANIFEST_KEYS = ("dims", "dtype", "device", "torch_order", "weights")  # what loading and the benchmarks read
+REWRITE = "write the artifact again with optimize-layer SPEC --out DIR"
 
 
 class ArtifactMismatch(RuntimeError):
     """An artifact tuned for another device, dtype or spec than the one asked for."""
+
+
+class ArtifactError(ValueError):
+    """A damaged artifact file: not JSON, or JSON that is not what the loader reads."""
 
 
 def spec_hash(path) -> str:
@@ -82,11 +89,34 @@ def _file_name(step: str) -> str:
     return "".join(c if c.isalnum() or c in "_-" else "_" for c in step)
 
 
+def _read_json(path: Path):
+    """The JSON value in the artifact's file ``path``."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing: {REWRITE}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # not UTF-8, or not JSON
+        raise ArtifactError(f"{path}: not valid JSON ({err}): {REWRITE}") from None
+
+
+def _parsed(path: Path, parse):
+    """``parse`` of the JSON in ``path``; JSON of another shape is a damaged file, named."""
+    data = _read_json(path)
+    try:
+        return parse(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ArtifactError(f"{path}: not a datamove {path.name} ({type(err).__name__}: {err}): {REWRITE}") from None
+
+
 def read_manifest(out_dir) -> dict:
     path = Path(out_dir) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{out_dir}: no {MANIFEST}: not a datamove artifact (write one with optimize-layer SPEC --out DIR)")
-    return json.loads(path.read_text())
+    manifest = _read_json(path)
+    missing = [key for key in MANIFEST_KEYS if key not in manifest] if isinstance(manifest, dict) else MANIFEST_KEYS
+    if missing:
+        raise ArtifactError(f"{path}: not a datamove manifest (no {', '.join(missing)}): {REWRITE}")
+    return manifest
 
 
 def _current_device(device: torch.device) -> str:
@@ -103,8 +133,8 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     launches every kernel on every call."""
     out = Path(out_dir)
     manifest = read_manifest(out)
-    plan = Plan.from_json(json.loads((out / PLAN).read_text()))
-    graph, operators = load_graph(json.loads((out / GRAPH).read_text()))
+    plan = _parsed(out / PLAN, Plan.from_json)
+    graph, operators = _parsed(out / GRAPH, load_graph)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tuned_dtype = getattr(torch, plan.dtype)
     problems = []

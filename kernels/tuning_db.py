@@ -62,6 +62,23 @@ CREATE TABLE IF NOT EXISTS ceilings (
 """
 
 
+class TuningDBError(Exception):
+    """A file at the database's path that is not a tuning database; its message is meant to be printed as is."""
+
+
+def _not_a_tuning_db(conn: sqlite3.Connection) -> str | None:
+    """Why the database behind ``conn`` is not a tuning database, or None (it is one, or is empty)."""
+    try:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as err:
+        if err.sqlite_errorname not in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+            raise
+        return f"not a readable SQLite database ({err})"
+    if tables and "measurements" not in tables:
+        return f"an SQLite database without the measurements table (it holds {', '.join(sorted(tables))})"
+    return None
+
+
 def canonical_json(value) -> str:
     """JSON with sorted keys and no spaces: equal values give equal strings (the key columns)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
@@ -147,13 +164,18 @@ class Ceilings:
 
 
 class TuningDB:
-    """The tuning database at ``path`` (created if missing).  One connection per object and thread."""
+    """The tuning database at ``path`` (created if missing).  One connection per object and thread.
+    A file there that is not one (not SQLite, or another program's database) is refused untouched."""
 
     def __init__(self, path: str | Path, timeout: float = 60.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: autocommit, so each statement below is its own transaction.
         self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        problem = _not_a_tuning_db(self._conn)
+        if problem:
+            self._conn.close()
+            raise TuningDBError(f"{self.path}: {problem}: move it away or pass another --db")
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")

@@ -9,6 +9,7 @@ bias: softmax is shift-invariant): its result is rounding noise of the gradients
 from, judged against the layer's largest gradient norm.
 """
 import json
+import shutil
 import warnings
 
 import numpy as np
@@ -17,7 +18,8 @@ import torch
 
 from dataflow.executor import execute
 from dataflow.snapshot import stored_fused
-from datamove.export import ArtifactMismatch, load_layer, load_weights, state_dict_for, write_artifact
+from datamove.export import (ArtifactError, ArtifactMismatch, load_layer, load_weights, read_manifest, state_dict_for,
+                             write_artifact)
 from datamove.weights import from_spec
 from plans import selected_plan, spec_module, spec_order_plan
 
@@ -260,6 +262,43 @@ def test_refuses_an_artifact_tuned_elsewhere(tmp_path):
     assert load(path, allow_mismatch=True) is not None
     with pytest.raises(FileNotFoundError, match="not a datamove artifact"):
         load_layer(tmp_path, device="cpu")
+
+
+# A damaged file of an artifact: (file, its content or None for missing, the error, what the message says is wrong).
+DAMAGED = {
+    "manifest not JSON": ("manifest.json", b"\x00\x9f binary", ArtifactError, "not valid JSON"),
+    "manifest a list": ("manifest.json", b"[1, 2]", ArtifactError, "not a datamove manifest"),
+    "manifest without keys": ("manifest.json", b'{"dims": {}, "dtype": "float32"}', ArtifactError,
+                              "no device, torch_order, weights"),
+    "plan missing": ("plan.json", None, FileNotFoundError, "missing"),
+    "plan cut short": ("plan.json", b'{"steps": [', ArtifactError, "not valid JSON"),
+    "plan without steps": ("plan.json", b"{}", ArtifactError, "not a datamove plan.json (KeyError: 'steps')"),
+    "graph a list": ("graph.json", b"[]", ArtifactError, "not a datamove graph.json (TypeError"),
+}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return write(tmp_path_factory.mktemp("artifact"), "bert", BERT_DIMS)
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_a_damaged_artifact_file_is_named_with_what_to_do(artifact, tmp_path, case):
+    name, content, error_type, problem = DAMAGED[case]
+    path = shutil.copytree(artifact, tmp_path / "artifact")
+    if content is None:
+        (path / name).unlink()
+    else:
+        (path / name).write_bytes(content)
+    with pytest.raises(error_type) as raised:
+        load(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path / name}: ") and problem in message, message
+    assert message.endswith("write the artifact again with optimize-layer SPEC --out DIR"), message
+    if name == "manifest.json":
+        with pytest.raises(error_type) as raised:
+            read_manifest(path)
+        assert str(raised.value) == message
 
 
 def test_manifest_names_what_the_layer_was_built_for(tmp_path):

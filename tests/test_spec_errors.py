@@ -4,6 +4,7 @@ import textwrap
 
 import pytest
 
+from dataflow.spec import SpecError, load_spec
 from datamove.cli import main
 
 GOOD_HEADER = '''
@@ -173,3 +174,22 @@ def test_file_without_layer_function(tmp_path, capsys):
             return x
         ''')
     assert "no layer function" in err and "Tensor(" in err
+
+
+@pytest.mark.parametrize("content, byte", [(b"\xff\xfe\x00i\x00m\x00", 0), (b"import numpy\x00\x01\x02", 12),
+                                           ("x = 'caf\u00e9'\n".encode("latin-1"), 8)])
+def test_spec_that_is_not_utf8_text_is_named(tmp_path, capsys, content, byte):
+    path = tmp_path / "spec.py"
+    path.write_bytes(content)
+    with pytest.raises(SpecError, match=rf"^{re.escape(str(path))}: not a UTF-8 Python source file \(byte {byte}\)"):
+        load_spec(path)
+    assert main([str(path), "--analyze"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and f"{path}: not a UTF-8" in err, err
+
+
+def test_spec_path_that_is_a_folder_or_missing_is_named(tmp_path, capsys):
+    assert main([str(tmp_path), "--analyze"]) == 2
+    assert f"{tmp_path}: a folder, not a spec file" in capsys.readouterr().err
+    assert main([str(tmp_path / "nowhere.py"), "--analyze"]) == 2
+    assert f"{tmp_path / 'nowhere.py'}: no such spec file" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Tuning DB: write / lookup / resume, failed records kept, atomic writes under SIGKILL, a concurrent reader."""
+"""Tuning DB: write / lookup / resume, failed records kept, atomic writes under SIGKILL, a concurrent reader,
+a file that is not one refused untouched."""
 import os
 import signal
 import sqlite3
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.tuning_db import Key, Record, TuningDB
+from kernels.tuning_db import Key, Record, TuningDB, TuningDBError
 
 REPO = Path(__file__).resolve().parents[1]
 VERSIONS = {"torch": "2.11.0", "triton": "3.6.0", "cuda_runtime": "13.0", "cuda_driver": "13.0"}
@@ -74,10 +75,42 @@ def test_schema_refuses_times_without_ok_and_ok_without_times(tmp_path):
         assert db.query() == []
 
 
+def test_a_file_that_is_not_a_tuning_database_is_named_and_left_untouched(tmp_path):
+    text = tmp_path / "notes.db"
+    text.write_text("my notes, not a database\n")
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE songs (title TEXT)")
+    conn.close()
+    for path, problem in ((text, "not a readable SQLite database (file is not a database)"),
+                          (other, "an SQLite database without the measurements table (it holds songs)")):
+        before = path.read_bytes()
+        with pytest.raises(TuningDBError) as raised:
+            TuningDB(path)
+        assert str(raised.value) == f"{path}: {problem}: move it away or pass another --db"
+        assert path.read_bytes() == before and not path.with_name(path.name + "-wal").exists()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    with TuningDB(empty) as db:  # an empty file is an empty database: the tables are made
+        assert db.query() == []
+
+
+def test_the_cli_prints_a_damaged_database_in_one_line(tmp_path, capsys, monkeypatch):
+    from datamove.cli import main
+
+    path = tmp_path / "notes.db"
+    path.write_text("my notes\n")
+    monkeypatch.setattr("datamove.job.run_job", lambda options: TuningDB(options.db))  # opens it as a GPU run does
+    assert main([str(REPO / "configs" / "bert.py"), "--db", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"optimize-layer: error: {path}: not a readable SQLite database (file is not a database): " \
+                  "move it away or pass another --db\n"
+
+
 WRITER = textwrap.dedent("""
     import sys
     import time
-    from kernels.tuning_db import Key, Record, TuningDB
+    from kernels.tuning_db import Key, Record, TuningDB, TuningDBError
     db = TuningDB(sys.argv[1])
     for i in range(int(sys.argv[2])):
         k = Key(device="dev", versions={}, op="op", dims={"i": i}, dtype="float32", layout=[], knobs={"BLOCK": i})
