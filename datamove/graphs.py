@@ -10,8 +10,7 @@ on first need, and is replayed from then on.  The design follows Megatron-core's
 outstanding, another set of buffers (or a plain launch) for a second forward.
 
 What a replay reads and writes:
-- static inputs: the activations (each call's copied in, PyTorch order; no copy where the caller
-  passes the static buffer itself), the key-padding mask, the parameters and constants (the
+- static inputs: the activations (each call's copied in, PyTorch order), the key-padding mask, the parameters and constants (the
   module's own tensors, read in place: an optimizer step updates them in place; a parameter
   whose storage moved, e.g. ``param.data = ...``, drops the layer's graphs, captured again);
 - the dropout key: drawn inside the forward graph by ``torch.randint`` (a new key on every replay,
@@ -24,8 +23,8 @@ What a replay reads and writes:
 
 When a replay is safe: a forward replay rewrites the replayer's outputs and kept tensors, so a
 replayer is free when no autograd node from its last forward still waits for its backward (the
-node saves one token tensor, the dropout key's buffer, which autograd releases after the backward
-or when the graph is dropped) and no caller still holds one of its outputs.  A backward replay
+node saves the replayer's dropout key buffer, which autograd releases after the backward or when
+the graph is dropped) and no caller still holds one of its outputs.  A backward replay
 rewrites a gradient set, so it takes a set none of whose gradients is held (as ``.grad`` while
 micro-batches accumulate, say: the next micro-batch's backward writes a second set, which autograd
 adds into ``.grad``).  Storage reference counts say all this.  A call that finds every replayer of
@@ -119,8 +118,7 @@ class Replayer:
         self.forward_graph, (self.outputs, self.kept) = _capture(
             device, lambda: program.call_forward(self._inputs(), Run(self.seed, self.mask)), self._record_forward)
         self.gradient_sets: list[_GradientSet] = []
-        self.token = self.seed  # what an autograd node saves: the replayer is busy while one holds it
-        self.busy = _Held([self.token] + self.outputs)
+        self.busy = _Held([self.seed] + self.outputs)  # an autograd node saves the key: busy while one holds it
 
     def _inputs(self) -> list[torch.Tensor]:
         return [*self.activations, *self.others]
@@ -130,8 +128,7 @@ class Replayer:
         return self.program.call_forward(self._inputs(), Run(self.seed, self.mask))
 
     def _backward_plainly(self) -> list[torch.Tensor]:
-        return self.program.gradient_views(self.program.call_backward(
-            self._inputs(), self.kept, self.grad_outputs, Run(self.seed, self.mask)))
+        return self.program.call_backward(self._inputs(), self.kept, self.grad_outputs, Run(self.seed, self.mask))
 
     def free(self) -> bool:
         return self.busy.free()
@@ -139,8 +136,7 @@ class Replayer:
     def forward(self, activations: tuple, mask: torch.Tensor | None) -> list[torch.Tensor]:
         """Replay the forward on ``activations`` (PyTorch order): the outputs, aliases of the static ones."""
         for static, x in zip(self.activations, activations):
-            if static.data_ptr() != x.data_ptr():
-                static.copy_(x)
+            static.copy_(x)
         if mask is not None:
             self.mask.copy_(mask)
         self.forward_graph.replay()
@@ -154,7 +150,7 @@ class Replayer:
         for static, g in zip(self.grad_outputs, grads):
             if g is None:
                 static.zero_()
-            elif static.data_ptr() != g.data_ptr():
+            else:
                 static.copy_(g)
         chosen = next((s for s in self.gradient_sets if s.held.free()), None)
         if chosen is None:
@@ -181,21 +177,21 @@ class _GradientSet:
 
 
 class _Replayed(torch.autograd.Function):
-    """One replayed layer call as an autograd node: saves the replayer's token (busy until the
-    backward ran or the graph was dropped) and replays the backward graph."""
+    """One replayed layer call as an autograd node: saves the replayer's dropout key (busy until
+    the backward ran or the graph was dropped) and replays the backward graph."""
 
     @staticmethod
     def forward(ctx, graphs: LayerGraphs, replayer: Replayer, mask, *tensors):
         ctx.graphs, ctx.inputs = graphs, len(tensors)
         ctx.set_materialize_grads(False)
         outputs = replayer.forward(tensors[:len(replayer.activations)], mask)
-        ctx.save_for_backward(replayer.token.detach())
+        ctx.save_for_backward(replayer.seed.detach())
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        (token,) = ctx.saved_tensors  # under non-reentrant checkpointing: the recomputation's replayer's
-        result = ctx.graphs.owner(token).backward(grads)
+        (seed,) = ctx.saved_tensors  # under non-reentrant checkpointing: the recomputation's replayer's
+        result = ctx.graphs.owner(seed).backward(grads)
         return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
 
 
@@ -234,11 +230,11 @@ class LayerGraphs:
             return None
         return replayers[-1]
 
-    def owner(self, token: torch.Tensor) -> Replayer:
-        """The replayer whose forward saved ``token``."""
+    def owner(self, seed: torch.Tensor) -> Replayer:
+        """The replayer whose forward saved ``seed`` (its dropout key's buffer)."""
         for replayers in self.replayers.values():
             for replayer in replayers:
-                if replayer.token.data_ptr() == token.data_ptr():
+                if replayer.seed.data_ptr() == seed.data_ptr():
                     return replayer
         raise RuntimeError("datamove: a replayed layer's backward found no graph of its forward (its parameters "
                            "moved between the forward and the backward)")

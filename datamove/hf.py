@@ -46,17 +46,16 @@ class _LastMask:
     model call, not once per layer."""
 
     def __init__(self):
-        self.source, self.version, self.converted = None, -1, None
+        self.source, self.key, self.converted = None, None, None
 
     def __call__(self, attention_mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
         if attention_mask is None or torch.compiler.is_compiling():
             return key_padding_mask(attention_mask, batch, keys)
         source = self.source() if self.source is not None else None
-        if source is not attention_mask or self.version != attention_mask._version:
+        key = (attention_mask._version, batch, keys)
+        if source is not attention_mask or self.key != key:
             self.converted = key_padding_mask(attention_mask, batch, keys)
-            self.source, self.version = weakref.ref(attention_mask), attention_mask._version
-        elif self.converted is not None and tuple(self.converted.shape) != (batch, keys):
-            raise ValueError(f"attention_mask covers {tuple(self.converted.shape)} (batch, keys), the layer ({batch}, {keys})")
+            self.source, self.key = weakref.ref(attention_mask), key
         return self.converted
 
 

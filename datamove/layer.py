@@ -245,24 +245,14 @@ class LayerProgram:
                       run: Run) -> list[torch.Tensor]:
         """The backward from ``call_forward``'s ``kept`` and the outputs' gradients (PyTorch order):
         the gradients of the activations (PyTorch order) and of the parameters (spec order, in the
-        layouts the gradient steps write; a stacked group's as its one buffer and empty tensors,
-        ``stacked_gradients``)."""
+        layouts the gradient steps write; a stacked group's members are views of its one buffer)."""
         face = self.interface
         store = {**self.input_store(inputs), **dict(zip(self.kept, kept))}
         for t, grad in zip(face.outputs, grads):
             store[face.grad_outputs[t]] = self.to_spec(t, grad, f"gradient of {t}")
         self.backward(store, run)
-        result = [self.to_torch(t, self.leaving_value(store, face.input_grads[t])) if t in face.activations
-                  else self.leaving_value(store, face.input_grads[t]) for t in face.activations + face.parameters]
-        for stacked in self.stacked:
-            result = stacked.returned(result)
-        return result
-
-    def gradient_views(self, result: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``call_backward``'s result with each stacked parameter's gradient as its view of the group's buffer."""
-        for stacked in self.stacked:
-            result = stacked.views(result)
-        return result
+        return [self.to_torch(t, self.leaving_value(store, face.input_grads[t])) if t in face.activations
+                else self.leaving_value(store, face.input_grads[t]) for t in face.activations + face.parameters]
 
 
 @dataclass(frozen=True)

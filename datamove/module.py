@@ -60,7 +60,11 @@ def layer_backward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
                    grads: list[torch.Tensor], key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """The backward steps: gradients of the activations (PyTorch order) and parameters (a stacked
     group's as its one buffer and empty tensors, ``LayerProgram.stacked_gradients``)."""
-    return _unaliased(PROGRAMS[program].call_backward(inputs, kept, grads, Run(seed, key_padding_mask)))
+    prog = PROGRAMS[program]
+    result = prog.call_backward(inputs, kept, grads, Run(seed, key_padding_mask))
+    for stacked in prog.stacked:
+        result = stacked.returned(result)
+    return _unaliased(result)
 
 
 @layer_backward.register_fake
@@ -95,8 +99,10 @@ def _backward(ctx, grads):
     seed, tensors, kept_tensors_ = saved[0], list(saved[1:1 + inputs]), list(saved[1 + inputs:1 + inputs + kept])
     mask = saved[-1] if has_mask else None
     outputs = len(prog.interface.outputs)
-    result = prog.gradient_views(list(layer_backward(ctx.program, seed, tensors, kept_tensors_,
-                                                     _output_grads(prog, grads[:outputs], tensors[0].device), mask)))
+    result = list(layer_backward(ctx.program, seed, tensors, kept_tensors_,
+                                 _output_grads(prog, grads[:outputs], tensors[0].device), mask))
+    for stacked in prog.stacked:
+        result = stacked.views(result)
     constants = len(prog.interface.constants)
     return None, None, result + [None] * constants, None
 
@@ -122,8 +128,7 @@ class _Launched(torch.autograd.Function):
         program = ctx.program
         seed, mask, *saved = ctx.saved_tensors
         tensors, kept = saved[:ctx.inputs], saved[ctx.inputs:]
-        result = program.gradient_views(program.call_backward(
-            tensors, kept, _output_grads(program, grads, tensors[0].device), Run(seed, mask)))
+        result = program.call_backward(tensors, kept, _output_grads(program, grads, tensors[0].device), Run(seed, mask))
         return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
 
 

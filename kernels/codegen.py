@@ -682,7 +682,8 @@ class CompiledOperator:
                           and self.graph.tensors[t].role != "dropout"), loads[0])
         outputs = outputs or {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
                               for plan in self.plans for t in plan.outputs}
-        self._launch(tensors, outputs, seeds or {})
+        launch, args = self._arguments(tensors, outputs, seeds or {})
+        launch(args)
         return outputs
 
     def _check_shapes(self, tensors: dict) -> None:
@@ -705,10 +706,6 @@ class CompiledOperator:
         launch, args = self._arguments(stored, outputs, seeds)
         launch.kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=launch.grid,
                              **launch.kwargs)
-
-    def _launch(self, tensors: dict, outputs: dict, seeds: dict) -> None:
-        launch, args = self._arguments(tensors, outputs, seeds)
-        launch(args)
 
     def _arguments(self, tensors: dict, outputs: dict, seeds: dict) -> tuple:
         """(launcher, positional args) of one launch on ``tensors`` -> ``outputs``: the arguments'

@@ -62,8 +62,8 @@ class DirectLaunch:
             if self._direct(compiled, args):
                 self.compiled[key] = compiled
             return
-        device = args[0].device.index if isinstance(args[0], torch.Tensor) else torch.cuda.current_device()
-        compiled.run(*self.grid, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # the JIT's: the current device's
+        compiled.run(*self.grid, stream, compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *self.tail)
 
     def _direct(self, compiled, args: list) -> bool:

@@ -31,6 +31,7 @@ class Jit:
 
 
 def test_first_launch_through_the_jit_then_direct(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     jit = Jit(["x", "n", "BLOCK"])
     launch = DirectLaunch(jit, (5,), {"BLOCK": 64, "num_warps": 4})
