@@ -41,14 +41,14 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.attention import DROPOUT_MASK_OPTIONS  # noqa: E402
-from kernels.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
+from datamove.kernels.attention import DROPOUT_MASK_OPTIONS  # noqa: E402
+from datamove.kernels.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
                                         FusedVariant, SdpaVariant, Workspace, baseline_variants, config_variants)
-from kernels.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
-from kernels.device import query_device, versions  # noqa: E402
-from dataflow.dropout_mask import DECISIONS_PER_CALL  # noqa: E402
-from kernels.philox import keep_bits, keep_threshold  # noqa: E402
-from kernels.tuning_db import TuningDB  # noqa: E402
+from datamove.kernels.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
+from datamove.kernels.device import query_device, versions  # noqa: E402
+from datamove.dataflow.dropout_mask import DECISIONS_PER_CALL  # noqa: E402
+from datamove.kernels.philox import keep_bits, keep_threshold  # noqa: E402
+from datamove.kernels.tuning_db import TuningDB  # noqa: E402
 
 GPU_SETUPS = ["B=8,H=16,L=512,P=64", "B=8,H=8,L=512,P=128"]
 CPU_SETUPS = ["B=2,H=3,L=37,P=16"]

@@ -21,9 +21,9 @@ import sys
 
 import torch
 
-from kernels.attention import attention_backward, attention_forward, new_saved_mask
-from kernels.bench import time_cuda
-from kernels.device import versions
+from datamove.kernels.attention import attention_backward, attention_forward, new_saved_mask
+from datamove.kernels.bench import time_cuda
+from datamove.kernels.device import versions
 
 B, H, L, P = 8, 16, 512, 64
 DROPOUT = 0.1

@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from kernels.bench import measure_ceilings
-from kernels.device import NoDevice, query_device, versions
-from kernels.tuning_db import TuningDB
+from datamove.kernels.bench import measure_ceilings
+from datamove.kernels.device import NoDevice, query_device, versions
+from datamove.kernels.tuning_db import TuningDB
 
 
 def main() -> int:

@@ -38,14 +38,14 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dataflow import snapshot  # noqa: E402
-from kernels.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
-from kernels.contraction_variants import (DTYPE, Operands, consumer_configurations, epilogue_of, epilogue_variants,
+from datamove.dataflow import snapshot  # noqa: E402
+from datamove.kernels.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
+from datamove.kernels.contraction_variants import (DTYPE, Operands, consumer_configurations, epilogue_of, epilogue_variants,
                                           gemm_variants,  # noqa: E402
                                           pick_layouts, training_gemms)
-from kernels.device import query_device, versions  # noqa: E402
-from kernels.gemm import valid_configs  # noqa: E402
-from kernels.tuning_db import TuningDB  # noqa: E402
+from datamove.kernels.device import query_device, versions  # noqa: E402
+from datamove.kernels.gemm import valid_configs  # noqa: E402
+from datamove.kernels.tuning_db import TuningDB  # noqa: E402
 
 EPILOGUE_CONFIGS = 4
 WARMUP_MS, REP_MS = 10.0, 40.0

@@ -31,16 +31,16 @@ import sys
 
 import torch
 
-import kernels.codegen as codegen
-import kernels.gemm as gemm
-from dataflow import snapshot
-from kernels import contraction_variants as cv
-from kernels.bench import time_cuda, write_results
-from kernels.contraction import dropout_digits, map_layouts
-from kernels.device import query_device, versions
-from kernels.gemm import GemmConfig
-from kernels.sweep_variants import EagerVariant, FusedVariant, Workspace, fused_operators
-from layouts.space import Configuration
+import datamove.kernels.codegen as codegen
+import datamove.kernels.gemm as gemm
+from datamove.dataflow import snapshot
+from datamove.kernels import contraction_variants as cv
+from datamove.kernels.bench import time_cuda, write_results
+from datamove.kernels.contraction import dropout_digits, map_layouts
+from datamove.kernels.device import query_device, versions
+from datamove.kernels.gemm import GemmConfig
+from datamove.kernels.sweep_variants import EagerVariant, FusedVariant, Workspace, fused_operators
+from datamove.layouts.space import Configuration
 
 HBJK = {t: "hbjk" for t in ("alpha", "drop_attn", "k_q", "probs", "d_alpha", "d_k_q")}
 FUSED_KNOBS = [dict(block_row=1, num_warps=1), dict(block_row=2, num_warps=2), dict(block_row=4, num_warps=4)]

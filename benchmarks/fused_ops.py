@@ -36,11 +36,11 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.bench import CPU_DEVICE, GRAPH_BELOW_MS, Sweep, measure_ceilings, write_results  # noqa: E402
-from kernels.device import query_device, versions  # noqa: E402
-from kernels.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
-from kernels.tuning_db import TuningDB  # noqa: E402
-from dataflow import snapshot  # noqa: E402
+from datamove.kernels.bench import CPU_DEVICE, GRAPH_BELOW_MS, Sweep, measure_ceilings, write_results  # noqa: E402
+from datamove.kernels.device import query_device, versions  # noqa: E402
+from datamove.kernels.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
+from datamove.kernels.tuning_db import TuningDB  # noqa: E402
+from datamove.dataflow import snapshot  # noqa: E402
 
 
 def parse_dims(text: str | None) -> dict:

@@ -41,8 +41,8 @@ import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
 from datamove.steps import Run
-from kernels.bench import capture_graph, time_cuda, write_results
-from kernels.device import query_device, versions
+from datamove.kernels.bench import capture_graph, time_cuda, write_results
+from datamove.kernels.device import query_device, versions
 
 REPS = 20
 ROUNDS = 5  # odd: the kernel table is the median round's

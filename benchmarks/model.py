@@ -32,8 +32,8 @@ import torch
 
 from datamove.export import read_manifest
 from datamove.hf import replace_bert_layers
-from kernels.bench import write_results
-from kernels.device import versions
+from datamove.kernels.bench import write_results
+from datamove.kernels.device import versions
 
 WARMUP, STEPS, ROUNDS, PROFILED, BATCHES = 4, 10, 3, 5, 4
 TAGS = 7

@@ -8,7 +8,7 @@ Dropout is a multiplication by a declared mask (values 0 or 1/(1-p), p rounded t
 """
 import numpy as np
 
-from dataflow.spec import Dropout, Tensor, dims
+from datamove.dataflow.spec import Dropout, Tensor, dims
 
 B, L, N, H, P, U = dims(B=8, L=512, N=1024, H=16, P=64, U=4096)
 INDEX = {"b": B, "j": L, "k": L, "i": N, "h": H, "p": P, "w": P, "u": U}

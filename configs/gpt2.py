@@ -7,7 +7,7 @@ h heads, e head dim (E), f MLP dim (F).
 """
 import numpy as np
 
-from dataflow.spec import Dropout, Tensor, dims
+from datamove.dataflow.spec import Dropout, Tensor, dims
 
 B, T, D, H, E, F = dims(B=4, T=1024, D=768, H=12, E=64, F=3072)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "e": E, "f": F}

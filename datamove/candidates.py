@@ -24,16 +24,16 @@ import json
 import math
 from dataclasses import dataclass, replace
 
-from dataflow.graph import is_expression
-from kernels.attention_variants import AttentionCase
-from kernels.contraction import parse
-from kernels.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, same_call_layouts, training_gemms
-from kernels.sweep_variants import moved_bytes, op_signature
-from kernels.tuning_db import canonical_json
-from layouts.cost_model import DeviceFigures, predict_ms
-from layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
-from layouts.select import Candidate, best_sum, select, to_plan
-from layouts.space import configurations, masks_grouped, representatives
+from datamove.dataflow.graph import is_expression
+from datamove.kernels.attention_variants import AttentionCase
+from datamove.kernels.contraction import parse
+from datamove.kernels.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, same_call_layouts, training_gemms
+from datamove.kernels.sweep_variants import moved_bytes, op_signature
+from datamove.kernels.tuning_db import canonical_json
+from datamove.layouts.cost_model import DeviceFigures, predict_ms
+from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
+from datamove.layouts.select import Candidate, best_sum, select, to_plan
+from datamove.layouts.space import configurations, masks_grouped, representatives
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec order first): bounds the search

@@ -8,8 +8,8 @@ import time
 import warnings
 from pathlib import Path
 
-from dataflow.spec import SpecError, parse_assignments
-from kernels.tuning_db import TuningDBError
+from datamove.dataflow.spec import SpecError, parse_assignments
+from datamove.kernels.tuning_db import TuningDBError
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _analyze(args) -> int:
-    from dataflow.pipeline import analyse_spec
+    from datamove.dataflow.pipeline import analyse_spec
 
     started = time.perf_counter()
     result = analyse_spec(args.spec, _dims(args.dims), parse_assignments(args.options or "", "--set"))

@@ -33,14 +33,14 @@ from pathlib import Path
 
 import torch
 
-from dataflow.snapshot import load as load_graph
-from dataflow.snapshot import snapshot
+from datamove.dataflow.snapshot import load as load_graph
+from datamove.dataflow.snapshot import snapshot
 from datamove.layer import tensor_interface
 from datamove.module import TunedLayer
 from datamove.weights import from_spec, to_spec
-from kernels.codegen import compile_operator
-from layouts.plan import GENERATED, Plan
-from layouts.space import Configuration
+from datamove.kernels.codegen import compile_operator
+from datamove.layouts.plan import GENERATED, Plan
+from datamove.layouts.space import Configuration
 
 PLAN, GRAPH, MANIFEST, KERNELS = "plan.json", "graph.json", "manifest.json", "kernels"
 MANIFEST_KEYS = ("dims", "dtype", "device", "torch_order", "weights")  # what loading and the benchmarks read

@@ -45,7 +45,7 @@ import torch
 
 from datamove.layer import SEED_RANGE, LayerProgram
 from datamove.steps import Run
-from kernels.codegen import allocate
+from datamove.kernels.codegen import allocate
 
 REPLAYERS = 2  # static buffer sets per layer instance and kind of call: a second for a forward before the first's backward
 GRADIENT_SETS = 2  # gradient buffers per replayer: a second while autograd keeps the first as .grad (accumulation)

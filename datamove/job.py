@@ -67,7 +67,7 @@ def default_out(spec: str, dims: dict, dtype: str, device: str) -> Path:
 def fused_training(analysis):
     """The analysis's fused training graph as ``dataflow.snapshot.FusedTraining`` (what the
     kernels, the selection and the artifact read; the same form the GPU machines load)."""
-    from dataflow.snapshot import load_fused, snapshot, snapshot_fused
+    from datamove.dataflow.snapshot import load_fused, snapshot, snapshot_fused
 
     return load_fused(snapshot(analysis.fused.graph, analysis.fused.operators), snapshot_fused(analysis))
 
@@ -96,14 +96,14 @@ def attention_setups(fused, dtype_name: str) -> list[dict]:
 
 
 def run_job(o: JobOptions) -> int:
-    from dataflow.pipeline import analyse_spec
+    from datamove.dataflow.pipeline import analyse_spec
     from datamove.candidates import NO_TIMINGS, Timings, plan_layer
     from datamove.export import spec_hash, write_artifact
     from datamove.report import write_report
     from datamove.report_data import report_data
-    from kernels.device import DeviceFacts, query_device, versions
-    from kernels.interpreter import interpreted
-    from layouts.cost_model import DEVICES, device_figures
+    from datamove.kernels.device import DeviceFacts, query_device, versions
+    from datamove.kernels.interpreter import interpreted
+    from datamove.layouts.cost_model import DEVICES, device_figures
 
     stages = Stages()
     stages("analysis and fusion")
@@ -123,8 +123,8 @@ def run_job(o: JobOptions) -> int:
     tuning = None
     if measured:
         from datamove.tuning import Tuner, fused_spaces, tune
-        from kernels.bench import measure_ceilings
-        from kernels.tuning_db import TuningDB
+        from datamove.kernels.bench import measure_ceilings
+        from datamove.kernels.tuning_db import TuningDB
 
         stages(f"tuning on {facts.name} (budget {o.budget_s:g} s; database {o.db or DEFAULT_DB})")
         path = Path(o.db or DEFAULT_DB)
@@ -179,7 +179,7 @@ def refine_plan(plan, choose, measure_chosen, measure_changes, stopped, rounds: 
     how many variants were new, ``measure_changes(wanted)`` times the layout changes it inserts unmeasured
     ((tensor, from, to) set), ``choose()`` selects again from the database; ``stopped()``: the
     tuning budget is spent.  Ends when a round measured nothing new."""
-    from layouts.plan import LAYOUT_CHANGE, MEASURED
+    from datamove.layouts.plan import LAYOUT_CHANGE, MEASURED
 
     for _ in range(rounds):
         tuned = measure_chosen(plan)

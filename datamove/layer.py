@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dataflow.graph import PrimitiveGraph
+from datamove.dataflow.graph import PrimitiveGraph
 from datamove.steps import Buffers, Run, build_launcher, copy_name, saved_mask_name, stack_groups
-from kernels.codegen import allocate
-from layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
+from datamove.kernels.codegen import allocate
+from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
 
 SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
 

@@ -16,7 +16,7 @@ import torch
 from datamove.graphs import LayerGraphs
 from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
 from datamove.steps import Run
-from layouts.plan import ATTENTION_FORWARD, Plan
+from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 
 
 PROGRAMS: dict[str, LayerProgram] = {}  # the custom ops find their program by name

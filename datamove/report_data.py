@@ -12,11 +12,11 @@ from __future__ import annotations
 import datetime
 
 from datamove.report import KernelRow, ReportData
-from kernels.contraction_variants import training_gemms
-from kernels.device import versions
-from kernels.sweep_variants import op_signature
-from layouts.cost_model import predict_ms
-from layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE, MEASURED, PREDICTED
+from datamove.kernels.contraction_variants import training_gemms
+from datamove.kernels.device import versions
+from datamove.kernels.sweep_variants import op_signature
+from datamove.layouts.cost_model import predict_ms
+from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE, MEASURED, PREDICTED
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 

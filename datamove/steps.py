@@ -21,15 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dataflow.executor import dropout_offsets
-from kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
-from kernels.codegen import allocate, compile_operator
-from kernels.contraction import Epilogue, contract, gemm_plan, run_cublas, run_triton
-from kernels.gemm import GemmConfig
-from kernels.layout_change import permute_copy
-from layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
+from datamove.dataflow.executor import dropout_offsets
+from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
+from datamove.kernels.codegen import allocate, compile_operator
+from datamove.kernels.contraction import Epilogue, contract, gemm_plan, run_cublas, run_triton
+from datamove.kernels.gemm import GemmConfig
+from datamove.kernels.layout_change import permute_copy
+from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
                           Step)
-from layouts.space import Configuration
+from datamove.layouts.space import Configuration
 
 
 def copy_name(tensor: str, layout: str) -> str:

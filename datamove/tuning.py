@@ -15,15 +15,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kernels.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
-from kernels.bench import Sweep
-from kernels.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
+from datamove.kernels.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
+from datamove.kernels.bench import Sweep
+from datamove.kernels.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
                                           gemm_variants, training_gemms)
-from kernels.gemm import valid_configs
-from kernels.layout_change import LayoutChangeVariant
-from kernels.sweep_variants import sweep_variants
-from layouts.plan import GENERATED
-from layouts.space import Configuration, access_pattern
+from datamove.kernels.gemm import valid_configs
+from datamove.kernels.layout_change import LayoutChangeVariant
+from datamove.kernels.sweep_variants import sweep_variants
+from datamove.layouts.plan import GENERATED
+from datamove.layouts.space import Configuration, access_pattern
 
 EPILOGUE_CONFIGS = 3
 BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurations measured again with Q/K/V biases

@@ -11,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import kernels.attention as attention
+import datamove.kernels.attention as attention
 
 POINTER_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_acc_ptr": "*fp32", "arrivals_ptr": "*i32",
                  "kpm_ptr": "*u8", "mask_ptr": "*i16"}  # other pointers: the layer's bf16 tensors

@@ -3,9 +3,9 @@ at their default configuration, contractions through cuBLAS): the runtime's test
 besides the selected plans, as the plan that exercises no attention and no layout change."""
 import importlib.util
 
-from kernels.contraction_variants import _stacked
-from layouts.plan import GEMM, GENERATED, Plan, Step
-from layouts.space import default_configuration
+from datamove.kernels.contraction_variants import _stacked
+from datamove.layouts.plan import GEMM, GENERATED, Plan, Step
+from datamove.layouts.space import default_configuration
 
 
 def spec_order_plan(fused, spec: str, dtype="float32"):
@@ -56,7 +56,7 @@ def selected_plan(fused, spec: str, dtype="float32"):
     """The cost model's choice (``datamove.candidates.plan_layer``, H100 figures), activations in
     the spec's PyTorch order."""
     from datamove.candidates import plan_layer
-    from layouts.cost_model import device_figures
+    from datamove.layouts.cost_model import device_figures
 
     order = getattr(spec_module(spec), "TORCH_ORDER", {})
     boundary = {**order, **{f"d_{t}": layout for t, layout in order.items()}}

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.accuracy import closeness
+from datamove.kernels.accuracy import closeness
 
 SCALE = 1.75
 

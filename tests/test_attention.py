@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from dataflow.dropout_mask import dropout_scale, keep_mask
-from kernels.accuracy import assert_closer, relative_error
-from kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
+from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
+from datamove.kernels.accuracy import assert_closer, relative_error
+from datamove.kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
                                default_config, dropout_grouped, dropout_strides_for, fused_attention, new_saved_mask)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,11 +7,11 @@ import warnings
 import numpy as np
 import pytest
 
-from dataflow.autodiff import BACKWARD, FORWARD, build_training_graph, derivative
-from dataflow.executor import execute, run_primitive, tensor_shape
-from dataflow.fusion import fuse
-from dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, primitive_flop
-from dataflow.pipeline import forward_graph
+from datamove.dataflow.autodiff import BACKWARD, FORWARD, build_training_graph, derivative
+from datamove.dataflow.executor import execute, run_primitive, tensor_shape
+from datamove.dataflow.fusion import fuse
+from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, primitive_flop
+from datamove.dataflow.pipeline import forward_graph
 
 warnings.filterwarnings("ignore", module="dace")
 
@@ -83,7 +83,7 @@ def test_normalizations_are_recognised_structurally(bert):
 
 SPEC = textwrap.dedent('''
     import numpy as np
-    from dataflow.spec import Tensor, dims
+    from datamove.dataflow.spec import Tensor, dims
 
     B, N = dims(B=3, N=5)
     INDEX = {"b": B, "i": N, "j": N}

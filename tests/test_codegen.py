@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from kernels.accuracy import assert_closer
-from kernels.codegen import allocate, compile_operator, generate_source
-from layouts.space import (Configuration, configurations, default_configuration, knob_choices, operator_letters,
+from datamove.kernels.accuracy import assert_closer
+from datamove.kernels.codegen import allocate, compile_operator, generate_source
+from datamove.layouts.space import (Configuration, configurations, default_configuration, knob_choices, operator_letters,
                            tile_axes)
-from dataflow.dropout_mask import dropout_scale_mask
-from dataflow import snapshot
+from datamove.dataflow.dropout_mask import dropout_scale_mask
+from datamove.dataflow import snapshot
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
 GRAPHS = snapshot.stored()

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from dataflow.autodiff import build_training_graph
-from dataflow.executor import dropout_offsets, execute
-from dataflow.fusion import fuse
-from dataflow.pipeline import forward_graph
-from kernels.accuracy import assert_closer
-from kernels.codegen import allocate, compile_operator
-from layouts.space import (Configuration, combine_parts, configurations, default_configuration, knob_choices,
+from datamove.dataflow.autodiff import build_training_graph
+from datamove.dataflow.executor import dropout_offsets, execute
+from datamove.dataflow.fusion import fuse
+from datamove.dataflow.pipeline import forward_graph
+from datamove.kernels.accuracy import assert_closer
+from datamove.kernels.codegen import allocate, compile_operator
+from datamove.layouts.space import (Configuration, combine_parts, configurations, default_configuration, knob_choices,
                            operator_letters, parts, terminal_reductions)
-from dataflow import snapshot
+from datamove.dataflow import snapshot
 from tests.test_codegen import evaluate
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
@@ -382,7 +382,7 @@ def test_full_size_gpu(spec, name, dtype):
         shape = [graph.size(l) for l in info.letters]
         if info.role == "dropout":
             seeds[t] = (SEED, offsets[t])
-            from dataflow.dropout_mask import dropout_scale_mask
+            from datamove.dataflow.dropout_mask import dropout_scale_mask
             values[t] = torch.from_numpy(dropout_scale_mask(SEED, offsets[t], tuple(shape), info.p)).cuda()
         else:
             values[t] = (torch.randn(shape, generator=gen, dtype=torch.float64) + 0.1).cuda()

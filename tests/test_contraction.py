@@ -8,11 +8,11 @@ import functools
 import pytest
 import torch
 
-from dataflow.dropout_mask import dropout_scale, keep_mask
-from kernels.accuracy import assert_closer
-from kernels.contraction import (Epilogue, GemmPlan, NotAGemm, contract, dropout_digits, empty_in_layout, enumerate_variants,
+from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
+from datamove.kernels.accuracy import assert_closer
+from datamove.kernels.contraction import (Epilogue, GemmPlan, NotAGemm, contract, dropout_digits, empty_in_layout, enumerate_variants,
                                  layout_of, map_layouts, parse, run_cublas, run_triton, stacked_projection, stacked_spec)
-from kernels.gemm import GemmConfig, GemmShape, _epilogue_split, _grouped, tma_compatible, valid_configs
+from datamove.kernels.gemm import GemmConfig, GemmShape, _epilogue_split, _grouped, tma_compatible, valid_configs
 
 SMALL = dict(p=5, h=3, i=37, b=2, j=29, k=23, w=5, u=41, s=3)
 # Ragged against the interpreter's tiles, yet every stride a multiple of 16 bytes (TMA descriptors).

@@ -8,12 +8,12 @@ import time
 
 import torch
 
-from dataflow import snapshot
-from kernels import attention_variants as av
-from kernels import contraction_variants as cv
-from kernels.bench import Sweep
-from kernels.gemm import GemmConfig, valid_configs
-from kernels.tuning_db import TuningDB
+from datamove.dataflow import snapshot
+from datamove.kernels import attention_variants as av
+from datamove.kernels import contraction_variants as cv
+from datamove.kernels.bench import Sweep
+from datamove.kernels.gemm import GemmConfig, valid_configs
+from datamove.kernels.tuning_db import TuningDB
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(B=2, L=5, N=7, H=3, P=3, U=9)

@@ -4,10 +4,10 @@ import time
 import pytest
 import torch
 
-from kernels.bench import measure_ceilings
-from kernels.device import DeviceFacts, NoDevice, peak_tensor_flops, query_device, versions
-from kernels.tuning_db import Ceilings
-from kernels.tuning_db import TuningDB
+from datamove.kernels.bench import measure_ceilings
+from datamove.kernels.device import DeviceFacts, NoDevice, peak_tensor_flops, query_device, versions
+from datamove.kernels.tuning_db import Ceilings
+from datamove.kernels.tuning_db import TuningDB
 
 
 @pytest.mark.parametrize("cc, sms, clock_hz, dtype, datasheet", [

@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dataflow.dropout_mask import (decision_values, dropout_scale, dropout_scale_mask, keep_mask, keep_threshold,
+from datamove.dataflow.dropout_mask import (decision_values, dropout_scale, dropout_scale_mask, keep_mask, keep_threshold,
                                    philox_uniform, philox_words)
-from kernels.philox import dropout_keep, dropout_keep_grouped, keep_bits, unpack_rows
+from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, keep_bits, unpack_rows
 
 
 def _device():

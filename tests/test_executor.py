@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataflow.autodiff import build_training_graph
-from dataflow.dropout_mask import DECISION_GROUP, dropout_scale_mask
-from dataflow.executor import dropout_masks, dropout_offsets, execute, tensor_shape
-from dataflow.fusion import fuse
-from dataflow.pipeline import forward_graph
+from datamove.dataflow.autodiff import build_training_graph
+from datamove.dataflow.dropout_mask import DECISION_GROUP, dropout_scale_mask
+from datamove.dataflow.executor import dropout_masks, dropout_offsets, execute, tensor_shape
+from datamove.dataflow.fusion import fuse
+from datamove.dataflow.pipeline import forward_graph
 
 warnings.filterwarnings("ignore", module="dace")
 

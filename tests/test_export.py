@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataflow.executor import execute
-from dataflow.snapshot import stored_fused
+from datamove.dataflow.executor import execute
+from datamove.dataflow.snapshot import stored_fused
 from datamove.export import (ArtifactError, ArtifactMismatch, load_layer, load_weights, read_manifest, state_dict_for,
                              write_artifact)
 from datamove.weights import from_spec
@@ -328,8 +328,8 @@ def test_each_call_draws_its_own_mask_and_the_seed_reproduces_it(tmp_path):
 
 def test_kernels_read_a_seed_kept_in_memory():
     """A key held in a device tensor (what a CUDA graph replays with) decides as the same int does."""
-    from kernels.codegen import compile_operator
-    from layouts.space import default_configuration
+    from datamove.kernels.codegen import compile_operator
+    from datamove.layouts.space import default_configuration
 
     fused = stored_fused()["bert"].with_dims(BERT_DIMS)
     graph = fused.graph
@@ -385,7 +385,7 @@ def test_stack_groups_follow_their_partners_through_the_plan():
     """The gradients' stack, first met beside the unstacked x, takes the weights' order because a
     later GEMM pairs the two: both are then read as views of their buffers, no copy per call."""
     from datamove.steps import stack_groups
-    from layouts.plan import GEMM, Step
+    from datamove.layouts.plan import GEMM, Step
 
     def gemm(name, a, b, out):
         return Step(name, "forward", GEMM, (name,), {}, {}, {"operands": {"a": a, "b": b, "out": out}}, 0.0, "predicted")

@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 
-from dataflow.snapshot import stored_fused
+from datamove.dataflow.snapshot import stored_fused
 from datamove.export import load_layer, load_weights, write_artifact
 from datamove.weights import from_spec
-from kernels.bench import capture_graph
+from datamove.kernels.bench import capture_graph
 from plans import selected_plan, spec_module, spec_order_plan
 
 pytestmark = pytest.mark.gpu

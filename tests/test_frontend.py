@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, group_operators, operator_counts
-from dataflow.pipeline import analyse_spec, forward_graph
+from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, group_operators, operator_counts
+from datamove.dataflow.pipeline import analyse_spec, forward_graph
 
 BERT, GPT2 = "configs/bert.py", "configs/gpt2.py"
 

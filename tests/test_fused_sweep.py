@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from dataflow.dropout_mask import keep_mask
-from dataflow.executor import execute
-from kernels import sweep_variants as sv
-from kernels.bench import Sweep
-from kernels.eager import EagerRun, eager_plan
-from kernels.torch_eval import evaluate, graph_inputs, keep_mask_torch
-from kernels.tuning_db import TuningDB
-from layouts.space import Configuration, access_pattern, configurations, default_configuration
-from dataflow import snapshot
+from datamove.dataflow.dropout_mask import keep_mask
+from datamove.dataflow.executor import execute
+from datamove.kernels import sweep_variants as sv
+from datamove.kernels.bench import Sweep
+from datamove.kernels.eager import EagerRun, eager_plan
+from datamove.kernels.torch_eval import evaluate, graph_inputs, keep_mask_torch
+from datamove.kernels.tuning_db import TuningDB
+from datamove.layouts.space import Configuration, access_pattern, configurations, default_configuration
+from datamove.dataflow import snapshot
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
 STORED = snapshot.stored_fused()
@@ -54,8 +54,8 @@ def test_masks_follow_the_dropout_convention():
     shape, p = (3, 5, 7), 0.3
     expected = keep_mask(11, 1000, shape, p)
     assert torch.equal(keep_mask_torch(11, 1000, shape, p, "cpu"), torch.from_numpy(expected))
-    from kernels.philox import keep_threshold
-    from kernels.torch_eval import _keep_kernel  # the GPU path, here through the interpreter
+    from datamove.kernels.philox import keep_threshold
+    from datamove.kernels.torch_eval import _keep_kernel  # the GPU path, here through the interpreter
     out = torch.empty(105, dtype=torch.int8)
     _keep_kernel[(2,)](out, 105, 11, 1000, keep_threshold(p), BLOCK=64, INDEX64=False)
     assert torch.equal(out.view(shape).bool(), torch.from_numpy(expected))
@@ -180,7 +180,7 @@ def test_first_stage_draws_dropout_masks_in_groups_where_a_tile_can():
     where any plain configuration of that layout does: BERT-large's bias + ReLU + dropout over ubj
     (the mask's trailing letter j along the columns) with a column block of 128, not 32 (per-element
     draws measured 0.20 ms against 0.06 for bju on the H200, so ubj was never tuned further)."""
-    from layouts.space import grouped_masks, masks_grouped, operator_letters, representatives, tile_axes
+    from datamove.layouts.space import grouped_masks, masks_grouped, operator_letters, representatives, tile_axes
 
     fused = snapshot.stored_fused()["bert"].with_dims(dict(B=96, L=128))
     graph = fused.graph
@@ -204,8 +204,8 @@ def test_the_main_job_tunes_the_layouts_its_plan_chose():
     it saves would otherwise stay at one setting (BERT-large's bias + ReLU + dropout over ubj)."""
     from datamove.candidates import plan_layer
     from datamove.tuning import chosen_patterns
-    from layouts.cost_model import device_figures
-    from layouts.plan import GENERATED
+    from datamove.layouts.cost_model import device_figures
+    from datamove.layouts.plan import GENERATED
 
     fused = _training("bert")
     spaces, _ = sv.sweep_variants("bert", fused, "cpu", dtype=torch.float32)

@@ -8,12 +8,12 @@ import warnings
 import numpy as np
 import pytest
 
-from dataflow.analysis import analyse, data_movement
-from dataflow.autodiff import BACKWARD, FORWARD, build_training_graph
-from dataflow.executor import execute, tensor_shape
-from dataflow.fusion import attention_candidates, fuse
-from dataflow.operators import CONTRACTION, operator_counts
-from dataflow.pipeline import forward_graph
+from datamove.dataflow.analysis import analyse, data_movement
+from datamove.dataflow.autodiff import BACKWARD, FORWARD, build_training_graph
+from datamove.dataflow.executor import execute, tensor_shape
+from datamove.dataflow.fusion import attention_candidates, fuse
+from datamove.dataflow.operators import CONTRACTION, operator_counts
+from datamove.dataflow.pipeline import forward_graph
 
 warnings.filterwarnings("ignore", module="dace")
 
@@ -148,7 +148,7 @@ def test_gpt2_fused_graph():
 
 SCALED = textwrap.dedent('''
     import numpy as np
-    from dataflow.spec import Tensor, dims
+    from datamove.dataflow.spec import Tensor, dims
 
     B, N = dims(B=3, N=5)
     INDEX = {"b": B, "i": N, "j": N, "k": N}

@@ -71,7 +71,7 @@ def test_compute_ceiling_is_never_below_a_measured_kernel():
 
     from datamove.report import peak_percent
     from datamove.report_data import ceilings_of
-    from layouts.cost_model import device_figures
+    from datamove.layouts.cost_model import device_figures
 
     measured = SimpleNamespace(device="NVIDIA H200", copy_bytes_per_s=4.25e12, gemm_flop_per_s=6.8e14)
     fast = KernelRow("gemm", "contraction", "forward", 7.2e10, 1, 1, 1, 1, 0.1, "measured", "cuBLAS")
@@ -134,7 +134,7 @@ def test_selection_rounds_measure_what_the_plan_chose_until_nothing_is_new(capsy
 
 
 def test_the_tuning_measures_the_attention_with_its_bias_add_folded_in():
-    from dataflow.snapshot import stored_fused
+    from datamove.dataflow.snapshot import stored_fused
     from datamove.job import attention_setups
 
     (bert,) = attention_setups(stored_fused()["bert"], "bfloat16")

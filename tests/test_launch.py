@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels.launch import DirectLaunch
+from datamove.kernels.launch import DirectLaunch
 
 
 class Compiled:

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from kernels.contraction import empty_in_layout
-from kernels.layout_change import LayoutChangeVariant, permute_copy
+from datamove.kernels.contraction import empty_in_layout
+from datamove.kernels.layout_change import LayoutChangeVariant, permute_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataflow.executor import dropout_masks, execute
-from dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION
-from dataflow.pipeline import analyse_spec
+from datamove.dataflow.executor import dropout_masks, execute
+from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION
+from datamove.dataflow.pipeline import analyse_spec
 from test_executor import SEED, random_inputs, relative_error
 
 warnings.filterwarnings("ignore", module="dace")

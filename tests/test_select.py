@@ -12,12 +12,12 @@ from dataclasses import replace
 
 import pytest
 
-from dataflow.snapshot import stored_fused
+from datamove.dataflow.snapshot import stored_fused
 from datamove.candidates import Timings, plan_layer
-from kernels.tuning_db import Key, Record
-from layouts.cost_model import device_figures
-from layouts.plan import LAYOUT_CHANGE
-from layouts.select import Candidate, NoPlan, select
+from datamove.kernels.tuning_db import Key, Record
+from datamove.layouts.cost_model import device_figures
+from datamove.layouts.plan import LAYOUT_CHANGE
+from datamove.layouts.select import Candidate, NoPlan, select
 
 CHANGE_MS = 1.0
 
@@ -220,7 +220,7 @@ def test_states_per_position_bound_the_search(monkeypatch):
     selected in seconds."""
     import random
 
-    import layouts.select as search
+    import datamove.layouts.select as search
 
     rng = random.Random(11)
     order = [f"op{n}" for n in range(6)]
@@ -268,7 +268,7 @@ def test_a_kernel_that_never_ran_is_not_offered_and_a_folded_one_is_not_cheaper(
     the plain backward measured 0.117).  The attention with the bias add folded in, not measured, is
     priced no faster than the measured one without it (the same kernel plus bias loads)."""
     from datamove.candidates import CandidateBuilder, attention_bias, attention_roles
-    from kernels.attention_variants import AttentionCase
+    from datamove.kernels.attention_variants import AttentionCase
 
     fused = stored_fused()["bert"]
     device = "NVIDIA H200"

@@ -4,12 +4,12 @@ import textwrap
 
 import pytest
 
-from dataflow.spec import SpecError, load_spec
+from datamove.dataflow.spec import SpecError, load_spec
 from datamove.cli import main
 
 GOOD_HEADER = '''
 import numpy as np
-from dataflow.spec import Dropout, Tensor, dims
+from datamove.dataflow.spec import Dropout, Tensor, dims
 B, L, N = dims(B=2, L=3, N=4)
 INDEX = {"b": B, "l": L, "n": N, "m": N}
 '''

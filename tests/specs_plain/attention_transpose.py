@@ -1,7 +1,7 @@
 """Single-head self-attention over one sequence: @, k.T, np.where masking, a residual."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 T, D, E = dims(T=5, D=7, E=3)
 INDEX = {"s": T, "t": T, "d": D, "e": E}

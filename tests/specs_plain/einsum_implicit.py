@@ -1,7 +1,7 @@
 """np.einsum without output letters (NumPy's implicit mode) on a transposed operand, then an explicit one."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 B, T, D, F = dims(B=3, T=5, D=7, F=9)
 INDEX = {"b": B, "t": T, "d": D, "f": F}

@@ -1,7 +1,7 @@
 """GELU MLP with biases: np.tensordot, np.power, np.sqrt(2 / np.pi), a residual."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 B, T, D, F = dims(B=3, T=5, D=7, F=9)
 INDEX = {"b": B, "t": T, "d": D, "f": F}

@@ -2,7 +2,7 @@
 biases broadcast by NumPy's rules, dropout, the residual stream reassigned."""
 import numpy as np
 
-from dataflow.spec import Dropout, Tensor, dims
+from datamove.dataflow.spec import Dropout, Tensor, dims
 
 B, T, D, H, E, F = dims(B=2, T=5, D=7, H=3, E=4, F=9)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "e": E, "f": F}

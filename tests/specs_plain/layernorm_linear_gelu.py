@@ -1,7 +1,7 @@
 """LayerNorm + Linear + GELU, written plainly (mean, (x - mu) ** 2, h @ w + c, Python floats)."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 B, T, D, F = dims(B=3, T=5, D=7, F=9)
 INDEX = {"b": B, "t": T, "d": D, "f": F}

@@ -2,7 +2,7 @@
 a leaky ReLU through np.where, unary minus."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 B, D = dims(B=5, D=7)
 INDEX = {"b": B, "d": D}

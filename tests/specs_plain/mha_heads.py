@@ -1,7 +1,7 @@
 """Multi-head self-attention with per-head weights: x[:, None] @ w, .transpose, np.transpose, np.tensordot."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 B, T, D, H, E = dims(B=2, T=5, D=7, H=3, E=4)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "e": E}

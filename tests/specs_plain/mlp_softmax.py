@@ -1,7 +1,7 @@
 """Three-layer MLP with a softmax, in the style of a public NumPy benchmark suite (npbench's mlp)."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 N, C0, C1, C2, C3 = dims(N=5, C0=7, C1=9, C2=11, C3=3)
 INDEX = {"n": N, "a": C0, "b": C1, "c": C2, "d": C3}

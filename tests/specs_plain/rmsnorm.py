@@ -1,7 +1,7 @@
 """RMSNorm with ** -0.5."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 B, T, D = dims(B=3, T=5, D=7)
 INDEX = {"b": B, "t": T, "d": D}

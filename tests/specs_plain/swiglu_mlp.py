@@ -1,7 +1,7 @@
 """SiLU-gated MLP (LLaMA's): @, np.matmul, np.dot, SiLU written out."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 B, T, D, F = dims(B=3, T=5, D=7, F=11)
 INDEX = {"b": B, "t": T, "d": D, "f": F}

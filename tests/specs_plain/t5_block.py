@@ -1,7 +1,7 @@
 """A T5-style block: RMSNorm without mean or bias, unscaled attention, ReLU MLP, no biases."""
 import numpy as np
 
-from dataflow.spec import Tensor, dims
+from datamove.dataflow.spec import Tensor, dims
 
 B, T, D, H, E, F = dims(B=2, T=5, D=7, H=3, E=4, F=9)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "e": E, "f": F}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field, replace
 
-from dataflow.dropout_mask import dropout_scale
+from datamove.dataflow.dropout_mask import dropout_scale
 
 SCALE_PREFIX = "scale_"  # ``scale_<mask>`` in a map expression: the keep factor of dropout tensor <mask>
 

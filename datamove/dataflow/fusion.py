@@ -33,9 +33,9 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from dataflow.autodiff import FORWARD, TrainingGraph
-from dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
-from dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, Operator, make_operator
+from datamove.dataflow.autodiff import FORWARD, TrainingGraph
+from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
+from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, Operator, make_operator
 
 
 @dataclass(frozen=True)

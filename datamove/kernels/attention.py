@@ -75,9 +75,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dataflow.dropout_mask import DECISION_GROUP
-from kernels.interpreter import interpreted
-from kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_bits, keep_threshold, unpack_grouped
+from datamove.dataflow.dropout_mask import DECISION_GROUP
+from datamove.kernels.interpreter import interpreted
+from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_bits, keep_threshold, unpack_grouped
 
 LOG2E = 1.4426950408889634
 DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the dropout mask (module doc)

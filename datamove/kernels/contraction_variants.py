@@ -38,14 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
+from datamove.kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
                                  run_cublas, run_triton, stacked_spec)
-from kernels.codegen import compile_operator
-from kernels.gemm import GemmConfig, GemmShape, tma_compatible, valid_configs
-from kernels.philox import dropout_scale
-from kernels.sweep_variants import MASK_SEED, Verdict, judge
-from kernels.torch_eval import dropout_offsets, keep_mask_torch
-from layouts.space import configurations
+from datamove.kernels.codegen import compile_operator
+from datamove.kernels.gemm import GemmConfig, GemmShape, tma_compatible, valid_configs
+from datamove.kernels.philox import dropout_scale
+from datamove.kernels.sweep_variants import MASK_SEED, Verdict, judge
+from datamove.kernels.torch_eval import dropout_offsets, keep_mask_torch
+from datamove.layouts.space import configurations
 
 DTYPE = torch.bfloat16
 STACK_LETTERS = "stuvwxyz"  # the first one not in the einsum becomes the stack letter

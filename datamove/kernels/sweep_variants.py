@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.accuracy import Closeness
-from kernels.codegen import allocate, compile_operator
-from kernels.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
-from kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
-from layouts.space import access_pattern, configurations, masks_grouped, representatives
+from datamove.kernels.accuracy import Closeness
+from datamove.kernels.codegen import allocate, compile_operator
+from datamove.kernels.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
+from datamove.kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
+from datamove.layouts.space import access_pattern, configurations, masks_grouped, representatives
 
 DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
 # zero (GPUs round to nearest), so CPU checks of generated kernels use float32 instead

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.accuracy import Closeness
-from kernels.contraction import empty_in_layout
+from datamove.kernels.accuracy import Closeness
+from datamove.kernels.contraction import empty_in_layout
 
 GRID_DIMS = 4  # letters besides the two tile letters a tensor may have
 TILE = {"block_s": 64, "block_a": 64, "num_warps": 4}

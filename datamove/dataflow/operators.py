@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from dataflow.graph import Primitive, PrimitiveGraph
+from datamove.dataflow.graph import Primitive, PrimitiveGraph
 
 CONTRACTION, NORMALIZATION, ELEMENTWISE = "contraction", "normalization", "elementwise"
 

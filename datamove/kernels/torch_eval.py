@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dataflow.dropout_mask import dropout_scale, keep_mask
-from dataflow.executor import dropout_offsets, tensor_shape
-from kernels.philox import dropout_keep, keep_threshold
+from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
+from datamove.dataflow.executor import dropout_offsets, tensor_shape
+from datamove.kernels.philox import dropout_keep, keep_threshold
 
 
 def _scalar_or(fn_tensor, fn_scalar):

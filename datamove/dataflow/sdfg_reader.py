@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 import dace
 from dace.sdfg import nodes
 
-from dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
-from dataflow.numpy_lowering import SUPPORTED, spec_line
-from dataflow.sdfg import EinsumRecord
-from dataflow.spec import LayerSpec, SpecError
+from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
+from datamove.dataflow.numpy_lowering import SUPPORTED, spec_line
+from datamove.dataflow.sdfg import EinsumRecord
+from datamove.dataflow.spec import LayerSpec, SpecError
 
 _FUNCTIONS = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "max": "maximum", "min": "minimum",
               "abs": "abs"}

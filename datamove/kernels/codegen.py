@@ -50,11 +50,11 @@ from pathlib import Path
 import torch
 import triton
 
-from dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
-from kernels.interpreter import interpreted
-from kernels.launch import DirectLaunch
-from kernels.philox import dropout_scale, keep_threshold
-from layouts.space import (Configuration, OperatorLetters, grouped_masks, operator_letters, parts, terminal_reductions,
+from datamove.dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
+from datamove.kernels.interpreter import interpreted
+from datamove.kernels.launch import DirectLaunch
+from datamove.kernels.philox import dropout_scale, keep_threshold
+from datamove.layouts.space import (Configuration, OperatorLetters, grouped_masks, operator_letters, parts, terminal_reductions,
                            tile_axes)
 
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
@@ -483,8 +483,8 @@ Knobs: {knobs}"""
 _PRELUDE = '''import triton
 import triton.language as tl
 
-from kernels.interpreter import store_cast
-from kernels.philox import dropout_keep, dropout_keep_grouped, keep_bits, unpack_rows
+from datamove.kernels.interpreter import store_cast
+from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, keep_bits, unpack_rows
 
 
 @triton.jit

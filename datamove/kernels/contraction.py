@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from kernels import gemm as triton_gemm
+from datamove.kernels import gemm as triton_gemm
 
 ACTIVATIONS = ("none", "relu", "gelu")
 

@@ -10,7 +10,7 @@
 normalizations ``dataflow.autodiff`` recognised, with kind, forward core and closed-form
 backward primitives, input, output, reduced letters, scale tensor and epsilon).
 ``live*()`` rebuild each from the front end (needs DaCe); tests check the stored files against
-them wherever DaCe is installed; ``python -m dataflow.snapshot`` refreshes all three.
+them wherever DaCe is installed; ``python -m datamove.dataflow.snapshot`` refreshes all three.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
-from dataflow.operators import Operator
+from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
+from datamove.dataflow.operators import Operator
 
 PATH = Path(__file__).parent / "snapshots" / "forward_operators.json"
 TRAINING_PATH = Path(__file__).parent / "snapshots" / "training_operators.json"
@@ -60,13 +60,13 @@ def stored(path: Path = PATH) -> dict:
 
 
 def _config(name: str) -> Path:
-    return Path(__file__).parent.parent / "configs" / f"{name}.py"
+    return Path(__file__).parents[2] / "configs" / f"{name}.py"
 
 
 def live() -> dict:
     """{spec name: snapshot dict} of the forward graphs from the front end (needs DaCe)."""
-    from dataflow.operators import group_operators
-    from dataflow.pipeline import forward_graph
+    from datamove.dataflow.operators import group_operators
+    from datamove.dataflow.pipeline import forward_graph
     result = {}
     for name in SPECS:
         _, graph = forward_graph(_config(name))
@@ -76,7 +76,7 @@ def live() -> dict:
 
 def live_training() -> dict:
     """{spec name: snapshot dict} of the fused training graphs from the front end (needs DaCe)."""
-    from dataflow.pipeline import analyse_spec
+    from datamove.dataflow.pipeline import analyse_spec
     result = {}
     for name in SPECS:
         fused = analyse_spec(_config(name)).fused
@@ -167,11 +167,11 @@ def stored_fused() -> dict[str, FusedTraining]:
 
 def live_fused() -> dict:
     """{spec name: extras dict} from the front end (needs DaCe)."""
-    from dataflow.pipeline import analyse_spec
+    from datamove.dataflow.pipeline import analyse_spec
     return {name: snapshot_fused(analyse_spec(_config(name))) for name in SPECS}
 
 
-if __name__ == "__main__":  # refresh after a front-end change: python -m dataflow.snapshot
+if __name__ == "__main__":  # refresh after a front-end change: python -m datamove.dataflow.snapshot
     PATH.write_text(_dump(live()))
     TRAINING_PATH.write_text(_dump(live_training()))
     FUSED_PATH.write_text(_dump(live_fused()))

@@ -23,8 +23,8 @@ from typing import Iterable
 
 import numpy as np
 
-from dataflow.dropout_mask import DECISION_GROUP, dropout_scale, dropout_scale_mask
-from dataflow.graph import SCALE_PREFIX
+from datamove.dataflow.dropout_mask import DECISION_GROUP, dropout_scale, dropout_scale_mask
+from datamove.dataflow.graph import SCALE_PREFIX
 
 _FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "maximum": np.maximum,
               "minimum": np.minimum, "abs": np.abs, "where": np.where, "sign": np.sign}

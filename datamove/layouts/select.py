@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from layouts.plan import LAYOUT_CHANGE, MEASURED, PREDICTED, Plan, Step
+from datamove.layouts.plan import LAYOUT_CHANGE, MEASURED, PREDICTED, Plan, Step
 
 STATES_PER_POSITION = 512  # layout states kept per position of the execution order: bounds the search
 

@@ -23,7 +23,7 @@ kept elements are scaled by ``dropout_scale(p)``.
 import triton
 import triton.language as tl
 
-from dataflow.dropout_mask import dropout_scale, keep_threshold  # noqa: F401 - the host-side half of the convention
+from datamove.dataflow.dropout_mask import dropout_scale, keep_threshold  # noqa: F401 - the host-side half of the convention
 
 
 @triton.jit

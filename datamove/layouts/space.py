@@ -63,7 +63,7 @@ import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
+from datamove.dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 
 MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 # Modes a first stage measures an access pattern with (one pass over the data, enough programs):

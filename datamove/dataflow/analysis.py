@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dataflow.graph import PrimitiveGraph
-from dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, Operator, operator_counts
-from dataflow.spec import LayerSpec
+from datamove.dataflow.graph import PrimitiveGraph
+from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, Operator, operator_counts
+from datamove.dataflow.spec import LayerSpec
 
 CLASSES = (CONTRACTION, NORMALIZATION, ELEMENTWISE)
 

@@ -42,9 +42,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dataflow.dropout_mask import DECISION_GROUP
-from kernels.interpreter import interpreted, round_bf16
-from kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
+from datamove.dataflow.dropout_mask import DECISION_GROUP
+from datamove.kernels.interpreter import interpreted, round_bf16
+from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SAVES = ("none", "pre_activation", "pre_dropout")

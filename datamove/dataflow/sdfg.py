@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import dace
 import dace.frontend.common.einsum as dace_einsum
 
-from dataflow.numpy_lowering import SUPPORTED
-from dataflow.spec import LayerSpec, SpecError
+from datamove.dataflow.numpy_lowering import SUPPORTED
+from datamove.dataflow.spec import LayerSpec, SpecError
 
 
 @dataclass(frozen=True)

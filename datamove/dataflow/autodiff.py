@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import sympy
 
-from dataflow.graph import SCALE_PREFIX, Operand, Primitive, PrimitiveGraph, TensorInfo, is_expression
-from dataflow.operators import NORMALIZATION, Operator, group_operators, make_operator
+from datamove.dataflow.graph import SCALE_PREFIX, Operand, Primitive, PrimitiveGraph, TensorInfo, is_expression
+from datamove.dataflow.operators import NORMALIZATION, Operator, group_operators, make_operator
 
 FORWARD, BACKWARD = "forward", "backward"
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.philox import dropout_scale
-from kernels.torch_eval import map_value, reduce_value
+from datamove.kernels.philox import dropout_scale
+from datamove.kernels.torch_eval import map_value, reduce_value
 
 aten = torch.ops.aten
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 import dace
 import numpy
 
-from dataflow.spec import LayerSpec, SpecError
+from datamove.dataflow.spec import LayerSpec, SpecError
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _UNARY = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "abs": "abs", "absolute": "abs"}

@@ -41,11 +41,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
+from datamove.kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
                                default_config, fused_attention, mask_options, new_saved_mask)
-from kernels.sweep_variants import Verdict, judge
-from kernels.philox import dropout_scale
-from kernels.torch_eval import keep_mask_torch
+from datamove.kernels.sweep_variants import Verdict, judge
+from datamove.kernels.philox import dropout_scale
+from datamove.kernels.torch_eval import keep_mask_torch
 
 DTYPE = torch.bfloat16
 SEED = 0x5EED  # dropout seed; the mask's offset is 0, its logical index over (b, h, j, k) row-major

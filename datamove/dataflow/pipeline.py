@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dataflow.analysis import (OperatorRow, analyse, format_fused_table, format_movement, format_table, fused_json,
+from datamove.dataflow.analysis import (OperatorRow, analyse, format_fused_table, format_movement, format_table, fused_json,
                                movement_summary, report_json)
-from dataflow.autodiff import TrainingGraph, build_training_graph
-from dataflow.fusion import AttentionCandidate, FusedGraph, attention_candidates, fuse
-from dataflow.graph import PrimitiveGraph
-from dataflow.operators import Operator, group_operators
-from dataflow.sdfg import build_sdfg
-from dataflow.sdfg_reader import walk_sdfg
-from dataflow.numpy_lowering import lower_spec
-from dataflow.spec import LayerSpec, load_spec
+from datamove.dataflow.autodiff import TrainingGraph, build_training_graph
+from datamove.dataflow.fusion import AttentionCandidate, FusedGraph, attention_candidates, fuse
+from datamove.dataflow.graph import PrimitiveGraph
+from datamove.dataflow.operators import Operator, group_operators
+from datamove.dataflow.sdfg import build_sdfg
+from datamove.dataflow.sdfg_reader import walk_sdfg
+from datamove.dataflow.numpy_lowering import lower_spec
+from datamove.dataflow.spec import LayerSpec, load_spec
 
 
 @dataclass

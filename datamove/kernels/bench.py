@@ -20,9 +20,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
-from kernels.device import DeviceFacts, NoDevice, device_count, query_device, versions
-from kernels.tuning_db import Ceilings, Key, Record, TuningDB
-from kernels.workers import Event, Pool, WorkerStartError, note, retire, wait
+from datamove.kernels.device import DeviceFacts, NoDevice, device_count, query_device, versions
+from datamove.kernels.tuning_db import Ceilings, Key, Record, TuningDB
+from datamove.kernels.workers import Event, Pool, WorkerStartError, note, retire, wait
 
 # Calls whose GPU time is under this are replayed from a CUDA graph when ``cuda_graph=None``: the
 # host's launch work (several microseconds per Triton launch, more for a callable that launches
@@ -81,7 +81,7 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
     """
     import torch
 
-    from kernels.interpreter import interpreted
+    from datamove.kernels.interpreter import interpreted
 
     if interpreted():
         raise RuntimeError("TRITON_INTERPRET=1: Triton kernels run on the CPU interpreter, nothing can be timed")
@@ -355,7 +355,7 @@ class Sweep:
                  slow_factor: float = SLOW_FACTOR, retry_failed: bool = False):
         from rich.console import Console
 
-        from kernels.interpreter import interpreted
+        from datamove.kernels.interpreter import interpreted
 
         self.db = db
         self.variants = list(variants)
