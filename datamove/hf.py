@@ -17,7 +17,8 @@ from datamove.module import TunedLayer
 
 
 def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
-    """HF's attention mask as bool (batch, keys), True = key excluded; None where nothing is masked.
+    """HF's attention mask as bool (batch, keys), True = key excluded (None for None).  A mask that
+    excludes nothing is passed on as it is: asking would wait for the GPU in every step.
 
     Accepted: None; (batch, keys) with 1 = attend; (batch, 1, 1 | queries, keys) bool (True =
     attend) or additive float (0 = attend, negative = masked) that is the same for every query
@@ -37,13 +38,13 @@ def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, keys: int)
                          f"(batch, 1, 1 | queries, keys)")
     if tuple(excluded.shape) != (batch, keys):
         raise ValueError(f"attention_mask covers {tuple(excluded.shape)} (batch, keys), the layer ({batch}, {keys})")
-    return excluded if bool(excluded.any()) else None
+    return excluded
 
 
 class _LastMask:
     """The last attention mask converted and its key-padding mask: a HF model passes one mask
-    tensor to every layer, so it is converted (and checked, which waits for the GPU) once per
-    model call, not once per layer."""
+    tensor to every layer, so it is converted (and a 4-D mask checked, which waits for the GPU)
+    once per model call, not once per layer."""
 
     def __init__(self):
         self.source, self.key, self.converted = None, None, None

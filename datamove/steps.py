@@ -24,7 +24,8 @@ import torch
 from datamove.dataflow.executor import dropout_offsets
 from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
 from datamove.kernels.codegen import allocate, compile_operator
-from datamove.kernels.contraction import Epilogue, contract, gemm_plan, run_cublas, run_triton
+from datamove.kernels.contraction import (Epilogue, contract, cublas_call, cublas_views, gemm_plan, run_cublas,
+                                         run_triton)
 from datamove.kernels.gemm import GemmConfig
 from datamove.kernels.layout_change import permute_copy
 from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
@@ -151,6 +152,49 @@ class GeneratedLauncher(Launcher):
         store.update(outputs)
 
 
+class _KeptViews:
+    """A cuBLAS step's three GEMM views, derived once from the store (``_operand`` then the GEMM
+    plan's views) and rebuilt per call as one ``as_strided`` of each operand's first member in
+    storage order, for as long as every member keeps the shape, strides, storage and distance from
+    that first member it had then (``Buffers`` allocates them alike every call); None from ``derive``
+    where an operand is a copy (members not one storage)."""
+
+    def __init__(self, parts: list[tuple]):
+        self.parts = parts  # per operand: (members, base index, [(shape, strides, distance)], view size, stride, offset)
+
+    @classmethod
+    def derive(cls, step: Step, store: dict, operands: list[list[str]], views: list[torch.Tensor]):
+        parts = []
+        for members, view in zip(operands, views):
+            tensors = [_read(step, store, t) for t in members]
+            base = min(range(len(tensors)), key=lambda n: tensors[n].data_ptr())
+            storage = view.untyped_storage().data_ptr()
+            if any(t.untyped_storage().data_ptr() != storage for t in tensors):
+                return None
+            start = tensors[base].data_ptr()
+            parts.append((members, base, [(t.shape, t.stride(), t.data_ptr() - start) for t in tensors],
+                          view.shape, view.stride(), view.storage_offset() - tensors[base].storage_offset()))
+        return cls(parts)
+
+    def views(self, step: Step, store: dict) -> list[torch.Tensor] | None:
+        """The views on this call's store, or None where a member moved (derive again)."""
+        result = []
+        for members, base, expected, size, stride, offset in self.parts:
+            if len(members) == 1:
+                first = _read(step, store, members[0])
+                if first.stride() != expected[0][1] or first.shape != expected[0][0]:
+                    return None
+            else:
+                tensors = [_read(step, store, t) for t in members]
+                first, start = tensors[base], tensors[base].data_ptr()
+                storage = first.untyped_storage().data_ptr()
+                if any((t.shape, t.stride(), t.data_ptr() - start) != e or t.untyped_storage().data_ptr() != storage
+                       for t, e in zip(tensors, expected)):
+                    return None
+            result.append(first.as_strided(size, stride, first.storage_offset() + offset))
+        return result
+
+
 class GemmLauncher(Launcher):
     """A contraction (stacked or not) as one GEMM, cuBLAS or the Triton template, optionally with
     its element-wise consumer fused as the epilogue (``GEMM_EPILOGUE``)."""
@@ -167,6 +211,7 @@ class GemmLauncher(Launcher):
         self.offset = dropout_offsets(graph)[mask] if mask else 0
         self.dropout_p = graph.tensors[mask].p if mask else 0.0  # the graph's: 0 in evaluation mode
         self.gemm_plan = None
+        self.kept_views: _KeptViews | None = None  # a cuBLAS step of one call: its views, derived once
 
     def _operand(self, store: dict, members: list[str]) -> torch.Tensor:
         tensors = [_read(self.step, store, t) for t in members]
@@ -176,6 +221,10 @@ class GemmLauncher(Launcher):
         if not self.epilogue:
             for t in self.out:
                 store[t] = self.output(store, t)
+            views = self.kept_views.views(self.step, store) if self.kept_views is not None else None
+            if views is not None:
+                cublas_call(*views)
+                return
         stacked = [m for m in (self.out, self.a, self.b) if len(m) > 1 and m[0] in store]
         reference = next((m for m in stacked if _one_buffer([_read(self.step, store, t) for t in m])), None)
         a_members, b_members, out_members = self.a, self.b, self.out
@@ -192,7 +241,12 @@ class GemmLauncher(Launcher):
             if self.gemm_plan is None:  # the operands' layouts are the plan's on every call: map them once
                 self.gemm_plan = gemm_plan(self.einsum, a, b, out)
             if self.backend == "cublas":
-                run_cublas(self.gemm_plan, a, b, out)
+                views = cublas_views(self.gemm_plan, a, b, out)
+                if views is None:
+                    run_cublas(self.gemm_plan, a, b, out)
+                else:
+                    cublas_call(*views)
+                    self.kept_views = _KeptViews.derive(self.step, store, [a_members, b_members, out_members], views)
             else:
                 run_triton(self.gemm_plan, a, b, out, Epilogue(), self.gemm_config)
             return

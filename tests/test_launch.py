@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from datamove.kernels.launch import DirectLaunch
+from datamove.kernels.launch import DirectLaunch, launch
 
 
 class Compiled:
@@ -46,6 +46,23 @@ def test_first_launch_through_the_jit_then_direct(monkeypatch):
     assert jit.log[-1][0] == "jit"
     launch([x[1:], 48])  # a pointer no longer 16-byte aligned: the JIT again
     assert jit.log[-1][0] == "jit"
+    launch([x.half(), 48])  # another dtype compiles another kernel: the JIT again
+    assert jit.log[-1][0] == "jit"
+    launch([x.half(), 48])
+    assert jit.log[-1][0] == "direct"
+
+
+def test_launch_keeps_one_direct_launch_per_kernel_grid_and_constexprs(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    jit = Jit(["x", "BLOCK"])
+    x = torch.zeros(64)
+    for _ in range(2):
+        launch(jit, (3,), [x], {"BLOCK": 16})
+    assert [entry[0] for entry in jit.log] == ["jit", "direct"]
+    launch(jit, (3,), [x], {"BLOCK": 32})  # other constexprs: a kernel of its own
+    launch(jit, (4,), [x], {"BLOCK": 16})  # another grid
+    assert [entry[0] for entry in jit.log] == ["jit", "direct", "jit", "jit"]
 
 
 def test_interpreted_kernels_always_go_through_the_jit():

@@ -677,11 +677,12 @@ class CompiledOperator:
         return (sum(self._programs(plan, knobs) for plan, knobs in zip(self.plans, self.part_knobs)),)
 
     def run(self, tensors: dict, seeds: dict | None = None, outputs: dict | None = None) -> dict:
-        loads = [tensors[t] for t in self.loads]
-        reference = next((x for t, x in zip(self.loads, loads) if x.is_floating_point()
-                          and self.graph.tensors[t].role != "dropout"), loads[0])
-        outputs = outputs or {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
-                              for plan in self.plans for t in plan.outputs}
+        if not outputs:
+            loads = [tensors[t] for t in self.loads]
+            reference = next((x for t, x in zip(self.loads, loads) if x.is_floating_point()
+                              and self.graph.tensors[t].role != "dropout"), loads[0])
+            outputs = {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
+                       for plan in self.plans for t in plan.outputs}
         launch, args = self._arguments(tensors, outputs, seeds or {})
         launch(args)
         return outputs

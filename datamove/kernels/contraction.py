@@ -310,6 +310,34 @@ def _views(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
                                            (out, (b0, b1, m, n), plan.c_strides)))
 
 
+def _single_call_dims(plan: GemmPlan) -> tuple[int, ...] | None:
+    """The (b0, b1, rows, cols) dims of the operand views of one cuBLAS call (``addmm_`` for two
+    dims, ``baddbmm_`` for three), or None for two batch dims (one call per index of one)."""
+    b0, b1 = plan.batch
+    if b0 * b1 == 1:
+        return (2, 3)
+    if b1 == 1 or b0 == 1:
+        return (0 if b1 == 1 else 1, 2, 3)
+    return None
+
+
+def cublas_views(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple | None:
+    """The three operand views (layouts checked) of ``run_cublas``'s single call, for
+    ``cublas_call``; None where it makes one call per index of a batch dim."""
+    if not plan.blas:
+        raise ValueError(f"{plan.describe()}: a batch letter is innermost in an operand; cuBLAS needs a unit-stride matrix dim")
+    dims = _single_call_dims(plan)
+    return None if dims is None else _views(plan, a, b, out, dims)
+
+
+def cublas_call(va: torch.Tensor, vb: torch.Tensor, vc: torch.Tensor, alpha: float = 1.0) -> None:
+    """``vc = alpha * va @ vb`` in place (beta=0) on ``cublas_views``' views."""
+    if vc.dim() == 2:
+        vc.addmm_(va, vb, beta=0, alpha=alpha)
+    else:
+        vc.baddbmm_(va, vb, beta=0, alpha=alpha)
+
+
 def run_cublas(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """``out = alpha * contraction(a, b)`` through torch's cuBLAS GEMMs, written in place into ``out``.
 
@@ -317,17 +345,11 @@ def run_cublas(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tens
     one ``addmm_``/``baddbmm_`` (beta=0) on strided views; two batch dims: one ``baddbmm_`` per index
     of the shorter one.  Raises ValueError for a plan that is not ``blas`` (torch would copy).
     """
-    if not plan.blas:
-        raise ValueError(f"{plan.describe()}: a batch letter is innermost in an operand; cuBLAS needs a unit-stride matrix dim")
+    views = cublas_views(plan, a, b, out)
+    if views is not None:
+        cublas_call(*views, alpha=alpha)
+        return out
     b0, b1 = plan.batch
-    if b0 * b1 == 1:
-        va, vb, vc = _views(plan, a, b, out, (2, 3))
-        vc.addmm_(va, vb, beta=0, alpha=alpha)
-        return out
-    if b1 == 1 or b0 == 1:
-        va, vb, vc = _views(plan, a, b, out, (0 if b1 == 1 else 1, 2, 3))
-        vc.baddbmm_(va, vb, beta=0, alpha=alpha)
-        return out
     va, vb, vc = _views(plan, a, b, out)
     if b0 <= b1:
         for i in range(b0):

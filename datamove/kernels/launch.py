@@ -9,7 +9,8 @@ arguments, then the keyword ones in the kernel's parameter order).  Each call st
 cheap part of the specialisation key (pointer alignment, integer classes), so an argument that
 would compile differently goes through the JIT again.  Under the interpreter, with a launch hook
 set (profilers), or with a Triton whose compiled kernels cannot be called this way, every launch
-goes through the JIT.
+goes through the JIT.  ``launch(kernel, grid, args, kwargs)`` keeps one ``DirectLaunch`` per
+kernel, grid and keyword arguments, for callers that launch a kernel as ``kernel[grid](...)`` would.
 """
 from __future__ import annotations
 
@@ -22,13 +23,16 @@ except ImportError:  # Triton before 3.4: no launch hooks to honour
 
 
 def _key(args) -> tuple:
-    """The part of Triton's specialisation that can differ between calls of one signature."""
+    """The part of Triton's specialisation that can differ between calls of one signature (tensors:
+    16-byte alignment and dtype; integers: equal to 1, divisible by 16, 32-bit; folded into one
+    small int, as this runs on every launch)."""
     key = []
     for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append(a.data_ptr() % 16 == 0)
-        elif isinstance(a, int) and not isinstance(a, bool):
-            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31))
+        kind = type(a)
+        if kind is int:
+            key.append((a == 1) | (a % 16 == 0) << 1 | (-2**31 <= a < 2**31) << 2)
+        elif kind is torch.Tensor or kind is torch.nn.Parameter or isinstance(a, torch.Tensor):
+            key.append((a.data_ptr() % 16 == 0, a.dtype))
         else:
             key.append(None)
     return tuple(key)
@@ -55,14 +59,15 @@ class DirectLaunch:
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, args: list) -> None:
-        key = _key(args if self.varying is None else [args[i] for i in self.varying])
+        device = torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1  # the JIT compiles per current device
+        key = (device, _key(args if self.varying is None else [args[i] for i in self.varying]))
         compiled = self.compiled.get(key)
         if compiled is None or _hooked():
             compiled = self.kernel[self.grid](*args, **self.kwargs)
             if self._direct(compiled, args):
                 self.compiled[key] = compiled
             return
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # the JIT's: the current device's
+        stream = torch._C._cuda_getCurrentRawStream(device)  # the JIT's: the current device's
         compiled.run(*self.grid, stream, compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *self.tail)
 
@@ -76,3 +81,16 @@ class DirectLaunch:
             self.tail = [self.kwargs[n] for n in self.names[len(args):]]
         return True
 
+
+
+_LAUNCHES: dict[tuple, DirectLaunch] = {}
+
+
+def launch(kernel, grid: tuple, args: list, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)`` through a ``DirectLaunch`` kept per (kernel, grid, kwargs):
+    the kwargs (constexprs and launch options) must be hashable values."""
+    key = (kernel, grid, *kwargs.items())
+    direct = _LAUNCHES.get(key)
+    if direct is None:
+        direct = _LAUNCHES[key] = DirectLaunch(kernel, grid, kwargs)
+    direct(args)
