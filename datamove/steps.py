@@ -18,6 +18,7 @@ reading the store.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -152,19 +153,33 @@ class GeneratedLauncher(Launcher):
         store.update(outputs)
 
 
+class _OperandView(NamedTuple):
+    """How one GEMM operand's view is rebuilt: ``members`` (store names), ``base`` (index of the
+    member lowest in memory, whose storage the view is taken of), ``expected`` (each member's
+    (shape, strides, byte distance from the base)), the view's ``size``, ``stride`` and
+    ``offset`` (elements from the base's storage offset)."""
+
+    members: list[str]
+    base: int
+    expected: list[tuple]
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
 class _KeptViews:
     """A cuBLAS step's three GEMM views, derived once from the store (``_operand`` then the GEMM
-    plan's views) and rebuilt per call as one ``as_strided`` of each operand's first member in
-    storage order, for as long as every member keeps the shape, strides, storage and distance from
-    that first member it had then (``Buffers`` allocates them alike every call); None from ``derive``
-    where an operand is a copy (members not one storage)."""
+    plan's views) and rebuilt per call as one ``as_strided`` of each operand's base member, for as
+    long as every member keeps the shape, strides, storage and distance from the base it had then
+    (``Buffers`` allocates them alike every call); None from ``derive`` where an operand is a copy
+    (members not one storage)."""
 
-    def __init__(self, parts: list[tuple]):
-        self.parts = parts  # per operand: (members, base index, [(shape, strides, distance)], view size, stride, offset)
+    def __init__(self, operands: list[_OperandView]):
+        self.operands = operands
 
     @classmethod
     def derive(cls, step: Step, store: dict, operands: list[list[str]], views: list[torch.Tensor]):
-        parts = []
+        kept = []
         for members, view in zip(operands, views):
             tensors = [_read(step, store, t) for t in members]
             base = min(range(len(tensors)), key=lambda n: tensors[n].data_ptr())
@@ -172,14 +187,14 @@ class _KeptViews:
             if any(t.untyped_storage().data_ptr() != storage for t in tensors):
                 return None
             start = tensors[base].data_ptr()
-            parts.append((members, base, [(t.shape, t.stride(), t.data_ptr() - start) for t in tensors],
-                          view.shape, view.stride(), view.storage_offset() - tensors[base].storage_offset()))
-        return cls(parts)
+            kept.append(_OperandView(members, base, [(t.shape, t.stride(), t.data_ptr() - start) for t in tensors],
+                                     view.shape, view.stride(), view.storage_offset() - tensors[base].storage_offset()))
+        return cls(kept)
 
     def views(self, step: Step, store: dict) -> list[torch.Tensor] | None:
         """The views on this call's store, or None where a member moved (derive again)."""
         result = []
-        for members, base, expected, size, stride, offset in self.parts:
+        for members, base, expected, size, stride, offset in self.operands:
             if len(members) == 1:
                 first = _read(step, store, members[0])
                 if first.stride() != expected[0][1] or first.shape != expected[0][0]:

@@ -119,6 +119,6 @@ def test_cublas_steps_keep_their_views(bert):
     gemms = [l for l in program.forward_steps + program.backward_steps
              if isinstance(l, GemmLauncher) and l.backend == "cublas" and not l.epilogue]
     assert gemms and all(l.kept_views is not None for l in gemms)
-    assert any(len(members) > 1 for l in gemms for members, *_ in l.kept_views.parts)  # a stacked operand among them
+    assert any(len(members) > 1 for l in gemms for members, *_ in l.kept_views.operands)  # a stacked operand among them
     for kept, fresh in zip(run(warm, 8), run(load(bert), 8)):
         torch.testing.assert_close(kept, fresh, rtol=0, atol=0)
