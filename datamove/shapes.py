@@ -173,13 +173,13 @@ def check_plans(plans: list[Plan], graph, interface) -> None:
     stored = interface.parameters + interface.constants
     for plan in plans:
         shape = describe({d: plan.dims[d] for d in dims})
-        if shape in seen:
-            raise ValueError(f"two plans tuned at {shape}")
-        seen.add(shape)
         fixed = {d: v for d, v in plan.dims.items() if d not in dims and first.dims.get(d) != v}
         if fixed:
             raise ValueError(f"the plan at {shape} has {describe(fixed)}, the first {describe({d: first.dims.get(d) for d in fixed})}: "
                              f"only {', '.join(dims)} may differ between the shapes of one layer (the others size its weights)")
+        if shape in seen:
+            raise ValueError(f"two plans tuned at {shape}")
+        seen.add(shape)
         moved = [t for t in stored if plan.layouts[t] != first.layouts[t]]
         if moved:
             raise ValueError(f"the plan at {shape} stores {', '.join(moved)} in another layout than the first plan: "
