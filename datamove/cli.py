@@ -27,9 +27,12 @@ def _dims(text: str | None) -> list[dict[str, int]]:
         except ValueError:
             raise SpecError(f"--dims: {name}={value}: expected an integer or integers separated by '|', "
                             f"e.g. {name}=128|512") from None
-        if len(set(values)) != len(values) or min(values) < 1:
-            raise SpecError(f"--dims: {name}={value}: each value must be a positive integer, given once")
+        if len(set(values)) != len(values):
+            raise SpecError(f"--dims: {name}={value}: each value given once")
         choices[name] = values
+    bad = [f"{name}={v}" for name, values in choices.items() for v in values if v < 1]
+    if bad:
+        raise SpecError(f"--dims: {', '.join(bad)}: dims must be positive integers")
     return [dict(zip(choices, combination)) for combination in itertools.product(*choices.values())]
 
 

@@ -16,11 +16,11 @@ through the custom ops otherwise; graphs are kept for at most ``GRAPHED_SHAPES``
 its longest sequence makes many shapes, each graphed one holding its own static buffers), other
 shapes launch plainly.
 """
+import warnings
+
 import torch
 
 from datamove.graphs import LayerGraphs
-import warnings
-
 from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
 from datamove.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
 from datamove.steps import Run

@@ -150,7 +150,7 @@ def test_dims_alternatives_are_parsed_and_bad_ones_refused():
     assert _dims(None) == [{}]
     for text, message in (("L=128|x", "L=128|x: expected an integer or integers separated by '|'"),
                           ("L=128||256", "L=128||256: expected an integer"),
-                          ("L=128|128", "given once"), ("L=0", "positive integer")):
+                          ("L=128|128", "given once"), ("B=0,L=7|-3", "B=0, L=-3: dims must be positive integers")):
         with pytest.raises(SpecError, match=message.replace("|", r"\|")):
             _dims(text)
 
