@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -14,16 +15,25 @@ from datamove.kernels.tuning_db import TuningDBError
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-def _dims(text: str | None) -> dict[str, int]:
+def _dims(text: str | None) -> list[dict[str, int]]:
+    """``--dims``: every shape to tune, e.g. ``B=8,L=128|512`` -> [{B: 8, L: 128}, {B: 8, L: 512}]
+    (``|`` separates alternatives; every combination, the first written first)."""
     if not text:
-        return {}
-    dims = {}
+        return [{}]
+    choices = {}
     for name, value in parse_assignments(text, "--dims").items():
         try:
-            dims[name] = int(value)
+            values = [int(v) for v in value.split("|")]
         except ValueError:
-            raise SpecError(f"--dims: {name}={value} is not an integer") from None
-    return dims
+            raise SpecError(f"--dims: {name}={value}: expected an integer or integers separated by '|', "
+                            f"e.g. {name}=128|512") from None
+        if len(set(values)) != len(values):
+            raise SpecError(f"--dims: {name}={value}: each value given once")
+        choices[name] = values
+    bad = [f"{name}={v}" for name, values in choices.items() for v in values if v < 1]
+    if bad:
+        raise SpecError(f"--dims: {', '.join(bad)}: dims must be positive integers")
+    return [dict(zip(choices, combination)) for combination in itertools.product(*choices.values())]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "layer as a PyTorch module, and an MUE / roofline report.")
     parser.add_argument("spec", help="spec file, e.g. configs/bert.py")
     parser.add_argument("--out", type=Path, help="output folder (default: out/<spec>-<dims>-<dtype>-<device>)")
-    parser.add_argument("--dims", help="dim values, e.g. B=8,L=512 (default: the spec's)")
+    parser.add_argument("--dims", help="dim values, e.g. B=8,L=512 (default: the spec's); alternatives of the batch "
+                                         "and sequence dims tune one plan per combination into one artifact, "
+                                         "e.g. B=8,L=128|256|512")
     parser.add_argument("--set", dest="options", help="spec options, e.g. activation=gelu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="precision of the tuned layer")
     parser.add_argument("--budget-s", type=float, default=600.0,
@@ -58,7 +70,10 @@ def _analyze(args) -> int:
     from datamove.dataflow.pipeline import analyse_spec
 
     started = time.perf_counter()
-    result = analyse_spec(args.spec, _dims(args.dims), parse_assignments(args.options or "", "--set"))
+    shapes = _dims(args.dims)
+    if len(shapes) > 1:
+        raise SpecError(f"--analyze: one shape at a time, not {len(shapes)} (--dims {args.dims})")
+    result = analyse_spec(args.spec, shapes[0], parse_assignments(args.options or "", "--set"))
     print(result.table)
     print(f"\nanalysed {args.spec} in {time.perf_counter() - started:.1f} s (no GPU needed: counts are exact)")
     if args.json:

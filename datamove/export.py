@@ -8,15 +8,19 @@ without re-tuning:
 - ``manifest.json``: spec name and hash, dims, dtype, the device the plan was timed on (name,
   compute capability; "cost model: <device>" where nothing was measured), library versions, and
   the spec's PyTorch interface (``TORCH_ORDER``, ``WEIGHTS``);
-- ``kernels/<step>.py``: the generated Triton source of every generated step, for reading.
+- ``kernels/<step>.py``: the generated Triton source of every generated step, for reading;
+- with several tuned shapes (``optimize-layer --dims B=8,L=128|512``): the first shape's plan is
+  ``plan.json``, every other one ``plans/<shape>.json`` (``B8-L512.json``, over ``graph.json`` at its
+  dims) with its kernel sources in ``kernels/<shape>/``; the manifest's ``shapes`` lists them
+  ({"dims": the call dims' sizes, "plan": file}), the first shape first.
 
 ``load_layer(out_dir)`` returns a ``datamove.module.TunedLayer``.  Loading checks the manifest
 against this machine: an artifact whose times were measured on another GPU model, or a dtype or
 device the caller asks for that differs, is refused, naming both, unless ``allow_mismatch=True``
 (the plan then runs as chosen, untuned for this device); a cost-model artifact loads anywhere
 with a warning that nothing was measured.  A missing or damaged file of the artifact is refused,
-naming it (``ArtifactError`` where it is not the JSON written).  Batch size and sequence length are those of the plan:
-other shapes are refused at call time, naming the tuned ones.
+naming it (``ArtifactError`` where it is not the JSON written).  The layer runs at any batch size and
+sequence length: a tuned shape's plan, or the nearest one at the call's sizes (``datamove.shapes``).
 
 Weights: ``load_weights(layer, module)`` copies a PyTorch module's weights (a HF ``BertLayer``,
 an ``nn.TransformerEncoderLayer`` with ``batch_first=True``, any module type the spec's
@@ -37,12 +41,13 @@ from datamove.dataflow.snapshot import load as load_graph
 from datamove.dataflow.snapshot import snapshot
 from datamove.layer import tensor_interface
 from datamove.module import TunedLayer
+from datamove.shapes import call_dims, check_plans, file_stem
 from datamove.weights import from_spec, to_spec
 from datamove.kernels.codegen import compile_operator
 from datamove.layouts.plan import GENERATED, Plan
 from datamove.layouts.space import Configuration
 
-PLAN, GRAPH, MANIFEST, KERNELS = "plan.json", "graph.json", "manifest.json", "kernels"
+PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
 MANIFEST_KEYS = ("dims", "dtype", "device", "torch_order", "weights")  # what loading and the benchmarks read
 REWRITE = "write the artifact again with optimize-layer SPEC --out DIR"
 
@@ -66,23 +71,42 @@ def _write(path: Path, text: str) -> None:
 
 
 def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spec_digest: str,
-                   torch_order: dict, weights: dict, device: dict, versions: dict) -> Path:
-    """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"}."""
+                   torch_order: dict, weights: dict, device: dict, versions: dict, other_plans: tuple = ()) -> Path:
+    """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
+    ``plan``: the plan at ``graph``'s dims, ``other_plans``: those of the other tuned shapes
+    (checked: ``datamove.shapes.check_plans``)."""
     out = Path(out_dir)
-    (out / KERNELS).mkdir(parents=True, exist_ok=True)
-    _write(out / PLAN, plan.dumps())
+    plans = [plan, *other_plans]
+    interface = tensor_interface(graph, torch_order)
+    check_plans(plans, graph, interface)
+    dims = call_dims(graph, interface)
+    shapes = []
+    for n, each in enumerate(plans):
+        shape = {d: each.dims[d] for d in dims}
+        stem = file_stem(shape)
+        path, kernels = (out / PLAN, out / KERNELS) if n == 0 else (out / PLANS / f"{stem}.json", out / KERNELS / stem)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(path, each.dumps())
+        _write_kernels(kernels, each, graph.with_dims({**graph.dim_values, **shape}), operators)
+        shapes.append({"dims": shape, "plan": str(path.relative_to(out))})
     _write(out / GRAPH, json.dumps(snapshot(graph, operators), indent=1))
+    manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype,
+                "device": device, "versions": versions, "torch_order": torch_order,
+                "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()},
+                "shapes": shapes}
+    _write(out / MANIFEST, json.dumps(manifest, indent=1))
+    return out
+
+
+def _write_kernels(folder: Path, plan: Plan, graph, operators) -> None:
+    """The generated Triton source of every generated step of ``plan`` into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
     ops = {op.name: op for op in operators}
     for step in plan.steps:
         if step.kind == GENERATED:
             config = Configuration({**step.reads, **step.writes, **step.config.get("masks", {})}, step.config["knobs"])
             source = compile_operator(graph, ops[step.operators[0]], config).source
-            _write(out / KERNELS / f"{_file_name(step.name)}.py", source)
-    manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype,
-                "device": device, "versions": versions, "torch_order": torch_order,
-                "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()}}
-    _write(out / MANIFEST, json.dumps(manifest, indent=1))
-    return out
+            _write(folder / f"{_file_name(step.name)}.py", source)
 
 
 def _file_name(step: str) -> str:
@@ -135,6 +159,11 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     manifest = read_manifest(out)
     plan = _parsed(out / PLAN, Plan.from_json)
     graph, operators = _parsed(out / GRAPH, load_graph)
+    entries = manifest.get("shapes") or [{"plan": PLAN}]
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("plan"), str) for e in entries):
+        raise ArtifactError(f"{out / MANIFEST}: not a datamove manifest (its shapes are not a list of "
+                            f"{{dims, plan}}): {REWRITE}")
+    plans = [plan] + [_parsed(out / entry["plan"], Plan.from_json) for entry in entries[1:]]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tuned_dtype = getattr(torch, plan.dtype)
     problems = []
@@ -151,7 +180,11 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
         warnings.warn(f"{out}: the plan's times are predicted by the cost model ({timed_on['name']}); nothing was "
                       "measured: run optimize-layer on the GPU to tune it", stacklevel=2)
     interface = tensor_interface(graph, manifest["torch_order"])
-    layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs)
+    try:
+        check_plans(plans, graph, interface)
+    except ValueError as err:
+        raise ArtifactError(f"{out}: {err}: {REWRITE}") from None
+    layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs, plans)
     layer.weights_table = {kind: {t: tuple(v) for t, v in table.items()} for kind, table in manifest["weights"].items()}
     return layer
 

@@ -1,5 +1,10 @@
 """The main job of ``optimize-layer SPEC``: analysis -> fusion -> tuning -> selection -> export -> report.
 
+Several shapes (``--dims B=8,L=128|512``): the analysis runs at the first, each other shape is the
+same fused graph at its sizes (``FusedTraining.with_dims``); each shape is tuned (one database, one
+budget) and gets its own plan, the parameters stored as the first plan stores them (so one layer's
+weights serve every plan); the artifact holds them all and the report lists them.
+
 Into ``out`` (default ``out/<spec>-<dims>-<dtype>-<device>``): ``plan.json`` and the rest of the
 artifact (``datamove.export``), and the report (``report.html``, ``report.md``, PNG figures,
 ``report.json``).  On a GPU every candidate of the fused training graph goes through the tuning
@@ -26,7 +31,7 @@ SELECTION_ROUNDS = 4  # measure what the plan chose untuned (knobs of its layout
 @dataclass
 class JobOptions:
     spec: Path
-    dims: dict = field(default_factory=dict)
+    dims: list = field(default_factory=lambda: [{}])  # every shape: {dim -> value} overrides, the first: plan.json's
     options: dict = field(default_factory=dict)
     dtype: str = "bfloat16"
     out: Path | None = None
@@ -57,9 +62,10 @@ class Stages:
             self._current = None
 
 
-def default_out(spec: str, dims: dict, dtype: str, device: str) -> Path:
+def default_out(spec: str, shapes: list[dict], dtype: str, device: str) -> Path:
+    """``out/<spec>-<dims>-<dtype>-<device>``, a dim of several values as ``L128_512``."""
     short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
-    text = "-".join(f"{k}{v}" for k, v in dims.items())
+    text = "-".join(f"{k}" + "_".join(str(v) for v in dict.fromkeys(shape[k] for shape in shapes)) for k in shapes[0])
     slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
     return Path("out") / f"{spec}-{text}-{short}-{slug}"
 
@@ -103,26 +109,29 @@ def run_job(o: JobOptions) -> int:
     from datamove.report_data import report_data
     from datamove.kernels.device import DeviceFacts, query_device, versions
     from datamove.kernels.interpreter import interpreted
+    from datamove.layer import tensor_interface
     from datamove.layouts.cost_model import DEVICES, device_figures
 
     stages = Stages()
     stages("analysis and fusion")
-    analysis = analyse_spec(o.spec, o.dims, o.options)
+    analysis = analyse_spec(o.spec, o.dims[0], o.options)
     fused = fused_training(analysis)
     spec_name = o.spec.stem
     module = analysis.spec.function.__globals__
     torch_order, weights = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {})
+    shaped = shapes_of(fused, o.dims, torch_order)
     facts = query_device()
     measured = isinstance(facts, DeviceFacts) and not interpreted()
     figures = device_figures(facts.name) if measured and any(k.lower() in facts.name.lower() for k in DEVICES) \
         else device_figures(o.cost_model_device)
     device = facts.name if measured else f"cost model: {figures.name}"
-    out = o.out or default_out(spec_name, dict(fused.graph.dim_values), o.dtype, device if measured else "costmodel")
+    out = o.out or default_out(spec_name, [dict(f.graph.dim_values) for f in shaped.values()], o.dtype,
+                               device if measured else "costmodel")
     ceilings = None
     timings = NO_TIMINGS
-    tuning = None
+    tunings = []
     if measured:
-        from datamove.tuning import Tuner, fused_spaces, tune
+        from datamove.tuning import Tuner, fused_spaces, measure_layout_changes, tune, tune_chosen
         from datamove.kernels.bench import measure_ceilings
         from datamove.kernels.tuning_db import TuningDB
 
@@ -134,43 +143,71 @@ def run_job(o: JobOptions) -> int:
         tuner = Tuner(db, budget_s=o.budget_s, gpus=o.gpus, retry_failed=o.retry_failed)
         print(f"measuring on {tuner.gpus} GPU(s), one process each", flush=True)
         dtype = getattr(torch, o.dtype)
-        spaces = fused_spaces(fused, spec_name, dtype)
-        tuning = tune(tuner, fused, spaces, dtype=dtype, attention=attention_setups(fused, o.dtype))
-        timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
     else:
         reason = facts.reason if not isinstance(facts, DeviceFacts) else "TRITON_INTERPRET=1"
         print(f"No GPU ({reason}): NOTHING IS MEASURED. The selection runs on the cost model with the figures of "
               f"{figures.name}, and every time in the plan and the report is a prediction.", flush=True)
-    stages("selection")
-
-    def choose():
-        return plan_layer(fused, spec_name, dtype=o.dtype, figures=figures, timings=timings,
-                          boundary=boundary_layouts(torch_order), device=device)
-
-    plan = choose()
-    if measured:
-        from datamove.tuning import measure_layout_changes, tune_chosen
-
-        def choose_again():
-            nonlocal timings
+    boundary = boundary_layouts(torch_order)
+    plans = []
+    for label, each in shaped.items():
+        if measured:
+            stages(f"tuning {label}")
+            spaces = fused_spaces(each, spec_name, dtype)
+            tunings.append(tune(tuner, each, spaces, dtype=dtype, attention=attention_setups(each, o.dtype)))
             timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
-            return choose()
+        stages(f"selection {label}")
 
-        plan = refine_plan(plan, choose_again,
-                           lambda chosen: tune_chosen(tuner, spaces, chosen),
-                           lambda wanted: measure_layout_changes(tuner, fused.graph, wanted, dtype),
-                           lambda: tuner.report.stopped)
+        def choose(each=each, boundary=boundary):
+            return plan_layer(each, spec_name, dtype=o.dtype, figures=figures, timings=timings, boundary=boundary,
+                              device=device)
+
+        plan = choose()
+        if measured:
+            def choose_again(choose=choose):
+                nonlocal timings
+                timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
+                return choose()
+
+            plan = refine_plan(plan, choose_again,
+                               lambda chosen, spaces=spaces: tune_chosen(tuner, spaces, chosen),
+                               lambda wanted, each=each: measure_layout_changes(tuner, each.graph, wanted, dtype),
+                               lambda: tuner.report.stopped)
+        if not plans:  # every later plan stores the parameters and constants as the first one does
+            interface = tensor_interface(fused.graph, torch_order)
+            boundary = {**boundary, **{t: plan.layouts[t] for t in interface.parameters + interface.constants}}
+        plans.append(plan)
     stages("export")
-    write_artifact(out, plan, fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
-                   torch_order=torch_order, weights=weights, versions=versions(),
+    write_artifact(out, plans[0], fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
+                   torch_order=torch_order, weights=weights, versions=versions(), other_plans=tuple(plans[1:]),
                    device={"name": device, "measured": measured,
                            "capability": list(facts.compute_capability) if measured else None})
     stages("report")
-    paths = write_report(report_data(analysis, fused, plan, spec_name, o.dtype, figures, ceilings, timings, measured),
-                         out)
+    data = report_data(analysis, fused, plans[0], spec_name, o.dtype, figures, ceilings, timings, measured)
+    data.meta["shapes"] = [{"dims": label, "total_ms": plan.total_ms, "timing": plan.timing}
+                           for label, plan in zip(shaped, plans)]
+    paths = write_report(data, out)
     stages.done()
-    print(summary(plan, out, paths, tuning, stages))
+    print(summary(plans, list(shaped), out, paths, tunings, stages))
     return 0
+
+
+def shapes_of(fused, shapes: list[dict], torch_order: dict) -> dict:
+    """{label of each shape (its call dims, ``B=8, L=512``) -> the fused graph at its dims}; the first
+    is ``fused`` itself.  Refuses alternatives of a dim that sizes the weights (``SpecError``)."""
+    from datamove.dataflow.spec import SpecError
+    from datamove.layer import tensor_interface
+    from datamove.shapes import call_dims, describe
+
+    dims = call_dims(fused.graph, tensor_interface(fused.graph, torch_order))
+    fixed = sorted({d for shape in shapes for d, v in shape.items() if shapes[0].get(d) != v and d not in dims})
+    if fixed:
+        raise SpecError(f"--dims: {', '.join(fixed)} take(s) several values, but only {', '.join(dims)} may (the sizes "
+                        f"a call chooses); the others size the weights: run optimize-layer once per value")
+    result = {}
+    for shape in shapes:
+        each = fused if shape is shapes[0] else fused.with_dims({**fused.graph.dim_values, **shape})
+        result[describe({d: each.graph.dim_values[d] for d in dims})] = each
+    return result
 
 
 def refine_plan(plan, choose, measure_chosen, measure_changes, stopped, rounds: int = SELECTION_ROUNDS):
@@ -195,14 +232,17 @@ def refine_plan(plan, choose, measure_chosen, measure_changes, stopped, rounds: 
     return plan
 
 
-def summary(plan, out: Path, paths: dict, tuning, stages: Stages) -> str:
-    lines = ["", f"Plan ({plan.timing} times, {plan.device}):"]
+def summary(plans, labels: list[str], out: Path, paths: dict, tunings: list, stages: Stages) -> str:
+    plan = plans[0]
+    lines = ["", f"Plan at {labels[0]} ({plan.timing} times, {plan.device}):"]
     for step in plan.steps:
         lines.append(f"  {step.phase[:3]}  {step.kind:18s} {step.name:48s} {step.time_ms:8.4f} ms  {step.source}")
     lines.append(f"  total {plan.total_ms:.4f} ms (sum of per-operator bests {plan.best_sum_ms:.4f} ms); "
                  f"search: {plan.search.get('states')} states, {plan.search.get('edges')} edges, "
                  f"{plan.search.get('seconds')} s")
-    if tuning is not None:
+    lines.append("Shapes tuned: " + "; ".join(f"{label} ({each.total_ms:.4f} ms {each.timing})"
+                                              for label, each in zip(labels, plans)))
+    for tuning in tunings:
         counts = ", ".join(f"{n} {s}" for s, n in tuning.counts.items() if n)
         lines.append(f"Tuning: {counts} in {tuning.wall_s:.0f} s" + (f"; stopped: {tuning.stopped} (rerun to go on)"
                                                                       if tuning.stopped else ""))

@@ -298,8 +298,7 @@ def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.devi
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(value).__name__}")
     named = f" ({', '.join(order)})" if order else ""
     if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{what}: shape {tuple(value.shape)}, expected {tuple(shape)}{named}; the layer was "
-                         f"tuned and compiled for these sizes: export it again for others")
+        raise ValueError(f"{what}: shape {tuple(value.shape)}, expected {tuple(shape)}{named} at this call's sizes")
     if value.dtype != dtype:
         raise TypeError(f"{what}: dtype {value.dtype}, expected {dtype}")
     if value.device.type != device.type or (device.index is not None and value.device.index not in (None, device.index)):

@@ -7,19 +7,28 @@ one autograd node per layer call, opaque to ``torch.compile`` (which traces the 
 ``fullgraph=True``: fake implementations give every output's shape and strides).  The module holds the parameters (shape:
 spec letter order; storage: the plan's layouts; a stacked group such as Q/K/V's weights is one
 storage, so the stacked GEMM reads it without a copy) and the constants (buffers), and keeps two
-programs: training (the spec's dropout) and evaluation (dropout off), compiled on first use.  On
+programs per shape it is called at: training (the spec's dropout) and evaluation (dropout off),
+compiled on first use.  Shapes (``datamove.shapes``): a call at a tuned shape runs that shape's
+plan, any other the nearest tuned plan fitted to its sizes (one warning per layer and shape).  On
 CUDA a call replays the layer's own CUDA graphs where it can (``datamove.graphs``) and goes
-through the custom ops otherwise.
+through the custom ops otherwise; graphs are kept for at most ``GRAPHED_SHAPES`` shapes per layer
+(a tuned shape from its first call, another from its second: a dataloader padding each batch to
+its longest sequence makes many shapes, each graphed one holding its own static buffers), other
+shapes launch plainly.
 """
+import warnings
+
 import torch
 
 from datamove.graphs import LayerGraphs
 from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
+from datamove.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
 from datamove.steps import Run
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 
 
 PROGRAMS: dict[str, LayerProgram] = {}  # the custom ops find their program by name
+GRAPHED_SHAPES = 4  # shapes per layer instance whose CUDA graphs (and their static buffers) are kept
 
 
 def register(program: LayerProgram) -> str:
@@ -134,23 +143,31 @@ class _Launched(torch.autograd.Function):
 
 class TunedLayer(torch.nn.Module):
     """The tuned layer.  ``forward(*activations, key_padding_mask=None)``: activations in their
-    PyTorch order (``interface.torch_order``), of exactly the tuned shapes, dtype and device;
-    ``key_padding_mask``: optional bool (batch, keys), True = key excluded (the fused attention
-    applies it; a plan without one refuses it).  Returns the layer output(s) in PyTorch order.
+    PyTorch order (``interface.torch_order``), the layer's dtype and device, any sizes of the call
+    dims (``datamove.shapes.call_dims``: BERT's batch and sequence), the other sizes those of the
+    weights; ``key_padding_mask``: optional bool (batch, keys), True = key excluded (the fused
+    attention applies it; a plan without one refuses it).  Returns the layer output(s) in PyTorch order.
 
-    On CUDA with ``cuda_graphs`` (the default) calls replay the layer's own CUDA graphs
-    (``datamove.graphs``); otherwise, and where a replay is not possible, they launch the kernels
-    (through the custom ops where ``torch.compile`` traces)."""
+    ``plan``: the first tuned shape's plan (the parameters are stored in its layouts, which every
+    plan shares); ``plans``: every tuned shape's plan, ``plan`` first (default: ``plan`` alone),
+    over ``graph`` at their dims.  On CUDA with ``cuda_graphs`` (the default) calls replay the
+    layer's own CUDA graphs (``datamove.graphs``); otherwise, and where a replay is not possible,
+    they launch the kernels (through the custom ops where ``torch.compile`` traces)."""
 
     def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, plans: list[Plan] | None = None):
         super().__init__()
         self.plan, self.graph, self.operators, self.interface = plan, graph, operators, interface
         self.dtype, self.device_ = dtype, torch.device(device)
         self.cuda_graphs = cuda_graphs and self.device_.type == "cuda"
         self.graphs = LayerGraphs()
-        self._programs: dict[bool, LayerProgram] = {}
-        self.has_attention = any(s.kind == ATTENTION_FORWARD for s in plan.steps)
+        self.plans = list(plans or [plan])
+        self.call_dims = call_dims(graph, interface)
+        self.tuned_shapes = [{d: p.dims[d] for d in self.call_dims} for p in self.plans]  # [{call dim -> size}]
+        self._programs: dict[tuple, LayerProgram] = {}  # (training, shape key) -> program, shared by siblings
+        self._warned: set[tuple] = set()  # untuned shapes warned about, shared by siblings
+        self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
+        self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
         self._allocate_parameters()
 
     def _allocate_parameters(self) -> None:
@@ -168,17 +185,33 @@ class TunedLayer(torch.nn.Module):
         twin = TunedLayer.__new__(TunedLayer)
         torch.nn.Module.__init__(twin)
         twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")})
-        twin.graphs = LayerGraphs()
+        twin.graphs, twin._calls, twin._graphed = LayerGraphs(), {}, set()
         twin._allocate_parameters()
         return twin
 
-    def program(self, training: bool) -> LayerProgram:
-        if training not in self._programs:
-            graph = self.graph if training else without_dropout(self.graph)
-            self._programs[training] = LayerProgram(self.plan, graph, self.operators, self.interface, self.dtype,
-                                                    self.device_)
-            register(self._programs[training])
-        return self._programs[training]
+    def dispatch(self, shape: dict) -> Plan:
+        """The tuned plan a call at ``shape`` ({call dim -> size}) runs (``datamove.shapes.nearest``)."""
+        return self.plans[nearest(self.tuned_shapes, shape)]
+
+    def program(self, training: bool, shape: dict | None = None) -> LayerProgram:
+        """The program of a call at ``shape`` (default: the first tuned shape) in training or
+        evaluation mode, built on first use: the shape's own plan, else the nearest one fitted to it."""
+        shape = shape or self.tuned_shapes[0]
+        key = (training, shape_key(shape))
+        if key not in self._programs:
+            tuned = self.dispatch(shape)
+            graph = self.graph.with_dims({**self.graph.dim_values, **shape})
+            plan = tuned if shape in self.tuned_shapes else fit_plan(tuned, graph, self.operators, self.dtype.itemsize)
+            if plan is not tuned and key[1] not in self._warned:
+                self._warned.add(key[1])
+                warnings.warn(f"datamove: {describe(shape)} has no plan of its own (tuned: "
+                              f"{'; '.join(map(describe, self.tuned_shapes))}): it runs the plan tuned at "
+                              f"{describe({d: tuned.dims[d] for d in shape})} at these sizes, compiled now and "
+                              f"kept; tune it with optimize-layer --dims", stacklevel=3)
+            self._programs[key] = LayerProgram(plan, graph if training else without_dropout(graph), self.operators,
+                                               self.interface, self.dtype, self.device_)
+            register(self._programs[key])
+        return self._programs[key]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -191,10 +224,24 @@ class TunedLayer(torch.nn.Module):
             else:
                 param.fill_(1.0 if any(s in name for s in ("gamma", "gain")) else 0.0)
 
-    def _check_mask(self, mask: torch.Tensor) -> None:
-        letters = next(s for s in self.plan.steps if s.kind == ATTENTION_FORWARD).config["letters"]
-        expected = (self.graph.size(letters["batch"]), self.graph.size(letters["keys"]))
+    def _check_mask(self, mask: torch.Tensor, program: LayerProgram) -> None:
+        attention = next((s for s in program.plan.steps if s.kind == ATTENTION_FORWARD), None)
+        if attention is None:
+            raise ValueError("key_padding_mask: this plan runs no fused attention to apply it")
+        letters = attention.config["letters"]
+        expected = (program.graph.size(letters["batch"]), program.graph.size(letters["keys"]))
         check(mask, "key_padding_mask", expected, torch.bool, self.device_, letters["batch"] + letters["keys"])
+
+    def _graphed_shape(self, shape: dict) -> bool:
+        """Whether calls at ``shape`` replay CUDA graphs (the module doc's policy)."""
+        key = shape_key(shape)
+        if key in self._graphed:
+            return True
+        self._calls[key] = self._calls.get(key, 0) + 1
+        if len(self._graphed) >= GRAPHED_SHAPES or (shape not in self.tuned_shapes and self._calls[key] < 2):
+            return False
+        self._graphed.add(key)
+        return True
 
     def cuda_graph_bytes(self) -> int:
         """Bytes of static buffers this layer's CUDA graphs hold (0 before the first replay)."""
@@ -204,15 +251,14 @@ class TunedLayer(torch.nn.Module):
         face = self.interface
         if len(activations) != len(face.activations):
             raise TypeError(f"expected {len(face.activations)} activation(s) {face.activations}, got {len(activations)}")
+        shape = call_shape(self.graph, face, self.call_dims, activations)
+        program = self.program(self.training, shape)
         if key_padding_mask is not None:
-            if not self.has_attention:
-                raise ValueError("key_padding_mask: this plan runs no fused attention to apply it")
-            self._check_mask(key_padding_mask)
-        program = self.program(self.training)
+            self._check_mask(key_padding_mask, program)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t])
         tensors = [*map(self._parameters.__getitem__, face.parameters), *map(self._buffers.__getitem__, face.constants)]
-        if self.cuda_graphs and self.graphs.usable():
+        if self.cuda_graphs and self.graphs.usable() and self._graphed_shape(shape):
             replayer = self.graphs.replayer(program, tensors, key_padding_mask)
             if replayer is not None:
                 outputs = self.graphs(replayer, activations, tensors, key_padding_mask)

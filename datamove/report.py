@@ -51,7 +51,8 @@ class KernelRow:
 @dataclass
 class ReportData:
     """Everything the report shows.  ``meta``: spec, dims, dtype, device, ``measured`` (bool),
-    versions, date; ``ceilings``: ``bandwidth`` (bytes/s), ``flops`` (flop/s) and where they come
+    versions, date, optionally ``shapes`` (every tuned shape: ``dims`` label, ``total_ms``, ``timing``;
+    the report details the first); ``ceilings``: ``bandwidth`` (bytes/s), ``flops`` (flop/s) and where they come
     from (``source``); ``chosen``: the plan's steps; ``pytorch``: PyTorch eager per fused operator
     (the unfused operators it replaces); ``movement``: unfused vs fused minimal data movement
     (elements, ``dataflow.analysis.movement_summary``); ``plan``: ``total_ms``, ``best_sum_ms``."""
@@ -182,6 +183,9 @@ def _definitions(data: ReportData) -> list[str]:
             "B = D / time: achieved bandwidth. MUE = Q / D x B / B_peak x 100. Gflop = 2^30 flop.",
             f"Plan total {data.plan.get('total_ms', 0):.4f} ms; sum of per-operator bests "
             f"{data.plan.get('best_sum_ms', 0):.4f} ms (the paper's comparison).",
+            *([("Shapes tuned, one plan each (this report: the first): " + "; ".join(
+                f"{s['dims']} ({s['total_ms']:.4f} ms {s['timing']})" for s in data.meta["shapes"]) + ".")]
+              if data.meta.get("shapes") else []),
             "Minimal data movement of the training graph, unfused -> fused operators: " + "; ".join(
                 f"{key.replace('_', '-')} {data.movement['unfused'][key] / 1e6:.1f} -> {data.movement['fused'][key] / 1e6:.1f} "
                 f"million elements ({percent:.1f}% less)" for key, percent in data.movement.get("reduction_percent", {}).items()

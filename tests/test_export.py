@@ -240,8 +240,13 @@ def test_refuses_wrong_inputs(tmp_path):
     layer = load(write(tmp_path, "bert", BERT_DIMS))
     d = BERT_DIMS
     good = torch.randn(d["B"], d["L"], d["N"])
-    with pytest.raises(ValueError, match=r"shape \(3, 24, 32\), expected \(3, 23, 32\) \(b, j, i\)"):
-        layer(torch.randn(d["B"], d["L"] + 1, d["N"]))
+    with pytest.raises(ValueError, match=r"x: shape \(3, 23, 31\), expected \(B, L, 32\) \(b, j, i\): B, L any size "
+                                         r">= 1; the other sizes are fixed by the weights"):
+        layer(torch.randn(d["B"], d["L"], d["N"] - 1))
+    with pytest.raises(ValueError, match=r"x: shape \(3, 23\), expected"):
+        layer(torch.randn(d["B"], d["L"]))
+    with pytest.raises(ValueError, match=r"x: shape \(0, 23, 32\), expected"):
+        layer(torch.randn(0, d["L"], d["N"]))
     with pytest.raises(TypeError, match="dtype torch.float64, expected torch.float32"):
         layer(good.double())
     with pytest.raises(ValueError, match="on device meta, expected cpu"):

@@ -1,0 +1,191 @@
+"""The shapes an exported layer runs at: which dims a call may size, which tuned plan runs it, and
+that plan fitted to the call's sizes.
+
+*Call dims* (``call_dims``): the dims of the activations' letters that no parameter or constant
+carries.  BERT: B and L (x is [B, L, N]; N, H, P, U are fixed by the weights); GPT-2: B only (its
+causal-mask constant is [T, T], so T is fixed by that buffer).  A call's *shape* is {call dim ->
+size} read off its activations (``call_shape``), every size >= 1.
+
+An artifact holds one plan per tuned shape.  A call at a tuned shape runs that plan as chosen; any
+other runs the *nearest* tuned plan (``nearest``): the one whose element count (the product of the
+call dims: tokens for BERT) is the smallest at least as large as the call's, or, where every tuned
+shape is smaller, the largest; ties go to the closest sizes dim by dim (sum of |log ratio|), then to
+the order of the artifact.  Its kernels run at the call's sizes (``fit_plan``): every kernel takes
+its sizes as runtime arguments and masks ragged edges, so a step's configuration carries over
+except where a knob depends on the sizes, which ``fit_plan`` adjusts:
+
+- a generated normalization in mode "row" holds a whole reduction row in one tile: where the row
+  grew past its block, the block grows to cover it (a power of two) if the tile stays within
+  ``layouts.space.MAX_TILE``, else the mode becomes "loop" over chunks (same parallel block);
+- the attention backward reading the dropout decisions the forward saved (``dropout_mask="saved"``)
+  needs the mask drawn in whole Philox groups (``kernels.attention.dropout_grouped``); where the
+  new sizes do not allow it the backward regenerates the mask instead;
+- a Triton GEMM reading its operands through tensor descriptors (``tma``) needs every stride a
+  multiple of 16 bytes; where the new sizes break that it reads them plainly (same tiles).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from datamove.dataflow.executor import dropout_offsets
+from datamove.kernels.attention import dropout_grouped, dropout_strides_for
+from datamove.layouts.plan import ATTENTION_BACKWARD, GEMM, GEMM_EPILOGUE, GENERATED, Plan, Step
+from datamove.layouts.space import MAX_TILE, operator_letters, parts, tile_axes
+
+LOOP_CHUNKS = {True: (16, 64), False: (256, 1024, 4096)}  # mode "loop" chunks (reduction along rows?) as in knob_choices
+
+
+def call_dims(graph, interface) -> tuple[str, ...]:
+    """The dims a call may size: those of the activations' letters (in their PyTorch order) that no
+    parameter or constant carries."""
+    fixed = {graph.letter_dims[letter] for t in interface.parameters + interface.constants
+             for letter in graph.tensors[t].letters}
+    dims = (graph.letter_dims[letter] for t in interface.activations for letter in interface.torch_order[t])
+    return tuple(dict.fromkeys(d for d in dims if d not in fixed))
+
+
+def shape_key(shape: dict) -> tuple:
+    """A hashable key of a shape {dim -> size}."""
+    return tuple(sorted(shape.items()))
+
+
+def describe(shape: dict) -> str:
+    """``B=3, L=23``."""
+    return ", ".join(f"{dim}={size}" for dim, size in shape.items())
+
+
+def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str, int]:
+    """The shape {call dim -> size} of a call on ``activations`` (PyTorch order); refuses a tensor
+    with another number of dims, a fixed dim of another size, a call dim below 1 or two
+    activations that disagree on a call dim, naming the expected shape."""
+    shape: dict[str, int] = {}
+    for t, x in zip(interface.activations, activations):
+        order = interface.torch_order[t]
+        expected = tuple(graph.letter_dims[letter] if graph.letter_dims[letter] in dims
+                         else graph.size(letter) for letter in order)
+        named = f"expected ({', '.join(map(str, expected))}) ({', '.join(order)}): {', '.join(dims)} any size >= 1"
+        if not hasattr(x, "shape"):
+            raise TypeError(f"{t}: expected a torch.Tensor, got {type(x).__name__}")
+        if len(x.shape) != len(order) or any(isinstance(e, int) and int(s) != e for s, e in zip(x.shape, expected)):
+            raise ValueError(f"{t}: shape {tuple(x.shape)}, {named}; the other sizes are fixed by the weights")
+        for letter, size in zip(order, x.shape):
+            dim, size = graph.letter_dims[letter], int(size)
+            if dim not in dims:
+                continue
+            if size < 1:
+                raise ValueError(f"{t}: shape {tuple(x.shape)}, {named}")
+            if shape.setdefault(dim, size) != size:
+                raise ValueError(f"{t}: {dim}={size} along {letter}, but {dim}={shape[dim]} elsewhere in the call")
+    return shape
+
+
+def nearest(tuned: list[dict], shape: dict) -> int:
+    """The index in ``tuned`` (shapes {call dim -> size}) of the plan a call at ``shape`` runs: the
+    module doc's rule (``shape`` itself where it is tuned)."""
+    wanted = math.prod(shape.values())
+
+    def rank(n: int):
+        have = math.prod(tuned[n][d] for d in shape)
+        return (have < wanted, abs(math.log(have / wanted)),
+                sum(abs(math.log(tuned[n][d] / shape[d])) for d in shape), n)
+    return min(range(len(tuned)), key=rank)
+
+
+def fit_plan(plan: Plan, graph, operators, itemsize: int) -> Plan:
+    """``plan`` to run at ``graph``'s dims (module doc): the same steps, layouts and kernels, the
+    knobs that depend on sizes adjusted; ``itemsize``: bytes per element of the layer's dtype."""
+    ops = {op.name: op for op in operators}
+    steps = [_fitted(step, plan, graph, ops, itemsize) for step in plan.steps]
+    return replace(plan, dims=dict(graph.dim_values), steps=steps)
+
+
+def _fitted(step: Step, plan: Plan, graph, ops: dict, itemsize: int) -> Step:
+    config = step.config
+    if step.kind == GENERATED:
+        op, knobs = ops[step.operators[0]], config["knobs"]
+        if "parts" in knobs:
+            fitted = [_row_fitted(graph, part, own) for part, own in zip(parts(op), knobs["parts"])]
+            knobs = {**knobs, "parts": type(knobs["parts"])(fitted)}
+        else:
+            knobs = _row_fitted(graph, op, knobs)
+        return replace(step, config={**config, "knobs": knobs})
+    if step.kind == ATTENTION_BACKWARD and config["knobs"].get("dropout_mask") == "saved" \
+            and not _attention_grouped(graph, config):
+        return replace(step, config={**config, "knobs": {**config["knobs"], "dropout_mask": "regenerate"}})
+    if step.kind in (GEMM, GEMM_EPILOGUE) and (config.get("gemm") or {}).get("tma"):
+        operands = [config["operands"]["a"], config["operands"]["b"]]
+        if not all(_descriptor_strides(graph, members, step.reads.get(t) or plan.layouts[t], itemsize)
+                   for members in operands for t in members):
+            return replace(step, config={**config, "gemm": {**config["gemm"], "tma": False}})
+    return step
+
+
+def _row_fitted(graph, op, knobs: dict) -> dict:
+    """One part's knobs with a mode "row" tile covering its whole reduction row at ``graph``'s dims."""
+    if knobs["mode"] != "row":
+        return knobs
+    letters = operator_letters(graph, op)
+    _, rows, cols = tile_axes(letters, knobs)
+    along_rows = knobs["vector"] not in letters.reduced
+    reduced, parallel = ("block_row", "block_col") if along_rows else ("block_col", "block_row")
+    extent = math.prod(graph.dim_values[letters.dims[letter]] for letter in (rows if along_rows else cols))
+    if knobs[reduced] >= extent:
+        return knobs
+    block = 1 << (extent - 1).bit_length()  # a power of two
+    if block * knobs[parallel] <= MAX_TILE:
+        return {**knobs, reduced: block}
+    chunk = max((c for c in LOOP_CHUNKS[along_rows] if c * knobs[parallel] <= MAX_TILE), default=LOOP_CHUNKS[along_rows][0])
+    return {**knobs, "mode": "loop", reduced: chunk}
+
+
+def _attention_grouped(graph, config: dict) -> bool:
+    """Whether the attention's dropout mask is drawn in whole Philox groups at ``graph``'s dims."""
+    mask = config["roles"].get("mask")
+    if not mask:
+        return True
+    letters = config["letters"]
+    rename = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["keys"]: "k"}
+    order = "".join(rename[x] for x in graph.tensors[mask].letters)
+    sizes = [graph.size(letters[role]) for role in ("batch", "heads", "rows", "keys")]
+    return dropout_grouped(dropout_strides_for(order, *sizes), dropout_offsets(graph)[mask])
+
+
+def _descriptor_strides(graph, members: list[str], layout: str, itemsize: int) -> bool:
+    """Whether every stride of ``members`` stored densely in ``layout`` (and the distance between
+    stacked members) is a multiple of 16 bytes, as tensor descriptors need (a sufficient test)."""
+    stride, strides = 1, []
+    for letter in reversed(layout):
+        if graph.size(letter) > 1 and stride > 1:
+            strides.append(stride)
+        stride *= graph.size(letter)
+    if len(members) > 1:
+        strides.append(stride)
+    return all(s * itemsize % 16 == 0 for s in strides)
+
+
+def check_plans(plans: list[Plan], graph, interface) -> None:
+    """Refuse plans that cannot share one layer's weights: two at one shape, dims other than the
+    call dims that differ from the first plan's, or parameters and constants stored in other
+    layouts than the first plan stores them (``ValueError`` naming them)."""
+    dims = call_dims(graph, interface)
+    first, seen = plans[0], set()
+    stored = interface.parameters + interface.constants
+    for plan in plans:
+        shape = describe({d: plan.dims[d] for d in dims})
+        fixed = {d: v for d, v in plan.dims.items() if d not in dims and first.dims.get(d) != v}
+        if fixed:
+            raise ValueError(f"the plan at {shape} has {describe(fixed)}, the first {describe({d: first.dims.get(d) for d in fixed})}: "
+                             f"only {', '.join(dims)} may differ between the shapes of one layer (the others size its weights)")
+        if shape in seen:
+            raise ValueError(f"two plans tuned at {shape}")
+        seen.add(shape)
+        moved = [t for t in stored if plan.layouts[t] != first.layouts[t]]
+        if moved:
+            raise ValueError(f"the plan at {shape} stores {', '.join(moved)} in another layout than the first plan: "
+                             f"the plans of one layer share its parameters (optimize-layer fixes them)")
+
+
+def file_stem(shape: dict) -> str:
+    """A file name for a shape: ``B8-L256``."""
+    return "-".join(f"{dim}{size}" for dim, size in shape.items())

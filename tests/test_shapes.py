@@ -1,0 +1,260 @@
+"""The exported layer at other batch sizes and sequence lengths than it was tuned at (CPU, Triton
+interpreter, float32, small odd sizes): equal to HF's ``BertLayer`` (dropout off) forward and in
+every gradient, with and without a key-padding mask; a multi-shape artifact written by the main
+job dispatching to each plan; the nearest-plan rule; ``--dims`` alternatives.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+
+from datamove.cli import _dims
+from datamove.dataflow.spec import SpecError
+from datamove.dataflow.snapshot import stored_fused
+from datamove.layer import LayerProgram, tensor_interface
+from datamove.shapes import call_dims, check_plans, fit_plan, nearest
+from datamove.weights import from_spec
+from plans import selected_plan, spec_module, spec_order_plan
+from test_export import BERT_DIMS, FLOAT32_TOLERANCE, error, load, small_bert_config, write
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
+SMALL = dict(B=2, N=64, H=2, P=32, U=128)  # the job's sizes (tests/test_job.py), L given per shape
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return write(tmp_path_factory.mktemp("shapes"), "bert", BERT_DIMS, selected_plan)
+
+
+def hf_layer(dims: dict):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    config = transformers.BertConfig(hidden_size=dims["N"], num_attention_heads=dims["H"], intermediate_size=dims["U"],
+                                     hidden_act="relu", layer_norm_eps=1e-12, attention_probs_dropout_prob=0.0,
+                                     hidden_dropout_prob=0.0)
+    config._attn_implementation = "eager"
+    reference = BertLayer(config).double().eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0.0, 0.3)
+    return reference
+
+
+def compare_with_hf(layer, reference, batch: int, length: int, padded: list[int] | None = None, seed: int = 0) -> None:
+    """Forward, input gradient and every parameter gradient of ``layer`` (evaluation mode) at
+    (batch, length) against ``reference`` in float64; ``padded``: per batch row, how many trailing
+    keys the key-padding mask excludes."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, layer.graph.size("i"), dtype=torch.float64, generator=gen, requires_grad=True)
+    x32 = x.detach().float().requires_grad_()
+    mask, additive = None, None
+    if padded is not None:
+        mask = torch.zeros(batch, length, dtype=torch.bool)
+        for row, count in enumerate(padded):
+            mask[row, length - count:] = True
+        additive = (mask.double() * -1e9)[:, None, None, :]
+    for p in layer.parameters():
+        p.grad = None
+    reference.zero_grad(set_to_none=True)
+    y = layer(x32, key_padding_mask=mask)
+    expected = reference(x, attention_mask=additive)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    grad = torch.randn(expected.shape, dtype=torch.float64, generator=gen)
+    y.backward(grad.float())
+    expected.backward(grad)
+    assert y.shape == (batch, length, layer.graph.size("i"))
+    assert error(y.detach(), expected.detach()) < FLOAT32_TOLERANCE, "forward"
+    assert error(x32.grad, x.grad) < FLOAT32_TOLERANCE, "gradient of x"
+    kind = next(k for k in layer.weights_table if k.endswith("BertLayer"))
+    sizes = {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
+    ours = {}
+    for name, (key, pattern, index) in layer.weights_table[kind].items():
+        ours[key] = from_spec(getattr(layer, name).grad, pattern, index, layer.graph.tensors[name].letters, sizes,
+                              ours.get(key))
+    largest = max(float(p.grad.norm()) for p in reference.parameters())
+    for key, p in reference.named_parameters():
+        assert error(ours[key], p.grad, largest) < FLOAT32_TOLERANCE, key
+
+
+def test_equals_hf_bert_layer_at_other_batches_and_lengths(bert):
+    """Tuned at B=3, L=23 (the cost model's plan: fused attention, GEMM epilogues, layout changes):
+    B=1, B=6, a shorter sequence and a longer one, with and without a key-padding mask; each shape
+    warns once that it runs an untuned plan."""
+    from datamove.export import load_weights
+
+    reference = hf_layer(BERT_DIMS)
+    layer = load(bert)
+    load_weights(layer, reference).eval()
+    cases = [(1, 23, None), (6, 23, None), (3, 11, None), (3, 11, [0, 4, 10]), (2, 41, [7, 0])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch, length, padded in cases:
+            compare_with_hf(layer, reference, batch, length, padded)
+    untuned = [str(w.message) for w in caught if "has no plan of its own" in str(w.message)]
+    assert len(untuned) == 4 and all("runs the plan tuned at B=3, L=23" in m for m in untuned), untuned
+
+
+def test_spec_order_plan_at_a_longer_sequence(tmp_path):
+    """The plan without fused attention: its softmax over the keys holds whole rows in one tile
+    (mode "row", a block of 32 keys at L=23); at L=45 the block grows to cover the row."""
+    from datamove.export import load_weights
+
+    reference = hf_layer(BERT_DIMS)
+    layer = load(write(tmp_path, "bert", BERT_DIMS, spec_order_plan))
+    load_weights(layer, reference).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compare_with_hf(layer, reference, 2, 45)
+    program = layer.program(False, {"B": 2, "L": 45})
+    tuned = {s.name: s for s in layer.plan.steps}
+    grown = [s.name for s in program.plan.steps if s.kind == "generated" and s.config["knobs"] != tuned[s.name].config["knobs"]]
+    assert grown, "no knob was fitted to the longer rows"
+
+
+def test_row_mode_too_long_for_one_tile_becomes_loop():
+    """A row that no longer fits a tile (over ``MAX_TILE`` with its parallel block) loops over chunks."""
+    fused = stored_fused()["bert"].with_dims(BERT_DIMS)
+    plan = spec_order_plan(fused, "bert")
+    long = fused.graph.with_dims({**fused.graph.dim_values, "B": 3, "L": 5000})
+    fitted = {s.name: s for s in fit_plan(plan, long, fused.operators, 4).steps}
+    rows = [s for s in plan.steps if s.kind == "generated" and "parts" not in s.config["knobs"]
+            and s.config["knobs"]["mode"] == "row"]
+    assert rows
+    for step in rows:
+        knobs = fitted[step.name].config["knobs"]
+        assert knobs["mode"] == "loop" or knobs["block_row"] * knobs["block_col"] <= 16384, (step.name, knobs)
+    assert any(fitted[s.name].config["knobs"]["mode"] == "loop" for s in rows)
+    assert fit_plan(plan, fused.graph, fused.operators, 4).steps == plan.steps  # at its own sizes: as chosen
+
+
+def test_call_dims_are_those_no_weight_carries():
+    for spec, expected in (("bert", ("B", "L")), ("gpt2", ("B",))):  # GPT-2's causal constant is [T, T]
+        graph = stored_fused()[spec].graph
+        assert call_dims(graph, tensor_interface(graph, getattr(spec_module(spec), "TORCH_ORDER", {}))) == expected
+
+
+def test_nearest_plan_rule():
+    tuned = [{"B": 8, "L": 128}, {"B": 8, "L": 512}, {"B": 4, "L": 256}]
+    assert nearest(tuned, {"B": 8, "L": 512}) == 1  # a tuned shape: its own
+    assert nearest(tuned, {"B": 8, "L": 200}) == 1  # 1600 tokens: the smallest tuned at least as large (4096)
+    assert nearest(tuned, {"B": 2, "L": 100}) == 0  # 200: 1024 tokens each for 0 and 2, closer sizes win
+    assert nearest(tuned, {"B": 16, "L": 512}) == 1  # larger than all: the largest
+    assert nearest(tuned, {"B": 1, "L": 1}) == 0
+
+
+def test_dims_alternatives_are_parsed_and_bad_ones_refused():
+    assert _dims("B=8,L=128|256|512") == [{"B": 8, "L": 128}, {"B": 8, "L": 256}, {"B": 8, "L": 512}]
+    assert _dims("B=2|4,L=7|9") == [{"B": 2, "L": 7}, {"B": 2, "L": 9}, {"B": 4, "L": 7}, {"B": 4, "L": 9}]
+    assert _dims(None) == [{}]
+    for text, message in (("L=128|x", "L=128|x: expected an integer or integers separated by '|'"),
+                          ("L=128||256", "L=128||256: expected an integer"),
+                          ("L=128|128", "given once"), ("B=0,L=7|-3", "B=0, L=-3: dims must be positive integers")):
+        with pytest.raises(SpecError, match=message.replace("|", r"\|")):
+            _dims(text)
+
+
+def test_plans_that_cannot_share_weights_are_refused():
+    fused = stored_fused()["bert"].with_dims(BERT_DIMS)
+    graph, order = fused.graph, spec_module("bert").TORCH_ORDER
+    face = tensor_interface(graph, order)
+    plan = spec_order_plan(fused, "bert")
+    other = spec_order_plan(fused.with_dims({**graph.dim_values, "N": 48}), "bert")
+    with pytest.raises(ValueError, match="N=48, the first N=32: only B, L may differ"):
+        check_plans([plan, other], graph, face)
+    with pytest.raises(ValueError, match="two plans tuned at B=3, L=23"):
+        check_plans([plan, plan], graph, face)
+    moved = spec_order_plan(fused.with_dims({**graph.dim_values, "L": 9}), "bert")
+    moved.layouts["wq"] = moved.layouts["wq"][::-1]
+    with pytest.raises(ValueError, match="stores wq in another layout"):
+        check_plans([plan, moved], graph, face)
+
+
+@pytest.fixture(scope="module")
+def two_shapes(tmp_path_factory):
+    """The main job's artifact of two shapes (cost model): B=2 with L=64 and L=32."""
+    from datamove.cli import main
+
+    out = tmp_path_factory.mktemp("job") / "bert"
+    dims = ",".join(f"{k}={v}" for k, v in SMALL.items())
+    assert main(["configs/bert.py", "--dims", dims + ",L=64|32", "--out", str(out)]) == 0
+    return out
+
+
+def test_the_job_writes_one_plan_per_shape_and_the_layer_dispatches(two_shapes, monkeypatch):
+    import json
+
+    manifest = json.loads((two_shapes / "manifest.json").read_text())
+    assert manifest["shapes"] == [{"dims": {"B": 2, "L": 64}, "plan": "plan.json"},
+                                  {"dims": {"B": 2, "L": 32}, "plan": "plans/B2-L32.json"}]
+    assert "Shapes tuned, one plan each (this report: the first): B=2, L=64" in (two_shapes / "report.md").read_text()
+    layer = load(two_shapes, allow_mismatch=True).eval()
+    assert [p.dims["L"] for p in layer.plans] == [64, 32]
+    ran = []
+    forward = LayerProgram.forward
+    monkeypatch.setattr(LayerProgram, "forward", lambda self, store, run: ran.append(self) or forward(self, store, run))
+    reference = hf_layer({**SMALL, "L": 0})
+    from datamove.export import load_weights
+
+    load_weights(layer, reference)
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for length, tuned in ((64, 0), (32, 1), (40, 0), (40, 0), (5, 1)):
+            x = torch.randn(2, length, SMALL["N"], dtype=torch.float64, generator=gen)
+            y = layer(x.float())
+            assert ran[-1].graph.dim_values["L"] == length
+            assert layer.dispatch({"B": 2, "L": length}) is layer.plans[tuned]
+            if length in (64, 32):
+                assert ran[-1].plan is layer.plans[tuned]  # a tuned shape runs its plan as chosen
+            else:
+                assert [s.name for s in ran[-1].plan.steps] == [s.name for s in layer.plans[tuned].steps]
+            expected = reference(x)
+            assert error(y, expected[0] if isinstance(expected, tuple) else expected) < FLOAT32_TOLERANCE, length
+        layer.train()
+        layer(torch.randn(2, 40, SMALL["N"], generator=gen))  # training mode at L=40: a new program, no new warning
+    untuned = [str(w.message) for w in caught if "has no plan of its own" in str(w.message)]
+    assert len(untuned) == 2, untuned
+    assert untuned[0].startswith("datamove: B=2, L=40 has no plan of its own (tuned: B=2, L=64; B=2, L=32): it runs "
+                                 "the plan tuned at B=2, L=64")
+    assert "B=2, L=5" in untuned[1] and "tuned at B=2, L=32" in untuned[1]
+
+
+def test_hf_model_runs_at_the_batch_and_sequence_it_is_given(bert):
+    """A HF model whose layers were replaced, at another batch and sequence than the artifact's,
+    with padding (the attention mask becomes a key-padding mask of the model's current shape)."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    from datamove.hf import replace_bert_layers
+
+    config = small_bert_config(transformers, attention_dropout=0.0)
+    config._attn_implementation = "eager"
+    model = transformers.BertModel(config).eval()
+    with torch.no_grad():
+        for p in model.encoder.parameters():
+            p.normal_(0.0, 0.3)
+    original = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert replace_bert_layers(model, bert, dtype=torch.float32) == 2
+        ids = torch.randint(0, 50, (4, 13), generator=torch.Generator().manual_seed(3))
+        mask = torch.ones(4, 13, dtype=torch.long)
+        mask[1, 9:] = 0
+        mask[3, 2:] = 0
+        ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    expected = original(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert math.isfinite(float(ours.sum()))
+    assert error(ours.detach(), expected.detach()) < FLOAT32_TOLERANCE
+
+
+def test_the_job_refuses_alternatives_of_a_weight_dim():
+    from datamove.job import shapes_of
+
+    fused = stored_fused()["bert"].with_dims(BERT_DIMS)
+    order = spec_module("bert").TORCH_ORDER
+    with pytest.raises(SpecError, match="--dims: N take\\(s\\) several values, but only B, L may"):
+        shapes_of(fused, [{"N": 32}, {"N": 48}], order)
+    labels = list(shapes_of(fused, [{"L": 23}, {"L": 9}], order))
+    assert labels == ["B=3, L=23", "B=3, L=9"]
