@@ -11,7 +11,7 @@ Definitions (Ivanov et al., Sec. III-C), stated on the page too:
   kernel's, a GEMM's three operands, the attention's Q/K/V/O(/dO) and gradients, a layout change's
   read and write); re-reads inside a kernel are not counted, so D = Q except for layout changes
   (Q = 0: they move data no operator needs) and PyTorch's sequences (every unfused operator's I/O);
-- B = D / time: the achieved bandwidth; B_peak: the device's measured copy bandwidth;
+- B = D / time: the achieved bandwidth (shown per kernel, in TB/s and as % of B_peak); B_peak: the device's measured copy bandwidth;
 - MUE = Q / D x B / B_peak x 100 (= Q / (time x B_peak) x 100).
 """
 from __future__ import annotations
@@ -73,12 +73,18 @@ class ReportData:
                       "pytorch": [KernelRow(**r) for r in data["pytorch"]]})
 
 
+def achieved_bandwidth(row: KernelRow) -> float:
+    """B = D / time, bytes/s (nan without a time or bytes)."""
+    if row.time_ms <= 0 or row.d_bytes <= 0:
+        return float("nan")
+    return row.d_bytes / (row.time_ms * 1e-3)
+
+
 def mue(row: KernelRow, bandwidth: float) -> float:
     """Q / D x B / B_peak x 100, B = D / time."""
     if row.time_ms <= 0 or row.d_bytes <= 0:
         return float("nan")
-    achieved = row.d_bytes / (row.time_ms * 1e-3)
-    return row.q_bytes / row.d_bytes * achieved / bandwidth * 100
+    return row.q_bytes / row.d_bytes * achieved_bandwidth(row) / bandwidth * 100
 
 
 def peak_percent(row: KernelRow, flops: float) -> float:
@@ -96,12 +102,13 @@ def _table(rows: list[KernelRow], data: ReportData) -> list[list[str]]:
     c = data.ceilings
     body = [[r.name, r.cls, r.phase, f"{r.flop / GIB:.3f}", f"{r.input_elements / 1e6:.2f}",
              f"{r.output_elements / 1e6:.2f}", f"{r.time_ms:.4f}", r.source, f"{peak_percent(r, c['flops']):.1f}",
+             f"{achieved_bandwidth(r) / 1e12:.2f}", f"{achieved_bandwidth(r) / c['bandwidth'] * 100:.0f}",
              f"{mue(r, c['bandwidth']):.1f}", r.kernel] for r in rows]
     return body
 
 
 HEADER = ["operator", "class", "phase", "Gflop", "in (1e6)", "out (1e6)", "time ms", "time is", "% peak flop",
-          "MUE %", "kernel"]
+          "B TB/s", "B % of B_peak", "MUE %", "kernel"]
 
 
 def class_totals(rows: list[KernelRow]) -> list[list[str]]:

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from datamove.cli import main
-from datamove.report import KernelRow, ReportData, markdown, mue, write_report
+from datamove.report import KernelRow, ReportData, achieved_bandwidth, markdown, mue, write_report
 
 SMALL = "B=2,L=64,N=64,H=2,P=32,U=128"
 
@@ -55,6 +55,7 @@ def test_mue_and_class_totals_by_hand():
     row = KernelRow("op", "elementwise", "forward", 0, 10**6, 10**6, 4 * 10**6, 8 * 10**6, 0.001, "measured", "k")
     # B = D / t = 8e6 B / 1e-6 s = 8e12 B/s; MUE = Q/D * B/B_peak * 100 = 0.5 * 8e12 / 1.6e13 * 100 = 25
     assert mue(row, 1.6e13) == pytest.approx(25.0)
+    assert achieved_bandwidth(row) == pytest.approx(8e12)
     other = KernelRow("op2", "elementwise", "backward", 2 ** 30, 5 * 10**5, 5 * 10**5, 2 * 10**6, 2 * 10**6, 0.002,
                       "predicted", "k")
     data = ReportData({"spec": "s", "dims": {}, "dtype": "bfloat16", "device": "d", "measured": True, "versions": {},
@@ -62,6 +63,7 @@ def test_mue_and_class_totals_by_hand():
                       {"unfused": {}, "fused": {}, "reduction_percent": {}}, {"total_ms": 0.003, "best_sum_ms": 0.003})
     text = markdown(data)
     assert "| elementwise | 2 | 1.000 | 3.00 | 0.0030 |" in text  # class total: kernels, Gflop, 1e6 elements, ms
+    assert "| 0.0010 | measured | 0.0 | 8.00 | 50 | 25.0 | k |" in text  # B TB/s and % of B_peak beside MUE
 
 
 def test_compute_ceiling_is_never_below_a_measured_kernel():
