@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from datamove.dataflow.graph import is_expression
+from datamove.dataflow.layer_inputs import batch_letters
 from datamove.kernels.attention import supported_head_dim
 from datamove.kernels.attention_variants import AttentionCase
 from datamove.kernels.contraction import NotAGemm, map_layouts, parse
@@ -165,9 +166,7 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
     k_operand, q_operand = score.inputs if keys_letter in a else score.inputs[::-1]
     rows_letter = next(x for x in q_operand.letters if x in c and x not in k_operand.letters)
     batch_like = [x for x in c if x in a and x in b]
-    activation_letters = {x for t, info in graph.tensors.items() if info.role == "input" for x in info.letters
-                          if set(info.letters) >= set(graph.tensors[graph.outputs[0]].letters)}
-    batch = next((x for x in batch_like if x in activation_letters), batch_like[0])
+    batch = next((x for x in batch_like if x in batch_letters(graph)), batch_like[0])
     heads = next(x for x in batch_like if x != batch)
     alpha = next(o for o in out.inputs if o.tensor in middle.outputs)
     v_operand = next(o for o in out.inputs if o is not alpha)

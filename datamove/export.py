@@ -7,7 +7,8 @@ without re-tuning:
 - ``graph.json``: the fused training graph (``dataflow.snapshot`` format);
 - ``manifest.json``: spec name and hash, dims, dtype, the device the plan was timed on (name,
   compute capability; "cost model: <device>" where nothing was measured), library versions, and
-  the spec's PyTorch interface (``TORCH_ORDER``, ``WEIGHTS``);
+  the layer's PyTorch interface (``inputs``: the data inputs it is called with, in order; the
+  spec's ``TORCH_ORDER``, ``WEIGHTS``);
 - ``kernels/<step>.py``: the generated Triton source of every generated step, for reading.
 
 ``load_layer(out_dir)`` returns a ``datamove.module.TunedLayer``.  Loading checks the manifest
@@ -66,8 +67,12 @@ def _write(path: Path, text: str) -> None:
 
 
 def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spec_digest: str,
-                   torch_order: dict, weights: dict, device: dict, versions: dict) -> Path:
-    """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"}."""
+                   torch_order: dict, weights: dict, device: dict, versions: dict,
+                   inputs: tuple[str, ...] | None = None) -> Path:
+    """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
+    ``inputs``: the spec's ``INPUTS`` (None: ``dataflow.layer_inputs``' default rule), written
+    as the layer's data inputs (checked with ``torch_order`` against the graph)."""
+    interface = tensor_interface(graph, torch_order, inputs)
     out = Path(out_dir)
     (out / KERNELS).mkdir(parents=True, exist_ok=True)
     _write(out / PLAN, plan.dumps())
@@ -79,7 +84,8 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
             source = compile_operator(graph, ops[step.operators[0]], config).source
             _write(out / KERNELS / f"{_file_name(step.name)}.py", source)
     manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype,
-                "device": device, "versions": versions, "torch_order": torch_order,
+                "device": device, "versions": versions, "inputs": list(interface.activations),
+                "torch_order": torch_order,
                 "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()}}
     _write(out / MANIFEST, json.dumps(manifest, indent=1))
     return out
@@ -150,7 +156,10 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     if not timed_on.get("measured"):
         warnings.warn(f"{out}: the plan's times are predicted by the cost model ({timed_on['name']}); nothing was "
                       "measured: run optimize-layer on the GPU to tune it", stacklevel=2)
-    interface = tensor_interface(graph, manifest["torch_order"])
+    try:  # an artifact written before manifests named their inputs: the default rule
+        interface = tensor_interface(graph, manifest["torch_order"], manifest.get("inputs"))
+    except (TypeError, ValueError) as err:
+        raise ArtifactError(f"{out / MANIFEST}: its interface does not fit {GRAPH} ({err}): {REWRITE}") from None
     layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs)
     layer.weights_table = {kind: {t: tuple(v) for t, v in table.items()} for kind, table in manifest["weights"].items()}
     return layer

@@ -101,8 +101,10 @@ def run_job(o: JobOptions) -> int:
     from datamove.export import spec_hash, write_artifact
     from datamove.report import write_report
     from datamove.report_data import report_data
+    from datamove.dataflow.spec import SpecError
     from datamove.kernels.device import DeviceFacts, query_device, versions
     from datamove.kernels.interpreter import interpreted
+    from datamove.layer import tensor_interface
     from datamove.layouts.cost_model import DEVICES, device_figures
 
     stages = Stages()
@@ -112,6 +114,10 @@ def run_job(o: JobOptions) -> int:
     spec_name = o.spec.stem
     module = analysis.spec.function.__globals__
     torch_order, weights = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {})
+    try:  # before any tuning: the data inputs and TORCH_ORDER agree with the graph
+        interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs)
+    except ValueError as err:
+        raise SpecError(f"{o.spec}: {err}") from None
     facts = query_device()
     measured = isinstance(facts, DeviceFacts) and not interpreted()
     figures = device_figures(facts.name) if measured and any(k.lower() in facts.name.lower() for k in DEVICES) \
@@ -162,7 +168,7 @@ def run_job(o: JobOptions) -> int:
                            lambda: tuner.report.stopped)
     stages("export")
     write_artifact(out, plan, fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
-                   torch_order=torch_order, weights=weights, versions=versions(),
+                   torch_order=torch_order, weights=weights, versions=versions(), inputs=interface.activations,
                    device={"name": device, "measured": measured,
                            "capability": list(facts.compute_capability) if measured else None})
     stages("report")
