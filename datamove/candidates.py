@@ -25,8 +25,10 @@ import math
 from dataclasses import dataclass, replace
 
 from datamove.dataflow.graph import is_expression
+from datamove.dataflow.layer_inputs import batch_letters
+from datamove.kernels.attention import supported_head_dim
 from datamove.kernels.attention_variants import AttentionCase
-from datamove.kernels.contraction import parse
+from datamove.kernels.contraction import NotAGemm, map_layouts, parse
 from datamove.kernels.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, same_call_layouts, training_gemms
 from datamove.kernels.sweep_variants import moved_bytes, op_signature
 from datamove.kernels.tuning_db import canonical_json
@@ -164,9 +166,7 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
     k_operand, q_operand = score.inputs if keys_letter in a else score.inputs[::-1]
     rows_letter = next(x for x in q_operand.letters if x in c and x not in k_operand.letters)
     batch_like = [x for x in c if x in a and x in b]
-    activation_letters = {x for t, info in graph.tensors.items() if info.role == "input" for x in info.letters
-                          if set(info.letters) >= set(graph.tensors[graph.outputs[0]].letters)}
-    batch = next((x for x in batch_like if x in activation_letters), batch_like[0])
+    batch = next((x for x in batch_like if x in batch_letters(graph)), batch_like[0])
     heads = next(x for x in batch_like if x != batch)
     alpha = next(o for o in out.inputs if o.tensor in middle.outputs)
     v_operand = next(o for o in out.inputs if o is not alpha)
@@ -175,6 +175,9 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
     letters = {"batch": rename_q[batch], "heads": rename_q[heads], "rows": rename_q[rows_letter],
                "keys": rename_k[keys_letter], "features": rename_q[feature],
                "value_features": _rename(v_operand, graph)[value_feature]}
+    head_dims = sorted({graph.size(letters[f]) for f in ("features", "value_features")})
+    if not all(map(supported_head_dim, head_dims)):
+        return None, f"head dims {head_dims}: the fused attention takes powers of two in [16, 256]"
     tensors = {"q": q_operand.tensor, "k": k_operand.tensor, "v": v_operand.tensor, "o": out.output.tensor,
                "mask": masks[0] if masks else None}
     grads = {role: f"d_{tensors[role]}" for role in ("q", "k", "v", "o")}
@@ -337,6 +340,8 @@ class CandidateBuilder:
     def _epilogue(self, g, op, ep, members, renames) -> list[Candidate]:
         c = parse(g.spec)
         spec_layouts = {"a": c.a, "b": c.b, "out": c.out}
+        if isinstance(map_layouts(c, (c.a, c.b, c.out), g.sizes), NotAGemm):
+            return []  # the template runs it in spec order, where it is no GEMM (e.g. M letters apart in A)
         found = self.timings.lookup(epilogue_op(g, ep), g.sizes, spec_layouts, lambda knobs: knobs.get("backend") == "triton")
         if found is None and self.timings.broken(epilogue_op(g, ep), g.sizes, spec_layouts):
             return []

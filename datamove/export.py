@@ -7,7 +7,8 @@ without re-tuning:
 - ``graph.json``: the fused training graph (``dataflow.snapshot`` format);
 - ``manifest.json``: spec name and hash, dims, dtype, the device the plan was timed on (name,
   compute capability; "cost model: <device>" where nothing was measured), library versions, and
-  the spec's PyTorch interface (``TORCH_ORDER``, ``WEIGHTS``);
+  the layer's PyTorch interface (``inputs``: the data inputs it is called with, in order; the
+  spec's ``TORCH_ORDER``, ``WEIGHTS``);
 - ``kernels/<step>.py``: the generated Triton source of every generated step, for reading;
 - with several tuned shapes (``optimize-layer --dims B=8,L=128|512``): the first shape's plan is
   ``plan.json``, every other one ``plans/<shape>.json`` (``B8-L512.json``, over ``graph.json`` at its
@@ -71,13 +72,16 @@ def _write(path: Path, text: str) -> None:
 
 
 def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spec_digest: str,
-                   torch_order: dict, weights: dict, device: dict, versions: dict, other_plans: tuple = ()) -> Path:
+                   torch_order: dict, weights: dict, device: dict, versions: dict, other_plans: tuple = (),
+                   inputs: tuple[str, ...] | None = None) -> Path:
     """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
     ``plan``: the plan at ``graph``'s dims, ``other_plans``: those of the other tuned shapes
-    (checked: ``datamove.shapes.check_plans``)."""
+    (checked: ``datamove.shapes.check_plans``); ``inputs``: the spec's ``INPUTS`` (None:
+    ``dataflow.layer_inputs``' default rule), written as the layer's data inputs (checked with
+    ``torch_order`` against the graph)."""
     out = Path(out_dir)
     plans = [plan, *other_plans]
-    interface = tensor_interface(graph, torch_order)
+    interface = tensor_interface(graph, torch_order, inputs)
     check_plans(plans, graph, interface)
     dims = call_dims(graph, interface)
     shapes = []
@@ -91,7 +95,8 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
         shapes.append({"dims": shape, "plan": str(path.relative_to(out))})
     _write(out / GRAPH, json.dumps(snapshot(graph, operators), indent=1))
     manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype,
-                "device": device, "versions": versions, "torch_order": torch_order,
+                "device": device, "versions": versions, "inputs": list(interface.activations),
+                "torch_order": torch_order,
                 "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()},
                 "shapes": shapes}
     _write(out / MANIFEST, json.dumps(manifest, indent=1))
@@ -179,7 +184,10 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     if not timed_on.get("measured"):
         warnings.warn(f"{out}: the plan's times are predicted by the cost model ({timed_on['name']}); nothing was "
                       "measured: run optimize-layer on the GPU to tune it", stacklevel=2)
-    interface = tensor_interface(graph, manifest["torch_order"])
+    try:  # an artifact written before manifests named their inputs: the default rule
+        interface = tensor_interface(graph, manifest["torch_order"], manifest.get("inputs"))
+    except (TypeError, ValueError) as err:
+        raise ArtifactError(f"{out / MANIFEST}: its interface does not fit {GRAPH} ({err}): {REWRITE}") from None
     try:
         check_plans(plans, graph, interface)
     except ValueError as err:

@@ -107,6 +107,7 @@ def run_job(o: JobOptions) -> int:
     from datamove.export import spec_hash, write_artifact
     from datamove.report import write_report
     from datamove.report_data import report_data
+    from datamove.dataflow.spec import SpecError
     from datamove.kernels.device import DeviceFacts, query_device, versions
     from datamove.kernels.interpreter import interpreted
     from datamove.layer import tensor_interface
@@ -119,7 +120,11 @@ def run_job(o: JobOptions) -> int:
     spec_name = o.spec.stem
     module = analysis.spec.function.__globals__
     torch_order, weights = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {})
-    shaped = shapes_of(fused, o.dims, torch_order)
+    try:  # before any tuning: the data inputs and TORCH_ORDER agree with the graph
+        interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs)
+    except ValueError as err:
+        raise SpecError(f"{o.spec}: {err}") from None
+    shaped = shapes_of(fused, o.dims, interface)
     facts = query_device()
     measured = isinstance(facts, DeviceFacts) and not interpreted()
     figures = device_figures(facts.name) if measured and any(k.lower() in facts.name.lower() for k in DEVICES) \
@@ -173,12 +178,12 @@ def run_job(o: JobOptions) -> int:
                                lambda wanted, each=each: measure_layout_changes(tuner, each.graph, wanted, dtype),
                                lambda: tuner.report.stopped)
         if not plans:  # every later plan stores the parameters and constants as the first one does
-            interface = tensor_interface(fused.graph, torch_order)
             boundary = {**boundary, **{t: plan.layouts[t] for t in interface.parameters + interface.constants}}
         plans.append(plan)
     stages("export")
     write_artifact(out, plans[0], fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
                    torch_order=torch_order, weights=weights, versions=versions(), other_plans=tuple(plans[1:]),
+                   inputs=interface.activations,
                    device={"name": device, "measured": measured,
                            "capability": list(facts.compute_capability) if measured else None})
     stages("report")
@@ -191,14 +196,14 @@ def run_job(o: JobOptions) -> int:
     return 0
 
 
-def shapes_of(fused, shapes: list[dict], torch_order: dict) -> dict:
+def shapes_of(fused, shapes: list[dict], interface) -> dict:
     """{label of each shape (its call dims, ``B=8, L=512``) -> the fused graph at its dims}; the first
-    is ``fused`` itself.  Refuses alternatives of a dim that sizes the weights (``SpecError``)."""
+    is ``fused`` itself; ``interface``: the layer's (``layer.tensor_interface``).  Refuses
+    alternatives of a dim that sizes the weights (``SpecError``)."""
     from datamove.dataflow.spec import SpecError
-    from datamove.layer import tensor_interface
     from datamove.shapes import call_dims, describe
 
-    dims = call_dims(fused.graph, tensor_interface(fused.graph, torch_order))
+    dims = call_dims(fused.graph, interface)
     fixed = sorted({d for shape in shapes for d, v in shape.items() if shapes[0].get(d) != v and d not in dims})
     if fixed:
         raise SpecError(f"--dims: {', '.join(fixed)} take(s) several values, but only {', '.join(dims)} may (the sizes "

@@ -5,10 +5,12 @@ every step becomes a launcher (``datamove.steps``), built once.  ``forward`` run
 steps on the layer inputs and returns the outputs and the tensors the backward reads
 (``Plan.saved``); ``backward`` runs the backward steps from those and the outputs' gradients.
 
-Tensors at the boundary (``TensorInterface``): activations (the layer inputs over every letter
-of its output, e.g. BERT's x) and outputs are exchanged with PyTorch in ``torch_order`` (e.g.
-"bji" = [batch, sequence, feature] for a tensor over letters "ibj"); parameters and constants
-keep their spec letter order as their shape, stored in the plan's layouts.  Dropout: each call
+Tensors at the boundary (``TensorInterface``): activations (the data inputs the layer is called
+with: the spec's ``INPUTS``, else ``dataflow.layer_inputs.data_inputs``, e.g. BERT's x, a
+cross-attention's x and memory) and outputs are exchanged with PyTorch in ``torch_order`` (e.g.
+"bji" = [batch, sequence, feature] for a tensor over letters "ibj"; spec letter order where the
+spec's ``TORCH_ORDER`` gives none); parameters and constants keep their spec letter order as their
+shape, stored in the plan's layouts.  Dropout: each call
 draws one Philox key with ``torch.randint`` on the layer's device (``torch.manual_seed``
 reproduces a run; inside a captured CUDA graph every replay draws a new one, as PyTorch's dropout
 does); the kernels read it from device memory, and every mask is regenerated from it at its
@@ -22,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from datamove.dataflow.graph import PrimitiveGraph
+from datamove.dataflow.layer_inputs import data_inputs
 from datamove.steps import Buffers, Run, build_launcher, copy_name, saved_mask_name, stack_groups
 from datamove.kernels.codegen import allocate
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
@@ -33,8 +36,9 @@ SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
 class TensorInterface:
     """How the layer's tensors meet PyTorch.
 
-    ``activations``: layer inputs exchanged in ``torch_order``; ``parameters``: inputs with a
-    gradient, held by the module; ``constants``: inputs without one (module buffers);
+    ``activations``: the data inputs the layer is called with, in that order, exchanged in
+    ``torch_order``; ``parameters``: the other inputs with a gradient (weights), held by the
+    module; ``constants``: inputs without one (module buffers);
     ``outputs``: the forward's results; ``grad_outputs`` / ``input_grads``: {tensor -> its gradient
     tensor}; ``torch_order``: {activation or output -> letter order of its PyTorch shape}."""
 
@@ -47,15 +51,20 @@ class TensorInterface:
     torch_order: dict[str, str]
 
 
-def tensor_interface(graph, torch_order: dict[str, str] | None = None) -> TensorInterface:
-    """The interface of a training graph: inputs over all the letters of the first output are
-    activations, the other inputs with a gradient parameters; gradients are the graph's
-    ``d_<tensor>`` tensors (``dataflow.autodiff``'s naming)."""
+def tensor_interface(graph, torch_order: dict[str, str] | None = None,
+                     data: tuple[str, ...] | list[str] | None = None) -> TensorInterface:
+    """The interface of a training graph: ``data`` (the spec's ``INPUTS``; default
+    ``dataflow.layer_inputs.data_inputs``) are the activations, in that order, the other inputs
+    with a gradient parameters; gradients are the graph's ``d_<tensor>`` tensors
+    (``dataflow.autodiff``'s naming)."""
     tensors = graph.tensors
     outputs = tuple(t for t in graph.outputs if tensors[t].role == "output")
-    covered = set(tensors[outputs[0]].letters)
     inputs = [t for t, info in tensors.items() if info.role == "input"]
-    activations = tuple(t for t in inputs if set(tensors[t].letters) >= covered)
+    activations = tuple(data) if data is not None else data_inputs(graph)
+    wrong = [t for t in activations if t not in inputs]
+    if wrong or not activations or len(set(activations)) != len(activations):
+        raise ValueError(f"data inputs {list(activations)}: expected distinct names among the layer's arguments "
+                         f"with a gradient {inputs}" + (f"; not one: {wrong}" if wrong else ""))
     parameters = tuple(t for t in inputs if t not in activations)
     constants = tuple(t for t, info in tensors.items() if info.role == "constant")
     grad_outputs = {t: f"d_{t}" for t in outputs}
@@ -66,7 +75,7 @@ def tensor_interface(graph, torch_order: dict[str, str] | None = None) -> Tensor
     order = {t: tensors[t].letters for t in activations + outputs}
     for t, letters in (torch_order or {}).items():
         if t not in order or sorted(letters) != sorted(tensors[t].letters):
-            raise ValueError(f"torch order {t}={letters!r}: not an activation or output, or not an order of "
+            raise ValueError(f"torch order {t}={letters!r}: not a data input or output, or not an order of "
                              f"its letters {tensors[t].letters!r}" if t in tensors else f"torch order: no tensor {t!r}")
         order[t] = letters
     return TensorInterface(activations, parameters, constants, outputs, grad_outputs, input_grads, order)

@@ -142,11 +142,14 @@ class _Launched(torch.autograd.Function):
 
 
 class TunedLayer(torch.nn.Module):
-    """The tuned layer.  ``forward(*activations, key_padding_mask=None)``: activations in their
-    PyTorch order (``interface.torch_order``), the layer's dtype and device, any sizes of the call
-    dims (``datamove.shapes.call_dims``: BERT's batch and sequence), the other sizes those of the
+    """The tuned layer.  ``forward(*inputs, key_padding_mask=None, **named_inputs)``: the data
+    inputs (``interface.activations``: the spec's ``INPUTS``, e.g. ``layer(x, memory)``), in that
+    order or by name (``layer(x=..., memory=...)``), each in its PyTorch order
+    (``interface.torch_order``), the layer's dtype and device, any sizes of the call dims
+    (``datamove.shapes.call_dims``: BERT's batch and sequence), the other sizes those of the
     weights; ``key_padding_mask``: optional bool (batch, keys), True = key excluded (the fused
-    attention applies it; a plan without one refuses it).  Returns the layer output(s) in PyTorch order.
+    attention applies it; a plan without one refuses it).  Returns the layer output(s) in PyTorch
+    order; the backward gives every input that requires it and every parameter its gradient.
 
     ``plan``: the first tuned shape's plan (the parameters are stored in its layouts, which every
     plan shares); ``plans``: every tuned shape's plan, ``plan`` first (default: ``plan`` alone),
@@ -247,10 +250,30 @@ class TunedLayer(torch.nn.Module):
         """Bytes of static buffers this layer's CUDA graphs hold (0 before the first replay)."""
         return self.graphs.held_bytes()
 
-    def forward(self, *activations, key_padding_mask: torch.Tensor | None = None):
+    def _bound_inputs(self, positional: tuple, named: dict) -> tuple:
+        """The data inputs in the interface's order, from positional and named arguments."""
+        names = self.interface.activations
+        if not named and len(positional) == len(names):
+            return positional
+        call = f"the layer is called as layer({', '.join(names)})"
+        if len(positional) > len(names):
+            raise TypeError(f"{len(positional)} inputs given, {call}")
+        for name in named:
+            if name not in names:
+                held = name in self.interface.parameters or name in self.interface.constants
+                raise TypeError(f"unknown input {name!r}: " + (f"{name} is held by the module (layer.{name}); "
+                                                                if held else "") + call)
+            if names.index(name) < len(positional):
+                raise TypeError(f"input {name!r} given twice, by position and by name: {call}")
+        bound = {**dict(zip(names, positional)), **named}
+        missing = [name for name in names if name not in bound]
+        if missing:
+            raise TypeError(f"missing input(s) {', '.join(missing)}: {call}")
+        return tuple(bound[name] for name in names)
+
+    def forward(self, *inputs, key_padding_mask: torch.Tensor | None = None, **named_inputs):
         face = self.interface
-        if len(activations) != len(face.activations):
-            raise TypeError(f"expected {len(face.activations)} activation(s) {face.activations}, got {len(activations)}")
+        activations = self._bound_inputs(inputs, named_inputs)
         shape = call_shape(self.graph, face, self.call_dims, activations)
         program = self.program(self.training, shape)
         if key_padding_mask is not None:

@@ -251,8 +251,10 @@ def test_refuses_wrong_inputs(tmp_path):
         layer(good.double())
     with pytest.raises(ValueError, match="on device meta, expected cpu"):
         layer(good.to("meta"))
-    with pytest.raises(TypeError, match=r"expected 1 activation\(s\)"):
+    with pytest.raises(TypeError, match=r"2 inputs given, the layer is called as layer\(x\)"):
         layer(good, good)
+    with pytest.raises(TypeError, match=r"unknown input 'wq': wq is held by the module \(layer.wq\)"):
+        layer(good, wq=layer.wq)
     with pytest.raises(ValueError, match="no fused attention"):
         layer(good, key_padding_mask=torch.zeros(d["B"], d["L"], dtype=torch.bool))
 
@@ -306,11 +308,32 @@ def test_a_damaged_artifact_file_is_named_with_what_to_do(artifact, tmp_path, ca
         assert str(raised.value) == message
 
 
+def test_manifest_inputs_are_read_and_checked(artifact, tmp_path):
+    """The manifest's ``inputs`` are the layer's data inputs; a manifest without them (written
+    before they were recorded) gets the default rule; one naming a tensor the graph lacks as an
+    input with a gradient is refused, naming the file."""
+    path = shutil.copytree(artifact, tmp_path / "artifact")
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "inputs": ["x", "wq"]}))
+    layer = load(path)
+    assert layer.interface.activations == ("x", "wq") and "wq" not in dict(layer.named_parameters())
+    (path / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "inputs"}))
+    assert load(path).interface.activations == ("x",)
+    for inputs in (["x", "y"], ["x", "nothing"], [], ["x", "x"]):
+        (path / "manifest.json").write_text(json.dumps({**manifest, "inputs": inputs}))
+        with pytest.raises(ArtifactError) as raised:
+            load(path)
+        message = str(raised.value)
+        assert message.startswith(f"{path / 'manifest.json'}: its interface does not fit graph.json") and \
+            message.endswith("write the artifact again with optimize-layer SPEC --out DIR"), message
+
+
 def test_manifest_names_what_the_layer_was_built_for(tmp_path):
     path = write(tmp_path, "bert", BERT_DIMS)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["dims"] == {**stored_fused()["bert"].graph.dim_values, **BERT_DIMS}
     assert manifest["torch_order"] == {"x": "bji", "y": "bji"}
+    assert manifest["inputs"] == ["x"]
     assert list((path / "kernels").glob("*.py"))
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from datamove.dataflow.executor import dropout_masks, execute
+from datamove.dataflow.layer_inputs import data_inputs
 from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION
 from datamove.dataflow.pipeline import analyse_spec
 from test_executor import SEED, random_inputs, relative_error
@@ -66,6 +67,12 @@ def gelu_mlp(t, m):
 def mha_heads(t, m):
     q, k, v = (torch.einsum("bsd,hde->bhse", t["x"], t[w]) for w in ("wq", "wk", "wv"))
     return torch.einsum("bhse,hed->bsd", _softmax_heads(q, k, v), t["wo"])
+
+
+def cross_attention(t, m):
+    q = torch.einsum("btd,hde->bhte", t["x"], t["wq"])
+    k, v = (torch.einsum("bsd,hde->bhse", t["memory"], t[w]) for w in ("wk", "wv"))
+    return torch.einsum("bhte,hed->btd", _softmax_heads(q, k, v), t["wo"]) + t["x"]
 
 
 def gpt2_plain(t, m):
@@ -119,6 +126,7 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "gelu_mlp": ((2, 0, 4), gelu_mlp),
     "attention_transpose": ((6, 1, 3), attention_transpose),  # scale, mask, residual
     "mha_heads": ((6, 1, 1), mha_heads),
+    "cross_attention": ((6, 1, 2), cross_attention),  # keys and values from memory, of another length
     "gpt2_plain": ((8, 3, 14), gpt2_plain),
     "t5_block": ((8, 3, 5), t5_block),
     "std_norm": ((0, 1, 0), std_norm),  # mean, std and the affine tail: one normalization
@@ -152,7 +160,7 @@ def numpy_forward(spec, values: dict) -> np.ndarray:
 
 
 def test_corpus_covers_every_spec_file():
-    assert sorted(p.stem for p in SPECS.glob("*.py")) == sorted(CORPUS) and len(CORPUS) >= 12
+    assert sorted(p.stem for p in SPECS.glob("*.py")) == sorted(CORPUS) and len(CORPUS) >= 14
 
 
 @pytest.mark.parametrize("name", CORPUS)
@@ -183,6 +191,17 @@ def test_plain_spec_matches_numpy_and_torch(analyses, name):
     for leaf, grad in grads.items():
         for env in (result, in_fused):
             assert relative_error(env[training.input_grads[leaf]], grad, floor) < 1e-10, leaf
+
+
+DATA_INPUTS = {"mlp_softmax": ("input",), "cross_attention": ("x", "memory")}  # every other spec: ("x",)
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_default_rule_tells_data_from_weights(analyses, name):
+    """``dataflow.layer_inputs``: the first argument and those sharing a batch or sequence letter
+    with it are data, in the forward graph and in the fused training graph the artifact holds."""
+    analysis = analyses(name)
+    assert data_inputs(analysis.graph) == data_inputs(analysis.fused.graph) == DATA_INPUTS.get(name, ("x",))
 
 
 def test_plain_spec_letters_come_from_annotations(analyses):

@@ -253,8 +253,8 @@ def test_the_job_refuses_alternatives_of_a_weight_dim():
     from datamove.job import shapes_of
 
     fused = stored_fused()["bert"].with_dims(BERT_DIMS)
-    order = spec_module("bert").TORCH_ORDER
+    interface = tensor_interface(fused.graph, spec_module("bert").TORCH_ORDER)
     with pytest.raises(SpecError, match="--dims: N take\\(s\\) several values, but only B, L may"):
-        shapes_of(fused, [{"N": 32}, {"N": 48}], order)
-    labels = list(shapes_of(fused, [{"L": 23}, {"L": 9}], order))
+        shapes_of(fused, [{"N": 32}, {"N": 48}], interface)
+    labels = list(shapes_of(fused, [{"L": 23}, {"L": 9}], interface))
     assert labels == ["B=3, L=23", "B=3, L=9"]

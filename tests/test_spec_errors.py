@@ -47,6 +47,33 @@ def test_syntax_error_names_file_and_line(tmp_path, capsys):
     assert f"{path}:8:" in err and "syntax error" in err
 
 
+INPUTS_LAYER = '''
+def layer(x: Tensor("bln"), w: Tensor("mn"), mask: Tensor("bl", requires_grad=False), drop: Dropout("blm", 0.1)):
+    return np.einsum("bln,mn->blm", x, w) * mask[:, :, None] * drop
+'''
+
+
+@pytest.mark.parametrize("inputs, problem", [
+    ('("x", "memory")', "INPUTS names 'memory', which layer does not have; its arguments are x, w, mask, drop"),
+    ('"x"', "INPUTS = 'x': expected a tuple of the argument names the layer is called with, e.g. INPUTS = (\"x\",)"),
+    ("()", "INPUTS = (): expected a tuple"),
+    ('("drop",)', "INPUTS names 'drop', a Dropout mask: datamove draws masks itself"),
+    ('("x", "mask")', "INPUTS names 'mask', declared Tensor('bl', requires_grad=False)"),
+    ('("x", "x")', "INPUTS names 'x' twice"),
+])
+def test_inputs_that_contradict_the_layer_are_refused(tmp_path, capsys, inputs, problem):
+    path, err = _run(tmp_path, capsys, f"\nINPUTS = {inputs}\n" + INPUTS_LAYER)
+    assert f"{path}:7: {problem}" in err, err
+
+
+def test_declared_inputs_are_read(tmp_path):
+    path = tmp_path / "spec.py"
+    path.write_text(textwrap.dedent(GOOD_HEADER) + '\nINPUTS = ["w", "x"]\n' + INPUTS_LAYER)
+    assert load_spec(path).inputs == ("w", "x")
+    path.write_text(textwrap.dedent(GOOD_HEADER) + INPUTS_LAYER)
+    assert load_spec(path).inputs is None
+
+
 def test_plain_numpy_is_accepted(tmp_path, capsys):
     """What used to be refused here: np.var, keepdims, @, Python floats."""
     path = tmp_path / "ok.py"

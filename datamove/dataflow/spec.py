@@ -5,6 +5,15 @@ each index letter to a dim in ``INDEX`` (``{"b": B, "j": L, "k": L, ...}``), and
 function whose every argument is annotated ``Tensor("ibj")`` (stored in that letter order) or
 ``Dropout("hbjk", p)`` (a mask of 0 or 1/(1-p), p rounded to a multiple of 1/256 by ``dataflow.dropout_mask``, that datamove regenerates).  ``OPTIONS`` may list
 choices for module constants (first value the default), set with ``--set NAME=VALUE``.
+
+``INPUTS = ("x", "memory")`` may name the arguments that are data: the inputs the exported layer
+is called with, ``layer(x, memory)`` in that order (or by name); every other argument with a
+gradient is a learnable weight, held by the module.  Each name must be a ``Tensor`` argument with a
+gradient (a ``requires_grad=False`` one is a constant, a module buffer).  Without ``INPUTS``, the
+data are the first argument and the arguments sharing a batch or sequence letter with it
+(``dataflow.layer_inputs``: right for an MLP, a normalization block, self- and cross-attention).
+The spec's ``TORCH_ORDER`` gives the dim order of inputs and outputs in PyTorch; one it does not
+list is taken in its spec letter order.
 """
 from __future__ import annotations
 
@@ -70,6 +79,7 @@ class LayerSpec:
     dim_values: dict[str, int]  # dim name -> size
     options: dict[str, str]
     output_names: list[str]
+    inputs: tuple[str, ...] | None = None  # INPUTS: the data arguments, as declared; None: the default rule
 
     @property
     def module_prefix(self) -> str:
@@ -263,7 +273,38 @@ def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
             arguments.append(Argument(param.name, ann.letters, "dropout", False, float(ann.p)))
         else:
             arguments.append(Argument(param.name, ann.letters, "tensor", ann.requires_grad))
-    return LayerSpec(path, function, arguments, letter_dims, dim_values, chosen, _return_names(path, tree, function))
+    return LayerSpec(path, function, arguments, letter_dims, dim_values, chosen, _return_names(path, tree, function),
+                     _declared_inputs(path, tree, module, function, arguments))
+
+
+def _declared_inputs(path: Path, tree: ast.Module, module, function, arguments: list[Argument]) -> tuple[str, ...] | None:
+    """The spec's ``INPUTS`` (see the module doc), checked against the layer's arguments; None if it has none."""
+    if "INPUTS" not in vars(module):
+        return None
+    value = module.INPUTS
+    line = next((node.lineno for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 and any(isinstance(t, ast.Name) and t.id == "INPUTS"
+                         for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))), None)
+    where = f"{path}:{line}" if line else str(path)
+    if not isinstance(value, (tuple, list)) or not value or not all(isinstance(name, str) for name in value):
+        raise SpecError(f"{where}: INPUTS = {value!r}: expected a tuple of the argument names the layer is called "
+                        f"with, e.g. INPUTS = (\"{arguments[0].name}\",)")
+    by_name = {arg.name: arg for arg in arguments}
+    for name in value:
+        arg = by_name.get(name)
+        if arg is None:
+            raise SpecError(f"{where}: INPUTS names {name!r}, which {function.__name__} does not have; its arguments "
+                            f"are {', '.join(by_name)}")
+        if arg.kind == "dropout":
+            raise SpecError(f"{where}: INPUTS names {name!r}, a Dropout mask: datamove draws masks itself, "
+                            "leave it out of INPUTS")
+        if not arg.requires_grad:
+            raise SpecError(f"{where}: INPUTS names {name!r}, declared Tensor({arg.letters!r}, requires_grad=False): "
+                            f"an input the layer is called with takes a gradient (declare it Tensor({arg.letters!r})); "
+                            "leave a constant out of INPUTS (the module holds it as a buffer)")
+        if list(value).count(name) > 1:
+            raise SpecError(f"{where}: INPUTS names {name!r} twice")
+    return tuple(value)
 
 
 def _apply_options(path: Path, module, options: dict[str, str]) -> dict[str, str]:

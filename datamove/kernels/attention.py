@@ -564,8 +564,13 @@ def default_config(head_dim: int, direction: str, *, interpret: bool | None = No
 # ----------------------------------------------------------------------------------------------
 # launchers
 
+def supported_head_dim(head_dim: int) -> bool:
+    """Whether the kernels take heads of ``head_dim`` features: a power of two in [16, 256]."""
+    return 16 <= head_dim <= 256 and not head_dim & (head_dim - 1)
+
+
 def _check_head_dim(head_dim: int) -> None:
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+    if not supported_head_dim(head_dim):
         raise ValueError(f"head dim {head_dim} unsupported: must be a power of two in [16, 256]")
 
 
