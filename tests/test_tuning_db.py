@@ -95,6 +95,16 @@ def test_a_file_that_is_not_a_tuning_database_is_named_and_left_untouched(tmp_pa
         assert db.query() == []
 
 
+def test_a_folder_or_a_path_that_cannot_be_a_file_is_named(tmp_path):
+    with pytest.raises(TuningDBError, match=f"{tmp_path}: a folder, not a tuning database file: pass a file path"):
+        TuningDB(tmp_path)
+    blocker = tmp_path / "plain.txt"
+    blocker.write_text("a file where a folder would have to be\n")
+    with pytest.raises(TuningDBError, match=r"plain.txt/tuning.db: cannot be opened \(.*\): check its permissions or pass"):
+        TuningDB(blocker / "tuning.db")
+    assert blocker.read_text() == "a file where a folder would have to be\n"
+
+
 def test_the_cli_prints_a_damaged_database_in_one_line(tmp_path, capsys, monkeypatch):
     from datamove.cli import main
 

@@ -169,9 +169,13 @@ class TuningDB:
 
     def __init__(self, path: str | Path, timeout: float = 60.0):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: autocommit, so each statement below is its own transaction.
-        self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        if self.path.is_dir():
+            raise TuningDBError(f"{self.path}: a folder, not a tuning database file: pass a file path with --db")
+        try:  # isolation_level=None: autocommit, so each statement below is its own transaction.
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        except (OSError, sqlite3.Error) as err:  # a file under a file, one this user may not read, ...
+            raise TuningDBError(f"{self.path}: cannot be opened ({err}): check its permissions or pass another --db") from None
         problem = _not_a_tuning_db(self._conn)
         if problem:
             self._conn.close()
