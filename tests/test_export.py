@@ -383,20 +383,26 @@ def small_bert_config(transformers, attention_dropout: float):
                                    hidden_dropout_prob=0.0)
 
 
-def test_replace_bert_layers_keeps_the_model(tmp_path):
-    transformers = pytest.importorskip("transformers")
+def small_bert_model(transformers):
+    """A small HF ``BertModel`` (eval, dropout off, eager attention) with N(0, 0.3) encoder weights,
+    and an untouched copy of it."""
     import copy
 
-    from datamove.hf import BertLayerReplacement, replace_bert_layers
-
-    d = BERT_DIMS
     config = small_bert_config(transformers, attention_dropout=0.0)
     config._attn_implementation = "eager"
     model = transformers.BertModel(config).eval()
     with torch.no_grad():
         for p in model.encoder.parameters():
             p.normal_(0.0, 0.3)
-    original = copy.deepcopy(model)
+    return model, copy.deepcopy(model)
+
+
+def test_replace_bert_layers_keeps_the_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from datamove.hf import BertLayerReplacement, replace_bert_layers
+
+    d = BERT_DIMS
+    model, original = small_bert_model(transformers)
     path = write(tmp_path, "bert", BERT_DIMS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

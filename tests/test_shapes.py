@@ -16,7 +16,7 @@ from datamove.layer import LayerProgram, tensor_interface
 from datamove.shapes import call_dims, check_plans, fit_plan, nearest
 from datamove.weights import from_spec
 from plans import selected_plan, spec_module, spec_order_plan
-from test_export import BERT_DIMS, FLOAT32_TOLERANCE, error, load, small_bert_config, write
+from test_export import BERT_DIMS, FLOAT32_TOLERANCE, error, load, small_bert_model, write
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
 SMALL = dict(B=2, N=64, H=2, P=32, U=128)  # the job's sizes (tests/test_job.py), L given per shape
@@ -225,17 +225,9 @@ def test_hf_model_runs_at_the_batch_and_sequence_it_is_given(bert):
     """A HF model whose layers were replaced, at another batch and sequence than the artifact's,
     with padding (the attention mask becomes a key-padding mask of the model's current shape)."""
     transformers = pytest.importorskip("transformers")
-    import copy
-
     from datamove.hf import replace_bert_layers
 
-    config = small_bert_config(transformers, attention_dropout=0.0)
-    config._attn_implementation = "eager"
-    model = transformers.BertModel(config).eval()
-    with torch.no_grad():
-        for p in model.encoder.parameters():
-            p.normal_(0.0, 0.3)
-    original = copy.deepcopy(model)
+    model, original = small_bert_model(transformers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert replace_bert_layers(model, bert, dtype=torch.float32) == 2
