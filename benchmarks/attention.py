@@ -5,8 +5,8 @@
         [--out benchmarks/results] [--no-progress]
 
 Q/K/V/dO stored as BERT holds them, ``[B, L, H*P]`` = (b, j, h, p), passed as logical (b, h, j, p)
-views.  Every implementation is a ``kernels.attention_variants`` variant that goes through
-``kernels.bench.Sweep`` into the tuning DB (checked against float64 before it is timed; each
+views.  Every implementation is a ``harness.attention_variants`` variant that goes through
+``harness.bench.Sweep`` into the tuning DB (checked against float64 before it is timed; each
 record committed as it is made, so a rerun resumes and a repeated run only reads the DB):
 (1) every forward and every backward knob configuration of the fused kernels
 (``attention_configs``, compiled ahead in worker processes by ``Sweep(compile_workers=)``; the
@@ -21,7 +21,7 @@ gaps); (3) the forward + backward variants again launched from Python (``cuda_gr
 overhead included); (4) the Philox floor: one pass of mask generation alone over the B*H*L*L
 probabilities, drawn and stored as the forward saves it for "saved" (``kernels.philox.keep_bits``:
 sixteen decisions per Philox call, written as 16 bits per call, B*H*L*L/8 bytes).  Times:
-``kernels.bench.time_cuda`` medians, L2 flushed before each repetition.  Flop: forward 4*B*H*L*L*P, backward 10*B*H*L*L*P.  The report (from the DB
+``harness.bench.time_cuda`` medians, L2 flushed before each repetition.  Flop: forward 4*B*H*L*L*P, backward 10*B*H*L*L*P.  The report (from the DB
 records) is written as ``attention.md`` / ``.json`` under ``--out`` on a GPU only; without one,
 small setups run through the Triton interpreter in float32 and nothing is measured or written.
 """
@@ -42,13 +42,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from datamove.kernels.attention import DROPOUT_MASK_OPTIONS  # noqa: E402
-from datamove.kernels.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
+from datamove.harness.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
                                         FusedVariant, SdpaVariant, Workspace, baseline_variants, config_variants)
-from datamove.kernels.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
+from datamove.harness.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
 from datamove.dataflow.dropout_mask import DECISIONS_PER_CALL  # noqa: E402
 from datamove.kernels.philox import keep_bits, keep_threshold  # noqa: E402
-from datamove.kernels.tuning_db import TuningDB  # noqa: E402
+from datamove.harness.tuning_db import TuningDB  # noqa: E402
 
 GPU_SETUPS = ["B=8,H=16,L=512,P=64", "B=8,H=8,L=512,P=128"]
 CPU_SETUPS = ["B=2,H=3,L=37,P=16"]
@@ -196,8 +196,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Fused attention, forward + backward ({report['dtype']}, dropout {report['dropout_p']})", "",
              f"Device: {report['device']}; " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; {report['date']}.",
              "Q/K/V/dO stored [B, L, H*P] = (b, j, h, p), passed as (b, h, j, p) views. Every row is a variant of "
-             "`kernels.attention_variants` swept by `kernels.bench.Sweep` into the tuning DB (checked against float64 "
-             "first) and read back from it: medians of `kernels.bench.time_cuda` in ms, L2 flushed before each repetition. "
+             "`harness.attention_variants` swept by `harness.bench.Sweep` into the tuning DB (checked against float64 "
+             "first) and read back from it: medians of `harness.bench.time_cuda` in ms, L2 flushed before each repetition. "
              "'GPU ms': the call replayed from a CUDA graph (no host gaps between its kernels; ratios and TFLOP/s use it). "
              "'launch ms': the call launched from Python, host overhead included. TFLOP/s count 14*B*H*L*L*P flop for "
              "fwd+bwd. SDPA is checked with dropout 0 (its mask cannot be regenerated), the eager chain with the mask "

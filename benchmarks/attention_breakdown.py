@@ -7,7 +7,7 @@ BERT-large attention (B=8, H=16, L=512, P=64, bf16, Q/K/V/dO stored [B, L, H*P] 
 with dropout 0.1 drawing the mask ("regenerate"), and drawing and saving it ("saved"). For each
 backward configuration and dQ mode: ``attention_backward`` (preprocess, dK/dV, dQ kernels and the
 dQ cast) without dropout, regenerating the mask, and reading the saved one. Differences between
-the columns place the cost of the mask. Medians of ``kernels.bench.time_cuda`` (L2 flushed, CUDA
+the columns place the cost of the mask. Medians of ``harness.bench.time_cuda`` (L2 flushed, CUDA
 graph replay: GPU time) in ms; a configuration that fails to compile or launch shows its error.
 Not checked against float64 here (``benchmarks/attention.py`` and the tests do that). Writes
 ``attention_breakdown.md`` under ``--out``; needs a GPU.
@@ -22,7 +22,7 @@ import sys
 import torch
 
 from datamove.kernels.attention import attention_backward, attention_forward, new_saved_mask
-from datamove.kernels.bench import time_cuda
+from datamove.harness.bench import time_cuda
 from datamove.kernels.device import versions
 
 B, H, L, P = 8, 16, 512, 64

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/ceilings.py [--db tuning.db] [--out benchmarks/results] [--force]
 
-Ceilings are measured once per device and kept in the tuning DB (``kernels.bench.measure_ceilings``);
+Ceilings are measured once per device and kept in the tuning DB (``harness.bench.measure_ceilings``);
 ``--force`` measures again.  Without a GPU it says why and exits with status 1, writing nothing.
 """
 import argparse
@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from datamove.kernels.bench import measure_ceilings
+from datamove.harness.bench import measure_ceilings
 from datamove.kernels.device import NoDevice, query_device, versions
-from datamove.kernels.tuning_db import TuningDB
+from datamove.harness.tuning_db import TuningDB
 
 
 def main() -> int:

@@ -5,8 +5,8 @@
         [--gpus N] [--retry-failed] [--out benchmarks/results] [--no-progress]
 
 The GEMMs come from the stored fused training graph (``dataflow.snapshot``; stacked Q/K/V and
-their dX/dW as one einsum each; ``kernels.contraction_variants.training_gemms``).  Everything
-goes through ``kernels.bench.Sweep`` into the tuning DB (each record committed as it is made:
+their dX/dW as one einsum each; ``harness.contraction_variants.training_gemms``).  Everything
+goes through ``harness.bench.Sweep`` into the tuning DB (each record committed as it is made:
 a killed or out-of-budget run resumes where it stopped, a repeated run only reads the DB), in
 two phases: (1) per GEMM, its first layout combination (spec order when it is a BLAS GEMM) with
 cuBLAS and every Triton config of ``valid_configs`` (the first ``--limit-configs``); (2) the
@@ -16,8 +16,8 @@ the template can fuse (linear1 + bias + ReLU + dropout, found structurally) as o
 (the GEMM's ``EPILOGUE_CONFIGS`` fastest configs) vs the cuBLAS GEMM then PyTorch eager and vs
 the cuBLAS GEMM then the consumer's generated kernel (``kernels.codegen``; every configuration
 with spec-order layouts, the report keeps the fastest).  Every
-variant is checked against a float64 einsum (``kernels.accuracy``'s rule, baseline: torch's
-einsum in bf16 on the same operands) before it is timed.  Times: ``kernels.bench.time_cuda``
+variant is checked against a float64 einsum (``harness.accuracy``'s rule, baseline: torch's
+einsum in bf16 on the same operands) before it is timed.  Times: ``harness.bench.time_cuda``
 medians (CUDA events, L2 flushed before every repetition).  Then the report from the DB records:
 per layout, TFLOP/s of cuBLAS and of the best Triton config, % of the bf16 GEMM rate measured on
 this device (``measure_ceilings``, kept in the DB), Triton/cuBLAS time; per GEMM, the best
@@ -39,13 +39,13 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from datamove.dataflow import snapshot  # noqa: E402
-from datamove.kernels.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
-from datamove.kernels.contraction_variants import (DTYPE, Operands, consumer_configurations, epilogue_of, epilogue_variants,
+from datamove.harness.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
+from datamove.harness.contraction_variants import (DTYPE, Operands, consumer_configurations, epilogue_of, epilogue_variants,
                                           gemm_variants,  # noqa: E402
                                           pick_layouts, training_gemms)
 from datamove.kernels.device import query_device, versions  # noqa: E402
 from datamove.kernels.gemm import valid_configs  # noqa: E402
-from datamove.kernels.tuning_db import TuningDB  # noqa: E402
+from datamove.harness.tuning_db import TuningDB  # noqa: E402
 
 EPILOGUE_CONFIGS = 4
 WARMUP_MS, REP_MS = 10.0, 40.0
@@ -171,7 +171,7 @@ def markdown(report: dict) -> str:
         f"Peak: bf16 {report['peak']['what']} measured on this device (`measure_ceilings`, tuning DB) = "
         f"**{report['peak']['tflops']:.0f} TFLOP/s**; % peak below is of this.",
         f"Sweep: {report['sweep']['summary']}; {report['sweep']['wall_s']:.0f} s wall.",
-        "Times: medians of `kernels.bench.time_cuda` through `kernels.bench.Sweep` (CUDA events, L2 flushed before each "
+        "Times: medians of `harness.bench.time_cuda` through `harness.bench.Sweep` (CUDA events, L2 flushed before each "
         f"repetition, {WARMUP_MS:g} ms warm-up, {REP_MS:g} ms of repetitions), read back from the tuning DB. Triton: best of the "
         f"configs tried (every one of `valid_configs` for a GEMM's first layout, the {report['sweep']['other_configs']} fastest "
         "there for its other layouts; `tma` configs read A and B through tensor descriptors, only where the layouts allow). "
@@ -208,7 +208,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {s['gemm']} | `{s['einsum']}` | {cub} | {tri} | {ratio} | {best} | {verdict} |")
     lines += ["", f"Best variant within 5% of the reference (or faster): **{best_within} of {len(report['gemms'])}** GEMMs."]
     problems = [(r["gemm"], r["layouts"], p) for r in report["variants"] for p in r.get("triton_problems", [])]
-    lines += ["", f"Accuracy: rule of `kernels.accuracy` (float64 einsum reference, torch bf16 einsum baseline); "
+    lines += ["", f"Accuracy: rule of `harness.accuracy` (float64 einsum reference, torch bf16 einsum baseline); "
               f"Triton configs failed or wrong: {len(problems)}" + ("." if not problems else ":")]
     lines += [f"- {g} `{lay}`: {p}" for g, lay, p in problems[:20]]
     for e in report["epilogue"]:

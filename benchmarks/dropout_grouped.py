@@ -7,17 +7,17 @@ Two consumers of the dropout convention (``dataflow.dropout_mask``) are timed wi
   columns (``alpha``: softmax + scale + dropout, mask drop_attn[h, b, j, k]; ``d_k_q``: its
   backward), in the best layout of ``benchmarks/results/fused_ops.md`` (all hbjk, vector k, whole
   rows) and two other row/warp knobs, next to PyTorch eager's unfused sequence
-  (``kernels.sweep_variants.EagerVariant``);
+  (``harness.sweep_variants.EagerVariant``);
 - the linear1 GEMM (``ui,ibj->ubj``) with its fused epilogue (bias[u] + ReLU + dropout p=0.1,
   with and without the saved pre-activation) through the Triton template, next to cuBLAS +
-  PyTorch eager (``kernels.contraction_variants.EpilogueVariant``).
+  PyTorch eager (``harness.contraction_variants.EpilogueVariant``).
 "grouped" is the path the generators choose (one Philox call per sixteen elements of a group of 64,
 ``kernels.philox.dropout_keep_grouped``); "per element" is their fallback (one call per element,
 ``kernels.philox.dropout_keep``), forced by making the grouping tests answer no
 (``kernels.codegen._grouped_masks`` returning no mask while the kernel is generated;
 ``kernels.gemm._grouped`` returning "none" around each launch).  Each variant is checked against the
-float64 reference (``kernels.accuracy``'s rule, ``Verdict``), and the two paths' outputs must be
-bit-identical (same mask, same arithmetic).  Times: ``kernels.bench.time_cuda`` medians (CUDA
+float64 reference (``harness.accuracy``'s rule, ``Verdict``), and the two paths' outputs must be
+bit-identical (same mask, same arithmetic).  Times: ``harness.bench.time_cuda`` medians (CUDA
 events, L2 flushed).  Writes ``dropout_grouped.md`` / ``.json`` under ``--out`` (``dropout_octets.*`` and ``dropout_quads.*``
 there hold former conventions' measurements: eight 16-bit and four 32-bit decisions per call).
 """
@@ -34,12 +34,12 @@ import torch
 import datamove.kernels.codegen as codegen
 import datamove.kernels.gemm as gemm
 from datamove.dataflow import snapshot
-from datamove.kernels import contraction_variants as cv
-from datamove.kernels.bench import time_cuda, write_results
+from datamove.harness import contraction_variants as cv
+from datamove.harness.bench import time_cuda, write_results
 from datamove.kernels.contraction import dropout_digits, map_layouts
 from datamove.kernels.device import query_device, versions
 from datamove.kernels.gemm import GemmConfig
-from datamove.kernels.sweep_variants import EagerVariant, FusedVariant, Workspace, fused_operators
+from datamove.harness.sweep_variants import EagerVariant, FusedVariant, Workspace, fused_operators
 from datamove.layouts.space import Configuration
 
 HBJK = {t: "hbjk" for t in ("alpha", "drop_attn", "k_q", "probs", "d_alpha", "d_k_q")}
@@ -136,9 +136,9 @@ def markdown(report: dict) -> str:
     lines = ["# Dropout: sixteen 8-bit decisions per Philox call (grouped) vs one call per element", "",
              f"{report['date']}, {d}, torch {v['torch']}, triton {v['triton']}, CUDA runtime {v.get('cuda_runtime')}; "
              "BERT-large (B=8, L=512, N=1024, H=16, P=64, U=4096), bfloat16, p=0.1. Medians of "
-             f"`kernels.bench.time_cuda` (CUDA events, L2 flushed, {report['rep_ms']:g} ms of repetitions), ms. "
+             f"`harness.bench.time_cuda` (CUDA events, L2 flushed, {report['rep_ms']:g} ms of repetitions), ms. "
              "'per element' is the fallback path (the grouping tests forced to answer no); 'identical': the two paths' "
-             "outputs are bit-identical; 'check': both pass `kernels.accuracy`'s rule against float64 and each path "
+             "outputs are bit-identical; 'check': both pass `harness.accuracy`'s rule against float64 and each path "
              "drew the mask as named (generated source / `kernels.gemm._grouped`).", "",
              "## Generated fused operators (all tensors hbjk, vector k, whole rows of 512)", "",
              "| operator | knobs | grouped ms | per element ms | per element / grouped | eager ms | eager / grouped | identical | check |",

@@ -6,9 +6,9 @@
 
 No DaCe needed: graphs come from the stored snapshots (``dataflow.snapshot``: fused training
 graphs and closed forms).  For each fused operator of each spec: PyTorch
-eager's sequence of the unfused operators it replaces (``kernels.eager``) and the configurations
+eager's sequence of the unfused operators it replaces (``harness.eager``) and the configurations
 of its layout space (``layouts.space.configurations``, pruned unless ``--exhaustive``) go through
-``kernels.bench.Sweep`` (``kernels.sweep_variants``): compiled ahead in ``--compile-workers``
+``harness.bench.Sweep`` (``harness.sweep_variants``): compiled ahead in ``--compile-workers``
 processes, built, checked (one measuring process per GPU, ``--gpus``; a variant that crashes or
 hangs is recorded failed with the reason and not tried again unless ``--retry-failed``) against a float64 evaluation on the device, timed (CUDA events, L2
 flushed, medians), each record committed to the tuning DB
@@ -36,10 +36,10 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from datamove.kernels.bench import CPU_DEVICE, GRAPH_BELOW_MS, Sweep, measure_ceilings, write_results  # noqa: E402
+from datamove.harness.bench import CPU_DEVICE, GRAPH_BELOW_MS, Sweep, measure_ceilings, write_results  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
-from datamove.kernels.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
-from datamove.kernels.tuning_db import TuningDB  # noqa: E402
+from datamove.harness.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
+from datamove.harness.tuning_db import TuningDB  # noqa: E402
 from datamove.dataflow import snapshot  # noqa: E402
 
 
@@ -223,10 +223,10 @@ def main() -> int:
         f"Sweep ({args.search}, {'exhaustive' if args.exhaustive else 'pruned'} spaces: {total} configurations "
         f"in {patterns} access patterns, top {args.top} patterns tuned): {report.summary()}; "
         f"{sweep_wall_s:.0f} s wall with {args.compile_workers} compile workers.\n\n"
-        "Times: medians of CUDA-event timings with L2 flushed (``kernels.bench.time_cuda``; calls under "
+        "Times: medians of CUDA-event timings with L2 flushed (``harness.bench.time_cuda``; calls under "
         f"{GRAPH_BELOW_MS:g} ms, fused or eager, replayed from a CUDA graph: GPU time). Bytes: distinct "
         "input + output elements x 2 (dropout masks regenerated, not read). Eager: the unfused member "
-        "operators as PyTorch calls (``kernels.eager``), measured in the same sweep.\n\n" + text + "\n")
+        "operators as PyTorch calls (``harness.eager``), measured in the same sweep.\n\n" + text + "\n")
     print(text)
     return 0
 

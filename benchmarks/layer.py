@@ -24,7 +24,7 @@ Ratios are against the tuned layer's; the kernel time's median round also gives,
 time and launches per call (the Markdown lists the slowest of the tuned layer and both compile
 modes side by side: where one spends time the other does not, e.g. work outside the plan's steps).
 The tuned layer's breakdown: each plan step timed alone
-(``kernels.bench.time_cuda``: device events, L2 flushed, medians, replayed from a CUDA graph) beside
+(``harness.bench.time_cuda``: device events, L2 flushed, medians, replayed from a CUDA graph) beside
 the plan's time for it.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
 from datamove.steps import Run
-from datamove.kernels.bench import capture_graph, time_cuda, write_results
+from datamove.harness.bench import capture_graph, time_cuda, write_results
 from datamove.kernels.device import query_device, versions
 
 REPS = 20

@@ -32,7 +32,7 @@ import torch
 
 from datamove.export import read_manifest
 from datamove.hf import replace_bert_layers
-from datamove.kernels.bench import write_results
+from datamove.harness.bench import write_results
 from datamove.kernels.device import versions
 
 WARMUP, STEPS, ROUNDS, PROFILED, BATCHES = 4, 10, 3, 5, 4

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
-from datamove.kernels.bench import write_results
+from datamove.harness.bench import write_results
 from datamove.kernels.device import versions
 from layer import ROUNDS, _baselines, _call, kernel_profile, wall_ms
 

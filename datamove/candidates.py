@@ -7,7 +7,7 @@
   representative's, predicted);
 - contractions: each BLAS-mappable operand-layout combination (one batch dim at most; a stacked
   operand keeps its stack letter outermost: its members are views of one buffer), cuBLAS or the
-  fastest measured Triton configuration, timed as the ``kernels.contraction_variants.pick_layouts``
+  fastest measured Triton configuration, timed as the ``harness.contraction_variants.pick_layouts``
   plan that makes the same BLAS call (``same_call_layouts``: the same sizes and strides);
 - a GEMM and the element-wise consumer its Triton template fuses (``epilogue_of``), in spec order;
 - the fused attention (``attention_roles``): forward and backward, in every layout the producer of
@@ -27,11 +27,11 @@ from dataclasses import dataclass, replace
 from datamove.dataflow.graph import is_expression
 from datamove.dataflow.layer_inputs import batch_letters
 from datamove.kernels.attention import supported_head_dim
-from datamove.kernels.attention_variants import AttentionCase
+from datamove.harness.attention_variants import AttentionCase
 from datamove.kernels.contraction import NotAGemm, map_layouts, parse
-from datamove.kernels.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, same_call_layouts, training_gemms
-from datamove.kernels.sweep_variants import moved_bytes, op_signature
-from datamove.kernels.tuning_db import canonical_json
+from datamove.harness.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, same_call_layouts, training_gemms
+from datamove.harness.sweep_variants import moved_bytes, op_signature
+from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
 from datamove.layouts.select import Candidate, best_sum, select, to_plan

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from datamove.dataflow.spec import SpecError, parse_assignments
-from datamove.kernels.tuning_db import TuningDBError
+from datamove.harness.tuning_db import TuningDBError
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 

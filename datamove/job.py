@@ -84,7 +84,7 @@ def boundary_layouts(torch_order: dict) -> dict:
 
 
 def attention_setups(fused, dtype_name: str) -> list[dict]:
-    """``kernels.attention_variants.AttentionCase`` arguments of the graph's fused attention in the
+    """``harness.attention_variants.AttentionCase`` arguments of the graph's fused attention in the
     spec's layout of its inputs (what the tuning measures), and ``bias``: whether the bias add
     before it folds in (``datamove.candidates.attention_bias``; the tuning measures that too)."""
     from datamove.candidates import attention_bias, attention_roles
@@ -137,8 +137,8 @@ def run_job(o: JobOptions) -> int:
     tunings = []
     if measured:
         from datamove.tuning import Tuner, fused_spaces, measure_layout_changes, tune, tune_chosen
-        from datamove.kernels.bench import measure_ceilings
-        from datamove.kernels.tuning_db import TuningDB
+        from datamove.harness.bench import measure_ceilings
+        from datamove.harness.tuning_db import TuningDB
 
         stages(f"tuning on {facts.name} (budget {o.budget_s:g} s; database {o.db or DEFAULT_DB})")
         path = Path(o.db or DEFAULT_DB)

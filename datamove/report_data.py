@@ -12,9 +12,9 @@ from __future__ import annotations
 import datetime
 
 from datamove.report import KernelRow, ReportData
-from datamove.kernels.contraction_variants import training_gemms
+from datamove.harness.contraction_variants import training_gemms
 from datamove.kernels.device import versions
-from datamove.kernels.sweep_variants import op_signature
+from datamove.harness.sweep_variants import op_signature
 from datamove.layouts.cost_model import predict_ms
 from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE, MEASURED, PREDICTED
 
@@ -92,7 +92,7 @@ def report_data(analysis, fused, plan, spec: str, dtype: str, figures, ceilings,
 
 def ceilings_of(ceilings, figures, dtype: str, rows: list[KernelRow]) -> dict:
     """The report's bandwidth (bytes/s) and compute (flop/s) ceilings and where they come from:
-    measured on the device (``kernels.bench`` ceilings: a device-to-device copy; the faster of an
+    measured on the device (``harness.bench`` ceilings: a device-to-device copy; the faster of an
     8192^3 GEMM and the fastest measured kernel among ``rows``, so no kernel sits above its roof
     when the clock ran higher than during the ceiling's run), else the cost model's figures."""
     if ceilings is None:

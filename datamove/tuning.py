@@ -1,12 +1,12 @@
 """The main job's tuning: every kernel family of a fused training graph through the tuning database.
 
-Sweeps (``kernels.bench.Sweep``: compiled ahead, checked against float64, timed with device
+Sweeps (``harness.bench.Sweep``: compiled ahead, checked against float64, timed with device
 events, on every GPU of the host; each record committed as it is made, so a second run only reads
 the database; a variant that crashes or hangs is recorded failed and the sweep goes on), sharing one
 time budget (``tune``'s doc gives the order): the fused element-wise / normalization operators
-(``kernels.sweep_variants``, two-stage, each with its PyTorch eager sequence, the report's
-baseline), the contractions and fused epilogues (``kernels.contraction_variants``), the fused
-attention (``kernels.attention_variants``) at the layout of its inputs in the spec, and the layout
+(``harness.sweep_variants``, two-stage, each with its PyTorch eager sequence, the report's
+baseline), the contractions and fused epilogues (``harness.contraction_variants``), the fused
+attention (``harness.attention_variants``) at the layout of its inputs in the spec, and the layout
 changes the selection asks for (``kernels.layout_change``).  What is not measured (layouts not
 swept) the selection prices with the cost model.
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from datamove.kernels.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
-from datamove.kernels.bench import Sweep
-from datamove.kernels.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
+from datamove.harness.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
+from datamove.harness.bench import Sweep
+from datamove.harness.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
                                           gemm_variants, training_gemms)
 from datamove.kernels.gemm import valid_configs
-from datamove.kernels.layout_change import LayoutChangeVariant
-from datamove.kernels.sweep_variants import sweep_variants
+from datamove.harness.layout_change_variants import LayoutChangeVariant
+from datamove.harness.sweep_variants import sweep_variants
 from datamove.layouts.plan import GENERATED
 from datamove.layouts.space import Configuration, access_pattern
 
@@ -140,7 +140,7 @@ def chosen_patterns(spaces: list, plan) -> list:
 
 def fused_spaces(fused, spec: str, dtype) -> list:
     """The variants of ``fused``'s element-wise / normalization operators on the GPU, per operator
-    and access pattern (``kernels.sweep_variants``): built once per job, swept by ``tune`` and
+    and access pattern (``harness.sweep_variants``): built once per job, swept by ``tune`` and
     ``tune_chosen``."""
     return sweep_variants(spec, fused, "cuda", dtype=dtype)[0]
 

@@ -68,9 +68,9 @@ def measured(log) -> dict[str, list[int]]:
 
 
 def pid_server(retiring: bool):
-    """Setup of a ``kernels.workers.Pool`` whose tasks answer the worker's pid and the environment
+    """Setup of a ``harness.workers.Pool`` whose tasks answer the worker's pid and the environment
     variable named by the task (``retiring``: each worker retires after one task)."""
-    from datamove.kernels.workers import retire
+    from datamove.harness.workers import retire
 
     def handle(variable):
         if retiring:

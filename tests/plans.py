@@ -3,7 +3,7 @@ at their default configuration, contractions through cuBLAS): the runtime's test
 besides the selected plans, as the plan that exercises no attention and no layout change."""
 import importlib.util
 
-from datamove.kernels.contraction_variants import _stacked
+from datamove.harness.contraction_variants import _stacked
 from datamove.layouts.plan import GEMM, GENERATED, Plan, Step
 from datamove.layouts.space import default_configuration
 

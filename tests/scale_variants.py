@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from datamove.kernels.accuracy import closeness
+from datamove.harness.accuracy import closeness
 
 SCALE = 1.75
 

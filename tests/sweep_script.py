@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from datamove.kernels.tuning_db import TuningDB
+from datamove.harness.tuning_db import TuningDB
 
 REPO = Path(__file__).resolve().parents[1]
 

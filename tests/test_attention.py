@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
-from datamove.kernels.accuracy import assert_closer, relative_error
+from datamove.harness.accuracy import assert_closer, relative_error
 from datamove.kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
                                default_config, dropout_grouped, dropout_strides_for, fused_attention, new_saved_mask)
 
@@ -182,7 +182,7 @@ def test_dropout_index_in_spec_order():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("P,Lq,Lk,offset,causal", [(16, 37, 29, 11, False), (64, 23, 24, 16, True)])
 def test_low_precision_acceptance(dtype, P, Lq, Lk, offset, causal):
-    """bf16/fp16: no farther from float64 than PyTorch's eager chain at that precision (kernels.accuracy);
+    """bf16/fp16: no farther from float64 than PyTorch's eager chain at that precision (harness.accuracy);
     the mask drawn one Philox call per element (Lk = 29) or per eight keys (Lk = 24)."""
     B, H = 2, 3
     ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, dtype, "bjhp", seed=5)

@@ -13,10 +13,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from datamove.kernels.bench import CPU_DEVICE, SLOW_FACTOR, Sweep, time_cuda
-from datamove.kernels.bench import measure_ceilings
+from datamove.harness.bench import CPU_DEVICE, SLOW_FACTOR, Sweep, time_cuda
+from datamove.harness.bench import measure_ceilings
 from datamove.kernels.device import query_device
-from datamove.kernels.tuning_db import Record, TuningDB
+from datamove.harness.tuning_db import Record, TuningDB
 import sweep_script
 from scale_variants import ScaleVariant, variants
 
@@ -79,8 +79,8 @@ def test_time_budget_stops_cleanly_and_next_run_finishes(tmp_path):
 SWEEP = textwrap.dedent("""
     import sys
     import torch
-    from datamove.kernels.bench import Sweep
-    from datamove.kernels.tuning_db import TuningDB
+    from datamove.harness.bench import Sweep
+    from datamove.harness.tuning_db import TuningDB
     from scale_variants import variants
     device = "cuda" if torch.cuda.is_available() else "cpu"
     Sweep(TuningDB(sys.argv[1]), variants(int(sys.argv[3]), device, log=sys.argv[2], build_pause_s=0.4),

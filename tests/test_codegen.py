@@ -3,7 +3,7 @@
 Every non-contraction forward operator of BERT and GPT-2, at small odd dims through the Triton
 interpreter, in the spec layouts and in a permuted configuration, against a float64 evaluation
 of the operator's primitives; dropout masks regenerated with ``dropout_scale_mask``; bf16 judged
-by ``kernels.accuracy`` against PyTorch eager bf16 of the same primitives.  Graphs come from the
+by ``harness.accuracy`` against PyTorch eager bf16 of the same primitives.  Graphs come from the
 stored snapshot (no DaCe on the GPU machine), checked against the live front end here.
 """
 import functools
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from datamove.kernels.accuracy import assert_closer
+from datamove.harness.accuracy import assert_closer
 from datamove.kernels.codegen import allocate, compile_operator, generate_source
 from datamove.layouts.space import (Configuration, configurations, default_configuration, knob_choices, operator_letters,
                            tile_axes)

@@ -4,7 +4,7 @@ The fused training graphs of BERT and GPT-2 come from the stored snapshot
 (``dataflow/snapshots/training_operators.json``, checked against the live front end where DaCe is
 installed).  The reference executor runs the whole training graph at small odd dims in float64
 with fixed inputs and dropout seed; each operator is fed its inputs from that run and its outputs
-are compared with the executor's (fp32: tight tolerance; bf16: ``kernels.accuracy`` against
+are compared with the executor's (fp32: tight tolerance; bf16: ``harness.accuracy`` against
 PyTorch eager bf16 of the same primitives).  Dropout masks are regenerated in the kernel from
 the executor's (seed, offset), so a kernel that drew another mask would fail.  Operators of
 several independent parts (stacked Q/K/V bias adds and bias gradients, a bias gradient joined
@@ -20,7 +20,7 @@ from datamove.dataflow.autodiff import build_training_graph
 from datamove.dataflow.executor import dropout_offsets, execute
 from datamove.dataflow.fusion import fuse
 from datamove.dataflow.pipeline import forward_graph
-from datamove.kernels.accuracy import assert_closer
+from datamove.harness.accuracy import assert_closer
 from datamove.kernels.codegen import allocate, compile_operator
 from datamove.layouts.space import (Configuration, combine_parts, configurations, default_configuration, knob_choices,
                            operator_letters, parts, terminal_reductions)

@@ -1,7 +1,7 @@
 """Contraction variants: einsum -> GEMM mapping, the cuBLAS path and the Triton template with epilogues.
 
 CPU: small odd sizes, Triton through the interpreter, float64 references (float32 runs compared
-tightly, bf16 runs by ``kernels.accuracy``).  GPU (``-m gpu``): BERT-large sizes, bf16.
+tightly, bf16 runs by ``harness.accuracy``).  GPU (``-m gpu``): BERT-large sizes, bf16.
 """
 import functools
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
-from datamove.kernels.accuracy import assert_closer
+from datamove.harness.accuracy import assert_closer
 from datamove.kernels.contraction import (Epilogue, GemmPlan, NotAGemm, contract, dropout_digits, empty_in_layout, enumerate_variants,
                                  layout_of, map_layouts, parse, run_cublas, run_triton, stacked_projection, stacked_spec)
 from datamove.kernels.gemm import GemmConfig, GemmShape, _epilogue_split, _grouped, tma_compatible, valid_configs

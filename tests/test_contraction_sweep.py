@@ -1,4 +1,4 @@
-"""Contraction and attention variants through ``kernels.bench.Sweep`` into the tuning DB, at small odd sizes.
+"""Contraction and attention variants through ``harness.bench.Sweep`` into the tuning DB, at small odd sizes.
 
 On the CPU (Triton interpreter) nothing is timed: every variant is built, checked against float64
 and recorded 'checked'.  GEMMs run in bf16 (the template corrects the interpreter's bf16 faults);
@@ -9,11 +9,11 @@ import time
 import torch
 
 from datamove.dataflow import snapshot
-from datamove.kernels import attention_variants as av
-from datamove.kernels import contraction_variants as cv
-from datamove.kernels.bench import Sweep
+from datamove.harness import attention_variants as av
+from datamove.harness import contraction_variants as cv
+from datamove.harness.bench import Sweep
 from datamove.kernels.gemm import GemmConfig, valid_configs
-from datamove.kernels.tuning_db import TuningDB
+from datamove.harness.tuning_db import TuningDB
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(B=2, L=5, N=7, H=3, P=3, U=9)

@@ -4,10 +4,10 @@ import time
 import pytest
 import torch
 
-from datamove.kernels.bench import measure_ceilings
+from datamove.harness.bench import measure_ceilings
 from datamove.kernels.device import DeviceFacts, NoDevice, peak_tensor_flops, query_device, versions
-from datamove.kernels.tuning_db import Ceilings
-from datamove.kernels.tuning_db import TuningDB
+from datamove.harness.tuning_db import Ceilings
+from datamove.harness.tuning_db import TuningDB
 
 
 @pytest.mark.parametrize("cc, sms, clock_hz, dtype, datasheet", [

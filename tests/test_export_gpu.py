@@ -1,6 +1,6 @@
 """The exported layer on a GPU at BERT-large dims (marker ``gpu``).
 
-Accuracy by ``kernels.accuracy``'s rule: a bf16/fp16 result passes when its error against a
+Accuracy by ``harness.accuracy``'s rule: a bf16/fp16 result passes when its error against a
 float64 reference (the same HF ``BertLayer`` in float64, same weights, dropout off) is at most 1.5x
 PyTorch's own error at that precision plus 1e-4, for the output, the input's gradient and every
 parameter's; a gradient that is zero in exact arithmetic (the key bias) is judged against the
@@ -15,7 +15,7 @@ import torch
 from datamove.dataflow.snapshot import stored_fused
 from datamove.export import load_layer, load_weights, write_artifact
 from datamove.weights import from_spec
-from datamove.kernels.bench import capture_graph
+from datamove.harness.bench import capture_graph
 from plans import selected_plan, spec_module, spec_order_plan
 
 pytestmark = pytest.mark.gpu

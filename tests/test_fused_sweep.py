@@ -1,4 +1,4 @@
-"""The fused-operator sweep (kernels.sweep_variants, kernels.eager, kernels.torch_eval) at small odd dims.
+"""The fused-operator sweep (harness.sweep_variants, harness.eager, harness.torch_eval) at small odd dims.
 
 On the CPU the generated kernels run through the Triton interpreter in float32 (its fp32 -> bf16
 casts truncate); the eager baseline and the torch evaluator run in float64 against the reference
@@ -13,11 +13,11 @@ import torch
 
 from datamove.dataflow.dropout_mask import keep_mask
 from datamove.dataflow.executor import execute
-from datamove.kernels import sweep_variants as sv
-from datamove.kernels.bench import Sweep
-from datamove.kernels.eager import EagerRun, eager_plan
-from datamove.kernels.torch_eval import evaluate, graph_inputs, keep_mask_torch
-from datamove.kernels.tuning_db import TuningDB
+from datamove.harness import sweep_variants as sv
+from datamove.harness.bench import Sweep
+from datamove.harness.eager import EagerRun, eager_plan
+from datamove.harness.torch_eval import evaluate, graph_inputs, keep_mask_torch
+from datamove.harness.tuning_db import TuningDB
 from datamove.layouts.space import Configuration, access_pattern, configurations, default_configuration
 from datamove.dataflow import snapshot
 
@@ -55,7 +55,7 @@ def test_masks_follow_the_dropout_convention():
     expected = keep_mask(11, 1000, shape, p)
     assert torch.equal(keep_mask_torch(11, 1000, shape, p, "cpu"), torch.from_numpy(expected))
     from datamove.kernels.philox import keep_threshold
-    from datamove.kernels.torch_eval import _keep_kernel  # the GPU path, here through the interpreter
+    from datamove.harness.torch_eval import _keep_kernel  # the GPU path, here through the interpreter
     out = torch.empty(105, dtype=torch.int8)
     _keep_kernel[(2,)](out, 105, 11, 1000, keep_threshold(p), BLOCK=64, INDEX64=False)
     assert torch.equal(out.view(shape).bool(), torch.from_numpy(expected))

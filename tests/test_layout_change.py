@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from datamove.kernels.contraction import empty_in_layout
-from datamove.kernels.layout_change import LayoutChangeVariant, permute_copy
+from datamove.harness.layout_change_variants import LayoutChangeVariant
+from datamove.kernels.layout_change import permute_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

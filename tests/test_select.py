@@ -14,7 +14,7 @@ import pytest
 
 from datamove.dataflow.snapshot import stored_fused
 from datamove.candidates import Timings, plan_layer
-from datamove.kernels.tuning_db import Key, Record
+from datamove.harness.tuning_db import Key, Record
 from datamove.layouts.cost_model import device_figures
 from datamove.layouts.plan import LAYOUT_CHANGE
 from datamove.layouts.select import Candidate, NoPlan, select
@@ -268,7 +268,7 @@ def test_a_kernel_that_never_ran_is_not_offered_and_a_folded_one_is_not_cheaper(
     the plain backward measured 0.117).  The attention with the bias add folded in, not measured, is
     priced no faster than the measured one without it (the same kernel plus bias loads)."""
     from datamove.candidates import CandidateBuilder, attention_bias, attention_roles
-    from datamove.kernels.attention_variants import AttentionCase
+    from datamove.harness.attention_variants import AttentionCase
 
     fused = stored_fused()["bert"]
     device = "NVIDIA H200"

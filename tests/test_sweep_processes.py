@@ -1,4 +1,4 @@
-"""The sweep's process machinery on CPU (``kernels.workers``, ``kernels.bench.Sweep``), with fake variants.
+"""The sweep's process machinery on CPU (``harness.workers``, ``harness.bench.Sweep``), with fake variants.
 
 Compile tasks that abort, hang or raise, and measuring processes that die or hang, each end up
 recorded 'failed' with the reason while the sweep measures the others; the budget holds while a
@@ -20,9 +20,9 @@ from rich.console import Console
 
 import sweep_script
 from fake_variants import FakeVariant, broken_setup, measured, pid_server
-from datamove.kernels.bench import Sweep
-from datamove.kernels.tuning_db import TuningDB
-from datamove.kernels.workers import Pool, WorkerStartError, wait
+from datamove.harness.bench import Sweep
+from datamove.harness.tuning_db import TuningDB
+from datamove.harness.workers import Pool, WorkerStartError, wait
 
 LIMIT_S = 3  # compile and variant time limits in these tests
 
@@ -132,8 +132,8 @@ def test_budget_is_honoured_while_a_variant_hangs(tmp_path, where):
 SWEEP = textwrap.dedent("""
     import sys
     from fake_variants import FakeVariant
-    from datamove.kernels.bench import Sweep
-    from datamove.kernels.tuning_db import TuningDB
+    from datamove.harness.bench import Sweep
+    from datamove.harness.tuning_db import TuningDB
     variants = [FakeVariant(f"v{i}", sys.argv[2], compile="ok" if i % 3 == 0 else None, build="pause") for i in range(12)]
     Sweep(TuningDB(sys.argv[1]), variants, processes=2, compile_workers=1, progress=False).run()
 """)
@@ -177,9 +177,9 @@ def test_real_variants_travel_pickled_without_their_tensors():
     """What a measuring process receives: the variants of one pickle share their workspace, which
     arrives without the tensors computed here and builds and checks there."""
     from datamove.dataflow import snapshot
-    from datamove.kernels import attention_variants as av
-    from datamove.kernels import contraction_variants as cv
-    from datamove.kernels import sweep_variants as sv
+    from datamove.harness import attention_variants as av
+    from datamove.harness import contraction_variants as cv
+    from datamove.harness import sweep_variants as sv
 
     training = snapshot.stored_fused()["bert"].with_dims(dict(B=2, L=5, N=12, H=3, P=4, U=7))
     spaces, _ = sv.sweep_variants("bert", training, "cpu", dtype=torch.float32, limit_configs=1)

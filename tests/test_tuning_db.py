@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from datamove.kernels.tuning_db import Key, Record, TuningDB, TuningDBError
+from datamove.harness.tuning_db import Key, Record, TuningDB, TuningDBError
 
 REPO = Path(__file__).resolve().parents[1]
 VERSIONS = {"torch": "2.11.0", "triton": "3.6.0", "cuda_runtime": "13.0", "cuda_driver": "13.0"}
@@ -120,7 +120,7 @@ def test_the_cli_prints_a_damaged_database_in_one_line(tmp_path, capsys, monkeyp
 WRITER = textwrap.dedent("""
     import sys
     import time
-    from datamove.kernels.tuning_db import Key, Record, TuningDB, TuningDBError
+    from datamove.harness.tuning_db import Key, Record, TuningDB, TuningDBError
     db = TuningDB(sys.argv[1])
     for i in range(int(sys.argv[2])):
         k = Key(device="dev", versions={}, op="op", dims={"i": i}, dtype="float32", layout=[], knobs={"BLOCK": i})

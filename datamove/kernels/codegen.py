@@ -698,7 +698,7 @@ class CompiledOperator:
     def warmup(self, dtype: torch.dtype, seeds: dict) -> None:
         """Compile for ``dtype`` inputs and outputs stored in the configured layouts, without
         running anything: fills Triton's on-disk cache, so that a later ``run`` in any process on
-        the same GPU model only loads the binary (``kernels.bench.Sweep`` compiles ahead in worker
+        the same GPU model only loads the binary (``harness.bench.Sweep`` compiles ahead in worker
         processes this way).  ``seeds`` as for ``run`` (their values take part in specialisation)."""
         stored = {t: allocate(self.graph, t, self.config.layouts.get(t, self.graph.tensors[t].letters), dtype, "meta")
                   for t in self.loads}

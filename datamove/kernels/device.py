@@ -3,7 +3,7 @@
 ``query_device()`` reads the CUDA device attributes with ``cuda.bindings.runtime`` and derives the
 theoretical peaks from them; with no driver or no GPU it returns a ``NoDevice`` that says why (the
 runtime answers with an error code, nothing crashes).  The measured ceilings (a large copy and a
-large GEMM) are taken by ``kernels.bench.measure_ceilings`` and kept in the tuning DB.
+large GEMM) are taken by ``harness.bench.measure_ceilings`` and kept in the tuning DB.
 ``versions()`` names the software a measurement was taken with (part of every tuning-DB key).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Layout changes: a tensor copied from one storage order of its letters to another, and its sweep variant.
+"""Layout changes: a tensor copied from one storage order of its letters to another.
 
 ``permute_copy`` is what the plan's ``LAYOUT_CHANGE`` steps run (``datamove.steps.LayoutChangeLauncher``):
 one Triton kernel over tiles [BLOCK_S, BLOCK_A] of two letters, ``a`` innermost in the destination
@@ -6,23 +6,16 @@ and ``s`` innermost in the source (or the destination's next letter when both sh
 letter), the other letters one index per program; each tile is read along ``s`` and written along
 ``a``, both coalesced (the compiler converts the tile between the two through shared memory).
 PyTorch's strided ``copy_`` reads or writes one side with a stride: 0.5-1.1 TB/s on an H200 for
-BERT-large's 8 MiB activations (benchmarks/results).  ``LayoutChangeVariant`` times it like every
-other kernel so the selection prices changes by measurement.  Key: ``op = "layout:<letters>"`` (the
-tensor's letters in spec order), ``dims`` {letter: size}, ``layout`` {"from", "to"} (storage
-orders), ``knobs`` {"impl": "triton-tiles", "block_s", "block_a", "num_warps"}; ``bytes`` = read +
-written.  Check: the copy equals its source exactly (random normal data, never zeros).
+BERT-large's 8 MiB activations (benchmarks/results).  ``harness.layout_change_variants`` times it like every other kernel.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from datamove.kernels.accuracy import Closeness
-from datamove.kernels.contraction import empty_in_layout
 
 GRID_DIMS = 4  # letters besides the two tile letters a tensor may have
 TILE = {"block_s": 64, "block_a": 64, "num_warps": 4}
@@ -84,45 +77,3 @@ def permute_copy(src: torch.Tensor, dst: torch.Tensor, block_s: int = TILE["bloc
             *(stride(src, d) for d in g), stride(src, s), stride(src, a),
             *(stride(dst, d) for d in g), stride(dst, s), stride(dst, a),
             BLOCK_S=block_s, BLOCK_A=block_a, num_warps=num_warps)
-
-
-@dataclass(frozen=True)
-class CopyVerdict:
-    """Exact equality of the copy (``passed``), as a ``kernels.accuracy.Closeness``-like verdict."""
-
-    closeness: Closeness
-
-    passed = property(lambda self: self.closeness.passed)
-    error = property(lambda self: self.closeness.error)
-    baseline_error = property(lambda self: self.closeness.baseline_error)
-
-    def __str__(self) -> str:
-        return str(self.closeness)
-
-
-class LayoutChangeVariant:
-    """``permute_copy(src, dst)`` with ``src`` stored in ``source`` order and ``dst`` in ``target`` order."""
-
-    def __init__(self, letters: str, sizes: dict, source: str, target: str, dtype: torch.dtype, device):
-        self.letters, self.sizes, self.source, self.target = letters, dict(sizes), source, target
-        self.dtype_, self.device = dtype, device
-        self.op, self.dims = f"layout:{letters}", {x: sizes[x] for x in letters}
-        self.dtype = str(dtype).removeprefix("torch.")
-        self.layout, self.knobs = {"from": source, "to": target}, {"impl": "triton-tiles", **TILE}
-        self.flop, self.bytes = 0, 2 * math.prod(self.dims.values()) * dtype.itemsize
-        self.src = self.dst = None
-
-    def build(self) -> None:
-        self.src = empty_in_layout(self.letters, self.source, self.sizes, self.dtype_, self.device)
-        self.src.copy_(torch.randn(self.src.shape, device=self.device, dtype=torch.float32))
-        self.dst = empty_in_layout(self.letters, self.target, self.sizes, self.dtype_, self.device)
-        self.run()
-
-    def run(self) -> None:
-        permute_copy(self.src, self.dst)
-
-    def check(self) -> CopyVerdict:
-        self.dst.fill_(float("nan"))
-        self.run()
-        equal = bool(torch.equal(self.dst, self.src))
-        return CopyVerdict(Closeness(0.0 if equal else float("inf"), 0.0, equal))

@@ -22,7 +22,7 @@ it reads (``config = {"tensor", "from", "to"}``; the copy lives until its last r
   contraction (Q/K/V) the members stacked along the einsum's extra leading letter, in stack order
   (the runtime may reorder an operand stacked on both inputs and summed away).
 - ``GEMM_EPILOGUE``: the ``GEMM`` fields plus ``"epilogue": {"consumer", "bias", "bias_letters",
-  "activation", "mask", "p", "save", "produced", "output", "saved"}`` (``kernels.contraction_variants
+  "activation", "mask", "p", "save", "produced", "output", "saved"}`` (``harness.contraction_variants
   .FusableEpilogue``): the contraction and its element-wise consumer in one Triton kernel.
 - ``ATTENTION_FORWARD`` / ``ATTENTION_BACKWARD``: ``{"knobs": {...}, "roles": {"q", "k", "v", "o",
   "mask", "lse"}, "letters": {"batch", "heads", "rows", "keys", "features", "value_features"},

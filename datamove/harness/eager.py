@@ -2,7 +2,7 @@
 
 ``eager_plan(training, op)`` turns the primitives of fused operator ``op`` into a sequence of
 eager calls (``Step``s); ``EagerRun`` executes it on bf16 tensors, one PyTorch call after another
-(what ``kernels.bench.time_cuda`` times).  The closed forms that ``dataflow.autodiff`` recognised
+(what ``harness.bench.time_cuda`` times).  The closed forms that ``dataflow.autodiff`` recognised
 structurally (recorded in ``dataflow.snapshot``) become PyTorch's own kernels:
 
 - softmax forward core -> ``torch.softmax(x, dim)``;
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from datamove.kernels.philox import dropout_scale
-from datamove.kernels.torch_eval import map_value, reduce_value
+from datamove.harness.torch_eval import map_value, reduce_value
 
 aten = torch.ops.aten
 

@@ -3,7 +3,7 @@
 ``dataflow.executor`` runs graphs in float64 NumPy on the CPU, which is slow at BERT-large sizes.
 This module evaluates the same primitives with torch, so that on a GPU the float64 reference
 (``dtype=torch.float64``) and PyTorch's low-precision baseline (``dtype=torch.bfloat16``: every
-primitive's operations in bf16, as eager PyTorch would run them; the ``kernels.accuracy`` rule)
+primitive's operations in bf16, as eager PyTorch would run them; the ``harness.accuracy`` rule)
 are computed on the device.  Semantics, as in the executor:
 
 - einsum: ``torch.einsum`` on the operands' letters;

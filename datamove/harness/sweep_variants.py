@@ -1,17 +1,17 @@
-"""Variants of the fused element-wise / normalization operators of a training graph, for ``kernels.bench.Sweep``.
+"""Variants of the fused element-wise / normalization operators of a training graph, for ``harness.bench.Sweep``.
 
 For each such operator of a ``dataflow.snapshot.FusedTraining`` and each configuration of
 ``layouts.space.configurations`` (pruned, or ``exhaustive``), a ``FusedVariant`` compiles the
 generated kernel (``kernels.codegen``), runs it on bf16 inputs stored in the configuration's
 layouts and checks every output; an ``EagerVariant`` per operator runs PyTorch eager's sequence
-of the unfused operators it replaces (``kernels.eager``), checked the same way, so its time lands
+of the unfused operators it replaces (``harness.eager``), checked the same way, so its time lands
 in the same tuning DB in the same run.
 
 Inputs are realistic: one ``Workspace`` per graph evaluates the whole fused training graph in
-float64 torch on the device (``kernels.torch_eval.evaluate_training_graph``: layer inputs and
+float64 torch on the device (``harness.torch_eval.evaluate_training_graph``: layer inputs and
 incoming gradients N(0, 1), Philox dropout masks), so each operator reads what training gives it
 (softmax probabilities, normalised values with their standard deviations ...).  Check: every
-output against that float64 value, by ``kernels.accuracy``'s rule, with PyTorch's error taken
+output against that float64 value, by ``harness.accuracy``'s rule, with PyTorch's error taken
 from the operator's primitives evaluated in bf16 on the same bf16 inputs.  The workspace is built
 on first use only, so a sweep whose variants are all in the DB never computes it.
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from datamove.kernels.accuracy import Closeness
+from datamove.harness.accuracy import Closeness
 from datamove.kernels.codegen import allocate, compile_operator
-from datamove.kernels.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
-from datamove.kernels.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
+from datamove.harness.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
+from datamove.harness.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
 from datamove.layouts.space import access_pattern, configurations, masks_grouped, representatives
 
 DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
@@ -60,7 +60,7 @@ def moved_bytes(graph, op, itemsize: int = 2) -> int:
 
 
 def judge(result: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor) -> Closeness:
-    """``kernels.accuracy``'s rule (error <= 1.5 x PyTorch's error + 1e-4), errors relative to
+    """``harness.accuracy``'s rule (error <= 1.5 x PyTorch's error + 1e-4), errors relative to
     ``max(||reference||, CANCELLED_RMS * sqrt(numel))``.  The workspace's tensors are of unit
     scale, so a float64 reference far below it is a cancellation, not a value: the key-bias
     gradient is exactly zero (softmax is shift-invariant), and relative to its float64 rounding
@@ -76,7 +76,7 @@ def judge(result: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor)
 
 @dataclass(frozen=True)
 class Verdict:
-    """Every output's ``kernels.accuracy.Closeness``; ``error`` / ``baseline_error`` of the worst."""
+    """Every output's ``harness.accuracy.Closeness``; ``error`` / ``baseline_error`` of the worst."""
 
     results: tuple  # ((tensor, Closeness), ...)
 
@@ -155,7 +155,7 @@ class Workspace:
 
 
 class FusedVariant:
-    """One configuration of a generated fused kernel (the ``kernels.bench.Variant`` protocol)."""
+    """One configuration of a generated fused kernel (the ``harness.bench.Variant`` protocol)."""
 
     flop = None
 
@@ -190,7 +190,7 @@ class FusedVariant:
         return self.ws.verdict(self.op_obj, self.run())
 
     def compile_task(self) -> tuple:
-        """(function, args) compiling this variant's kernel in another process (``kernels.bench.Sweep``)."""
+        """(function, args) compiling this variant's kernel in another process (``harness.bench.Sweep``)."""
         return _compile_ahead, (self.ws.graph, self.op_obj, self.config, self.ws.dtype, self.ws.seeds(self.op_obj))
 
     def release(self) -> None:
@@ -202,7 +202,7 @@ def _compile_ahead(graph, op, config, dtype, seeds) -> None:
 
 
 class EagerVariant:
-    """PyTorch eager's unfused sequence for one fused operator (``kernels.eager``)."""
+    """PyTorch eager's unfused sequence for one fused operator (``harness.eager``)."""
 
     flop = None
     bytes = None
@@ -254,7 +254,7 @@ class OperatorSpace:
 
     def second_stage(self, ranked: list, top: int) -> list:
         """Every configuration of the ``top`` access patterns whose first-stage variants come first
-        in ``ranked`` (``kernels.bench.Sweep.ranked`` of ``first_stage()``)."""
+        in ``ranked`` (``harness.bench.Sweep.ranked`` of ``first_stage()``)."""
         best = [access_pattern(v.config) for v in ranked if isinstance(v, FusedVariant)][:top]
         return [v for pattern in best for v in self.patterns[pattern]]
 

@@ -1,4 +1,4 @@
-"""Variants of multi-head attention (forward, backward, forward + backward) for ``kernels.bench.Sweep``.
+"""Variants of multi-head attention (forward, backward, forward + backward) for ``harness.bench.Sweep``.
 
 One ``AttentionCase``: dims b, h, j (queries), k (keys, = j), p (head dim), dropout probability,
 dtype and the storage order of Q, K, V, O, dO and the gradients (``layout``, over (b, h, j, p);
@@ -16,7 +16,7 @@ e.g. BERT's ``"bjhp"`` = ``[B, L, H*P]``).  Implementations:
 - ``EagerVariant``: the unfused chain, einsum, scale, softmax, ``torch.native_dropout``, einsum.
 
 Checks, against float64 (``Workspace``: float64 inputs N(0, 1), rounded to ``dtype``, reference
-by torch autograd in float64; ``kernels.sweep_variants.judge``, baseline: the eager chain in
+by torch autograd in float64; ``harness.sweep_variants.judge``, baseline: the eager chain in
 ``dtype`` on the same inputs with the same mask): fused: O and every gradient with the mask
 regenerated from (seed, offset) (``dataflow.dropout_mask``); eager: against the reference with
 the mask that ``native_dropout`` drew in the checked call; SDPA: its dropout mask cannot be
@@ -43,9 +43,9 @@ import torch
 
 from datamove.kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
                                default_config, fused_attention, mask_options, new_saved_mask)
-from datamove.kernels.sweep_variants import Verdict, judge
+from datamove.harness.sweep_variants import Verdict, judge
 from datamove.kernels.philox import dropout_scale
-from datamove.kernels.torch_eval import keep_mask_torch
+from datamove.harness.torch_eval import keep_mask_torch
 
 DTYPE = torch.bfloat16
 SEED = 0x5EED  # dropout seed; the mask's offset is 0, its logical index over (b, h, j, k) row-major
@@ -261,7 +261,7 @@ class FusedVariant(_Base):
         return self.ws.verdict(self.run())
 
     def compile_task(self) -> tuple:
-        """(function, args) compiling this variant's kernels in another process (``kernels.bench.Sweep``)."""
+        """(function, args) compiling this variant's kernels in another process (``harness.bench.Sweep``)."""
         return _compile_ahead, (self.ws.case, self.direction, self.forward, self.backward or
                                 {"dropout_mask": self.dropout_mask})
 

@@ -4,7 +4,7 @@
 one not yet in the tuning DB, builds it, checks it against its reference and times it, recording
 'failed' / 'wrong' / 'ok' as it goes (each record committed on its own, so a sweep that is killed,
 interrupted or out of time resumes where it stopped).  Compiling ahead and measuring run in
-supervised worker processes (``kernels.workers``): a compile or a variant that crashes, hangs or
+supervised worker processes (``harness.workers``): a compile or a variant that crashes, hangs or
 runs too long is recorded 'failed' with the reason and the sweep goes on; measuring uses every
 GPU of the host.  Without a GPU nothing is timed: variants are built and checked through the
 Triton interpreter and recorded as 'checked', with no time.
@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
 from datamove.kernels.device import DeviceFacts, NoDevice, device_count, query_device, versions
-from datamove.kernels.tuning_db import Ceilings, Key, Record, TuningDB
-from datamove.kernels.workers import Event, Pool, WorkerStartError, note, retire, wait
+from datamove.harness.tuning_db import Ceilings, Key, Record, TuningDB
+from datamove.harness.workers import Event, Pool, WorkerStartError, note, retire, wait
 
 # Calls whose GPU time is under this are replayed from a CUDA graph when ``cuda_graph=None``: the
 # host's launch work (several microseconds per Triton launch, more for a callable that launches
@@ -192,7 +192,7 @@ class Variant(Protocol):
         """Launch the kernel once on the current stream (what is timed)."""
 
     def check(self):
-        """Run and compare against the reference; return a verdict with ``.passed`` (``kernels.accuracy.Closeness``)."""
+        """Run and compare against the reference; return a verdict with ``.passed`` (``harness.accuracy.Closeness``)."""
 
     # Optional: ``compile_task() -> (function, args)`` or None, picklable, whose call in a fresh
     # process (on a GPU: of the same model) compiles what ``build()`` needs into the on-disk caches
@@ -221,7 +221,7 @@ def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = N
     verdict that did not pass: 'wrong' (never timed); then ``time_cuda(variant.run, limit=limit,
     **timing)``: 'ok' with the times, or 'failed' (e.g. ``RunTooLong``).  Not ``measured`` (the
     Triton interpreter): 'checked' instead of timing.  Each stage is announced with
-    ``kernels.workers.note`` (what a measuring process that dies or hangs is reported at)."""
+    ``harness.workers.note`` (what a measuring process that dies or hangs is reported at)."""
     fields = {"bytes": getattr(variant, "bytes", None), "flop": getattr(variant, "flop", None)}
 
     def failed(stage: str, exc: Exception) -> tuple[str, dict]:
@@ -253,7 +253,7 @@ def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = N
 
 
 def _measuring(variants: list, measured: bool, timing: dict):
-    """Setup of a measuring process (``kernels.workers.Pool``): the handler of tasks ``(index, limit)``,
+    """Setup of a measuring process (``harness.workers.Pool``): the handler of tasks ``(index, limit)``,
     which measures ``variants[index]`` (``measure``) and lets it go.  A failure that left the CUDA
     context unusable retires the process (a fresh one takes its place)."""
 
@@ -324,7 +324,7 @@ class Sweep:
     finished record and, rerun, measures none again.  Guarantees:
 
     - Compiling: with ``compile_workers`` > 0, the variants' ``compile_task``s run ahead, in list
-      order, in that many worker processes (``kernels.workers``; spawned; on a GPU spread over the
+      order, in that many worker processes (``harness.workers``; spawned; on a GPU spread over the
       GPUs measured on).  A task that raises, runs over ``compile_timeout_s`` or kills its worker
       (abort, segfault, out of memory) records the variant 'failed' ("compile: RuntimeError: ...",
       "compile: timed out after 120 s", "compile: worker died (SIGABRT)"); such a variant is never

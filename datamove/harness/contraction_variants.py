@@ -1,4 +1,4 @@
-"""Variants of the training graph's contractions (GEMMs) for ``kernels.bench.Sweep``.
+"""Variants of the training graph's contractions (GEMMs) for ``harness.bench.Sweep``.
 
 ``training_gemms`` reads the contractions off a fused training graph (``dataflow.snapshot``'s
 ``FusedTraining``): each contraction operator gives one einsum, its primitive's; an operator that
@@ -19,8 +19,8 @@ and the cuBLAS GEMM followed by PyTorch eager (bias add, ReLU, dropout with the 
 Operands: random normal in ``dtype`` (never zeros), stored in each variant's layouts; one
 ``Operands`` per GEMM, computed on first use, holding the float64 reference (``torch.einsum``
 on the device) and PyTorch's own result (``torch.einsum`` in ``dtype`` on the same operands,
-the baseline of ``kernels.accuracy``'s rule); only one GEMM's operands are alive at a time.
-Checks: ``kernels.sweep_variants.judge`` (error <= 1.5 x PyTorch's + 1e-4, on the device);
+the baseline of ``harness.accuracy``'s rule); only one GEMM's operands are alive at a time.
+Checks: ``harness.sweep_variants.judge`` (error <= 1.5 x PyTorch's + 1e-4, on the device);
 outputs are filled with NaN before each checked run, so an unwritten element fails.
 
 Keys: ``op`` = ``"gemm:<einsum>"`` (epilogue: ``"gemm:<einsum>+bias[<letters>]+relu+dropout(<p>)"``),
@@ -43,8 +43,8 @@ from datamove.kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, e
 from datamove.kernels.codegen import compile_operator
 from datamove.kernels.gemm import GemmConfig, GemmShape, tma_compatible, valid_configs
 from datamove.kernels.philox import dropout_scale
-from datamove.kernels.sweep_variants import MASK_SEED, Verdict, judge
-from datamove.kernels.torch_eval import dropout_offsets, keep_mask_torch
+from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge
+from datamove.harness.torch_eval import dropout_offsets, keep_mask_torch
 from datamove.layouts.space import configurations
 
 DTYPE = torch.bfloat16
