@@ -250,3 +250,50 @@ def test_the_job_refuses_alternatives_of_a_weight_dim():
         shapes_of(fused, [{"N": 32}, {"N": 48}], interface)
     labels = list(shapes_of(fused, [{"L": 23}, {"L": 9}], interface))
     assert labels == ["B=3, L=23", "B=3, L=9"]
+
+
+def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_path, monkeypatch, capsys):
+    """The main job on a GPU, with what needs one (device facts, ceilings, the sweeps) replaced by
+    recording stand-ins: each shape's layout spaces are built on its own graph and tuned, the timings are read back from the
+    database after each sweep and before each selection round, and the summary names every tuning."""
+    import dataclasses
+    import json
+
+    import datamove.harness.bench as bench
+    import datamove.kernels.device as device
+    import datamove.kernels.interpreter as interpreter
+    import datamove.tuning as tuning
+    from datamove.cli import main
+    from datamove.harness.tuning_db import Ceilings, TuningDB
+
+    facts = device.DeviceFacts(**{f.name: 1 for f in dataclasses.fields(device.DeviceFacts)}
+                               | {"name": "NVIDIA H100 80GB HBM3", "compute_capability": (9, 0)})
+    monkeypatch.setattr(device, "query_device", lambda index=0: facts)
+    monkeypatch.setattr(interpreter, "interpreted", lambda: False)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda db: Ceilings(facts.name, 3e12, 8e14, {}, {}, 0.0))
+    tuned, queries = [], []
+
+    class Tuner:
+        def __init__(self, db, **options):
+            self.gpus, self.report = 1, tuning.TuningReport()
+
+    def tune(tuner, fused, spaces, *, dtype, attention):
+        assert spaces and all(space.op.name in {op.name for op in fused.operators} for space in spaces)
+        tuned.append((dict(fused.graph.dim_values), dtype, len(attention)))
+        return tuning.TuningReport({"measured": 3}, 1.5, None)
+
+    query = TuningDB.query
+    monkeypatch.setattr(TuningDB, "query", lambda self, **kw: queries.append(kw) or query(self, **kw))
+    monkeypatch.setattr(tuning, "Tuner", Tuner)
+    monkeypatch.setattr(tuning, "tune", tune)
+    monkeypatch.setattr(tuning, "tune_chosen", lambda tuner, spaces, plan: 0)
+    monkeypatch.setattr(tuning, "measure_layout_changes", lambda tuner, graph, wanted, dtype: 0)
+    dims = ",".join(f"{k}={v}" for k, v in SMALL.items())
+    out = tmp_path / "bert"
+    assert main(["configs/bert.py", "--dims", dims + ",L=64|32", "--out", str(out), "--db", str(tmp_path / "t.db")]) == 0
+    assert [(d["L"], dtype) for d, dtype, _ in tuned] == [(64, torch.bfloat16), (32, torch.bfloat16)]
+    assert all(n > 0 for _, _, n in tuned)  # the fused attention's setups go to each sweep
+    assert len(queries) >= 4 and all(q["device"] == facts.name and q["dtype"] == "bfloat16" for q in queries)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["device"]["measured"] and [s["dims"]["L"] for s in manifest["shapes"]] == [64, 32]
+    assert capsys.readouterr().out.count("Tuning: 3 measured in 2 s") == 2
