@@ -28,7 +28,6 @@ small setups run through the Triton interpreter in float32 and nothing is measur
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ import triton.language as tl  # noqa: E402
 from datamove.kernels.attention import DROPOUT_MASK_OPTIONS  # noqa: E402
 from datamove.harness.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
                                         FusedVariant, SdpaVariant, Workspace, baseline_variants, config_variants)
-from datamove.harness.bench import CPU_DEVICE, Sweep, time_cuda, write_results  # noqa: E402
+from datamove.harness.bench import CPU_DEVICE, Sweep, time_cuda, utc_stamp, write_results  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
 from datamove.dataflow.dropout_mask import DECISIONS_PER_CALL  # noqa: E402
 from datamove.kernels.philox import keep_bits, keep_threshold  # noqa: E402
@@ -283,7 +282,7 @@ def main() -> int:
     if not bench.sweep.measured:
         print(f"{CPU_DEVICE}: NOTHING WAS MEASURED (no GPU). {summary}. No results written.")
         return 0 if bench.counts.get("wrong", 0) == 0 else 1
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": utc_stamp(),
               "device": bench.sweep.device, "facts": query_device().to_dict(), "versions": versions(),
               "dtype": str(dtype).removeprefix("torch."), "dropout_p": args.dropout,
               "sweep": {"summary": summary, "counts": bench.counts, "limit_configs": args.limit_configs,

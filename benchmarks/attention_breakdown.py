@@ -15,14 +15,13 @@ Not checked against float64 here (``benchmarks/attention.py`` and the tests do t
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import sys
 
 import torch
 
 from datamove.kernels.attention import attention_backward, attention_forward, new_saved_mask
-from datamove.harness.bench import time_cuda
+from datamove.harness.bench import time_cuda, utc_stamp
 from datamove.kernels.device import versions
 
 B, H, L, P = 8, 16, 512, 64
@@ -71,7 +70,7 @@ def main() -> None:
                                                        dropout_mask="saved", saved_mask=saved, **knobs))]
         lines.append(f"| backward | {bj} | {bk} | {warps} | {stages} | {dq_mode} | " + " | ".join(times) + " |")
         print(lines[-1], flush=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    stamp = utc_stamp()
     header = (f"# Fused attention, pass by pass (B={B}, H={H}, L={L}, P={P}, bf16, dropout {DROPOUT})\n\n"
               f"{stamp}, {torch.cuda.get_device_name()}, {versions()}. Medians in ms (GPU time, L2 flushed).\n\n")
     with open(f"{args.out}/attention_breakdown.md", "w") as out:

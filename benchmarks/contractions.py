@@ -28,7 +28,6 @@ written only on a GPU; without one the variants are checked through the Triton i
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -39,7 +38,7 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from datamove.dataflow import snapshot  # noqa: E402
-from datamove.harness.bench import CPU_DEVICE, Sweep, measure_ceilings, write_results  # noqa: E402
+from datamove.harness.bench import CPU_DEVICE, Sweep, measure_ceilings, utc_stamp, write_results  # noqa: E402
 from datamove.harness.contraction_variants import (DTYPE, Operands, consumer_configurations, epilogue_of, epilogue_variants,
                                           gemm_variants,  # noqa: E402
                                           pick_layouts, training_gemms)
@@ -291,7 +290,7 @@ def main() -> int:
     rows = layout_rows(db, report2.device, gemms, args.layouts, dtype, ceilings.gemm_flop_per_s)
     facts = query_device()
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": report2.device,
+        "date": utc_stamp(), "device": report2.device,
         "facts": facts.to_dict(), "versions": versions(), "spec": args.spec, "dims": training.graph.dim_values, "dtype": dtype,
         "peak": {"what": "torch.mm 8192^3, random normal", "tflops": ceilings.gemm_flop_per_s / 1e12},
         "flop_formula": "2 * product of the sizes of all letters of the einsum",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import sys
 
 import torch
@@ -35,7 +34,7 @@ import datamove.kernels.codegen as codegen
 import datamove.kernels.gemm as gemm
 from datamove.dataflow import snapshot
 from datamove.harness import contraction_variants as cv
-from datamove.harness.bench import time_cuda, write_results
+from datamove.harness.bench import time_cuda, utc_stamp, write_results
 from datamove.kernels.contraction import dropout_digits, map_layouts
 from datamove.kernels.device import query_device, versions
 from datamove.kernels.gemm import GemmConfig
@@ -169,7 +168,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU: nothing is timed", file=sys.stderr)
         return 1
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": utc_stamp(),
               "device": query_device(0).name, "versions": versions(), "rep_ms": args.rep_ms}
     report["fused"] = fused_rows(args)
     report["gemm"] = gemm_rows(args)

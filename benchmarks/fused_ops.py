@@ -26,7 +26,6 @@ interpreter (in float32, whose fp32 -> bf16 casts truncate) and nothing is measu
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -36,7 +35,7 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from datamove.harness.bench import CPU_DEVICE, GRAPH_BELOW_MS, Sweep, measure_ceilings, write_results  # noqa: E402
+from datamove.harness.bench import CPU_DEVICE, GRAPH_BELOW_MS, Sweep, measure_ceilings, utc_stamp, write_results  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
 from datamove.harness.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
 from datamove.harness.tuning_db import TuningDB  # noqa: E402
@@ -204,7 +203,7 @@ def main() -> int:
     sums = totals(rows)
     facts = query_device()
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_stamp(),
         "device": report.device, "facts": facts.to_dict(), "versions": versions(), "dtype": dtype_name,
         "copy_bytes_per_s": ceilings.copy_bytes_per_s,
         "sweep": {"counts": report.counts, "stopped": report.stopped, "remaining": report.remaining,

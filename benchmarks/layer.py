@@ -30,7 +30,6 @@ the plan's time for it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
 from datamove.steps import Run
-from datamove.harness.bench import capture_graph, time_cuda, write_results
+from datamove.harness.bench import capture_graph, time_cuda, utc_stamp, write_results
 from datamove.kernels.device import query_device, versions
 
 REPS = 20
@@ -183,7 +182,7 @@ def run_case(artifact: Path) -> dict:
                 rows[f"{name}|{direction}"] = measure(_call(module, x, dy, backward))
             except Exception as exc:  # noqa: BLE001 - one failing baseline is reported, the rest go on
                 rows[f"{name}|{direction}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"artifact": str(artifact), "dims": d, "dtype": str(dtype).removeprefix("torch."), "date": _now(),
+    return {"artifact": str(artifact), "dims": d, "dtype": str(dtype).removeprefix("torch."), "date": utc_stamp(),
             "plan_device": manifest["device"], "rows": rows, "breakdown": breakdown(layer)}
 
 
@@ -237,10 +236,6 @@ def kernel_lines(case: dict, layers=KERNEL_TABLE_LAYERS, most: int = 16) -> list
     return lines + [""]
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, nargs="+", required=True, help="optimize-layer output folders")
@@ -249,7 +244,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/layer.py needs a CUDA GPU: nothing measured", file=sys.stderr)
         return 2
-    report = {"date": _now(),
+    report = {"date": utc_stamp(),
               "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(), "versions": versions(),
               "cases": []}
     for artifact in args.artifact:  # the results rewritten after each case: what was measured stays

@@ -21,7 +21,6 @@ graph capture).  Ratios are against ``datamove``'s wall time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import torch
 
 from datamove.export import read_manifest
 from datamove.hf import replace_bert_layers
-from datamove.harness.bench import write_results
+from datamove.harness.bench import utc_stamp, write_results
 from datamove.kernels.device import versions
 
 WARMUP, STEPS, ROUNDS, PROFILED, BATCHES = 4, 10, 3, 5, 4
@@ -147,7 +146,7 @@ def run_case(artifact: Path, layers: int) -> dict:
         del model, batches
         torch.cuda.empty_cache()
     return {"artifact": str(artifact), "dims": dims, "dtype": manifest["dtype"], "layers": layers,
-            "plan_device": manifest["device"], "date": _now(), "rows": rows}
+            "plan_device": manifest["device"], "date": utc_stamp(), "rows": rows}
 
 
 def markdown(report: dict) -> str:
@@ -176,10 +175,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, nargs="+", required=True, help="optimize-layer output folders")
@@ -189,7 +184,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/model.py needs a CUDA GPU: nothing measured", file=sys.stderr)
         return 2
-    report = {"date": _now(), "device": torch.cuda.get_device_name(), "versions": versions(), "cases": []}
+    report = {"date": utc_stamp(), "device": torch.cuda.get_device_name(), "versions": versions(), "cases": []}
     for artifact in args.artifact:  # rewritten after each case: what was measured stays
         report["cases"].append(run_case(artifact, args.layers))
         text = markdown(report)

@@ -16,7 +16,6 @@ graphs).  Ratios are against ``tuned``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
-from datamove.harness.bench import write_results
+from datamove.harness.bench import utc_stamp, write_results
 from datamove.kernels.device import versions
 from layer import ROUNDS, _baselines, _call, kernel_profile, wall_ms
 
@@ -64,7 +63,7 @@ def main() -> int:
         x = torch.randn(d["B"], d["L"], d["N"], device="cuda", dtype=layers["tuned"].dtype, requires_grad=True)
         dy = torch.randn_like(x)
         rows = {name: _row(_call(module, x, dy, True)) for name, module in {**layers, "hf-sdpa": hf}.items()}
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": utc_stamp(),
               "device": torch.cuda.get_device_name(), "versions": versions(), "dtype": shape_of["dtype"],
               "shape": {k: d[k] for k in ("B", "L")}, "untuned_plan_shape": {k: tuned_at[k] for k in ("B", "L")},
               "rows": rows, "warnings": sorted({str(w.message) for w in caught if "tuned" in str(w.message)})}

@@ -11,7 +11,8 @@ Definitions (Ivanov et al., Sec. III-C), stated on the page too:
   kernel's, a GEMM's three operands, the attention's Q/K/V/O(/dO) and gradients, a layout change's
   read and write); re-reads inside a kernel are not counted, so D = Q except for layout changes
   (Q = 0: they move data no operator needs) and PyTorch's sequences (every unfused operator's I/O);
-- B = D / time: the achieved bandwidth (shown per kernel, in TB/s and as % of B_peak); B_peak: the device's measured copy bandwidth;
+- B = D / time: the achieved bandwidth (shown per kernel, in TB/s and as % of B_peak); B_peak: the
+  device's measured copy bandwidth;
 - MUE = Q / D x B / B_peak x 100 (= Q / (time x B_peak) x 100).
 """
 from __future__ import annotations

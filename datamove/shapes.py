@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from datamove.dataflow.executor import dropout_offsets
 from datamove.kernels.attention import dropout_grouped, dropout_strides_for
+from datamove.kernels.contraction import row_major_strides
 from datamove.layouts.plan import ATTENTION_BACKWARD, GEMM, GEMM_EPILOGUE, GENERATED, Plan, Step
 from datamove.layouts.space import MAX_TILE, operator_letters, parts, tile_axes
 
@@ -64,20 +65,26 @@ def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str
         order = interface.torch_order[t]
         expected = tuple(graph.letter_dims[letter] if graph.letter_dims[letter] in dims
                          else graph.size(letter) for letter in order)
-        named = f"expected ({', '.join(map(str, expected))}) ({', '.join(order)}): {', '.join(dims)} any size >= 1"
         if not hasattr(x, "shape"):
             raise TypeError(f"{t}: expected a torch.Tensor, got {type(x).__name__}")
         if len(x.shape) != len(order) or any(isinstance(e, int) and int(s) != e for s, e in zip(x.shape, expected)):
-            raise ValueError(f"{t}: shape {tuple(x.shape)}, {named}; the other sizes are fixed by the weights")
+            raise ValueError(f"{t}: shape {tuple(x.shape)}, {_expected(expected, order, dims)}; the other sizes are "
+                             "fixed by the weights")
         for letter, size in zip(order, x.shape):
             dim, size = graph.letter_dims[letter], int(size)
             if dim not in dims:
                 continue
             if size < 1:
-                raise ValueError(f"{t}: shape {tuple(x.shape)}, {named}")
+                raise ValueError(f"{t}: shape {tuple(x.shape)}, {_expected(expected, order, dims)}")
             if shape.setdefault(dim, size) != size:
                 raise ValueError(f"{t}: {dim}={size} along {letter}, but {dim}={shape[dim]} elsewhere in the call")
     return shape
+
+
+def _expected(expected: tuple, order: str, dims: tuple[str, ...]) -> str:
+    """``call_shape``'s refusal: the expected shape (call dims by name) and its letters; made only
+    when a call is refused (every call passes through ``call_shape``)."""
+    return f"expected ({', '.join(map(str, expected))}) ({', '.join(order)}): {', '.join(dims)} any size >= 1"
 
 
 def nearest(tuned: list[dict], shape: dict) -> int:
@@ -154,13 +161,10 @@ def _attention_grouped(graph, config: dict) -> bool:
 def _descriptor_strides(graph, members: list[str], layout: str, itemsize: int) -> bool:
     """Whether every stride of ``members`` stored densely in ``layout`` (and the distance between
     stacked members) is a multiple of 16 bytes, as tensor descriptors need (a sufficient test)."""
-    stride, strides = 1, []
-    for letter in reversed(layout):
-        if graph.size(letter) > 1 and stride > 1:
-            strides.append(stride)
-        stride *= graph.size(letter)
+    sizes = {letter: graph.size(letter) for letter in layout}
+    strides = [s for letter, s in row_major_strides(layout, sizes).items() if sizes[letter] > 1 and s > 1]
     if len(members) > 1:
-        strides.append(stride)
+        strides.append(math.prod(sizes.values()))
     return all(s * itemsize % 16 == 0 for s in strides)
 
 

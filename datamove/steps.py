@@ -195,7 +195,7 @@ class _KeptViews:
         """The views on this call's store, or None where a member moved (derive again)."""
         result = []
         for members, base, expected, size, stride, offset in self.operands:
-            if len(members) == 1:
+            if len(members) == 1:  # the common case, checked with two attribute reads (a hot path)
                 first = _read(step, store, members[0])
                 if first.stride() != expected[0][1] or first.shape != expected[0][0]:
                     return None

@@ -120,7 +120,7 @@ def test_the_cli_prints_a_damaged_database_in_one_line(tmp_path, capsys, monkeyp
 WRITER = textwrap.dedent("""
     import sys
     import time
-    from datamove.harness.tuning_db import Key, Record, TuningDB, TuningDBError
+    from datamove.harness.tuning_db import Key, Record, TuningDB
     db = TuningDB(sys.argv[1])
     for i in range(int(sys.argv[2])):
         k = Key(device="dev", versions={}, op="op", dims={"i": i}, dtype="float32", layout=[], knobs={"BLOCK": i})

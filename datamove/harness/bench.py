@@ -595,6 +595,13 @@ def measure_ceilings(db, index: int = 0, force: bool = False) -> Ceilings:
     return ceilings
 
 
+def utc_stamp() -> str:
+    """Now, UTC, to the second (ISO 8601): the date a benchmark result carries."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def write_results(out_dir, stem: str, report: dict, markdown: str) -> None:
     """Write a benchmark's ``stem.json`` (the full report) and ``stem.md`` under ``out_dir``."""
     import json

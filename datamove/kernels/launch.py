@@ -82,7 +82,6 @@ class DirectLaunch:
         return True
 
 
-
 _LAUNCHES: dict[tuple, DirectLaunch] = {}
 
 

@@ -6,7 +6,8 @@ and ``s`` innermost in the source (or the destination's next letter when both sh
 letter), the other letters one index per program; each tile is read along ``s`` and written along
 ``a``, both coalesced (the compiler converts the tile between the two through shared memory).
 PyTorch's strided ``copy_`` reads or writes one side with a stride: 0.5-1.1 TB/s on an H200 for
-BERT-large's 8 MiB activations (benchmarks/results).  ``harness.layout_change_variants`` times it like every other kernel.
+BERT-large's 8 MiB activations (benchmarks/results).  ``harness.layout_change_variants`` times it
+like every other kernel.
 """
 from __future__ import annotations
 
