@@ -25,7 +25,10 @@ time and launches per call (the Markdown lists the slowest of the tuned layer an
 modes side by side: where one spends time the other does not, e.g. work outside the plan's steps).
 The tuned layer's breakdown: each plan step timed alone
 (``harness.bench.time_cuda``: device events, L2 flushed, medians, replayed from a CUDA graph) beside
-the plan's time for it.
+the plan's time for it, its configuration (JSON) and, for the generated memory-bound kernels, the
+bytes it moves (the tensors it reads and writes; dropout masks are regenerated, not read), its
+bandwidth and that as a share of a device copy of the same bytes timed the same way (half of them
+read, half written: the ramp and tail of a kernel that size count in both).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
+from datamove.layouts.plan import GENERATED
 from datamove.steps import Run
 from datamove.harness.bench import capture_graph, time_cuda, utc_stamp, write_results
 from datamove.kernels.device import query_device, versions
@@ -146,7 +150,7 @@ def breakdown(layer) -> list[dict]:
         store[grad] = program.to_spec(t, torch.randn(program.shape(t, face.torch_order[t]), generator=gen,
                                                      device=program.device, dtype=program.dtype), grad)
     run = Run(seed=12345)
-    rows = []
+    rows, copies = [], {}
     for launcher in program.forward_steps + program.backward_steps:
         launcher(store, run)  # fills what later steps read
         call = lambda launcher=launcher: launcher(store, run)  # noqa: E731
@@ -155,9 +159,26 @@ def breakdown(layer) -> list[dict]:
         except Exception:
             timing = time_cuda(call, cuda_graph=False)
         step = launcher.step
-        rows.append({"step": step.name, "phase": step.phase, "kind": step.kind, "ms": timing.median_ms,
-                     "graphed": timing.cuda_graph, "plan_ms": step.time_ms, "plan_source": step.source})
+        graph = program.graph  # (plan-only tensors, e.g. attention's lse, not counted)
+        moved = program.dtype.itemsize * sum(graph.size(graph.tensors[t].letters)
+                                             for t in {**step.reads, **step.writes} if t in graph.tensors)
+        row = {"step": step.name, "phase": step.phase, "kind": step.kind, "ms": timing.median_ms,
+               "graphed": timing.cuda_graph, "plan_ms": step.time_ms, "plan_source": step.source,
+               "bytes": moved, "reads": step.reads, "writes": step.writes, "config": step.config}
+        if step.kind == GENERATED:
+            if moved not in copies:
+                copies[moved] = same_size_copy_ms(moved, program.device)
+            row["copy_ms"] = copies[moved]
+        rows.append(row)
     return rows
+
+
+def same_size_copy_ms(moved: int, device) -> float:
+    """Median time of a device copy reading ``moved // 2`` bytes and writing as many (``time_cuda``
+    as for the steps: L2 flushed, replayed from a CUDA graph)."""
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return time_cuda(lambda: dst.copy_(src), cuda_graph=True).median_ms
 
 
 def run_case(artifact: Path) -> dict:
@@ -207,14 +228,21 @@ def markdown(report: dict) -> str:
             graph = f"{row['graphed_ms']:.3f}" if "graphed_ms" in row else row.get("graphed_error", "")
             lines.append(f"| {name} | {direction} | {row['kernel_ms']:.3f} | {row['wall_ms']:.3f} | {graph} | {ratio:.2f} |")
         lines += ["", "Tuned layer, each step alone (device events, L2 flushed; replayed from a CUDA graph unless "
-                  "marked launched, where capture failed and the host's launch time may count):", "",
-                  "| step | phase | kind | ms | plan ms (source) |", "|---|---|---|---|---|"]
+                  "marked launched, where capture failed and the host's launch time may count); generated kernels: "
+                  "bytes moved, bandwidth, and the time of a device copy of the same bytes over the step's "
+                  "(% of copy):", "",
+                  "| step | phase | kind | ms | plan ms (source) | MB | GB/s | % of copy |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in case["breakdown"]:
             launched = "" if row.get("graphed", True) else " launched"
+            bandwidth = ""
+            if "copy_ms" in row:
+                bandwidth = (f" {row['bytes'] / 1e6:.1f} | {row['bytes'] / row['ms'] / 1e6:.0f} | "
+                             f"{100 * row['copy_ms'] / row['ms']:.0f}")
             lines.append(f"| {row['step']} | {row['phase']} | {row['kind']} | {row['ms']:.4f}{launched} | "
-                         f"{row['plan_ms']:.4f} ({row['plan_source']}) |")
+                         f"{row['plan_ms']:.4f} ({row['plan_source']}) |{bandwidth or ' | |'} |")
         total = sum(r["ms"] for r in case["breakdown"])
-        lines += [f"| total | | | {total:.4f} | |", ""] + kernel_lines(case)
+        lines += [f"| total | | | {total:.4f} | | | | |", ""] + kernel_lines(case)
     return "\n".join(lines) + "\n"
 
 

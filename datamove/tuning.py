@@ -30,8 +30,10 @@ BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurati
 # Triton GEMM configurations every GEMM tries first (and the fused epilogues take the fastest of):
 # the ones fastest at BERT-large sizes on Hopper (benchmarks/results/contractions.md), TMA tiles
 # where the layouts allow them, else the same tiles without TMA.
+# The persistent ones: the same tiles looping over output tiles on one program per multiprocessor.
 FIRST_CONFIGS = ("128x256x64 g8 s3 w8 tma", "256x128x64 g8 s3 w8 tma", "128x128x64 g8 s2 w4 tma",
-                 "64x128x64 g8 s4 w4 tma", "128x256x64 g8 s3 w8", "64x128x64 g8 s4 w4")
+                 "64x128x64 g8 s4 w4 tma", "128x256x64 g8 s3 w8", "64x128x64 g8 s4 w4",
+                 "128x256x64 g8 s3 w8 tma persistent", "256x128x64 g8 s3 w8 tma persistent")
 
 
 @dataclass

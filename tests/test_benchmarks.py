@@ -24,3 +24,17 @@ def test_kernel_table_sets_the_layers_side_by_side():
     assert lines[4] == "| nvjet_gemm | 138.6 | 1 | triton_poi_fused_relu | 28.9 | 1 |"
     assert lines[5] == "| d_b1_kernel | 34.4 | 1 |  |  |  |"
     assert layer_benchmark.kernel_lines({"rows": {}}) == []
+
+
+def test_breakdown_shows_bandwidth_of_generated_steps_against_a_same_size_copy():
+    breakdown = [{"step": "x1", "phase": "forward", "kind": "generated", "ms": 0.02, "plan_ms": 0.021,
+                  "plan_source": "measured", "bytes": 33_554_432, "copy_ms": 0.015},
+                 {"step": "w1_x1", "phase": "forward", "kind": "gemm", "ms": 0.05, "plan_ms": 0.05,
+                  "plan_source": "measured", "bytes": 50_331_648}]
+    report = {"device": "GPU", "date": "today", "versions": {"torch": "x"},
+              "cases": [{"dims": {"B": 8, "L": 512}, "dtype": "bfloat16", "plan_device": {"name": "GPU"},
+                         "rows": {}, "breakdown": breakdown}]}
+    lines = layer_benchmark.markdown(report).splitlines()
+    assert "| x1 | forward | generated | 0.0200 | 0.0210 (measured) | 33.6 | 1678 | 75 |" in lines
+    assert "| w1_x1 | forward | gemm | 0.0500 | 0.0500 (measured) | | | |" in lines
+    assert "| total | | | 0.0700 | | | | |" in lines

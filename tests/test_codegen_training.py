@@ -253,8 +253,8 @@ DROPOUT = [(s, n) for s, n in CASES if any(_setup(s)[0].tensors[t].role == "drop
 # last logical letters (k, t, j, d) draw one call per sixteen
 # columns when a block holds whole groups of 64 columns; x1, y, d_ffn, d_attn (BERT, vector i of an
 # ibj mask: rows b, j) and GPT-2's d_bout (rows d of a bsd mask), reduced along columns in blocks of 16
-# rows, take the rows 64 G + 2 t + 8 i + e of one call and one call per column for them; blocks of
-# other row counts draw one call per element.
+# (or 2, 4, 8) rows, take rows 64 G + 2 t + 8 i + e of one call and one call per column for them;
+# blocks of one row draw one call per element.
 GROUPED_OPS = {("bert", "alpha"), ("bert", "hidden"), ("bert", "d_k_q"), ("gpt2", "attention"),
              ("gpt2", "h2"), ("gpt2", "d_expr_plus_bproj_slice"), ("gpt2", "d_q_k")}  # GPT-2 y: tiles of 32 columns
 ROW_CALL_OPS = {("bert", "x1"), ("bert", "y"), ("bert", "d_ffn"), ("bert", "d_attn"), ("gpt2", "d_bout")}
@@ -274,17 +274,30 @@ def test_dropout_grouped(spec, name, chunk):
     grouped = (spec, name) in GROUPED_OPS and chunk is None
     row_calls = (spec, name) in ROW_CALL_OPS  # 16 rows per block in either mode: the rows of one call
     assert ("one Philox call per sixteen columns" in source) == grouped
-    assert ("one Philox call per column for sixteen rows" in source) == row_calls
+    assert ("one Philox call per column for the block's rows" in source) == row_calls
     assert "one Philox call per sixteen rows" not in source
     assert grouped or row_calls or "dropout_keep(" in source
 
 
+@pytest.mark.parametrize("rows", [2, 4, 8])
+@pytest.mark.parametrize("spec,name", sorted(ROW_CALL_OPS))
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_dropout_row_calls_in_fewer_rows(spec, name, rows, chunk):
+    """Blocks of 2, 4 or 8 rows of a reduction along columns whose mask runs along the rows take
+    that many bytes of one Philox call per column (rows 64 G + 2 t + 8 i + e for consecutive i):
+    the executor's mask, in whole rows and in loop mode."""
+    graph, ops = _setup(spec, GROUPED[spec])
+    config = _configured(graph, ops[name], loop_chunk=chunk, loop_rows=rows, row_rows=rows)
+    source = _check(spec, name, config, dims="grouped").source
+    assert "one Philox call per column for the block's rows" in source and "dropout_keep(" not in source
+
+
 @pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "hidden"), ("bert", "d_k_q"), ("bert", "x1")])
 def test_dropout_per_element_in_blocks_of_four(spec, name):
-    """Blocks of 4 columns (alpha, hidden, d_k_q) or 4 rows (x1) split the groups of Philox calls: one
-    call per element."""
+    """Blocks of 4 columns (alpha, hidden, d_k_q) split the groups of Philox calls: one call per
+    element; so does a reduction along columns (x1) in chunks of 4 columns and one row per block."""
     graph, ops = _setup(spec, GROUPED[spec])
-    config = _configured(graph, ops[name], loop_chunk=4, block_col=4, loop_rows=4)
+    config = _configured(graph, ops[name], loop_chunk=4, block_col=4, loop_rows=1)
     source = _check(spec, name, config, dims="grouped").source
     assert "dropout_keep_grouped(" not in source and "dropout_keep(" in source
 

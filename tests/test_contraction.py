@@ -224,17 +224,19 @@ def test_triton_tma_path(spec):
     for plan in plans:
         patterns.setdefault((plan.a_transposed, plan.b_transposed, plan.batch_dims), plan)
     config = _configs(tma=True)[0]  # fits float32 tiles, hence bf16 ones
+    persistent = next(c for c in _configs(tma=True) if c.persistent) if _device() == "cpu" else config
     for n, plan in enumerate(patterns.values()):
         dtype = (torch.float32, torch.bfloat16)[n % 2]
         a, b = _operands(plan, TMA_SIZES, dtype, seed=n)
         assert _tma_ok(plan, a, b), plan.describe()
-        out = _poisoned(plan.contraction.out, plan.layouts[2], TMA_SIZES, dtype)
-        run_triton(plan, a, b, out, config=config)
         ref = torch.einsum(spec, a.double(), b.double())
-        if dtype == torch.float32:
-            assert _rel(out, ref) < 1e-6, plan.describe()
-        else:
-            assert_closer(out, torch.einsum(spec, a, b), ref, what=plan.describe())
+        for chosen in (config, persistent):  # one tile per program; programs looping over tiles
+            out = _poisoned(plan.contraction.out, plan.layouts[2], TMA_SIZES, dtype)
+            run_triton(plan, a, b, out, config=chosen)
+            if dtype == torch.float32:
+                assert _rel(out, ref) < 1e-6, (plan.describe(), str(chosen))
+            else:
+                assert_closer(out, torch.einsum(spec, a, b), ref, what=f"{plan.describe()} {chosen}")
     assert len(patterns) >= 4
     odd = _picked(spec, SMALL, 1)[0]
     a, b = _operands(odd, SMALL, torch.bfloat16)
@@ -282,14 +284,17 @@ EPILOGUE_CASES = [
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # interpreter: sigmoid of large negatives
 @pytest.mark.parametrize("case", EPILOGUE_CASES, ids=lambda case: f"{case[0]}:{case[1][2]}")
 def test_triton_epilogue(case):
-    """Each case in float32 (with the whole-tile epilogue and with 4 column slices) and bf16."""
+    """Each case in float32 (with the whole-tile epilogue, with 4 column slices and on a persistent
+    grid of programs looping over tiles) and bf16."""
     spec, layouts, bias_letters, activation, p, save = case
     plan = map_layouts(spec, layouts, SMALL)
     assert isinstance(plan, GemmPlan)
     c = plan.contraction
     whole = _configs(tma=False)[0]
     sliced = next(cfg for cfg in valid_configs() if cfg.epilogue_split == 4) if _device() == "cpu" else whole
-    for dtype, config in ((torch.float32, whole), (torch.float32, sliced), (torch.bfloat16, whole)):
+    persistent = next(cfg for cfg in _configs(tma=False) if cfg.persistent) if _device() == "cpu" else whole
+    for dtype, config in ((torch.float32, whole), (torch.float32, sliced), (torch.float32, persistent),
+                          (torch.bfloat16, whole)):
         a, b = _operands(plan, SMALL, dtype, seed=7)
         bias = None
         if bias_letters:  # stored in the order its letters have in the output layout

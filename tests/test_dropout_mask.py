@@ -101,23 +101,27 @@ def test_grouped_match_convention():
 
 
 @triton.jit
-def _row_calls_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_C: tl.constexpr):
+def _row_calls_kernel(keep_ptr, rows, cols, seed, offset, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """keep[r, c] of a (rows, cols) mask whose rows run along the counters (counter offset + c * rows + r,
-    rows % 64 == 0): program pid takes the sixteen rows of call 4 G + t = pid of every column."""
+    rows % 64 == 0): program pid takes BLOCK_R rows of call 4 G + t of every column, the rows
+    64 G + 2 t + 8 i + e for BLOCK_R // 2 consecutive i (as ``kernels.codegen`` numbers them)."""
     pid = tl.program_id(0)
-    b = tl.arange(0, 16)
-    r = (pid // 4) * 64 + 2 * (pid % 4) + 8 * (b // 2) + b % 2
+    b = tl.arange(0, BLOCK_R)
+    first = ((pid // 4) % (16 // BLOCK_R)) * BLOCK_R
+    r = (pid // (64 // BLOCK_R)) * 64 + 2 * (pid % 4) + 4 * first + 8 * (b // 2) + b % 2
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    calls = ((offset + c * rows + (pid // 4) * 64) >> 4) + pid % 4
-    keep = unpack_rows(keep_bits(seed, calls[None, :], threshold))
+    calls = ((offset + c * rows + (pid // (64 // BLOCK_R)) * 64) >> 4) + pid % 4
+    keep = unpack_rows(keep_bits(seed, calls[None, :], threshold), first, BLOCK_R)
     tl.store(keep_ptr + r[:, None] * cols + c[None, :], keep.to(tl.int8), mask=c[None, :] < cols)
 
 
-def test_row_calls_match_convention():
+@pytest.mark.parametrize("block_rows", [2, 4, 8, 16])
+def test_row_calls_match_convention(block_rows):
     rows, cols, seed, offset, p = 128, 37, 0xFACE, 640, 0.2
-    keep = torch.empty(rows, cols, dtype=torch.int8, device=_device())
-    _row_calls_kernel[(rows // 16, triton.cdiv(cols, 32))](keep, rows, cols, seed, offset, keep_threshold(p), BLOCK_C=32)
-    np.testing.assert_array_equal(keep.cpu().numpy().astype(bool), keep_mask(seed, offset, (cols, rows), p).T)
+    keep = torch.full((rows, cols), -1, dtype=torch.int8, device=_device())
+    _row_calls_kernel[(rows // block_rows, triton.cdiv(cols, 32))](keep, rows, cols, seed, offset, keep_threshold(p),
+                                                                   BLOCK_R=block_rows, BLOCK_C=32)
+    np.testing.assert_array_equal(keep.cpu().numpy(), keep_mask(seed, offset, (cols, rows), p).T.astype(np.int8))
 
 
 @triton.jit

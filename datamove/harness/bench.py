@@ -33,7 +33,10 @@ GRAPH_BELOW_MS = 0.3
 # Without an L2 flush, one graph replay holds enough back-to-back calls to last about this long,
 # and the time per call is the replay's time over that count.
 GRAPH_MIN_REPLAY_MS = 0.5
-FLUSH_L2_FACTOR = 4  # the flush writes a buffer of 4x the L2 size between repetitions
+# The flush reads a buffer of 4x the L2 size between repetitions.  Reads, not writes: a written
+# buffer leaves the L2 full of dirty lines, which the timed kernel's misses then write back to
+# memory (up to the L2's size of writes charged to a kernel that moves less).
+FLUSH_L2_FACTOR = 4
 MIN_REPS, MAX_REPS = 10, 10_000
 REASON_CHARS = 4000  # failure reasons (Triton compile errors can be long) are kept up to this length
 TICK_S = 0.5  # a sweep looks at its budget, its workers and their deadlines at least this often
@@ -62,7 +65,7 @@ def _device_facts(index: int) -> DeviceFacts | NoDevice:
 def _flush_buffer(index: int, nbytes: int):
     import torch
 
-    return torch.empty(nbytes, dtype=torch.int8, device=torch.device("cuda", index))
+    return torch.zeros(nbytes // 8, dtype=torch.int64, device=torch.device("cuda", index))
 
 
 def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0, flush_l2: bool = True,
@@ -71,8 +74,8 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
 
     ``fn`` runs once (compilation, loading), then for about ``warmup_ms`` untimed, then for about
     ``rep_ms`` timed repetitions (between ``MIN_REPS`` and ``MAX_REPS``), each between its own pair
-    of events and, with ``flush_l2``, after writing a buffer of ``FLUSH_L2_FACTOR`` x the L2 size so
-    that no repetition finds its inputs in L2.  ``cuda_graph``: True captures ``fn`` in a CUDA graph
+    of events and, with ``flush_l2``, after reading a buffer of ``FLUSH_L2_FACTOR`` x the L2 size so
+    that no repetition finds its inputs in L2 (nor dirty lines of earlier work to write back).  ``cuda_graph``: True captures ``fn`` in a CUDA graph
     and times its replays; None does so when one call takes under ``GRAPH_BELOW_MS`` (falling back
     to plain launches if ``fn`` cannot be captured).  Without a flush, a replay holds as many calls
     as last ``GRAPH_MIN_REPLAY_MS`` and the time is divided among them.  ``limit``: the call after
@@ -93,7 +96,7 @@ def time_cuda(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float =
 
     def flush():
         if flush_buffer is not None:
-            flush_buffer.zero_()
+            flush_buffer.amax()
 
     def elapsed_ms(call, repeats: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from datamove.harness.accuracy import Closeness
-from datamove.kernels.codegen import allocate, compile_operator
+from datamove.kernels.codegen import GENERATOR_VERSION, allocate, compile_operator
 from datamove.harness.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
 from datamove.harness.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
 from datamove.layouts.space import access_pattern, configurations, masks_grouped, representatives
@@ -41,9 +41,10 @@ CANCELLED_RMS = 1e-3  # a reference output with a smaller RMS is a cancellation 
 
 
 def op_signature(spec: str, op) -> str:
-    """``spec:name:hash``: the hash covers the primitives (kinds, expressions, operands' letters)."""
-    text = json.dumps([[p.name, p.kind, p.expr, [[o.tensor, o.letters] for o in p.inputs],
-                        [p.output.tensor, p.output.letters]] for p in op.primitives])
+    """``spec:name:hash``: the hash covers the primitives (kinds, expressions, operands' letters) and
+    ``kernels.codegen.GENERATOR_VERSION`` (a configuration's timing holds for the kernel it generated)."""
+    text = json.dumps([GENERATOR_VERSION] + [[p.name, p.kind, p.expr, [[o.tensor, o.letters] for o in p.inputs],
+                                              [p.output.tensor, p.output.letters]] for p in op.primitives])
     return f"{spec}:{op.name}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 

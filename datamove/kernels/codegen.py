@@ -30,8 +30,10 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   (``kernels.philox.dropout_keep_grouped`` on a [rows, BLOCK_COL // 16] block of call counters, whole
   groups of 64 counters; this needs ``offset_<mask> % 64 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
   ``CompiledOperator.run`` checks); the same along the tile's rows when its row letters are the
-  mask's trailing letters (one call per sixteen rows, on the transposed block of calls: layernorms
-  over i of BERT's ibj masks); otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
+  mask's trailing letters (one call per sixteen rows, on the transposed block of calls); where a
+  reduction runs along the columns of such a tile (layernorms over i of BERT's ibj masks) and
+  BLOCK_ROW is 2, 4, 8 or 16, the program takes rows of one Philox call per column
+  (``_row_call_masks``): one call per BLOCK_ROW elements; otherwise one call per element (``kernels.philox.dropout_keep(seed, offset, n, threshold)``).
   Knob ``dropout="load"`` reads a stored mask (values 0 or ``dropout_scale(p)``) instead;
 - sizes as runtime int arguments ``size_<letter>``, dim names used in expressions (``N``,
   ``sqrt(P)``) and dropout keep factors ``scale_<mask>`` (``PrimitiveGraph.scalars``: 1 in a graph
@@ -50,13 +52,17 @@ from pathlib import Path
 import torch
 import triton
 
-from datamove.dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
+from datamove.dataflow.dropout_mask import DECISION_GROUP
 from datamove.kernels.interpreter import interpreted
 from datamove.kernels.launch import DirectLaunch
 from datamove.kernels.philox import dropout_scale, keep_threshold
-from datamove.layouts.space import (Configuration, OperatorLetters, grouped_masks, operator_letters, parts, terminal_reductions,
+from datamove.layouts.space import (ROW_CALL_BLOCKS, Configuration, OperatorLetters, grouped_masks, operator_letters, parts, terminal_reductions,
                            tile_axes)
 
+# Bumped whenever a configuration's generated kernel changes in what it does (the tuning DB keys
+# generated operators' timings by it, ``harness.sweep_variants.op_signature``).  2: blocks of 2, 4 and 8
+# rows take rows of one Philox call per column (were one call per element).
+GENERATOR_VERSION = 2
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
 _FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
               "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh"}
@@ -78,18 +84,20 @@ class _Plan:
     dim_names: tuple  # dim names and dropout scales used in expressions -> dim_<name> float args
     grouped: tuple  # the regenerated masks drawn one Philox call per sixteen columns (``layouts.space.grouped_masks``)
     row_grouped: tuple  # ... per sixteen rows (the same rule along the tile's rows)
-    row_calls: tuple  # ... per column for the 16 rows of one call, 64 G + 2 t + 8 i + e (``_row_call_masks``)
+    row_calls: tuple  # ... per column for BLOCK_ROW rows of one call, 64 G + 2 t + 8 i + e (``_row_call_masks``)
     split: int  # row slices of mode "split" (1: none)
     reduced_outputs: tuple  # tensors the reduce primitives produce, in primitive order
 
 
 def _row_call_masks(graph, letters: OperatorLetters, rows: str, regenerated: tuple, block_row: int) -> tuple:
-    """The masks of ``regenerated`` whose decisions can come sixteen per Philox call along the rows of
-    a row-reduction tile of 16 rows: the row letters are the mask's trailing letters in spec order,
-    their extent a multiple of 64, and the program takes the rows 64 G + 2 t + 8 i + e (i < 8,
-    e < 2) of call 4 G + t (the rows the kernel then takes, see the program-id decomposition in
-    ``generate_source``) instead of sixteen consecutive ones: one call, every one of its bytes."""
-    if block_row != DECISIONS_PER_CALL:
+    """The masks of ``regenerated`` whose decisions can come from one Philox call per column for all
+    ``block_row`` rows of a tile reduced along its columns: the row letters are the mask's trailing
+    letters in spec order, their extent a multiple of 64, ``block_row`` one of ``ROW_CALL_BLOCKS``,
+    and the program takes rows 64 G + 2 t + 8 i + e (e < 2) of call 4 G + t for ``block_row // 2``
+    consecutive i (the program-id decomposition in ``generate_source``) instead of consecutive
+    rows: ``block_row`` of the call's sixteen bytes (16 rows: all of them).  A row-reduction tile
+    of one row per program draws one call per element; two rows already draw half as many."""
+    if block_row not in ROW_CALL_BLOCKS:
         return ()
     return grouped_masks(graph, letters, rows, regenerated, DECISION_GROUP)
 
@@ -252,8 +260,9 @@ Knobs: {knobs}"""
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
         w("cols = col_start + tl.arange(0, BLOCK_COL)")
-    elif plan.reduce_axis == 1 and plan.row_calls:  # rows 64 G + 2 t + 8 i + e of call 4 G + t = pid (byte 2 i + e)
-        w("row_start = (pid // 4) * 64 + 2 * (pid % 4)")
+    elif plan.reduce_axis == 1 and plan.row_calls:  # rows 64 G + 2 t + 8 i + e of call 4 G + t (byte 2 i + e):
+        # 64 // BLOCK_ROW programs per G, t = pid % 4, BLOCK_ROW // 2 values of i from (pid // 4) % (16 // BLOCK_ROW)
+        w("row_start = (pid // (64 // BLOCK_ROW)) * 64 + 2 * (pid % 4) + 4 * BLOCK_ROW * ((pid // 4) % (16 // BLOCK_ROW))")
         w("rows = row_start + 8 * (tl.arange(0, BLOCK_ROW) // 2) + tl.arange(0, BLOCK_ROW) % 2")
     elif plan.reduce_axis == 1:
         w("row_start = pid * BLOCK_ROW")
@@ -316,11 +325,12 @@ Knobs: {knobs}"""
                 calls = f"((offset_{t} + {base}row_start) >> 4) + tl.arange(0, BLOCK_ROW // 16)[:, None]"
                 keep = f"tl.trans(dropout_keep_grouped(seed_{t}, tl.trans({calls}), {threshold}))"
                 note = "one Philox call per sixteen rows"
-            elif t in plan.row_calls:  # row r of the block: byte r of the one call of its column
+            elif t in plan.row_calls:  # row r of the block: byte (first byte) + r of the one call of its column
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
-                calls = f"((offset_{t} + {base}(pid // 4) * 64) >> 4) + pid % 4"
-                keep = f"unpack_rows(keep_bits(seed_{t}, {calls}, {threshold}))"
-                note = "one Philox call per column for sixteen rows"
+                calls = f"((offset_{t} + {base}(pid // (64 // BLOCK_ROW)) * 64) >> 4) + pid % 4"
+                bits = f"keep_bits(seed_{t}, {calls}, {threshold})"
+                keep = f"unpack_rows({bits}, ((pid // 4) % (16 // BLOCK_ROW)) * BLOCK_ROW, BLOCK_ROW)"
+                note = "one Philox call per column for the block's rows"
             else:
                 index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
                 keep = f"dropout_keep(seed_{t}, offset_{t}, {index}, {threshold})"

@@ -15,6 +15,8 @@ m/n), so one kernel serves every storage layout that ``kernels.contraction`` map
 Configs with ``tma=True`` read A and B through 4-d host tensor descriptors instead (TMA on Hopper:
 no address tiles in registers, no masks), which needs a unit-stride matrix dim and 16-byte
 aligned strides in both (``tma_compatible``); C, bias and saved always go through pointers.
+Configs with ``persistent=True`` launch about one program per multiprocessor, each looping over
+output tiles (batch-major, grouped within a batch) instead of one program per tile.
 Dropout keeps element e by the convention of ``dataflow.dropout_mask`` at counter offset + n(e), where
 n(e) is its logical row-major index over the output's letters in spec order, assembled from per-dim
 digits ``(q1, q2, l0, l1, l2)``: a dim's flat index f adds ``(f % q1)*l0 + ((f // q1) % q2)*l1 +
@@ -34,6 +36,7 @@ Offsets inside a batch are int32: each operand must hold fewer than 2**31 elemen
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -62,10 +65,12 @@ class GemmConfig:
     num_warps: int
     tma: bool = False  # A and B tiles through host tensor descriptors (TMA on Hopper); see tma_compatible
     epilogue_split: int = 0  # 1, 2, 4: epilogue on that many column slices in turn; 0: chosen by _epilogue_split
+    persistent: bool = False  # one program per multiprocessor, each looping over output tiles
 
     def __str__(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} s{self.num_stages} w{self.num_warps}"
-        return text + (" tma" if self.tma else "") + (f" e{self.epilogue_split}" if self.epilogue_split else "")
+        text += (" tma" if self.tma else "") + (f" e{self.epilogue_split}" if self.epilogue_split else "")
+        return text + (" persistent" if self.persistent else "")
 
 
 HOPPER_SHARED_MEMORY = 232448  # bytes one block may use on Hopper (227 KiB, opt-in)
@@ -88,6 +93,10 @@ HOPPER_CONFIGS = (
     # two stages: less shared memory, so 2-3 blocks per SM overlap loads and stores when K is short
     GemmConfig(128, 256, 64, 8, 2, 8, tma=True),
     GemmConfig(128, 128, 64, 8, 2, 4, tma=True),
+    # persistent: no tail wave of tiles, the next tile's first loads issued while this one's epilogue runs
+    GemmConfig(128, 256, 64, 8, 3, 8, tma=True, persistent=True),
+    GemmConfig(256, 128, 64, 8, 3, 8, tma=True, persistent=True),
+    GemmConfig(128, 128, 64, 8, 4, 8, tma=True, persistent=True),
 )
 # Tiny tiles for the CPU interpreter (tl.dot needs every block dim >= 16).
 INTERPRETER_CONFIGS = (
@@ -95,7 +104,10 @@ INTERPRETER_CONFIGS = (
     GemmConfig(32, 16, 32, 1, 1, 4),
     GemmConfig(16, 32, 16, 2, 1, 4, tma=True),
     GemmConfig(16, 64, 16, 2, 1, 4, epilogue_split=4),
+    GemmConfig(16, 32, 16, 2, 1, 4, persistent=True),
+    GemmConfig(16, 32, 16, 2, 1, 4, tma=True, persistent=True),
 )
+INTERPRETER_PROGRAMS = 3  # a persistent grid under the interpreter: programs loop over several tiles
 
 
 def valid_configs(dtype: torch.dtype = torch.bfloat16) -> tuple[GemmConfig, ...]:
@@ -156,7 +168,7 @@ def _gemm_kernel(
     c_ptr,  # C[b0, b1, m, n]
     bias_ptr,  # bias[b0, b1, m, n], stride 0 on dims it lacks; read only if HAS_BIAS
     saved_ptr,  # saved[b0, b1, m, n]; written only if SAVE != "none"
-    B1, M, N, K,
+    B1, BATCHES, M, N, K,  # BATCHES = b0 * b1
     stride_ab0, stride_ab1, stride_am, stride_ak,  # unused with TMA
     stride_bb0, stride_bb1, stride_bk, stride_bn,  # unused with TMA
     stride_cb0, stride_cb1, stride_cm, stride_cn,
@@ -184,9 +196,42 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,  # each program loops over output tiles (grid: one program per SM)
 ):
+    # Output tiles in batch-major order (consecutive tiles share a batch's A and B in L2): one per
+    # program on a (tiles, batches) grid, or with PERSISTENT every num_programs-th on a grid of
+    # about one program per multiprocessor.
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        first, step = tl.program_id(0), tl.num_programs(0)
+    else:
+        first, step = tl.program_id(1) * tiles + tl.program_id(0), tiles * BATCHES
+    for tile in range(first, tiles * BATCHES, step):
+        _gemm_tile(tile % tiles, tile // tiles, a_src, b_src, c_ptr, bias_ptr, saved_ptr, B1, M, N, K,
+                   stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
+                   stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
+                   stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, alpha, drop_scale, threshold, seed,
+                   offset, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
+                   q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n, HAS_BIAS, ACTIVATION, HAS_DROPOUT,
+                   GROUPED, INDEX_64, SAVE, TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, ROUND_BF16, EPILOGUE_SPLIT,
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _gemm_tile(pid, pid_b, a_src, b_src, c_ptr, bias_ptr, saved_ptr, B1, M, N, K,
+               stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
+               stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
+               stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, alpha, drop_scale, threshold, seed,
+               offset, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
+               q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
+               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+               INDEX_64: tl.constexpr, SAVE: tl.constexpr, TMA: tl.constexpr, A_M_MAJOR: tl.constexpr,
+               B_K_MAJOR: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr, ROUND_BF16: tl.constexpr,
+               EPILOGUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    """Output tile ``pid`` (in grouped order) of batch ``pid_b`` (= b0 * B1 + b1): the main loop and
+    the epilogue (``_gemm_kernel``'s arguments)."""
     # Grouped order of output tiles: GROUP_M row-tiles share their B column-tiles in L2.
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
@@ -194,7 +239,6 @@ def _gemm_kernel(
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
-    pid_b = tl.program_id(1)
     pid_b0 = pid_b // B1
     pid_b1 = pid_b % B1
 
@@ -351,6 +395,14 @@ def _epilogue_split(config: GemmConfig, dropout: bool) -> int:
     return split
 
 
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """Programs of a persistent grid on ``device``: its multiprocessors (the interpreter: a few)."""
+    if interpreted() or device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
          a_strides: tuple[int, int, int, int], b_strides: tuple[int, int, int, int], c_strides: tuple[int, int, int, int], *,
          alpha: float = 1.0, bias: torch.Tensor | None = None, bias_strides: tuple[int, int, int, int] = (0, 0, 0, 0),
@@ -392,10 +444,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         b_block = [1, 1, config.block_n, config.block_k] if b_k_major else [1, 1, config.block_k, config.block_n]
         a_src = TensorDescriptor(a, list(a_view[0]), list(a_view[1]), a_block)
         b_src = TensorDescriptor(b, list(b_view[0]), list(b_view[1]), b_block)
-    grid = (triton.cdiv(shape.m, config.block_m) * triton.cdiv(shape.n, config.block_n), shape.b0 * shape.b1)
+    tiles = triton.cdiv(shape.m, config.block_m) * triton.cdiv(shape.n, config.block_n)
+    grid = (min(tiles * shape.b0 * shape.b1, _programs(a.device)), 1) if config.persistent else (tiles, shape.b0 * shape.b1)
     _gemm_kernel[grid](
         a_src, b_src, c, c if bias is None else bias, c if saved is None else saved,
-        shape.b1, shape.m, shape.n, shape.k,
+        shape.b1, shape.b0 * shape.b1, shape.m, shape.n, shape.k,
         *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)),
         alpha, dropout_scale(dropout_p), keep_threshold(dropout_p), seed, offset,
         *digits[0], *digits[1], *digits[2], *digits[3],
@@ -408,6 +461,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         FP32_DOT=a.dtype == torch.float32 or (interpreted() and a.dtype == torch.bfloat16),
         ROUND_BF16=interpreted() and c.dtype == torch.bfloat16,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_stages=config.num_stages, num_warps=config.num_warps,
+        PERSISTENT=config.persistent, num_stages=config.num_stages, num_warps=config.num_warps,
     )
     return c

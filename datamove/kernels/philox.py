@@ -15,7 +15,8 @@ Counter ``g = 64 G + 8 i + 2 t + e`` is byte ``2 i + e`` of Philox call ``4 G + 
   at column 16 c (n at column 0 must have ``(offset + n) % 64 == 0``): a sixteenth of the calls,
   and in a tensor-core accumulator's layout every thread draws just the calls of its own columns.
 - ``keep_bits(seed, calls, threshold)``: one uint16 per call, bit ``b`` the decision of byte ``b``;
-  ``unpack_grouped`` (in place) and ``unpack_rows`` spread them over a tile's columns / rows.
+  ``unpack_grouped`` (in place) and ``unpack_rows`` (some or all sixteen) spread them over a tile's
+  columns / rows.
 
 ``threshold`` is ``keep_threshold(p)`` (host side): an element is kept iff its byte is ``>= threshold``;
 kept elements are scaled by ``dropout_scale(p)``.
@@ -120,9 +121,10 @@ def unpack_grouped(bits):
 
 
 @triton.jit
-def unpack_rows(bits):
-    """[1, C] uint16 -> [16, C] bool: row b is bit b (the decision of byte b of each column's call)."""
-    return ((bits.to(tl.uint32) >> tl.arange(0, 16).to(tl.uint32)[:, None]) & 1) != 0
+def unpack_rows(bits, first, ROWS: tl.constexpr):
+    """[1, C] uint16 -> [ROWS, C] bool: row r is bit ``first + r`` (the decision of byte first + r of
+    each column's call; ``first + ROWS <= 16``)."""
+    return ((bits.to(tl.uint32) >> (first + tl.arange(0, ROWS)).to(tl.uint32)[:, None]) & 1) != 0
 
 
 @triton.jit

@@ -71,6 +71,9 @@ MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 PLAIN_MODES = ("tile", "row", "split")
 PLAIN_TILE = 4096  # ... with tiles of at most 32 fp32 values per thread at 4 warps (larger ones spill registers)
 SPLIT_PROGRAMS = 512  # programs a "split" reduction aims at (a few per multiprocessor of an H100 / H200)
+# Rows per program of a reduction along the tile's columns whose dropout masks run along its rows:
+# each takes rows of one Philox call per column (``kernels.codegen._row_call_masks``).
+ROW_CALL_BLOCKS = (2, 4, 8, DECISIONS_PER_CALL)
 
 
 class Configuration(NamedTuple):
@@ -235,10 +238,11 @@ def terminal_reductions(op) -> bool:
 
 
 def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhaustive: bool = False,
-                 terminal: bool = False) -> list[dict]:
+                 terminal: bool = False, masked: bool = False) -> list[dict]:
     """Block sizes, mode and num_warps for one (vector, order), pruned by rule 4 of the module doc.
     ``terminal``: the operator's reductions are terminal (``terminal_reductions``), so a reduction
-    along the tile's rows may be split over programs (mode "split")."""
+    along the tile's rows may be split over programs (mode "split"); ``masked``: it regenerates a
+    dropout mask, so a reduction along the columns also tries every block of ``ROW_CALL_BLOCKS`` rows."""
     grid, rows, cols = tile_axes(letters, {"order": order, "vector": vector})
     n_rows, n_cols = _next_pow2(_extent(graph, letters, rows)), _next_pow2(_extent(graph, letters, cols))
     combos = []  # (mode, block_row, block_col, split)
@@ -249,7 +253,7 @@ def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhau
     else:
         reduce_rows = vector not in letters.reduced  # the reduction runs along the tile's rows
         n_red, n_par = (n_rows, n_cols) if reduce_rows else (n_cols, n_rows)
-        par_blocks = (32, 128) if reduce_rows else (1, 4, DECISIONS_PER_CALL)  # 16 rows: whole Philox calls along rows
+        par_blocks = (32, 128) if reduce_rows else (1, *ROW_CALL_BLOCKS) if masked else (1, 4, DECISIONS_PER_CALL)
         for pb in sorted({min(b, n_par) for b in par_blocks}):
             if n_red * pb <= MAX_TILE:
                 combos.append(("row", n_red, pb, 1) if reduce_rows else ("row", pb, n_red, 1))
@@ -318,13 +322,13 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
             for layouts in itertools.product(*perms):
                 layouts = dict(zip(externals, layouts))
                 order = _order_from(graph, letters, op.outputs[0], layouts[op.outputs[0]], vector)
-                for knobs in knob_choices(graph, letters, vector, order, exhaustive=True, terminal=terminal):
+                for knobs in knob_choices(graph, letters, vector, order, exhaustive=True, terminal=terminal, masked=has_mask):
                     emit(layouts, knobs)
         else:
             for outer in itertools.permutations(others):
                 order = "".join(outer) + vector
                 layouts = {t: _restrict(order, graph.tensors[t].letters, letters.tensor_axes[t]) for t in externals}
-                for knobs in knob_choices(graph, letters, vector, order, terminal=terminal):
+                for knobs in knob_choices(graph, letters, vector, order, terminal=terminal, masked=has_mask):
                     emit(layouts, knobs)
     return result
 
