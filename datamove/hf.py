@@ -3,8 +3,14 @@
 ``replace_bert_layers(model, out_dir)`` swaps every ``BertLayer`` of a HF model (``BertModel``,
 ``BertForMaskedLM``, ...) for a ``BertLayerReplacement`` around a tuned layer loaded from the
 artifact, carrying the old layer's weights over; all replacements share one compiled program.
-HF's attention mask is passed through to the fused attention as a key-padding mask (converted once
-per model call).
+HF's attention mask is passed through to the fused attention as a key-padding mask.  Where
+transformers has mask interfaces (``transformers.masking_utils.AttentionMaskInterface``), the model then
+runs under the attention implementation ``KEY_PADDING``: HF hands the layers the (batch, keys)
+padding mask it made of the model's ``attention_mask``, with no 4-D mask built and nothing waiting
+for the GPU (HF's SDPA path asks whether the mask excludes anything, and a 4-D mask is checked to
+be one per key: each a host-device sync, after which the GPU idles while the host launches the
+next layers).  A 4-D mask (the user's, or from an older transformers) is converted once per model
+call, and checked.
 """
 from __future__ import annotations
 
@@ -61,6 +67,42 @@ class _LastMask:
 
 
 _last_mask = _LastMask()
+KEY_PADDING = "datamove_key_padding"  # the attention implementation of a model whose BERT layers are replaced
+
+
+def _key_padding_masks(batch_size=None, q_length=None, kv_length=None, mask_function=None, attention_mask=None,
+                       **kwargs):
+    """HF's mask interface under ``KEY_PADDING``: the (batch, keys) bool padding mask HF made of the
+    model's ``attention_mask`` (True = attend), as it is, or None; the replaced layers apply it as a
+    key-padding mask.  A causal or combined mask (a decoder) is refused: the layers run none."""
+    from transformers.masking_utils import bidirectional_mask_function
+
+    if mask_function is not bidirectional_mask_function:
+        raise ValueError("datamove: the replaced BERT layers take key-padding masks only; this model asks for a "
+                         "causal or combined attention mask (a decoder)")
+    return attention_mask
+
+
+def _no_attention(module, *args, **kwargs):
+    """HF's attention interface under ``KEY_PADDING``: no HF attention runs in a replaced model."""
+    raise RuntimeError(f"datamove: {type(module).__name__} asked for HF attention under {KEY_PADDING!r}, the "
+                       "implementation of models whose BERT layers were replaced; set another with "
+                       "model.set_attn_implementation(...) to run HF attention modules")
+
+
+def _route_key_padding_masks(model: torch.nn.Module) -> bool:
+    """Run ``model`` under ``KEY_PADDING`` where transformers has mask interfaces; whether it does."""
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:  # an older transformers: its 4-D masks are converted and checked per model call
+        return False
+    if not hasattr(model, "set_attn_implementation"):
+        return False
+    AttentionInterface.register(KEY_PADDING, _no_attention)
+    AttentionMaskInterface.register(KEY_PADDING, _key_padding_masks)
+    model.set_attn_implementation(KEY_PADDING)
+    return True
 
 
 class BertLayerReplacement(torch.nn.Module):
@@ -76,6 +118,8 @@ class BertLayerReplacement(torch.nn.Module):
         self.layer = layer
 
     def _layer(self, hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is not None and not self.layer.applies_key_padding and not bool(mask.any()):
+            mask = None  # excludes nothing, and a plan without the fused attention takes none (asking waits for the GPU)
         return self.layer(hidden_states, key_padding_mask=mask)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
@@ -88,7 +132,8 @@ class BertLayerReplacement(torch.nn.Module):
 
 
 def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
-    """Replace every ``BertLayer`` in ``model`` in place; returns how many were replaced."""
+    """Replace every ``BertLayer`` in ``model`` in place (and route its attention mask to them as a
+    key-padding mask, ``KEY_PADDING``); returns how many were replaced."""
     first: TunedLayer | None = None
     replaced = 0
     for parent in list(model.modules()):
@@ -102,4 +147,6 @@ def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
             load_weights(layer, child)
             setattr(parent, name, BertLayerReplacement(layer).train(child.training))
             replaced += 1
+    if replaced:
+        _route_key_padding_masks(model)
     return replaced

@@ -227,6 +227,11 @@ class TunedLayer(torch.nn.Module):
             else:
                 param.fill_(1.0 if any(s in name for s in ("gamma", "gain")) else 0.0)
 
+    @property
+    def applies_key_padding(self) -> bool:
+        """Whether every plan of the layer runs the fused attention, which applies a ``key_padding_mask``."""
+        return all(any(s.kind == ATTENTION_FORWARD for s in plan.steps) for plan in self.plans)
+
     def _check_mask(self, mask: torch.Tensor, program: LayerProgram) -> None:
         attention = next((s for s in program.plan.steps if s.kind == ATTENTION_FORWARD), None)
         if attention is None:

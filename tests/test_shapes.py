@@ -16,7 +16,7 @@ from datamove.layer import LayerProgram, tensor_interface
 from datamove.shapes import call_dims, check_plans, fit_plan, nearest
 from datamove.weights import from_spec
 from plans import selected_plan, spec_module, spec_order_plan
-from test_export import BERT_DIMS, FLOAT32_TOLERANCE, error, load, small_bert_model, write
+from test_export import BERT_DIMS, FLOAT32_TOLERANCE, error, load, small_bert_config, small_bert_model, write
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
 SMALL = dict(B=2, N=64, H=2, P=32, U=128)  # the job's sizes (tests/test_job.py), L given per shape
@@ -221,12 +221,18 @@ def test_the_job_writes_one_plan_per_shape_and_the_layer_dispatches(two_shapes, 
     assert "B=2, L=5" in untuned[1] and "tuned at B=2, L=32" in untuned[1]
 
 
-def test_hf_model_runs_at_the_batch_and_sequence_it_is_given(bert):
+def test_hf_model_runs_at_the_batch_and_sequence_it_is_given(bert, monkeypatch):
     """A HF model whose layers were replaced, at another batch and sequence than the artifact's,
-    with padding (the attention mask becomes a key-padding mask of the model's current shape)."""
+    with padding (the attention mask becomes a key-padding mask of the model's current shape):
+    where transformers has mask interfaces the layers get HF's (batch, keys) padding mask itself,
+    no 4-D mask to convert and check (each a wait for the GPU)."""
     transformers = pytest.importorskip("transformers")
-    from datamove.hf import replace_bert_layers
+    from datamove.hf import KEY_PADDING, BertLayerReplacement, replace_bert_layers
 
+    given = []
+    forward = BertLayerReplacement.forward
+    monkeypatch.setattr(BertLayerReplacement, "forward", lambda self, hidden, attention_mask=None, *args, **kwargs: (
+        given.append(attention_mask), forward(self, hidden, attention_mask, *args, **kwargs))[1])
     model, original = small_bert_model(transformers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -239,6 +245,25 @@ def test_hf_model_runs_at_the_batch_and_sequence_it_is_given(bert):
     expected = original(input_ids=ids, attention_mask=mask).last_hidden_state
     assert math.isfinite(float(ours.sum()))
     assert error(ours.detach(), expected.detach()) < FLOAT32_TOLERANCE
+    if model.config._attn_implementation == KEY_PADDING:  # transformers with mask interfaces
+        assert len(given) == 2 and all(m.shape == (4, 13) and torch.equal(m, mask.bool()) for m in given)
+
+
+def test_hf_decoder_mask_is_refused(bert):
+    """A BERT decoder asks for a causal mask: the replaced layers apply key-padding masks only."""
+    transformers = pytest.importorskip("transformers")
+    from datamove.hf import KEY_PADDING, replace_bert_layers
+
+    config = small_bert_config(transformers, attention_dropout=0.0)
+    config.is_decoder = True
+    model = transformers.BertModel(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert replace_bert_layers(model, bert, dtype=torch.float32) == 2
+        if model.config._attn_implementation != KEY_PADDING:
+            pytest.skip("transformers without mask interfaces: the 4-D mask's check refuses it instead")
+        with pytest.raises(ValueError, match="key-padding masks only"):
+            model(input_ids=torch.randint(0, 50, (2, 9)), attention_mask=torch.ones(2, 9, dtype=torch.long))
 
 
 def test_the_job_refuses_alternatives_of_a_weight_dim():
