@@ -16,6 +16,7 @@ through the custom ops otherwise; graphs are kept for at most ``GRAPHED_SHAPES``
 its longest sequence makes many shapes, each graphed one holding its own static buffers), other
 shapes launch plainly.
 """
+import functools
 import warnings
 
 import torch
@@ -227,9 +228,10 @@ class TunedLayer(torch.nn.Module):
             else:
                 param.fill_(1.0 if any(s in name for s in ("gamma", "gain")) else 0.0)
 
-    @property
+    @functools.cached_property
     def applies_key_padding(self) -> bool:
-        """Whether every plan of the layer runs the fused attention, which applies a ``key_padding_mask``."""
+        """Whether every plan of the layer runs the fused attention, which applies a ``key_padding_mask``
+        (asked on every masked call of a HF model: found once)."""
         return all(any(s.kind == ATTENTION_FORWARD for s in plan.steps) for plan in self.plans)
 
     def _check_mask(self, mask: torch.Tensor, program: LayerProgram) -> None:
