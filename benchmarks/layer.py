@@ -45,6 +45,7 @@ from datamove.export import load_layer, load_weights, read_manifest
 from datamove.layouts.plan import GENERATED
 from datamove.steps import Run
 from datamove.harness.bench import capture_graph, time_cuda, utc_stamp, write_results
+from datamove.harness.sweep_variants import tensor_bytes
 from datamove.kernels.device import query_device, versions
 
 REPS = 20
@@ -159,9 +160,7 @@ def breakdown(layer) -> list[dict]:
         except Exception:
             timing = time_cuda(call, cuda_graph=False)
         step = launcher.step
-        graph = program.graph  # (plan-only tensors, e.g. attention's lse, not counted)
-        moved = program.dtype.itemsize * sum(graph.size(graph.tensors[t].letters)
-                                             for t in {**step.reads, **step.writes} if t in graph.tensors)
+        moved = tensor_bytes(program.graph, [*step.reads, *step.writes], program.dtype.itemsize)
         row = {"step": step.name, "phase": step.phase, "kind": step.kind, "ms": timing.median_ms,
                "graphed": timing.cuda_graph, "plan_ms": step.time_ms, "plan_source": step.source,
                "bytes": moved, "reads": step.reads, "writes": step.writes, "config": step.config}

@@ -70,8 +70,7 @@ _last_mask = _LastMask()
 KEY_PADDING = "datamove_key_padding"  # the attention implementation of a model whose BERT layers are replaced
 
 
-def _key_padding_masks(batch_size=None, q_length=None, kv_length=None, mask_function=None, attention_mask=None,
-                       **kwargs):
+def _key_padding_masks(*, mask_function=None, attention_mask=None, **kwargs):
     """HF's mask interface under ``KEY_PADDING``: the (batch, keys) bool padding mask HF made of the
     model's ``attention_mask`` (True = attend), as it is, or None; the replaced layers apply it as a
     key-padding mask.  A causal or combined mask (a decoder) is refused: the layers run none."""
@@ -90,19 +89,17 @@ def _no_attention(module, *args, **kwargs):
                        "model.set_attn_implementation(...) to run HF attention modules")
 
 
-def _route_key_padding_masks(model: torch.nn.Module) -> bool:
-    """Run ``model`` under ``KEY_PADDING`` where transformers has mask interfaces; whether it does."""
+def _route_key_padding_masks(model: torch.nn.Module) -> None:
+    """Run ``model`` under ``KEY_PADDING`` where transformers has mask interfaces."""
     try:
         from transformers.masking_utils import AttentionMaskInterface
         from transformers.modeling_utils import AttentionInterface
     except ImportError:  # an older transformers: its 4-D masks are converted and checked per model call
-        return False
-    if not hasattr(model, "set_attn_implementation"):
-        return False
-    AttentionInterface.register(KEY_PADDING, _no_attention)
-    AttentionMaskInterface.register(KEY_PADDING, _key_padding_masks)
-    model.set_attn_implementation(KEY_PADDING)
-    return True
+        return
+    if hasattr(model, "set_attn_implementation"):
+        AttentionInterface.register(KEY_PADDING, _no_attention)
+        AttentionMaskInterface.register(KEY_PADDING, _key_padding_masks)
+        model.set_attn_implementation(KEY_PADDING)
 
 
 class BertLayerReplacement(torch.nn.Module):

@@ -56,8 +56,15 @@ def fused_operators(training) -> list:
 def moved_bytes(graph, op, itemsize: int = 2) -> int:
     """Distinct elements of the operator's inputs and outputs x ``itemsize``; dropout masks are
     regenerated from (seed, offset), so not counted."""
-    tensors = dict.fromkeys(list(op.inputs) + list(op.outputs))
-    return itemsize * sum(graph.size(graph.tensors[t].letters) for t in tensors if graph.tensors[t].role != "dropout")
+    return tensor_bytes(graph, list(op.inputs) + list(op.outputs), itemsize)
+
+
+def tensor_bytes(graph, tensors, itemsize: int = 2) -> int:
+    """Distinct elements of the graph tensors among ``tensors`` x ``itemsize``, dropout masks not
+    counted (regenerated, never stored), nor names the graph does not hold (a plan's own tensors,
+    e.g. attention's logsumexp)."""
+    held = [t for t in dict.fromkeys(tensors) if t in graph.tensors and graph.tensors[t].role != "dropout"]
+    return itemsize * sum(graph.size(graph.tensors[t].letters) for t in held)
 
 
 def judge(result: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor) -> Closeness:

@@ -262,7 +262,9 @@ Knobs: {knobs}"""
         w("cols = col_start + tl.arange(0, BLOCK_COL)")
     elif plan.reduce_axis == 1 and plan.row_calls:  # rows 64 G + 2 t + 8 i + e of call 4 G + t (byte 2 i + e):
         # 64 // BLOCK_ROW programs per G, t = pid % 4, BLOCK_ROW // 2 values of i from (pid // 4) % (16 // BLOCK_ROW)
-        w("row_start = (pid // (64 // BLOCK_ROW)) * 64 + 2 * (pid % 4) + 4 * BLOCK_ROW * ((pid // 4) % (16 // BLOCK_ROW))")
+        w("row_group = pid // (64 // BLOCK_ROW)  # G")
+        w("row_byte = ((pid // 4) % (16 // BLOCK_ROW)) * BLOCK_ROW  # the byte of the block's first row: 2 i + e")
+        w("row_start = row_group * 64 + 2 * (pid % 4) + 4 * row_byte")
         w("rows = row_start + 8 * (tl.arange(0, BLOCK_ROW) // 2) + tl.arange(0, BLOCK_ROW) % 2")
     elif plan.reduce_axis == 1:
         w("row_start = pid * BLOCK_ROW")
@@ -327,9 +329,8 @@ Knobs: {knobs}"""
                 note = "one Philox call per sixteen rows"
             elif t in plan.row_calls:  # row r of the block: byte (first byte) + r of the one call of its column
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
-                calls = f"((offset_{t} + {base}(pid // (64 // BLOCK_ROW)) * 64) >> 4) + pid % 4"
-                bits = f"keep_bits(seed_{t}, {calls}, {threshold})"
-                keep = f"unpack_rows({bits}, ((pid // 4) % (16 // BLOCK_ROW)) * BLOCK_ROW, BLOCK_ROW)"
+                calls = f"((offset_{t} + {base}row_group * 64) >> 4) + pid % 4"
+                keep = f"unpack_rows(keep_bits(seed_{t}, {calls}, {threshold}), row_byte, BLOCK_ROW)"
                 note = "one Philox call per column for the block's rows"
             else:
                 index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])

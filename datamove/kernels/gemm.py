@@ -444,11 +444,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         b_block = [1, 1, config.block_n, config.block_k] if b_k_major else [1, 1, config.block_k, config.block_n]
         a_src = TensorDescriptor(a, list(a_view[0]), list(a_view[1]), a_block)
         b_src = TensorDescriptor(b, list(b_view[0]), list(b_view[1]), b_block)
-    tiles = triton.cdiv(shape.m, config.block_m) * triton.cdiv(shape.n, config.block_n)
-    grid = (min(tiles * shape.b0 * shape.b1, _programs(a.device)), 1) if config.persistent else (tiles, shape.b0 * shape.b1)
+    tiles, batches = triton.cdiv(shape.m, config.block_m) * triton.cdiv(shape.n, config.block_n), shape.b0 * shape.b1
+    grid = (min(tiles * batches, _programs(a.device)), 1) if config.persistent else (tiles, batches)
     _gemm_kernel[grid](
         a_src, b_src, c, c if bias is None else bias, c if saved is None else saved,
-        shape.b1, shape.b0 * shape.b1, shape.m, shape.n, shape.k,
+        shape.b1, batches, shape.m, shape.n, shape.k,
         *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)),
         alpha, dropout_scale(dropout_p), keep_threshold(dropout_p), seed, offset,
         *digits[0], *digits[1], *digits[2], *digits[3],
