@@ -28,10 +28,12 @@ from datamove.kernels.codegen import allocate, compile_operator
 from datamove.kernels.contraction import (Epilogue, contract, cublas_call, cublas_views, gemm_plan, run_cublas,
                                          run_triton)
 from datamove.kernels.gemm import GemmConfig
+from datamove.kernels.launch import hooked, recording
 from datamove.kernels.layout_change import permute_copy
 from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
                           Step)
 from datamove.layouts.space import Configuration
+from datamove.replay import StepReplay
 
 
 def copy_name(tensor: str, layout: str) -> str:
@@ -44,10 +46,13 @@ class Run:
     """The per-call values a launcher reads: the dropout ``seed`` of this call (Philox key, an int or
     a one-element int64 tensor on the device holding it, which the kernels read there; every mask
     at its ``dataflow.executor.dropout_offsets`` offset) and an optional ``key_padding_mask`` (bool
-    (batch, keys), True = key excluded) for the attention."""
+    (batch, keys), True = key excluded) for the attention.  ``replay``: the launchers may repeat
+    their recorded launches (``datamove.replay``: the caller vouches that the tensors from outside
+    are aligned, typed and strided as when they were recorded)."""
 
     seed: int | torch.Tensor
     key_padding_mask: torch.Tensor | None = None
+    replay: bool = False
 
 
 class Buffers:
@@ -126,17 +131,46 @@ def _read(step: Step, store: dict, tensor: str) -> torch.Tensor:
 
 
 class Launcher:
-    """Base: ``step`` bound to ``graph``; ``__call__(store, run)`` writes the step's outputs into ``store``."""
+    """Base: ``step`` bound to ``graph``; ``__call__(store, run)`` writes the step's outputs into
+    ``store`` through ``launch`` (the checked path), or, for a launcher whose kernels are all
+    Triton kernels launched through ``kernels.launch`` (``replayable``), by repeating the launches
+    its last checked call recorded (``datamove.replay``) where ``run.replay`` allows."""
+
+    replayable = False
 
     def __init__(self, step: Step, graph, buffers: Buffers):
         self.step, self.graph, self.buffers = step, graph, buffers
+        self.replay: StepReplay | None = None
+        self.recorded = False  # whether ``replay`` comes from a whole recording (None there: not repeatable)
 
     def output(self, store: dict, tensor: str) -> torch.Tensor:
         return self.buffers.allocate(store, tensor, self.step.writes[tensor])
 
+    def __call__(self, store: dict, run: Run) -> None:
+        if run.replay and self.replay is not None:
+            self.replay(store, run)
+        elif (run.replay and self.recorded) or not self.replayable or not isinstance(run.seed, torch.Tensor) \
+                or hooked():
+            self.launch(store, run)
+        else:  # record this call's launches (a new recording after ``forget``)
+            before = dict(store)
+            with recording() as recorded:
+                self.launch(store, run)
+            self.replay = StepReplay.build(self, recorded, before, store, run)
+            self.recorded = recorded.complete  # a launch through the JIT (a first compile): record again
+
+    def forget(self) -> None:
+        """Drop the recorded launches (the tensors from outside changed): the next call records anew."""
+        self.replay, self.recorded = None, False
+
+    def launch(self, store: dict, run: Run) -> None:
+        raise NotImplementedError
+
 
 class GeneratedLauncher(Launcher):
     """A fused element-wise / normalization operator: its generated Triton kernel (``kernels.codegen``)."""
+
+    replayable = True
 
     def __init__(self, step: Step, graph, buffers: Buffers, op):
         super().__init__(step, graph, buffers)
@@ -146,7 +180,7 @@ class GeneratedLauncher(Launcher):
         self.masks = {t: offsets[t] for t in op.inputs if graph.tensors[t].role == "dropout"}
         self.loads = [t for t in step.reads if graph.tensors[t].role != "dropout"]
 
-    def __call__(self, store: dict, run: Run) -> None:
+    def launch(self, store: dict, run: Run) -> None:
         outputs = {t: self.output(store, t) for t in self.step.writes}
         self.compiled.run({t: _read(self.step, store, t) for t in self.loads},
                           {mask: (run.seed, offset) for mask, offset in self.masks.items()}, outputs=outputs)
@@ -232,7 +266,7 @@ class GemmLauncher(Launcher):
         tensors = [_read(self.step, store, t) for t in members]
         return tensors[0] if len(tensors) == 1 else stacked_view(tensors)
 
-    def __call__(self, store: dict, run: Run) -> None:
+    def launch(self, store: dict, run: Run) -> None:
         if not self.epilogue:
             for t in self.out:
                 store[t] = self.output(store, t)
@@ -283,6 +317,8 @@ class _AttentionLauncher(Launcher):
     views, and writes the biased q (role q) for the backward, which reads it, k and v before the
     add, and v's bias."""
 
+    replayable = True
+
     def __init__(self, step: Step, graph, buffers: Buffers):
         super().__init__(step, graph, buffers)
         config = step.config
@@ -331,7 +367,7 @@ class AttentionForwardLauncher(_AttentionLauncher):
         super().__init__(step, graph, buffers)
         self.saves_mask = saves_mask
 
-    def __call__(self, store: dict, run: Run) -> None:
+    def launch(self, store: dict, run: Run) -> None:
         r = self.roles
         q, k, v = self.inputs(store)
         o = self.output(store, r["o"])
@@ -349,7 +385,7 @@ class AttentionForwardLauncher(_AttentionLauncher):
 
 
 class AttentionBackwardLauncher(_AttentionLauncher):
-    def __call__(self, store: dict, run: Run) -> None:
+    def launch(self, store: dict, run: Run) -> None:
         r = self.roles
         q = self.view(_read(self.step, store, r["q"]), "q")  # with a bias folded in, the forward's q + bq
         k, v = self.inputs(store, ("k", "v"))
@@ -371,7 +407,9 @@ def saved_mask_name(lse: str) -> str:
 class LayoutChangeLauncher(Launcher):
     """A copy of a tensor into another layout (``kernels.layout_change.permute_copy``: one tiled kernel)."""
 
-    def __call__(self, store: dict, run: Run) -> None:
+    replayable = True
+
+    def launch(self, store: dict, run: Run) -> None:
         c = self.step.config
         copy = allocate(self.graph, c["tensor"], c["to"], self.buffers.dtype, self.buffers.device)
         permute_copy(store[c["tensor"]], copy)

@@ -69,6 +69,27 @@ def test_replays_match_plain_launches_and_accumulate_into_grad(path):
     assert graphed.cuda_graph_bytes() > 0
 
 
+def test_plain_calls_repeating_recorded_launches_match_the_checked_path(path):
+    """``cuda_graphs=False``: from its third call (the first compiles, the second records) the layer
+    repeats its recorded launches (``datamove.replay``); results as a twin's whose every call
+    takes the checked path."""
+    _, replayed = pair(path)
+    _, checked = pair(path)
+    checked.load_state_dict(replayed.state_dict())
+    program = checked.program(True)
+    for launcher in program.forward_steps + program.backward_steps:
+        launcher.replayable = False
+    xs = inputs(4, seed=20)
+    ours, theirs = run_steps(replayed, xs), run_steps(checked, xs)
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        close(a, b)
+    for name in ours[2]:
+        close(ours[2][name], theirs[2][name])
+    program = replayed.program(True)
+    repeated = [launcher for launcher in program.forward_steps + program.backward_steps if launcher.replayable]
+    assert repeated and all(launcher.replay is not None for launcher in repeated)
+
+
 def test_gradients_still_held_are_never_overwritten(path):
     """Every call's gradients kept (``torch.autograd.grad``): each stays its own call's."""
     graphed, plain = pair(path)

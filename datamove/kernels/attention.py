@@ -77,7 +77,7 @@ import triton.language as tl
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP
 from datamove.kernels.interpreter import interpreted
-from datamove.kernels.launch import launch
+from datamove.kernels.launch import ceil_div, launch
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_bits, keep_threshold, unpack_grouped
 
 LOG2E = 1.4426950408889634
@@ -679,7 +679,7 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
     o = torch.empty_like(q) if o is None else o
     lse = torch.empty((B, H, Lq), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(Lq, block_j), B * H)
+    grid = (ceil_div(Lq, block_j), B * H)
     if bias is not None and (len(bias) != 2 or q_biased is None or q_biased.shape != q.shape):
         raise ValueError(f"bias must be (bq, bv) with q_biased, the {tuple(q.shape)} output q + bq is written to")
     biases, bias_strides = _bias_args(tuple(bias or (None, None)), q, "bias (bq, bv)")
@@ -737,7 +737,7 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     dq_acc = torch.empty((B, H, Lq, P), device=q.device, dtype=torch.float32) if atomic else delta
     arrivals = torch.empty((B, H), device=q.device, dtype=torch.int32) if atomic else delta
     mask, mask_io = (delta, 0) if saved_mask is None else (saved_mask, 2)  # delta: a placeholder pointer, never read
-    launch(_attn_bwd_preprocess_kernel, (triton.cdiv(Lq, block_j), B * H),
+    launch(_attn_bwd_preprocess_kernel, (ceil_div(Lq, block_j), B * H),
            [o, do, delta, dq_acc, arrivals, *o.stride(), *do.stride(), H, Lq],
            dict(P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4))
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
@@ -746,12 +746,12 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
     biases, bias_strides = _bias_args((v_bias,), q, "v_bias")
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), dropout_scale(dropout_p), seed, offset)
-    launch(_attn_bwd_dkdv_kernel, (triton.cdiv(Lk, block_k), B * H), [
+    launch(_attn_bwd_dkdv_kernel, (ceil_div(Lk, block_k), B * H), [
         q, k, v, do, lse, delta, dq_acc, arrivals, dq, dk, dv, kpm, mask, *biases,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dq.stride(), *kpm_strides,
         *bias_strides, *drop, *scalars], dict(DQ_ATOMIC=atomic, **flags))
     if not atomic:
-        launch(_attn_bwd_dq_kernel, (triton.cdiv(Lq, block_j), B * H), [
+        launch(_attn_bwd_dq_kernel, (ceil_div(Lq, block_j), B * H), [
             q, k, v, do, lse, delta, dq, kpm, mask, *biases,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *kpm_strides, *bias_strides, *drop,
             *scalars], flags)

@@ -47,6 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP
 from datamove.kernels.interpreter import interpreted, round_bf16
+from datamove.kernels.launch import ceil_div
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -444,7 +445,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         b_block = [1, 1, config.block_n, config.block_k] if b_k_major else [1, 1, config.block_k, config.block_n]
         a_src = TensorDescriptor(a, list(a_view[0]), list(a_view[1]), a_block)
         b_src = TensorDescriptor(b, list(b_view[0]), list(b_view[1]), b_block)
-    tiles, batches = triton.cdiv(shape.m, config.block_m) * triton.cdiv(shape.n, config.block_n), shape.b0 * shape.b1
+    tiles, batches = ceil_div(shape.m, config.block_m) * ceil_div(shape.n, config.block_n), shape.b0 * shape.b1
     grid = (min(tiles * batches, _programs(a.device)), 1) if config.persistent else (tiles, batches)
     _gemm_kernel[grid](
         a_src, b_src, c, c if bias is None else bias, c if saved is None else saved,

@@ -11,8 +11,14 @@ would compile differently goes through the JIT again.  Under the interpreter, wi
 set (profilers), or with a Triton whose compiled kernels cannot be called this way, every launch
 goes through the JIT.  ``launch(kernel, grid, args, kwargs)`` keeps one ``DirectLaunch`` per
 kernel, grid and keyword arguments, for callers that launch a kernel as ``kernel[grid](...)`` would.
+
+``recording()`` collects the launches made inside it (each one's ``DirectLaunch``, compiled kernel,
+device and arguments), for a caller that repeats them later with new tensors through
+``DirectLaunch.fire`` and skips everything else (``datamove.replay``).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -38,7 +44,7 @@ def _key(args) -> tuple:
     return tuple(key)
 
 
-def _hooked() -> bool:
+def hooked() -> bool:
     """Whether a launch hook is set (a profiler's): Triton 3.9 holds hooks in chains, empty when none."""
     runtime = getattr(_knobs, "runtime", None)
     hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook) if runtime is not None else ()
@@ -62,13 +68,21 @@ class DirectLaunch:
         device = torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1  # the JIT compiles per current device
         key = (device, _key(args if self.varying is None else [args[i] for i in self.varying]))
         compiled = self.compiled.get(key)
-        if compiled is None or _hooked():
+        if compiled is None or hooked():
             compiled = self.kernel[self.grid](*args, **self.kwargs)
             if self._direct(compiled, args):
                 self.compiled[key] = compiled
+            if _RECORDING is not None:
+                _RECORDING.complete = False  # a launch through the JIT: nothing to repeat directly
             return
-        stream = torch._C._cuda_getCurrentRawStream(device)  # the JIT's: the current device's
-        compiled.run(*self.grid, stream, compiled.function,
+        if _RECORDING is not None:
+            _RECORDING.launches.append((self, compiled, device, list(args)))
+        self.fire(compiled, device, args)
+
+    def fire(self, compiled, device: int, args: list) -> None:
+        """Launch ``compiled`` (one of this kernel's specialisations, found by ``__call__``) on ``args``
+        on ``device``'s current stream, with no check that the arguments specialise to it."""
+        compiled.run(*self.grid, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *self.tail)
 
     def _direct(self, compiled, args: list) -> bool:
@@ -80,6 +94,37 @@ class DirectLaunch:
                 return False
             self.tail = [self.kwargs[n] for n in self.names[len(args):]]
         return True
+
+
+class Recording:
+    """The launches made while recording: ``launches`` [(DirectLaunch, compiled kernel, device,
+    arguments)]; ``complete`` False where one went through the JIT instead (no compiled kernel to
+    repeat it with)."""
+
+    def __init__(self):
+        self.launches: list[tuple] = []
+        self.complete = True
+
+
+_RECORDING: Recording | None = None
+
+
+@contextmanager
+def recording():
+    """``with recording() as r``: r collects the direct launches made inside (not nested)."""
+    global _RECORDING
+    if _RECORDING is not None:
+        raise RuntimeError("launches are being recorded already")
+    _RECORDING = result = Recording()
+    try:
+        yield result
+    finally:
+        _RECORDING = None
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``triton.cdiv`` on the host without its per-call wrapper (~10 us a call in Triton 3.6-3.9)."""
+    return -(-a // b)
 
 
 _LAUNCHES: dict[tuple, DirectLaunch] = {}

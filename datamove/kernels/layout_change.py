@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from datamove.kernels.launch import ceil_div, launch
+
 
 GRID_DIMS = 4  # letters besides the two tile letters a tensor may have
 TILE = {"block_s": 64, "block_a": 64, "num_warps": 4}
@@ -71,10 +73,10 @@ def permute_copy(src: torch.Tensor, dst: torch.Tensor, block_s: int = TILE["bloc
     extent = lambda d: 1 if d is None else src.shape[d]  # noqa: E731
     stride = lambda x, d: 0 if d is None else x.stride(d)  # noqa: E731
     g = [None] * pad + grid
-    programs = math.prod(extent(d) for d in g) * triton.cdiv(extent(s), block_s) * triton.cdiv(extent(a), block_a)
+    programs = math.prod(extent(d) for d in g) * ceil_div(extent(s), block_s) * ceil_div(extent(a), block_a)
     if programs:
-        _permute_kernel[(programs,)](
+        launch(_permute_kernel, (programs,), [
             src, dst, extent(g[1]), extent(g[2]), extent(g[3]), extent(s), extent(a),
             *(stride(src, d) for d in g), stride(src, s), stride(src, a),
-            *(stride(dst, d) for d in g), stride(dst, s), stride(dst, a),
-            BLOCK_S=block_s, BLOCK_A=block_a, num_warps=num_warps)
+            *(stride(dst, d) for d in g), stride(dst, s), stride(dst, a)],
+            dict(BLOCK_S=block_s, BLOCK_A=block_a, num_warps=num_warps))
