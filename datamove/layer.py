@@ -27,6 +27,7 @@ from datamove.dataflow.graph import PrimitiveGraph
 from datamove.dataflow.layer_inputs import data_inputs
 from datamove.steps import Buffers, Run, build_launcher, copy_name, saved_mask_name, stack_groups
 from datamove.kernels.codegen import allocate
+from datamove.kernels.launch import hooked
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
 
 SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
@@ -112,7 +113,7 @@ class LayerProgram:
                                 for t in interface.torch_order}
         self.kept = self._kept_tensors()
         self.stacked = self.stacked_gradients()
-        self._signatures: dict[int, tuple] = {}  # id(forward_steps | backward_steps) -> what their recordings assume
+        self._signatures: dict[str, tuple] = {}  # phase -> what its steps' recordings assume
 
     def _kept_tensors(self) -> list[str]:
         """What the backward steps read that neither they nor the caller provide: tensors the forward
@@ -227,32 +228,32 @@ class LayerProgram:
     def forward(self, store: dict, run: Run) -> dict:
         """Run the forward steps on ``store`` (activations, parameters, constants as spec-order
         views); returns the store with every tensor they wrote."""
-        self._allow_replays(self.forward_steps, store, run)
+        self._allow_replays("forward", store, run)
         for launcher in self.forward_steps:
             launcher(store, run)
         return store
 
     def backward(self, store: dict, run: Run) -> dict:
-        self._allow_replays(self.backward_steps, store, run)
+        self._allow_replays("backward", store, run)
         for launcher in self.backward_steps:
             launcher(store, run)
         return store
 
-    def _allow_replays(self, launchers: list, store: dict, run: Run) -> None:
-        """Let ``launchers`` repeat their recorded launches (``datamove.replay``) where every tensor
-        from outside (``store`` before the steps, the key-padding mask) has the 16-byte alignment,
-        dtype and strides it had when they were recorded, on the same current device; otherwise they
-        forget their recordings and record this call."""
+    def _allow_replays(self, phase: str, store: dict, run: Run) -> None:
+        """Let the ``phase`` ("forward" or "backward") steps repeat their recorded launches
+        (``datamove.replay``) where every tensor from outside (``store`` before the steps, the
+        key-padding mask) has the shape, 16-byte alignment, dtype and strides it had when they were
+        recorded, on the same current device and with no launch hook set (a profiler's, which
+        replays would bypass); otherwise they forget their recordings and record this call."""
         mask = run.key_padding_mask
-        signature = (tuple((x.data_ptr() & 15, x.dtype, x.stride()) for x in store.values()),
-                     None if mask is None else (mask.data_ptr() & 15, mask.dtype, mask.stride()),
-                     torch._C._cuda_getDevice() if self.device.type == "cuda" else -1)
-        key = id(launchers)
-        if self._signatures.get(key) == signature:
+        signature = (tuple((x.shape, x.data_ptr() & 15, x.dtype, x.stride()) for x in store.values()),
+                     None if mask is None else (mask.shape, mask.data_ptr() & 15, mask.dtype, mask.stride()),
+                     torch._C._cuda_getDevice() if self.device.type == "cuda" else -1, hooked())
+        if self._signatures.get(phase) == signature:
             run.replay = True
             return
-        self._signatures[key] = signature
-        for launcher in launchers:
+        self._signatures[phase] = signature
+        for launcher in self.forward_steps if phase == "forward" else self.backward_steps:
             launcher.forget()
 
     def input_store(self, inputs: list[torch.Tensor]) -> dict:

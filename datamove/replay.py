@@ -15,7 +15,7 @@ kernel and arguments, and knows for every pointer argument where that call's ten
 
 Arguments at the positions a ``DirectLaunch`` marks as not varying (its template's constants, e.g.
 a generated kernel's persistent split-reduction buffers) and every non-tensor argument are kept
-as recorded.  A replay is valid for as long as the pointers keep the alignment, dtypes and
+as recorded.  A replay is valid for as long as the tensors keep the shapes, alignment, dtypes and
 strides the recording had: ``datamove.layer.LayerProgram`` checks the tensors that come from
 outside (inputs, parameters, the mask) on every call and records again when they change; the
 store's other tensors are the program's own allocations, alike on every call.
