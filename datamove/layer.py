@@ -26,6 +26,7 @@ import torch
 from datamove.dataflow.graph import PrimitiveGraph
 from datamove.dataflow.layer_inputs import data_inputs
 from datamove.steps import Buffers, Run, build_launcher, copy_name, saved_mask_name, stack_groups
+from datamove.kernels.blas import DEFAULT_SETTINGS as DEFAULT_BLAS_SETTINGS, settings as blas_settings
 from datamove.kernels.codegen import allocate
 from datamove.kernels.launch import hooked
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
@@ -244,13 +245,16 @@ class LayerProgram:
         (``datamove.replay``) where every tensor from outside (``store`` before the steps, the
         key-padding mask) has the shape, 16-byte alignment, dtype and strides it had when they were
         recorded, on the same current device and with no launch hook set (a profiler's, which
-        replays would bypass); otherwise they forget their recordings and record this call."""
+        replays would bypass); otherwise they forget their recordings and record this call.  On
+        CUDA, replayed cuBLAS steps call cuBLASLt directly where PyTorch's settings allow
+        (``Run.blas``)."""
         mask = run.key_padding_mask
         signature = (tuple((x.shape, x.data_ptr() & 15, x.dtype, x.stride()) for x in store.values()),
                      None if mask is None else (mask.shape, mask.data_ptr() & 15, mask.dtype, mask.stride()),
                      torch._C._cuda_getDevice() if self.device.type == "cuda" else -1, hooked())
         if self._signatures.get(phase) == signature:
             run.replay = True
+            run.blas = self.device.type == "cuda" and blas_settings() == DEFAULT_BLAS_SETTINGS
             return
         self._signatures[phase] = signature
         for launcher in self.forward_steps if phase == "forward" else self.backward_steps:

@@ -24,6 +24,7 @@ import torch
 
 from datamove.dataflow.executor import dropout_offsets
 from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
+from datamove.kernels.blas import LtMatmul
 from datamove.kernels.codegen import allocate, compile_operator
 from datamove.kernels.contraction import (Epilogue, contract, cublas_call, cublas_views, gemm_plan, run_cublas,
                                          run_triton)
@@ -48,11 +49,14 @@ class Run:
     at its ``dataflow.executor.dropout_offsets`` offset) and an optional ``key_padding_mask`` (bool
     (batch, keys), True = key excluded) for the attention.  ``replay``: the launchers may repeat
     their recorded launches (``datamove.replay``: the caller vouches that the tensors from outside
-    are aligned, typed and strided as when they were recorded)."""
+    are aligned, typed and strided as when they were recorded); ``blas``: besides, the cuBLAS steps
+    may call cuBLASLt on pointers (``kernels.blas.LtMatmul``: PyTorch's settings are those under
+    which it runs the same kernel)."""
 
     seed: int | torch.Tensor
     key_padding_mask: torch.Tensor | None = None
     replay: bool = False
+    blas: bool = False
 
 
 class Buffers:
@@ -64,7 +68,7 @@ class Buffers:
     def __init__(self, graph, groups: list[list[str]], dtype: torch.dtype, device):
         self.graph, self.dtype, self.device = graph, dtype, device
         self.group_of = {t: group for group in groups for t in group}
-        self._strided: dict[tuple, tuple] = {}  # (tensor, layout) -> (shape, strides): kept, allocated every call
+        self._strided: dict[tuple, tuple] = {}  # (tensor, layout) -> how it is allocated (``allocate``), found once
 
     def allocate(self, store: dict, tensor: str, layout: str) -> torch.Tensor:
         """``tensor`` (its slice of its group's buffer, allocated on first use) in ``layout``."""
@@ -77,11 +81,17 @@ class Buffers:
             return torch.empty_strided(*strided, dtype=self.dtype, device=self.device)
         if tensor in store:
             return store[tensor]
-        letters = self.graph.tensors[tensor].letters
-        sizes = [self.graph.size(letter) for letter in layout]
-        buffer = torch.empty([len(group), *sizes], dtype=self.dtype, device=self.device)
-        for n, member in enumerate(group):
-            store.setdefault(member, buffer[n].permute([layout.index(letter) for letter in letters]))
+        stacked = self._strided.get((tensor, layout))
+        if stacked is None:  # the buffer's shape, then each member's (shape, strides, offset) in it
+            letters = self.graph.tensors[tensor].letters
+            buffer = torch.empty([len(group), *[self.graph.size(letter) for letter in layout]], device="meta")
+            member = buffer[0].permute([layout.index(letter) for letter in letters])
+            stacked = self._strided[(tensor, layout)] = (
+                buffer.shape, [(member.shape, member.stride(), n * buffer.stride(0)) for n in range(len(group))])
+        shape, members = stacked
+        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for member, strided in zip(group, members):  # one view each (an index then a permute were two)
+            store.setdefault(member, buffer.as_strided(*strided))
         return store[tensor]
 
 
@@ -121,13 +131,19 @@ def _one_buffer(members: list[torch.Tensor]) -> bool:
     return _spacing(sorted(members, key=torch.Tensor.data_ptr)) is not None
 
 
-def _read(step: Step, store: dict, tensor: str) -> torch.Tensor:
-    """The tensor as ``step`` reads it (its layout-change copy where there is one); an output as written."""
+def _read_key(step: Step, store: dict, tensor: str) -> str:
+    """The store name ``step`` reads ``tensor`` by: its layout-change copy where there is one; an
+    output as written."""
     layout = step.reads.get(tensor)
     if layout is None:
-        return store[tensor]
+        return tensor
     copied = copy_name(tensor, layout)
-    return store[copied] if copied in store else store[tensor]
+    return copied if copied in store else tensor
+
+
+def _read(step: Step, store: dict, tensor: str) -> torch.Tensor:
+    """The tensor as ``step`` reads it (``_read_key``)."""
+    return store[_read_key(step, store, tensor)]
 
 
 class Launcher:
@@ -188,25 +204,27 @@ class GeneratedLauncher(Launcher):
 
 
 class _OperandView(NamedTuple):
-    """How one GEMM operand's view is rebuilt: ``members`` (store names), ``base`` (index of the
-    member lowest in memory, whose storage the view is taken of), ``expected`` (each member's
-    (shape, strides, byte distance from the base)), the view's ``size``, ``stride`` and
-    ``offset`` (elements from the base's storage offset)."""
+    """How one GEMM operand's view is rebuilt: ``keys`` (the store names its members are read by:
+    a layout change's copy where the step reads one), ``base`` (index of the member lowest in
+    memory, whose storage the view is taken of), ``expected`` (each member's (shape, strides, byte
+    distance from the base)), the view's ``size``, ``stride`` and ``offset`` (elements from the
+    base's storage offset; ``offset_bytes`` the same in bytes)."""
 
-    members: list[str]
+    keys: list[str]
     base: int
     expected: list[tuple]
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    offset_bytes: int
 
 
 class _KeptViews:
     """A cuBLAS step's three GEMM views, derived once from the store (``_operand`` then the GEMM
-    plan's views) and rebuilt per call as one ``as_strided`` of each operand's base member, for as
-    long as every member keeps the shape, strides, storage and distance from the base it had then
-    (``Buffers`` allocates them alike every call); None from ``derive`` where an operand is a copy
-    (members not one storage)."""
+    plan's views) and rebuilt per call as one ``as_strided`` of each operand's base member (or as
+    its data pointer, for a direct cuBLASLt call), for as long as every member keeps the shape,
+    strides, storage and distance from the base it had then (``Buffers`` allocates them alike
+    every call); None from ``derive`` where an operand is a copy (members not one storage)."""
 
     def __init__(self, operands: list[_OperandView]):
         self.operands = operands
@@ -215,32 +233,55 @@ class _KeptViews:
     def derive(cls, step: Step, store: dict, operands: list[list[str]], views: list[torch.Tensor]):
         kept = []
         for members, view in zip(operands, views):
-            tensors = [_read(step, store, t) for t in members]
+            keys = [_read_key(step, store, t) for t in members]
+            tensors = [store[key] for key in keys]
             base = min(range(len(tensors)), key=lambda n: tensors[n].data_ptr())
             storage = view.untyped_storage().data_ptr()
             if any(t.untyped_storage().data_ptr() != storage for t in tensors):
                 return None
             start = tensors[base].data_ptr()
-            kept.append(_OperandView(members, base, [(t.shape, t.stride(), t.data_ptr() - start) for t in tensors],
-                                     view.shape, view.stride(), view.storage_offset() - tensors[base].storage_offset()))
+            offset = view.storage_offset() - tensors[base].storage_offset()
+            kept.append(_OperandView(keys, base, [(t.shape, t.stride(), t.data_ptr() - start) for t in tensors],
+                                     view.shape, view.stride(), offset, offset * view.element_size()))
         return cls(kept)
 
-    def views(self, step: Step, store: dict) -> list[torch.Tensor] | None:
+    @staticmethod
+    def _base(store: dict, operand: _OperandView) -> torch.Tensor | None:
+        """The operand's base member on this call's store, or None where a member's shape,
+        strides, storage or distance from the base changed."""
+        keys, base, expected = operand.keys, operand.base, operand.expected
+        if len(keys) == 1:  # the common case, checked with two attribute reads (a hot path)
+            first = store[keys[0]]
+            return None if first.stride() != expected[0][1] or first.shape != expected[0][0] else first
+        tensors = [store[key] for key in keys]
+        first, start = tensors[base], tensors[base].data_ptr()
+        storage = first.untyped_storage().data_ptr()
+        if any((t.shape, t.stride(), t.data_ptr() - start) != e or t.untyped_storage().data_ptr() != storage
+               for t, e in zip(tensors, expected)):
+            return None
+        return first
+
+    def views(self, store: dict) -> list[torch.Tensor] | None:
         """The views on this call's store, or None where a member moved (derive again)."""
         result = []
-        for members, base, expected, size, stride, offset in self.operands:
-            if len(members) == 1:  # the common case, checked with two attribute reads (a hot path)
-                first = _read(step, store, members[0])
-                if first.stride() != expected[0][1] or first.shape != expected[0][0]:
-                    return None
-            else:
-                tensors = [_read(step, store, t) for t in members]
-                first, start = tensors[base], tensors[base].data_ptr()
-                storage = first.untyped_storage().data_ptr()
-                if any((t.shape, t.stride(), t.data_ptr() - start) != e or t.untyped_storage().data_ptr() != storage
-                       for t, e in zip(tensors, expected)):
-                    return None
-            result.append(first.as_strided(size, stride, first.storage_offset() + offset))
+        for operand in self.operands:
+            first = self._base(store, operand)
+            if first is None:
+                return None
+            result.append(first.as_strided(operand.size, operand.stride, first.storage_offset() + operand.offset))
+        return result
+
+    def pointers(self, store: dict) -> list[int] | None:
+        """The views' data pointers on this call's store, for a replay (``Run.replay`` vouches for
+        every tensor's shape and strides), or None where a stacked operand's members are no longer
+        at their distances (not in a replay's signature; raw pointers need no common storage)."""
+        result = []
+        for operand in self.operands:
+            keys = operand.keys
+            start = store[keys[operand.base]].data_ptr()
+            if len(keys) > 1 and any(store[key].data_ptr() - start != e[2] for key, e in zip(keys, operand.expected)):
+                return None
+            result.append(start + operand.offset_bytes)
         return result
 
 
@@ -261,6 +302,7 @@ class GemmLauncher(Launcher):
         self.dropout_p = graph.tensors[mask].p if mask else 0.0  # the graph's: 0 in evaluation mode
         self.gemm_plan = None
         self.kept_views: _KeptViews | None = None  # a cuBLAS step of one call: its views, derived once
+        self.direct: LtMatmul | None = None  # and its cuBLASLt call on pointers, where one can be made
 
     def _operand(self, store: dict, members: list[str]) -> torch.Tensor:
         tensors = [_read(self.step, store, t) for t in members]
@@ -270,7 +312,12 @@ class GemmLauncher(Launcher):
         if not self.epilogue:
             for t in self.out:
                 store[t] = self.output(store, t)
-            views = self.kept_views.views(self.step, store) if self.kept_views is not None else None
+            if run.blas and self.direct is not None:
+                pointers = self.kept_views.pointers(store)
+                if pointers is not None:
+                    self.direct(*pointers)
+                    return
+            views = self.kept_views.views(store) if self.kept_views is not None else None
             if views is not None:
                 cublas_call(*views)
                 return
@@ -296,6 +343,7 @@ class GemmLauncher(Launcher):
                 else:
                     cublas_call(*views)
                     self.kept_views = _KeptViews.derive(self.step, store, [a_members, b_members, out_members], views)
+                    self.direct = LtMatmul.of(*views) if self.kept_views is not None else None
             else:
                 run_triton(self.gemm_plan, a, b, out, Epilogue(), self.gemm_config)
             return

@@ -1,0 +1,90 @@
+"""Direct cuBLAS calls (``kernels.blas``): the arguments ``DirectGemm`` derives from a GEMM's three
+views, checked on the CPU by carrying them out as cuBLAS defines them (column-major, op N / T,
+leading dims, batch strides) over the views' storage in float64; on the GPU (``-m gpu``) the
+cuBLASLt call (``LtMatmul``) against PyTorch's ``addmm_`` / ``baddbmm_`` on the same views: the
+same kernel, so bitwise equal."""
+import pytest
+import torch
+
+from datamove.kernels.blas import OP_N, DirectGemm, LtMatmul
+from datamove.kernels.contraction import cublas_call, cublas_views, empty_in_layout, gemm_plan
+from tests.test_contraction import EINSUMS, SMALL, _operands, _picked
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s whole storage as a 1-D float64 tensor (element i = storage element i)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()).double().cpu()
+
+
+def _matrix(flat, start, op, rows, cols, ld):
+    """op(M) for the column-major M cuBLAS reads at element ``start`` with leading dim ``ld``:
+    a (rows, cols) tensor."""
+    r = torch.arange(rows).unsqueeze(1)
+    c = torch.arange(cols).unsqueeze(0)
+    return flat[start + (r + c * ld if op == OP_N else c + r * ld)]
+
+
+def _carry_out(gemm: DirectGemm, a_flat, b_flat, c_flat, offsets) -> None:
+    """The cuBLAS call ``gemm`` describes, on flat storages, A/B/C's first elements at ``offsets``."""
+    op_a, op_b, m, n, k, lda, ldb, ldc = gemm.args
+    (first, f0), (second, s0), (out, c0) = gemm.operands(*zip((a_flat, b_flat, c_flat), offsets))
+    sf, ss, sc = gemm.strides or (0, 0, 0)
+    for i in range(gemm.batch):
+        product = _matrix(first, f0 + i * sf, op_a, m, k, lda) @ _matrix(second, s0 + i * ss, op_b, k, n, ldb)
+        r, c = torch.arange(m).unsqueeze(1), torch.arange(n).unsqueeze(0)
+        out[c0 + i * sc + r + c * ldc] = product
+
+
+def _views(plan, dtype, device="cpu", seed=0):
+    a, b = _operands(plan, SMALL, dtype, seed, device)
+    out = empty_in_layout(plan.contraction.out, plan.layouts[2], SMALL, dtype, device).fill_(float("nan"))
+    return cublas_views(gemm_plan(plan.contraction.spec, a, b, out), a, b, out)
+
+
+@pytest.mark.parametrize("spec", EINSUMS)
+def test_derived_call_is_the_views_product(spec):
+    derived = 0
+    for plan in _picked(spec, SMALL, 6, blas_only=True):
+        views = _views(plan, torch.bfloat16)
+        if views is None:  # two batch dims: one call per index, not one DirectGemm
+            continue
+        va, vb, vc = views
+        gemm = DirectGemm.derive(va, vb, vc)
+        if gemm is None:
+            continue
+        derived += 1
+        flats = [_flat(t) for t in views]
+        _carry_out(gemm, *flats, [t.storage_offset() for t in views])
+        result = flats[2].as_strided(vc.shape, vc.stride(), vc.storage_offset())
+        assert torch.allclose(result, va.double() @ vb.double(), rtol=1e-12, atol=1e-12), plan.describe()
+    assert derived, f"{spec}: no plan gave a direct call"
+
+
+def test_refuses_what_it_cannot_express():
+    x = torch.randn(6, 5, dtype=torch.bfloat16)
+    assert DirectGemm.derive(x, torch.randn(5, 4, dtype=torch.bfloat16), torch.empty(6, 4, dtype=torch.bfloat16))
+    assert DirectGemm.derive(x.float(), torch.randn(5, 4), torch.empty(6, 4)) is None  # fp32: TF32 settings
+    assert DirectGemm.derive(x, torch.randn(5, 1, dtype=torch.bfloat16), torch.empty(6, 1, dtype=torch.bfloat16)) is None
+    strided = torch.randn(6, 10, dtype=torch.bfloat16)[:, ::2]  # no unit stride
+    assert DirectGemm.derive(strided, torch.randn(5, 4, dtype=torch.bfloat16), torch.empty(6, 4, dtype=torch.bfloat16)) is None
+    assert LtMatmul.of(x, torch.randn(5, 4, dtype=torch.bfloat16), torch.empty(6, 4, dtype=torch.bfloat16)) is None  # CPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", EINSUMS)
+def test_direct_call_matches_pytorch(spec, dtype):
+    called = 0
+    for n, plan in enumerate(_picked(spec, SMALL, 6, blas_only=True)):
+        views = _views(plan, dtype, "cuda", seed=n)
+        gemm = views and LtMatmul.of(*views)
+        if gemm is None:
+            continue
+        va, vb, vc = views
+        expected = torch.empty_like(vc)
+        cublas_call(va, vb, expected)
+        gemm(va.data_ptr(), vb.data_ptr(), vc.data_ptr())
+        torch.cuda.synchronize()
+        assert torch.equal(vc, expected), plan.describe()
+        called += 1
+    assert called, f"{spec}: no plan gave a direct call"
