@@ -249,12 +249,13 @@ class LayerProgram:
         CUDA, replayed cuBLAS steps call cuBLASLt directly where PyTorch's settings allow
         (``Run.blas``)."""
         mask = run.key_padding_mask
+        current = torch._C._cuda_getDevice() if self.device.type == "cuda" else -1
         signature = (tuple((x.shape, x.data_ptr() & 15, x.dtype, x.stride()) for x in store.values()),
                      None if mask is None else (mask.shape, mask.data_ptr() & 15, mask.dtype, mask.stride()),
-                     torch._C._cuda_getDevice() if self.device.type == "cuda" else -1, hooked())
+                     current, hooked())
         if self._signatures.get(phase) == signature:
-            run.replay = True
-            run.blas = self.device.type == "cuda" and blas_settings() == DEFAULT_BLAS_SETTINGS
+            run.replay = True  # cuBLASLt runs on the current device: only where the tensors are there
+            run.blas = current == next(iter(store.values())).device.index and blas_settings() == DEFAULT_BLAS_SETTINGS
             return
         self._signatures[phase] = signature
         for launcher in self.forward_steps if phase == "forward" else self.backward_steps:

@@ -88,3 +88,31 @@ def test_direct_call_matches_pytorch(spec, dtype):
         assert torch.equal(vc, expected), plan.describe()
         called += 1
     assert called, f"{spec}: no plan gave a direct call"
+
+
+def test_kept_views_give_the_pointers_of_their_views():
+    """``steps._KeptViews``: a cuBLAS step's operand views rebuilt per call, or their data
+    pointers for a replay's direct call: the same addresses, views taken at an offset into their
+    base included (a stacked operand's lowest member), and a stacked operand whose members no
+    longer keep their distances is refused by both."""
+    from datamove.layouts.plan import GEMM, Step
+    from datamove.steps import _KeptViews
+
+    step = Step("s", "forward", GEMM, (), {"a": "xy", "w0": "xy", "w1": "xy"}, {"c": "xy"}, {}, 0.0, "predicted")
+    stacked = torch.randn(2, 6, 5, dtype=torch.bfloat16)
+    store = {"a": torch.randn(7, 6, dtype=torch.bfloat16), "w0": stacked[1], "w1": stacked[0],
+             "c": torch.empty(9, 7, dtype=torch.bfloat16)}
+    members = [["a"], ["w0", "w1"], ["c"]]
+    views = [store["a"].as_strided((3, 6), (6, 1), 6), stacked.as_strided((2, 5, 6), (30, 1, 5), 0),
+             store["c"].as_strided((3, 5), (1, 9), 2)]
+    kept = _KeptViews.derive(step, store, members, views)
+    assert [o.offset for o in kept.operands] == [6, 0, 2] and kept.operands[1].base == 1  # w1, the lower member
+    for call in range(2):  # the first store, then a new one allocated alike
+        rebuilt = kept.views(store)
+        assert [v.data_ptr() for v in rebuilt] == kept.pointers(store)
+        assert all(r.shape == v.shape and r.stride() == v.stride() for r, v in zip(rebuilt, views))
+        stacked = torch.randn(2, 6, 5, dtype=torch.bfloat16)
+        store = {"a": torch.randn(7, 6, dtype=torch.bfloat16), "w0": stacked[1], "w1": stacked[0],
+                 "c": torch.empty(9, 7, dtype=torch.bfloat16)}
+    store["w0"] = torch.randn(6, 5, dtype=torch.bfloat16)  # a member elsewhere
+    assert kept.views(store) is None and kept.pointers(store) is None

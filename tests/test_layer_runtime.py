@@ -122,3 +122,37 @@ def test_cublas_steps_keep_their_views(bert):
     assert any(len(members) > 1 for l in gemms for members, *_ in l.kept_views.operands)  # a stacked operand among them
     for kept, fresh in zip(run(warm, 8), run(load(bert), 8)):
         torch.testing.assert_close(kept, fresh, rtol=0, atol=0)
+
+
+def test_cublas_steps_hand_cublaslt_the_pointers_of_their_views(bert, monkeypatch):
+    """A replayed cuBLAS step on CUDA calls cuBLASLt (``kernels.blas.LtMatmul``) on pointers
+    (``_KeptViews.pointers``) instead of building views: on every call they are the data pointers
+    of the views the checked path builds from the same store, and a stacked operand whose members
+    moved is refused (None: the views are derived anew)."""
+    from datamove.steps import GemmLauncher
+
+    layer = load(bert)
+    program = layer.program(True)
+    gemms = [l for l in program.forward_steps + program.backward_steps
+             if isinstance(l, GemmLauncher) and l.backend == "cublas" and not l.epilogue]
+    seen = []
+    original = GemmLauncher.launch
+
+    def launch(self, store, run):  # after each cuBLAS step: its pointers against its views on the same store
+        original(self, store, run)
+        if self in gemms and self.kept_views is not None:
+            views = self.kept_views.views(store)
+            assert self.kept_views.pointers(store) == [v.data_ptr() for v in views]
+            seen.append(self.step.name)
+    monkeypatch.setattr(GemmLauncher, "launch", launch)
+    for seed in (7, 8, 9):
+        randomize(layer, seed)
+        x = x_of(seed).requires_grad_()
+        torch.autograd.grad(layer(x), [x, *[getattr(layer, t) for t in layer.interface.parameters]], x_of(3))
+    assert set(seen) == {l.step.name for l in gemms} and len(seen) == 3 * len(gemms)
+    stacked = next(l for l in gemms if any(len(o.keys) > 1 for o in l.kept_views.operands))
+    operand = next(o for o in stacked.kept_views.operands if len(o.keys) > 1)
+    store = {key: torch.empty(64) for key in operand.keys}  # members apart: not at their recorded distances
+    for o in stacked.kept_views.operands:
+        store.update({key: torch.empty(64) for key in o.keys if key not in store})
+    assert stacked.kept_views.pointers(store) is None
