@@ -90,6 +90,36 @@ def test_plain_calls_repeating_recorded_launches_match_the_checked_path(path):
     assert repeated and all(launcher.replay is not None for launcher in repeated)
 
 
+def test_replayed_cublas_steps_call_cublaslt_only_under_default_settings(path, monkeypatch):
+    """``cuda_graphs=False``: from its third call the layer's cuBLAS steps call cuBLASLt on pointers
+    (``kernels.blas.LtMatmul``), with results as a twin's whose GEMMs go through PyTorch, which
+    they do once PyTorch's settings differ from its defaults (bf16 reduced-precision reductions
+    disallowed here): then no cuBLASLt call is made."""
+    from datamove.kernels.blas import LtMatmul
+
+    calls = []
+    original = LtMatmul.__call__
+    monkeypatch.setattr(LtMatmul, "__call__", lambda self, *pointers: (calls.append(self), original(self, *pointers))[1])
+    _, direct = pair(path)
+    _, through_torch = pair(path)
+    through_torch.load_state_dict(direct.state_dict())
+    xs = inputs(4, seed=30)
+    ours = run_steps(direct, xs)
+    assert calls
+    calls.clear()
+    previous = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        theirs = run_steps(through_torch, xs)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = previous
+    assert not calls
+    for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        close(a, b)
+    for name in ours[2]:
+        close(ours[2][name], theirs[2][name])
+
+
 def test_gradients_still_held_are_never_overwritten(path):
     """Every call's gradients kept (``torch.autograd.grad``): each stays its own call's."""
     graphed, plain = pair(path)
