@@ -7,8 +7,9 @@ cuBLAS arguments once from the three views; ``LtMatmul`` turns them into cuBLASL
 asks cuBLASLt's heuristic for its first algorithm once, then each call is one ``cublasLtMatmul``
 through ``ctypes`` on new pointers (H200 host: the layer's 12 GEMMs launched plainly took 2.52 ms
 of wall per fwd+bwd through ``addmm_``, 2.17 through ``cublasGemmEx`` on pointers, 2.03 this way).
-The heuristic's first algorithm is the kernel PyTorch's ``cublasGemmEx`` runs for the same GEMM
-(same kernel names, bitwise equal results: ``tests/test_blas.py`` on the GPU).
+The heuristic's first algorithm was the kernel PyTorch's ``cublasGemmEx`` runs wherever checked:
+the same kernel names in the BERT-large layer's profile (H200), results bitwise equal on every
+layout ``tests/test_blas.py`` tries on the GPU.
 
 Used only where PyTorch's settings are those under which it makes that call (``settings()``:
 cuBLAS the preferred backend, reduced precision reductions with split-K allowed, no fp16
