@@ -27,6 +27,7 @@ per device and stream (as PyTorch keeps one per handle and stream), allocated on
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 
@@ -41,7 +42,6 @@ BATCH_COUNT, BATCH_STRIDE = 5, 6  # cublasLtMatrixLayoutAttribute_t
 MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
 WORKSPACE_BYTES = 32 * 1024 * 1024  # PyTorch's cuBLAS workspace on Hopper
 
-_LT: list = []  # [(library, {device index: handle}) or None], found once
 _WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> workspace
 
 
@@ -61,23 +61,23 @@ def _mapped_library(name: str):
     return None
 
 
+@functools.cache
 def _lt():
-    """(cuBLASLt as PyTorch loaded it, its entry points typed; handles by device), or None."""
-    if not _LT:
-        library = _mapped_library("libcublasLt.so")
-        if library is not None:
-            p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-            library.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p]
-            library.cublasLtMatrixLayoutCreate.argtypes = [p, i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]
-            library.cublasLtMatmulDescCreate.argtypes = [p, i, i]
-            for name in ("cublasLtMatmulDescSetAttribute", "cublasLtMatrixLayoutSetAttribute",
-                         "cublasLtMatmulPreferenceSetAttribute"):
-                getattr(library, name).argtypes = [p, i, p, size]
-            library.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i, p, p]
-            for name in ("cublasLtMatmulDescDestroy", "cublasLtMatrixLayoutDestroy", "cublasLtMatmulPreferenceDestroy"):
-                getattr(library, name).argtypes = [p]
-        _LT.append(None if library is None else (library, {}))
-    return _LT[0]
+    """(cuBLASLt as PyTorch loaded it, its entry points typed; handles by device), or None; found once."""
+    library = _mapped_library("libcublasLt.so")
+    if library is None:
+        return None
+    p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    library.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p]
+    library.cublasLtMatrixLayoutCreate.argtypes = [p, i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]
+    library.cublasLtMatmulDescCreate.argtypes = [p, i, i]
+    for name in ("cublasLtMatmulDescSetAttribute", "cublasLtMatrixLayoutSetAttribute",
+                 "cublasLtMatmulPreferenceSetAttribute"):
+        getattr(library, name).argtypes = [p, i, p, size]
+    library.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i, p, p]
+    for name in ("cublasLtMatmulDescDestroy", "cublasLtMatrixLayoutDestroy", "cublasLtMatmulPreferenceDestroy"):
+        getattr(library, name).argtypes = [p]
+    return library, {}
 
 
 def _reduction_allowed(value) -> bool:
@@ -133,13 +133,13 @@ class DirectGemm:
             return None
         m, n = vc.shape[-2:]
         k = va.shape[-1]
-        if vc.stride(-1) == 1 and vc.stride(-2) >= n and m > 1 and n > 1:  # row-major C: C^T = B^T A^T
+        if vc.stride(-1) == 1 and vc.stride(-2) >= n:  # row-major C: C^T = B^T A^T
             first, second, ldc, swapped, rows, cols = _operand(vb, True), _operand(va, True), vc.stride(-2), True, n, m
-        elif vc.stride(-2) == 1 and vc.stride(-1) >= m and m > 1 and n > 1:  # column-major C: C = A B
+        elif vc.stride(-2) == 1 and vc.stride(-1) >= m:  # column-major C: C = A B
             first, second, ldc, swapped, rows, cols = _operand(va, False), _operand(vb, False), vc.stride(-1), False, m, n
         else:
             return None
-        if first is None or second is None or k < 2:
+        if first is None or second is None:  # _operand refuses a dim of 1 in A (m, k) or B (k, n): none in C either
             return None
         strides = None
         if vc.dim() == 3:
