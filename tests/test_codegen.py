@@ -187,7 +187,22 @@ def test_dropout_grouped_in_any_storage_layout(length, block_col, grouped):
     base = default_configuration(graph, op)
     layouts = {t: graph.tensors[t].letters[::-1] for t in (*op.inputs, *op.outputs)}
     source = _check(graph, op, Configuration(layouts, {**base.knobs, "block_col": block_col}), seed=5).source
-    assert ("dropout_keep_grouped(" in source) == grouped and ("dropout_keep(" in source) != grouped
+    assert ("one Philox call per sixteen columns" in source) == grouped and ("dropout_keep(" in source) != grouped
+
+
+@pytest.mark.parametrize("block_row,num_warps,gathered", [(16, 1, True), (2, 1, False), (16, 8, False)])
+def test_dropout_grouped_along_columns_exchanges_bits_where_threads_hold_enough(block_row, num_warps, gathered):
+    """A mask grouped along the tile's columns: each call drawn once and its bits exchanged
+    (``unpack_gathered``) where a thread holds at least ``GATHER_ELEMENTS`` elements (16 rows x 128
+    columns on one warp: 64), else each thread draws the calls it uses; the convention's mask either way."""
+    graph, ops = _setup("bert", {**SMALL["bert"], "L": 192})
+    op = ops["alpha"]
+    base = default_configuration(graph, op)
+    layouts = {t: graph.tensors[t].letters[::-1] for t in (*op.inputs, *op.outputs)}
+    knobs = {**base.knobs, "block_row": block_row, "block_col": 128, "num_warps": num_warps}
+    source = _check(graph, op, Configuration(layouts, knobs), seed=7).source
+    assert "one Philox call per sixteen columns" in source
+    assert ("unpack_gathered(keep_bits(" in source) == gathered and ("dropout_keep_grouped(" in source) != gathered
 
 
 def test_source_is_readable_and_cached(tmp_path):

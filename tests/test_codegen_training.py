@@ -299,7 +299,7 @@ def test_dropout_per_element_in_blocks_of_four(spec, name):
     graph, ops = _setup(spec, GROUPED[spec])
     config = _configured(graph, ops[name], loop_chunk=4, block_col=4, loop_rows=1 if name == "x1" else 4)
     source = _check(spec, name, config, dims="grouped").source
-    assert "dropout_keep_grouped(" not in source and "dropout_keep(" in source
+    assert "one Philox call per sixteen" not in source and "dropout_keep(" in source
 
 
 @pytest.mark.parametrize("spec,name", [("bert", "alpha"), ("bert", "x1"), ("gpt2", "h2"), ("gpt2", "d_bout")])
@@ -310,7 +310,7 @@ def test_dropout_per_element_at_extents_of_four(spec, name):
     graph, ops = _setup(spec, QUARTETS[spec])
     config = _configured(graph, ops[name], loop_chunk=8, block_col=8, loop_rows=8, row_rows=16)
     source = _check(spec, name, config, dims="quartets").source
-    assert "dropout_keep_grouped(" not in source and "dropout_keep(" in source
+    assert "one Philox call per sixteen" not in source and "dropout_keep(" in source
 
 
 @pytest.mark.parametrize("mode", ["row", "loop"])
@@ -324,7 +324,7 @@ def test_dropout_grouped_with_the_vector_letter_not_reduced(mode):
                  if k["mode"] == mode)
     config = Configuration({t: graph.tensors[t].letters for t in (*op.inputs, *op.outputs)}, {**knobs, "block_col": 64})
     source = _check("gpt2", "d_bout", config, dims="grouped").source
-    assert "dropout_keep_grouped(" in source and "dropout_keep(" not in source
+    assert "one Philox call per sixteen columns" in source and "dropout_keep(" not in source
 
 
 # --- parts and their configuration spaces -------------------------------------------------------

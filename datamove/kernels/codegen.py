@@ -27,7 +27,9 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   spec order, ``dataflow.dropout_mask``), scaled by ``dropout_scale(p)``.  When the tile's column letters are
   the mask's trailing letters in spec order (consecutive columns = consecutive n), their extent is
   a multiple of 64 and BLOCK_COL too, the mask takes one Philox call per sixteen columns
-  (``kernels.philox.dropout_keep_grouped`` on a [rows, BLOCK_COL // 16] block of call counters, whole
+  (``kernels.philox.keep_bits`` on a [rows, BLOCK_COL // 16] block of call counters, spread over the
+  columns by ``unpack_gathered`` where a thread holds ``GATHER_ELEMENTS`` or more, else
+  ``dropout_keep_grouped``, each thread drawing the calls it uses; whole
   groups of 64 counters; this needs ``offset_<mask> % 64 == 0``, which ``dataflow.executor.dropout_offsets`` guarantees and
   ``CompiledOperator.run`` checks); the same along the tile's rows when its row letters are the
   mask's trailing letters (one call per sixteen rows, on the transposed block of calls); where a
@@ -61,8 +63,13 @@ from datamove.layouts.space import (ROW_CALL_BLOCKS, Configuration, OperatorLett
 
 # Bumped whenever a configuration's generated kernel changes in what it does (the tuning DB keys
 # generated operators' timings by it, ``harness.sweep_variants.op_signature``).  2: blocks of 2, 4 and 8
-# rows take rows of one Philox call per column (were one call per element).
-GENERATOR_VERSION = 2
+# rows take rows of one Philox call per column (were one call per element).  3: a mask grouped along
+# the tile's columns is drawn once per call and its bits exchanged (``kernels.philox.unpack_gathered``).
+GENERATOR_VERSION = 3
+# Elements per thread from which a mask grouped along the tile's columns exchanges its bits by
+# ``tl.gather``: with fewer, Triton 3.6 fails to compile the exchange (its thread-locality pass;
+# cross-compiled for sm_90, BERT-large's bias + ReLU + dropout over ubj at 8 or 4 elements a thread).
+GATHER_ELEMENTS = 16
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
 _FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
               "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh"}
@@ -320,7 +327,10 @@ Knobs: {knobs}"""
             if t in plan.grouped:  # column 64 G + 8 i + 2 t + e of the block: byte 2 i + e of call (col start) // 16 + 4 G + t
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.cols)
                 calls = f"((offset_{t} + {base}col_start) >> 4) + tl.arange(0, BLOCK_COL // 16)[None, :]"
-                keep = f"dropout_keep_grouped(seed_{t}, {calls}, {threshold})"
+                if knobs["block_row"] * knobs["block_col"] >= GATHER_ELEMENTS * 32 * knobs["num_warps"]:
+                    keep = f"unpack_gathered(keep_bits(seed_{t}, {calls}, {threshold}))"
+                else:
+                    keep = f"dropout_keep_grouped(seed_{t}, {calls}, {threshold})"
                 note = "one Philox call per sixteen columns"
             elif t in plan.row_grouped:  # the same along rows, on the transposed block of calls
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
@@ -495,7 +505,7 @@ _PRELUDE = '''import triton
 import triton.language as tl
 
 from datamove.kernels.interpreter import store_cast
-from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, keep_bits, unpack_rows
+from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, keep_bits, unpack_gathered, unpack_rows
 
 
 @triton.jit

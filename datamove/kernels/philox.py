@@ -15,8 +15,8 @@ Counter ``g = 64 G + 8 i + 2 t + e`` is byte ``2 i + e`` of Philox call ``4 G + 
   at column 16 c (n at column 0 must have ``(offset + n) % 64 == 0``): a sixteenth of the calls,
   and in a tensor-core accumulator's layout every thread draws just the calls of its own columns.
 - ``keep_bits(seed, calls, threshold)``: one uint16 per call, bit ``b`` the decision of byte ``b``;
-  ``unpack_grouped`` (in place) and ``unpack_rows`` (some or all sixteen) spread them over a tile's
-  columns / rows.
+  ``unpack_grouped`` (in place), ``unpack_gathered`` (exchanged between threads) and ``unpack_rows``
+  (some or all sixteen) spread them over a tile's columns / rows.
 
 ``threshold`` is ``keep_threshold(p)`` (host side): an element is kept iff its byte is ``>= threshold``;
 kept elements are scaled by ``dropout_scale(p)``.
@@ -118,6 +118,23 @@ def unpack_grouped(bits):
     grouped = _by_group(bits)  # [R, G, i, t, e]
     shifts = (2 * tl.arange(0, 8)[:, None, None] + tl.arange(0, 2)[None, None, :]).to(tl.uint16)  # [i, t, e]
     return tl.reshape((grouped >> shifts[None, None, :, :, :]) & 1, (R, 16 * C)) != 0
+
+
+@triton.jit
+def unpack_gathered(bits):
+    """[R, C] uint16 (C % 4 == 0, whole groups of calls) -> [R, 16 C] bool, as ``unpack_grouped``:
+    column ``64 (c // 4) + 8 i + 2 (c % 4) + e`` is bit ``2 i + e`` of ``bits[r, c]``, each element
+    fetching its call's bits with ``tl.gather``.  For a blocked tile, whose threads hold runs of eight
+    consecutive columns (four calls each): drawn in such a tile, Triton 3.6 computes a call in every
+    thread that uses one of its bytes (``dropout_keep_grouped``: 0.75-0.85 calls per element in
+    sm_90 PTX, against 0.05 this way)."""
+    R: tl.constexpr = bits.shape[0]
+    C: tl.constexpr = bits.shape[1]
+    column = tl.arange(0, 16 * C)
+    call = 4 * (column // 64) + (column % 8) // 2
+    bit = (2 * ((column % 64) // 8) + column % 2).to(tl.uint16)
+    picked = tl.gather(bits, tl.broadcast_to(call[None, :], (R, 16 * C)), axis=1)
+    return ((picked >> bit[None, :]) & 1) != 0
 
 
 @triton.jit
