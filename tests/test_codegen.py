@@ -190,11 +190,11 @@ def test_dropout_grouped_in_any_storage_layout(length, block_col, grouped):
     assert ("one Philox call per sixteen columns" in source) == grouped and ("dropout_keep(" in source) != grouped
 
 
-@pytest.mark.parametrize("block_row,num_warps,gathered", [(16, 1, True), (2, 1, False), (16, 8, False)])
+@pytest.mark.parametrize("block_row,num_warps,gathered", [(16, 1, True), (4, 1, False), (16, 4, False)])
 def test_dropout_grouped_along_columns_exchanges_bits_where_threads_hold_enough(block_row, num_warps, gathered):
     """A mask grouped along the tile's columns: each call drawn once and its bits exchanged
     (``unpack_gathered``) where a thread holds at least ``GATHER_ELEMENTS`` elements (16 rows x 128
-    columns on one warp: 64), else each thread draws the calls it uses; the convention's mask either way."""
+    columns on one warp: 64; not 16), else each thread draws the calls it uses; the convention's mask either way."""
     graph, ops = _setup("bert", {**SMALL["bert"], "L": 192})
     op = ops["alpha"]
     base = default_configuration(graph, op)

@@ -67,9 +67,10 @@ from datamove.layouts.space import (ROW_CALL_BLOCKS, Configuration, OperatorLett
 # the tile's columns is drawn once per call and its bits exchanged (``kernels.philox.unpack_gathered``).
 GENERATOR_VERSION = 3
 # Elements per thread from which a mask grouped along the tile's columns exchanges its bits by
-# ``tl.gather``: with fewer, Triton 3.6 fails to compile the exchange (its thread-locality pass;
-# cross-compiled for sm_90, BERT-large's bias + ReLU + dropout over ubj at 8 or 4 elements a thread).
-GATHER_ELEMENTS = 16
+# ``tl.gather``: with fewer, Triton 3.6 may fail to compile the exchange (its thread-locality pass;
+# cross-compiled for sm_90: BERT-large's bias + ReLU + dropout over ubj at 8 or 4 elements a thread,
+# GPT-2's softmax + dropout over rows of 1024 at 16).
+GATHER_ELEMENTS = 32
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
 _FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
               "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh"}
