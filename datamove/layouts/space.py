@@ -69,6 +69,7 @@ MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 # Modes a first stage measures an access pattern with (one pass over the data, enough programs):
 # whole rows, tiles, or a reduction along rows split over programs.
 PLAIN_MODES = ("tile", "row", "split")
+PLAIN_TILE = 4096  # ... with tiles of at most 32 fp32 values per thread at 4 warps (larger ones spill registers)
 # Element-wise tiles: elements per program, and the column blocks each is tried with.  The square
 # and 64-row tiles draw a dropout mask whose counters run along the tile's rows sixteen decisions
 # per Philox call (``grouped_masks`` needs a block of whole 64-counter groups): BERT-large's bias +
@@ -76,7 +77,6 @@ PLAIN_MODES = ("tile", "row", "split")
 # before), 22.1 at 64 x 64 and 22.0 at 64 x 128 (H200, a same-size copy 18.5).
 ELEMENTWISE_TILES = (1024, 4096, 8192)
 ELEMENTWISE_COLUMNS = (32, 64, 128, 512)
-PLAIN_TILE = 4096  # ... with tiles of at most 32 fp32 values per thread at 4 warps (larger ones spill registers)
 SPLIT_PROGRAMS = 512  # programs a "split" reduction aims at (a few per multiprocessor of an H100 / H200)
 # Rows per program of a reduction along the tile's columns whose dropout masks run along its rows:
 # each takes rows of one Philox call per column (``kernels.codegen._row_call_masks``).
