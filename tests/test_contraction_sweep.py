@@ -108,3 +108,16 @@ def test_attention_with_biases_is_checked_against_biased_inputs(tmp_path):
         av.EagerVariant(ws, "forward")
     with pytest.raises(ValueError, match="bias"):
         av.FusedVariant(ws, "fwd+bwd")
+
+
+def test_fused_epilogues_with_dropout_are_also_timed_on_the_whole_tile():
+    from datamove.tuning import EPILOGUE_CONFIGS, epilogue_configs
+
+    ranked = [GemmConfig(128, 256, 64, 8, 3, 8, tma=True), GemmConfig(128, 128, 64, 8, 4, 4),
+              GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=1), GemmConfig(256, 128, 64, 8, 3, 8)]
+    fastest = ranked[:EPILOGUE_CONFIGS]
+    assert epilogue_configs(ranked, dropout=False) == fastest
+    with_dropout = epilogue_configs(ranked, dropout=True)
+    assert with_dropout[:EPILOGUE_CONFIGS] == fastest
+    assert with_dropout[EPILOGUE_CONFIGS:] == [GemmConfig(128, 256, 64, 8, 3, 8, tma=True, epilogue_split=1),
+                                               GemmConfig(128, 128, 64, 8, 4, 4, epilogue_split=1)]
