@@ -25,7 +25,7 @@ from datamove.harness.sweep_variants import sweep_variants
 from datamove.layouts.plan import GENERATED
 from datamove.layouts.space import Configuration, access_pattern
 
-EPILOGUE_CONFIGS = 3  # the GEMM's fastest Triton configurations a fused epilogue is timed with, each twice (epilogue_configs)
+EPILOGUE_CONFIGS = 3  # the GEMM's fastest Triton configurations a fused epilogue is timed with (epilogue_configs)
 BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurations measured again with Q/K/V biases
 # Triton GEMM configurations every GEMM tries first (and the fused epilogues take the fastest of):
 # the ones fastest at BERT-large sizes on Hopper (benchmarks/results/contractions.md), TMA tiles
@@ -91,9 +91,10 @@ def epilogue_configs(ranked: list, dropout: bool) -> list:
     """The configurations a fused epilogue is timed with: each of the ``EPILOGUE_CONFIGS`` fastest of
     ``ranked`` (its GEMM's Triton configurations, fastest first) with the epilogue split as
     ``kernels.gemm`` chooses (column slices in turn where dropout would hold many elements a thread),
-    then, with ``dropout`` (without it the split chosen is already 1), on the whole tile (``epilogue_split`` 1: one pass, more registers; on the H200 it took 0.072 ms
-    against 0.094 in four slices for BERT-large's FFN GEMM with bias + ReLU + dropout,
-    ``benchmarks/results/dropout_grouped.md``)."""
+    then, with ``dropout`` (without it the split chosen is already 1), on the whole tile
+    (``epilogue_split`` 1: one pass, more registers, each Philox call drawn once in the accumulator's
+    layout; on the H200 BERT-large's FFN GEMM with bias + ReLU + dropout took 0.071 ms so against
+    0.101 in four slices, ``benchmarks/results/README.md``)."""
     configs = list(ranked[:EPILOGUE_CONFIGS])
     return configs + [replace(c, epilogue_split=1) for c in configs if dropout and c.epilogue_split != 1]
 
@@ -126,7 +127,8 @@ def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int 
                                other_configs=[])[len(first[g.name]):]
         fusable = epilogue_of(fused, g)
         if fusable is not None:
-            later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable, epilogue_configs(ranked, fusable.mask is not None),
+            later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable,
+                                       epilogue_configs(ranked, fusable.mask is not None),
                                        consumer_configurations(fused, fusable))
     tuner.measure(later)
 
