@@ -154,6 +154,11 @@ class LayerProgram:
             return view
         return allocate(self.graph, tensor, self.layouts[tensor], self.dtype, self.device).copy_(view)
 
+    def stored_as_planned(self, tensor: str, value: torch.Tensor) -> bool:
+        """Whether ``value`` (PyTorch order, the checked shape, dtype and device) is laid out as the
+        plan stores ``tensor``: ``to_spec`` then reads it in place."""
+        return value.permute(self._to_spec_axes[tensor]).stride() == self._stored_strides[tensor]
+
     def leaving_value(self, store: dict, tensor: str) -> torch.Tensor:
         """An output or gradient as it leaves the layer: its copy in PyTorch's order where the plan makes one."""
         return store[self.leaving.get(tensor, tensor)]

@@ -289,7 +289,7 @@ class TunedLayer(torch.nn.Module):
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t])
         tensors = [*map(self._parameters.__getitem__, face.parameters), *map(self._buffers.__getitem__, face.constants)]
         if self.cuda_graphs and self.graphs.usable() and self._graphed_shape(shape):
-            replayer = self.graphs.replayer(program, tensors, key_padding_mask)
+            replayer = self.graphs.replayer(program, tensors, key_padding_mask, activations)
             if replayer is not None:
                 outputs = self.graphs(replayer, activations, tensors, key_padding_mask)
                 return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -196,6 +196,56 @@ def test_outputs_kept_across_calls_stay_intact(path):
         close(a, b)
 
 
+def stack(layer):
+    """Two layers of ``layer``'s plan, ``layer`` first, the second with its own (other) weights."""
+    second = layer.sibling()
+    return torch.nn.Sequential(layer, second)
+
+
+def test_a_stack_of_layers_reads_the_previous_layers_outputs_in_place(path):
+    """In a stack of replaced layers each layer's graphs read the previous layer's output, and the
+    upstream gradient the next layer's input gradient, in place (no copy): results as plain
+    launches over steps with and without accumulation, and after the first step no new capture."""
+    graphed, plain = pair(path)
+    graphed, plain = stack(graphed), stack(plain)
+    plain[1].load_state_dict(graphed[1].state_dict())
+    xs = inputs(3, seed=12)
+    for step in range(3):
+        if step != 1:  # step 1 accumulates into step 0's .grad
+            graphed.zero_grad(set_to_none=True), plain.zero_grad(set_to_none=True)
+        ours, theirs = run_steps(graphed, xs, seed=13 + step), run_steps(plain, xs, seed=13 + step)
+        for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+            close(a, b)
+        for name in ours[2]:
+            close(ours[2][name], theirs[2][name])
+        if step == 0:
+            captured = [(len(rs), [len(r.gradient_sets) for r in rs]) for layer in graphed
+                        for rs in layer.graphs.replayers.values()]
+    assert captured == [(len(rs), [len(r.gradient_sets) for r in rs]) for layer in graphed
+                        for rs in layer.graphs.replayers.values()]
+    first, second = ([r for rs in layer.graphs.replayers.values() for r in rs] for layer in graphed)
+    assert all(r.reads == (None,) for r in first)  # a fresh input: copied
+    assert all(r.reads[0] is not None for r in second)  # the first layer's output: read in place
+    assert all(s.reads[0] is not None for r in first for s in r.gradient_sets)  # the second's input gradient
+    assert all(s.reads == (None,) for r in second for s in r.gradient_sets)  # the loss's gradient: copied
+
+
+def test_an_input_read_in_place_changed_before_the_backward_is_refused(path):
+    graphed, _ = pair(path)
+    layers = stack(graphed)
+    x = inputs(1, seed=14)[0].requires_grad_()
+    for _ in range(2):  # captures, then replays
+        layers(x).float().sum().backward()
+    hidden = layers[0](x)
+    y = layers[1](hidden)
+    assert layers[1].graphs.replayers and hidden.data_ptr() in [r.reads[0] for rs in layers[1].graphs.replayers.values()
+                                                                for r in rs]
+    with torch.no_grad():
+        hidden.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
+
+
 def test_moved_parameters_are_captured_again(path):
     graphed, plain = pair(path)
     x = inputs(1, seed=8)[0]
