@@ -12,7 +12,8 @@
 - a GEMM and the element-wise consumer its Triton template fuses (``epilogue_of``), in spec order;
 - the fused attention (``attention_roles``): forward and backward, in every layout the producer of
   its inputs can write, in place of the score contraction, softmax and output contraction (and
-  their backward operators);
+  their backward operators); with its causal mask where the softmax reads the scores plus a
+  constant over (query, key) positions (GPT-2's additive mask, which ``datamove.module`` checks);
 
 times from ``Timings`` (the tuning database's records of one device and dtype) or the cost model
 (``layouts.cost_model``, marked predicted); then ``layouts.select`` chooses.  Layout changes are
@@ -107,6 +108,7 @@ class AttentionRoles:
     tensors: dict  # role -> tensor: q, k, v, o, mask, do, dq, dk, dv
     letters: dict  # batch, heads, rows, keys, features, value_features
     scale: float
+    causal: str | None = None  # the constant (rows, keys) added to the scores that the causal mask stands in for
 
 
 def _rename(operand, graph) -> dict:
@@ -139,7 +141,9 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
     if softmax is None:
         return None, "no softmax"
     middle = next(op for op in fused.operators if any(p.output.tensor == softmax.output for p in op.primitives))
-    others = [t for t in middle.inputs if graph.tensors[t].role != "dropout"]
+    added = _added_constant(graph, middle, softmax.input)
+    others = [t for t in middle.inputs
+              if graph.tensors[t].role != "dropout" and (added is None or t != added[1].tensor)]
     masks = [t for t in middle.inputs if graph.tensors[t].role == "dropout"]
     if len(others) != 1 or producer_op.get(others[0]) is None or producer_op[others[0]].cls != "contraction":
         return None, f"the softmax operator {middle.name} reads {others}: only the scores (and a dropout mask) fuse"
@@ -149,9 +153,9 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
     if len(sinks) != 1 or len(scores_op.primitives) != 1 or len(sinks[0].primitives) != 1:
         return None, "the softmax's producer and consumer are not single contractions"
     score, out = scores_op.primitives[0], sinks[0].primitives[0]
-    scale = _scale(graph, middle.primitives, score.output.tensor, softmax.input)
+    scale = _scale(graph, middle.primitives, score.output.tensor, added[0].tensor if added else softmax.input)
     if scale is None:
-        return None, "the scores reach the softmax through more than a constant scale"
+        return None, "the scores reach the softmax through more than a constant scale (and an added constant)"
     order = [op.name for op in fused.operators]
     members = (scores_op.name, middle.name, sinks[0].name)
     if [order.index(m) for m in members] != list(range(order.index(members[0]), order.index(members[0]) + 3)):
@@ -175,6 +179,13 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
     letters = {"batch": rename_q[batch], "heads": rename_q[heads], "rows": rename_q[rows_letter],
                "keys": rename_k[keys_letter], "features": rename_q[feature],
                "value_features": _rename(v_operand, graph)[value_feature]}
+    causal = None
+    if added is not None:
+        scores, constant = added  # positions in the scores: as in the score einsum's output ``c``
+        if graph.tensors[scores.tensor].letters != graph.tensors[softmax.input].letters \
+                or constant.letters != scores.letters[c.index(rows_letter)] + scores.letters[c.index(keys_letter)]:
+            return None, f"the constant {constant.tensor} added to the scores is not over (query, key) positions"
+        causal = constant.tensor
     head_dims = sorted({graph.size(letters[f]) for f in ("features", "value_features")})
     if not all(map(supported_head_dim, head_dims)):
         return None, f"head dims {head_dims}: the fused attention takes powers of two in [16, 256]"
@@ -207,7 +218,45 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
         if op.name not in inside and set(op.inputs) & hidden:
             return None, f"{op.name} reads {sorted(set(op.inputs) & hidden)}, which the fused attention does not write"
     roles = {**tensors, "do": grads["o"], "dq": grads["q"], "dk": grads["k"], "dv": grads["v"]}
-    return AttentionRoles(members, tuple(backward), roles, letters, scale), ""
+    return AttentionRoles(members, tuple(backward), roles, letters, scale, causal), ""
+
+
+def _added_constant(graph, middle, softmax_input: str) -> tuple | None:
+    """(scores operand, constant operand) of the map ``in0 + in1`` writing the softmax's input when
+    one side is a constant (role "constant": e.g. GPT-2's additive causal mask, which the fused
+    attention's causal mask stands in for: ``datamove.module`` checks the constant holds it), else None."""
+    prim = next((p for p in middle.primitives if p.output.tensor == softmax_input), None)
+    if prim is None or prim.kind != "map" or len(prim.inputs) != 2 \
+            or not is_expression(prim.expr, "in0 + in1", "in1 + in0"):
+        return None
+    constants = [o for o in prim.inputs if graph.tensors[o.tensor].role == "constant"]
+    if len(constants) != 1:
+        return None
+    scores = next(o for o in prim.inputs if o is not constants[0])
+    return (scores, constants[0]) if scores.letters == prim.output.letters else None
+
+
+def projection_layout(fused, roles: AttentionRoles, bias: dict | None) -> str | None:
+    """The storage order (in q's letters) in which the contraction producing the attention's q
+    (before its bias add, ``attention_bias``) writes it as one plain GEMM output with its rows
+    along the weight: the weight's letters, then the activation's (BERT: "phbj", the spec's; GPT-2:
+    "hebs", where the spec says "bhse").  The stacked Q/K/V projection can write this order with
+    the stack letter outermost, so the tuning measures the attention there too.  None where q's
+    producer is no contraction of one weight and one activation."""
+    graph = fused.graph
+    source = bias["q"][0] if bias else roles.tensors["q"]
+    op = next((o for o in fused.operators if any(p.output.tensor == source for p in o.primitives)), None)
+    if op is None or op.cls != "contraction":
+        return None
+    prim = next(p for p in op.primitives if p.output.tensor == source)
+    batch = set(batch_letters(graph))
+    weights = [o for o in prim.inputs if not set(graph.tensors[o.tensor].letters) & batch]
+    activations = [o for o in prim.inputs if o not in weights]
+    if len(weights) != 1 or len(activations) != 1:
+        return None
+    own = dict(zip(prim.output.letters, graph.tensors[source].letters))
+    order = [x for operand in (weights[0], activations[0]) for x in operand.letters if x in prim.output.letters]
+    return "".join(own[x] for x in order) if len(order) == len(own) else None
 
 
 def attention_bias(fused, roles: AttentionRoles) -> dict | None:
@@ -373,7 +422,8 @@ class CandidateBuilder:
         kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
         size = {role: graph.size(letters[role]) for role in letters}
         p = graph.tensors[t["mask"]].p if t["mask"] else 0.0
-        case = AttentionCase(size["batch"], size["heads"], size["rows"], size["features"], p)
+        case = AttentionCase(size["batch"], size["heads"], size["rows"], size["features"], p,
+                             causal=roles.causal is not None)
         lse = f"lse({roles.members[1]})"
         lse_layout = letters["batch"] + letters["heads"] + letters["rows"]  # the kernels' (b, h, j) float32
         result = []
@@ -406,6 +456,8 @@ class CandidateBuilder:
                         # need not load), and the biased q out for the backward (``kernels.attention``: biases)
                         reads = {**{inputs[r]: like[r] for r in ("q", "k", "v")}, **bias_of["q"], **bias_of["k"],
                                  **bias_of["v"]}
+                        if roles.causal:  # not loaded: the causal mask stands in for it (``datamove.module`` checks)
+                            reads[roles.causal] = graph.tensors[roles.causal].letters
                         writes = {t["o"]: like["o"], lse: lse_layout, **({t["q"]: like["q"]} if folded else {})}
                         knob = (knobs or {}).get("forward") or {}
                         operators, name = ((folded["op"], *members), f"{folded['op']}+attention_forward") if folded \
@@ -417,7 +469,9 @@ class CandidateBuilder:
                         knob = {k: v for k, v in ((knobs or {}).get("backward") or {}).items() if k != "dropout_mask"}
                         operators, name = members, "attention_backward"
                     config = {"knobs": knob, "roles": {**t, "lse": lse}, "letters": letters, "scale": roles.scale,
-                              "causal": False, **({"bias": {r: list(folded[r]) for r in ("q", "k", "v")}} if folded else {})}
+                              "causal": roles.causal is not None,
+                              **({"causal_constant": roles.causal} if roles.causal else {}),
+                              **({"bias": {r: list(folded[r]) for r in ("q", "k", "v")}} if folded else {})}
                     result.append(Candidate(name, graph_phase(direction), kind, operators, reads, writes, config, ms,
                                             source))
         return result

@@ -84,21 +84,26 @@ def boundary_layouts(torch_order: dict) -> dict:
 
 
 def attention_setups(fused, dtype_name: str) -> list[dict]:
-    """``harness.attention_variants.AttentionCase`` arguments of the graph's fused attention in the
-    spec's layout of its inputs (what the tuning measures), and ``bias``: whether the bias add
-    before it folds in (``datamove.candidates.attention_bias``; the tuning measures that too)."""
-    from datamove.candidates import attention_bias, attention_roles
+    """``harness.attention_variants.AttentionCase`` arguments of the graph's fused attention (what
+    the tuning measures) in the spec's layout of its inputs and in the one its Q projection writes
+    as a plain GEMM (``datamove.candidates.projection_layout``, where that differs), and ``bias``:
+    whether the bias add before it folds in (``datamove.candidates.attention_bias``; the tuning
+    measures that too)."""
+    from datamove.candidates import attention_bias, attention_roles, projection_layout
 
     roles, _ = attention_roles(fused)
     if roles is None:
         return []
     graph, letters = fused.graph, roles.letters
     kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
-    q = graph.tensors[roles.tensors["q"]].letters
+    bias = attention_bias(fused, roles)
+    spec_order = graph.tensors[roles.tensors["q"]].letters
+    orders = dict.fromkeys(x for x in (spec_order, projection_layout(fused, roles, bias)) if x)
     mask = roles.tensors["mask"]
     return [dict(B=graph.size(letters["batch"]), H=graph.size(letters["heads"]), L=graph.size(letters["rows"]),
                  P=graph.size(letters["features"]), dropout_p=graph.tensors[mask].p if mask else 0.0,
-                 layout="".join(kernel[x] for x in q), bias=attention_bias(fused, roles) is not None)]
+                 layout="".join(kernel[x] for x in q), bias=bias is not None, causal=roles.causal is not None)
+            for q in orders]
 
 
 def run_job(o: JobOptions) -> int:

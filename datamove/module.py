@@ -172,6 +172,8 @@ class TunedLayer(torch.nn.Module):
         self._warned: set[tuple] = set()  # untuned shapes warned about, shared by siblings
         self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
+        self._causal_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold the causal mask
+        self._causal_constants: dict[str, list] = {}  # program name -> constants its fused attention stands in for
         self._allocate_parameters()
 
     def _allocate_parameters(self) -> None:
@@ -189,7 +191,7 @@ class TunedLayer(torch.nn.Module):
         twin = TunedLayer.__new__(TunedLayer)
         torch.nn.Module.__init__(twin)
         twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")})
-        twin.graphs, twin._calls, twin._graphed = LayerGraphs(), {}, set()
+        twin.graphs, twin._calls, twin._graphed, twin._causal_checked = LayerGraphs(), {}, set(), {}
         twin._allocate_parameters()
         return twin
 
@@ -242,6 +244,29 @@ class TunedLayer(torch.nn.Module):
         expected = (program.graph.size(letters["batch"]), program.graph.size(letters["keys"]))
         check(mask, "key_padding_mask", expected, torch.bool, self.device_, letters["batch"] + letters["keys"])
 
+    def _check_causal_constants(self, program: LayerProgram) -> None:
+        """A constant that the plan's fused attention replaces by its causal mask (GPT-2's additive
+        ``causal``, ``candidates.attention_roles``) must hold that mask: 0 where the key is at or
+        before the query, -1e4 or less after (where exp underflows to 0 as for -inf).  Checked when
+        its storage or version changes (one device sync); not while compiling or capturing."""
+        if torch.compiler.is_compiling() or (self.device_.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        names = self._causal_constants.get(program.name)
+        if names is None:
+            names = self._causal_constants[program.name] = [
+                s.config["causal_constant"] for s in program.plan.steps if s.kind == ATTENTION_FORWARD and "causal_constant" in s.config]
+        for name in names:
+            value = self._buffers[name]  # (queries, keys): the spec adds it over those letters
+            key = (name, value.data_ptr())
+            if self._causal_checked.get(key) == value._version:
+                continue
+            after = torch.ones(value.shape, dtype=torch.bool, device=value.device).triu(1)
+            if not bool(torch.where(after, value <= -1e4, value == 0).all()):
+                raise ValueError(f"layer.{name} must hold the causal mask that this plan's fused attention applies in "
+                                 f"its place: 0 where the key is at or before the query, -1e4 or less after, e.g. "
+                                 f"layer.{name}.copy_(torch.triu(torch.full({tuple(value.shape)}, -1e4), diagonal=1))")
+            self._causal_checked[key] = value._version
+
     def _graphed_shape(self, shape: dict) -> bool:
         """Whether calls at ``shape`` replay CUDA graphs (the module doc's policy)."""
         key = shape_key(shape)
@@ -283,6 +308,7 @@ class TunedLayer(torch.nn.Module):
         activations = self._bound_inputs(inputs, named_inputs)
         shape = call_shape(self.graph, face, self.call_dims, activations)
         program = self.program(self.training, shape)
+        self._check_causal_constants(program)
         if key_padding_mask is not None:
             self._check_mask(key_padding_mask, program)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check

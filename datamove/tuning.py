@@ -112,8 +112,9 @@ def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int 
     The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
     the selection has said which it wants.
 
-    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout) to measure, each
-    with ``bias``: whether the bias add before it folds in (``datamove.candidates.attention_bias``)."""
+    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout, causal) to
+    measure (``datamove.job.attention_setups``), each with ``bias``: whether the bias add before
+    it folds in (``datamove.candidates.attention_bias``)."""
     tuner.measure([v for s in spaces for v in s.first_stage()])
 
     configs = first_gemm_configs(dtype, first_configs)

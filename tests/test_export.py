@@ -117,6 +117,23 @@ def test_gpt2_matches_the_executor_with_dropout(tmp_path):
     check_against_executor(layer, {"x": None})
 
 
+def test_gpt2_refuses_a_causal_constant_its_fused_attention_does_not_apply(tmp_path):
+    """The fused attention applies its causal mask in place of GPT-2's additive ``causal``
+    constant, so the layer checks the constant holds that mask (again after it changes)."""
+    layer = load(write(tmp_path, "gpt2", GPT2_DIMS, selected_plan))
+    assert {s.config.get("causal_constant") for s in layer.plan.steps if "attention" in s.kind} == {"causal"}
+    randomize(layer, 4)
+    d = GPT2_DIMS
+    x = torch.randn(d["B"], d["T"], d["D"], dtype=layer.dtype)
+    with torch.no_grad():
+        layer.causal.copy_(torch.triu(torch.full((d["T"], d["T"]), -1e4), diagonal=1))
+    layer(x)
+    with torch.no_grad():
+        layer.causal[0, 3] = -10.0  # a key after the query only weakened: not the causal mask
+    with pytest.raises(ValueError, match="layer.causal must hold the causal mask"):
+        layer(x)
+
+
 def _hf_bert_layer():
     transformers = pytest.importorskip("transformers")
     from transformers.models.bert.modeling_bert import BertLayer

@@ -140,5 +140,8 @@ def test_the_tuning_measures_the_attention_with_its_bias_add_folded_in():
     from datamove.job import attention_setups
 
     (bert,) = attention_setups(stored_fused()["bert"], "bfloat16")
-    assert bert == dict(B=8, H=16, L=512, P=64, dropout_p=0.1, layout="phbj", bias=True)  # the spec's order of q
-    assert attention_setups(stored_fused()["gpt2"], "bfloat16") == []  # its scores are masked causally: no fused attention
+    assert bert == dict(B=8, H=16, L=512, P=64, dropout_p=0.1, layout="phbj", bias=True, causal=False)  # q's order
+    # GPT-2: its additive causal mask taken by the causal kernels; measured in the spec's order of q
+    # and in the one its stacked projection writes (h, e outermost: "hebs")
+    gpt2 = dict(B=4, H=12, L=1024, P=64, dropout_p=0.1, bias=True, causal=True)
+    assert attention_setups(stored_fused()["gpt2"], "bfloat16") == [dict(gpt2, layout="bhjp"), dict(gpt2, layout="hpbj")]

@@ -66,6 +66,7 @@ class AttentionCase:
     layout: str = "bjhp"  # storage order of the (b, h, j, p) tensors; K and V: the same with k for j
     dtype: torch.dtype = DTYPE
     bias: bool = False  # biases (h, p) added to q, k, v, folded into the kernels (fused variants only)
+    causal: bool = False  # query j attends to keys k <= j only
 
     @property
     def dims(self) -> dict:
@@ -76,14 +77,16 @@ class AttentionCase:
         return self.P ** -0.5
 
     def op(self, direction: str) -> str:
-        return f"attention:{direction}:dropout={self.dropout_p:g}" + (":bias" if self.bias else "")
+        return f"attention:{direction}:dropout={self.dropout_p:g}" + (":bias" if self.bias else "") \
+            + (":causal" if self.causal else "")
 
     def layouts(self) -> dict:
         key_layout = self.layout.replace("j", "k")
         return dict(q=self.layout, k=key_layout, v=key_layout, o=self.layout, do=self.layout)
 
     def flop(self, direction: str) -> int:
-        return {"forward": 4, "backward": 10, "fwd+bwd": 14}[direction] * self.B * self.H * self.L * self.L * self.P
+        pairs = self.L * (self.L + 1) // 2 if self.causal else self.L * self.L  # (query, key) pairs computed
+        return {"forward": 4, "backward": 10, "fwd+bwd": 14}[direction] * self.B * self.H * pairs * self.P
 
     def bytes(self, direction: str) -> int:
         tensors = 4 if direction == "forward" else 8
@@ -91,7 +94,7 @@ class AttentionCase:
 
     def args(self, dropout_p: float | None = None) -> dict:
         p = self.dropout_p if dropout_p is None else dropout_p
-        return dict(scale=self.scale, dropout_p=p, seed=SEED, offset=0)
+        return dict(scale=self.scale, dropout_p=p, seed=SEED, offset=0, causal=self.causal)
 
 
 def stored_as(t: torch.Tensor, order: str) -> torch.Tensor:
@@ -100,13 +103,21 @@ def stored_as(t: torch.Tensor, order: str) -> torch.Tensor:
     return stored.permute([order.index(d) for d in "bhjp"])
 
 
-def _chain(q, k, v, scale, keep, keep_scale):
+def _chain(q, k, v, scale, keep, keep_scale, causal: bool = False):
     """The eager chain at the inputs' precision; ``keep`` (b, h, j, k) bool or None, kept
-    probabilities multiplied by ``keep_scale``."""
-    a = torch.softmax(torch.einsum("bhjp,bhkp->bhjk", q, k) * scale, dim=-1)
+    probabilities multiplied by ``keep_scale``; ``causal``: keys after the query masked."""
+    a = torch.softmax(_masked(torch.einsum("bhjp,bhkp->bhjk", q, k) * scale, causal), dim=-1)
     if keep is not None:
         a = a * keep.to(a.dtype) * keep_scale
     return torch.einsum("bhjk,bhkp->bhjp", a, v)
+
+
+def _masked(scores: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``scores`` (b, h, j, k) with -inf where k > j when ``causal``."""
+    if not causal:
+        return scores
+    j, k = scores.shape[-2:]
+    return scores.masked_fill(torch.ones(j, k, dtype=torch.bool, device=scores.device).triu(1), float("-inf"))
 
 
 class Workspace:
@@ -146,7 +157,7 @@ class Workspace:
     def _run_chain(self, dtype, keep, keep_scale) -> dict:
         x = {n: t.to(dtype, copy=True).requires_grad_(n in ("q", "k", "v")) for n, t in self.exact.items()}
         q, k, v = (x[n] + x[b][None, :, None, :] if self.case.bias else x[n] for n, b in zip("qkv", BIASES))
-        o = _chain(q, k, v, self.case.scale, keep, keep_scale)
+        o = _chain(q, k, v, self.case.scale, keep, keep_scale, self.case.causal)
         o.backward(x["do"])
         return dict(o=o.detach(), dq=x["q"].grad, dk=x["k"].grad, dv=x["v"].grad)
 
@@ -305,7 +316,7 @@ class SdpaVariant(_Base):
         x = self.x
         with _sdpa_context(self.backend):
             return torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"], dropout_p=self.dropout_p,
-                                                                    scale=self.ws.case.scale)
+                                                                    scale=self.ws.case.scale, is_causal=self.ws.case.causal)
 
     def check(self) -> NotedVerdict:
         self.dropout_p = 0.0
@@ -331,7 +342,7 @@ class EagerVariant(_Base):
 
     def _forward(self):
         x, case = self.x, self.ws.case
-        a = torch.softmax(torch.einsum("bhjp,bhkp->bhjk", x["q"], x["k"]) * case.scale, dim=-1)
+        a = torch.softmax(_masked(torch.einsum("bhjp,bhkp->bhjk", x["q"], x["k"]) * case.scale, case.causal), dim=-1)
         dropped, self.mask = torch.native_dropout(a, case.dropout_p, True)
         return torch.einsum("bhjk,bhkp->bhjp", dropped, x["v"])
 
