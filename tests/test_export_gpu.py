@@ -247,3 +247,54 @@ def test_bert_model_with_replaced_layers_trains_like_hf(tmp_path):
     seen = f"ours {first(our_losses):.4f} -> {last(our_losses):.4f}, HF {first(hf_losses):.4f} -> {last(hf_losses):.4f}"
     assert last(our_losses) < 0.5 * first(our_losses), seen
     assert last(our_losses) < 1.1 * last(hf_losses) + 0.02, seen
+
+
+def test_gpt2_causal_attention_in_low_precision(tmp_path):
+    """GPT-2 with the fused causal attention in its additive mask's place (``candidates.attention_roles``),
+    bf16, dropout on: the output, the input's gradient and every parameter's as close to float64
+    as PyTorch's own block in bf16 with the same masks (the module doc's rule; the key bias's
+    gradient, zero in exact arithmetic, judged against the largest gradient's norm)."""
+    from datamove.dataflow.executor import dropout_masks
+    from datamove.layer import SEED_RANGE
+    from test_executor import gpt2_torch
+
+    dims = dict(B=2, T=256, D=256, H=4, E=64, F=1024)
+    fused = stored_fused()["gpt2"].with_dims(dims)
+    module = spec_module("gpt2")
+    plan = selected_plan(fused, "gpt2", "bfloat16")
+    assert {s.config.get("causal_constant") for s in plan.steps if s.kind.startswith("attention")} == {"causal"}
+    path = write_artifact(tmp_path / "gpt2", plan, fused.graph, fused.operators, spec_name="gpt2", spec_digest="test",
+                          torch_order=getattr(module, "TORCH_ORDER", {}), weights=getattr(module, "WEIGHTS", {}),
+                          device={"name": "cost model: H100", "measured": False}, versions={})
+    layer = loaded(path, cuda_graphs=False).train()
+    gen = torch.Generator().manual_seed(1)
+    T = dims["T"]
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale, shift = (0.02, 0.0) if p.dim() > 1 else (0.1, 1.0 if "gain" in name else 0.0)
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + shift)
+        layer.causal.copy_(torch.triu(torch.full((T, T), -1e4), diagonal=1))
+    x = torch.randn(dims["B"], T, dims["D"], generator=gen).cuda()
+    dy = torch.randn(dims["B"], T, dims["D"], generator=gen).cuda()
+    torch.manual_seed(11)
+    seed = int(torch.randint(0, SEED_RANGE, (1,), device="cuda").item())
+    torch.manual_seed(11)
+    ours_x = x.to(torch.bfloat16).requires_grad_()
+    y = layer(ours_x)
+    y.backward(dy.to(torch.bfloat16))
+    ours = {"y": y.detach(), "x": ours_x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    masks = {n: torch.from_numpy(m).cuda() for n, m in dropout_masks(layer.graph, seed).items()}
+    results = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        t = {n: p.detach().to(dtype).clone().requires_grad_() for n, p in layer.named_parameters()}
+        t["causal"] = layer.causal.to(dtype)
+        t["x"] = x.to(dtype).requires_grad_()
+        y = gpt2_torch(t, {n: m.to(dtype) for n, m in masks.items()})
+        y.backward(dy.to(dtype))
+        results[dtype] = {"y": y.detach(), **{n: t[n].grad for n in ours if n != "y"}}
+    reference, baseline = results[torch.float64], results[torch.bfloat16]
+    largest = max(float(g.double().norm()) for n, g in reference.items() if n != "y")
+    for name in ours:
+        error = _relative(ours[name], reference[name], largest)
+        allowed = 1.5 * _relative(baseline[name], reference[name], largest) + 1e-4
+        assert error <= allowed, f"{name}: rel.err {error:.3e}, allowed {allowed:.3e}"
