@@ -78,6 +78,26 @@ def reads_in_place(program: LayerProgram, names: list[str], values) -> tuple:
                  and program.stored_as_planned(name, v) else None for name, v in zip(names, values))
 
 
+def _choose(pool: list, reads: tuple, limit: int, free, capture):
+    """The member of ``pool`` (replayers or gradient sets, each with ``reads``) a call takes: a free
+    one reading as ``reads`` allows; else one captured with ``reads`` while fewer than ``limit``
+    exist; else a free one reading copies (all None); else a free one reading other addresses,
+    replaced by one captured reading copies (which serves any call from then on); else None.
+    ``capture(reads)`` makes a member and appends it to ``pool`` (or returns None)."""
+    copied = (None,) * len(reads)
+    for wanted in dict.fromkeys((reads, copied)):
+        found = next((m for m in pool if m.reads == wanted and free(m)), None)
+        if found is not None:
+            return found
+        if len(pool) < limit:
+            return capture(wanted)
+    stale = next((m for m in pool if free(m)), None)
+    if stale is None:
+        return None
+    pool.remove(stale)
+    return capture(copied)
+
+
 class _Held:
     """Storages a replayer shares with the outside: ``free()`` when nothing beyond the replayer's
     own references (counted when made) holds any of them."""
@@ -183,27 +203,15 @@ class Replayer:
         tensors and ``activations`` (the forward's, where read in place; None elsewhere), as fresh
         aliases of a gradient set nothing outside holds (autograd may keep them as ``.grad``: that
         set then waits until they are released).  A set reads the gradients it can in place
-        (``reads_in_place``); one is captured when none free reads as this call allows and fewer
-        than ``GRADIENT_SETS`` exist, else a free set reading copies serves (a free set reading
-        other addresses is captured again reading copies), else the backward runs plainly."""
+        (``reads_in_place``), chosen by ``_choose`` among at most ``GRADIENT_SETS``; where none
+        serves, the backward runs plainly."""
         inputs = self._inputs(activations)
-        copied = (None,) * len(grads)
-        if any(x.data_ptr() != ptr for x, ptr in zip(activations, self.reads) if ptr is not None):
-            reads = chosen = None  # e.g. recomputed elsewhere: the graphs read the forward's addresses
-        else:
+        chosen = None  # where an activation read in place moved (recomputed elsewhere): the graphs read the old address
+        if all(x.data_ptr() == ptr for x, ptr in zip(activations, self.reads) if ptr is not None):
             reads = reads_in_place(self.program, self.program.interface.outputs, grads)
-            chosen = next((s for s in self.gradient_sets if s.reads == reads and s.held.free()), None)
-            if chosen is None and len(self.gradient_sets) < GRADIENT_SETS:
-                chosen = self._capture_gradients(inputs, grads, reads)
-            if chosen is None:
-                reads = copied
-                chosen = next((s for s in self.gradient_sets if s.reads == copied and s.held.free()), None)
-            if chosen is None:
-                stale = next((s for s in self.gradient_sets if s.held.free()), None)
-                if stale is not None:
-                    self.gradient_sets.remove(stale)
-                    chosen = self._capture_gradients(inputs, grads, copied)
-        for static, g, ptr in zip(self.grad_outputs, grads, reads or copied):
+            chosen = _choose(self.gradient_sets, reads, GRADIENT_SETS, lambda s: s.held.free(),
+                             lambda wanted: self._capture_gradients(inputs, grads, wanted))
+        for static, g, ptr in zip(self.grad_outputs, grads, chosen.reads if chosen else (None,) * len(grads)):
             if ptr is None:
                 static.zero_() if g is None else static.copy_(g)
         if chosen is None:
@@ -270,29 +278,16 @@ class LayerGraphs:
 
     def replayer(self, program: LayerProgram, tensors: list[torch.Tensor], mask: torch.Tensor | None,
                  activations: tuple) -> Replayer | None:
-        """A free replayer for this call: one reading the activations in place where
-        ``reads_in_place`` allows (made and captured if none is and fewer than ``REPLAYERS``
-        exist), else one copying them in (a free replayer reading other addresses is captured again
-        copying), or None: launch plainly."""
+        """A free replayer for this call, reading the activations in place where ``reads_in_place``
+        allows, chosen by ``_choose`` among at most ``REPLAYERS``, or None: launch plainly."""
         pointers = list(map(torch.Tensor.data_ptr, tensors))
         if pointers != self.pointers:
             self.replayers.clear()  # parameters moved: the graphs read the old storage
             self.pointers = pointers
         key = (program.name, None if mask is None else tuple(mask.shape))
         replayers = self.replayers.setdefault(key, [])
-        reads = reads_in_place(program, program.interface.activations, activations)
-        copied = (None,) * len(reads)
-        for wanted in dict.fromkeys((reads, copied)):
-            found = next((r for r in replayers if r.reads == wanted and r.free()), None)
-            if found is not None:
-                return found
-            if len(replayers) < REPLAYERS:
-                return self._captured(replayers, program, tensors, key[1], activations, wanted)
-        stale = next((r for r in replayers if r.free()), None)
-        if stale is None:
-            return None
-        replayers.remove(stale)
-        return self._captured(replayers, program, tensors, key[1], activations, copied)
+        return _choose(replayers, reads_in_place(program, program.interface.activations, activations), REPLAYERS,
+                       Replayer.free, lambda reads: self._captured(replayers, program, tensors, key[1], activations, reads))
 
     def _captured(self, replayers: list, program, tensors, mask_shape, activations, reads) -> Replayer | None:
         try:

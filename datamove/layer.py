@@ -113,6 +113,9 @@ class LayerProgram:
         self._stored_strides = {t: allocate(graph, t, plan.layouts[t], dtype, "meta").stride()
                                 for t in interface.torch_order}
         self.kept = self._kept_tensors()
+        # constants the fused attention replaces by its causal mask (``datamove.module`` checks they hold it)
+        self.causal_constants = [launcher.step.config["causal_constant"] for launcher in self.forward_steps
+                                 if launcher.step.kind == ATTENTION_FORWARD and "causal_constant" in launcher.step.config]
         self.stacked = self.stacked_gradients()
         self._signatures: dict[str, tuple] = {}  # phase -> what its steps' recordings assume
 

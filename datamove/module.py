@@ -173,7 +173,6 @@ class TunedLayer(torch.nn.Module):
         self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
         self._causal_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold the causal mask
-        self._causal_constants: dict[str, list] = {}  # program name -> constants its fused attention stands in for
         self._allocate_parameters()
 
     def _allocate_parameters(self) -> None:
@@ -251,11 +250,7 @@ class TunedLayer(torch.nn.Module):
         its storage or version changes (one device sync); not while compiling or capturing."""
         if torch.compiler.is_compiling() or (self.device_.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        names = self._causal_constants.get(program.name)
-        if names is None:
-            names = self._causal_constants[program.name] = [
-                s.config["causal_constant"] for s in program.plan.steps if s.kind == ATTENTION_FORWARD and "causal_constant" in s.config]
-        for name in names:
+        for name in program.causal_constants:
             value = self._buffers[name]  # (queries, keys): the spec adds it over those letters
             key = (name, value.data_ptr())
             if self._causal_checked.get(key) == value._version:
