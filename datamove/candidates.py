@@ -21,6 +21,7 @@ priced by ``Timings`` (``op="layout:<letters>"``) or the cost model.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, replace
@@ -36,10 +37,11 @@ from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
 from datamove.layouts.select import Candidate, best_sum, select, to_plan
-from datamove.layouts.space import configurations, masks_grouped, representatives
+from datamove.layouts.space import configurations, default_configuration, masks_grouped, parts, representatives
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec order first): bounds the search
+COMPOSED_PER_PART = 3  # a multi-part operator's fastest measured layouts per part that ``composed`` combines
 
 
 class Timings:
@@ -345,6 +347,86 @@ class CandidateBuilder:
                                     {"knobs": config.knobs, "masks": {t: config.layouts[t] for t in masks}}, ms, source))
         return result
 
+    def composed(self, op, written: dict[str, set]) -> list[Candidate]:
+        """An operator of several parts (``layouts.space.parts``) with each part at its own best.
+
+        Its space holds the all-default configuration and each part varied with the others at their
+        defaults (rule 5 of ``layouts.space``), so no measured configuration has two parts away from
+        their defaults, and a stacked producer's layouts (GPT-2's Q/K/V gradients, all h-outermost)
+        match none: the plan paid layout changes to reach one.  Per part, the layouts of its
+        ``COMPOSED_PER_PART`` fastest variations and, per combination of layouts that ``written`` says
+        some candidate writes its inputs in ({tensor: layouts}), the fastest reading them so, each
+        with its fastest knobs; every combination of two
+        or more parts away from their defaults, priced as the measured all-default time plus each
+        part's measured difference to it (parts run in disjoint programs), no faster than the cost
+        model, marked ``composed`` (so kept beside measurements, and measured once a plan takes it:
+        ``datamove.tuning.chosen_patterns``).  Once measured, its measurement; none where it only
+        failed.  None without a measured all-default configuration."""
+        split = parts(op)
+        if len(split) < 2:
+            return []
+        graph, dims, signature = self.graph, dict(self.graph.dim_values), op_signature(self.spec, op)
+        base = default_configuration(graph, op)
+        base_found = self.timings.lookup(signature, dims, base.layouts,
+                                         lambda knobs: canonical_json(knobs) == canonical_json(base.knobs))
+        if base_found is None:
+            return []
+        base_ms = base_found[0]
+        masks = {t for t in op.inputs if graph.tensors[t].role == "dropout"}
+        tensors = [[t for t in base.layouts if t in (*part.inputs, *part.outputs)] for part in split]
+
+        def own(config, k) -> str:
+            return canonical_json([{t: config.layouts[t] for t in tensors[k]}, config.knobs["parts"][k]])
+
+        options: list[dict] = [{} for _ in split]  # per part: its layouts -> (ms, config, warps)
+        for config in configurations(graph, op):
+            away = [k for k in range(len(split)) if own(config, k) != own(base, k)]
+            if len(away) != 1:
+                continue
+            found = self.timings.lookup(signature, dims, config.layouts,
+                                        lambda knobs, c=config: canonical_json(knobs) == canonical_json(c.knobs))
+            k = away[0]
+            layouts = canonical_json({t: config.layouts[t] for t in tensors[k]})
+            if found is not None and (layouts not in options[k] or found[0] < options[k][layouts][0]):
+                options[k][layouts] = (found[0], config)
+        chosen = []
+        for k, part in enumerate(split):
+            default = canonical_json({t: base.layouts[t] for t in tensors[k]})
+            ranked = sorted(options[k].items(), key=lambda item: item[1][0])
+            matching: dict[str, str] = {}  # the layouts of its written inputs -> the fastest option reading them so
+            for layouts, (_, config) in ranked:
+                read = {t: config.layouts[t] for t in part.inputs if t in written}
+                if all(layout in written[t] for t, layout in read.items()):
+                    matching.setdefault(canonical_json(read), layouts)
+            keep = {layouts for layouts, _ in ranked[:COMPOSED_PER_PART]} | set(matching.values())
+            chosen.append([(None, base_ms, base)] + [(layouts, *options[k][layouts]) for layouts in sorted(keep)
+                                                    if layouts != default])
+        flop = sum(graph.size(p.output.letters) for p in op.primitives if p.kind != "einsum")
+        floor, _, _ = self._time(None, "generated", flop, moved_bytes(graph, op, self.itemsize))
+        result = []
+        for combination in itertools.product(*chosen):
+            if sum(layouts is not None for layouts, _, _ in combination) < 2:
+                continue  # the base, or one part varied: measured as it is
+            layouts = {t: config.layouts[t] for k, (_, _, config) in enumerate(combination) for t in tensors[k]}
+            own_knobs = tuple(config.knobs["parts"][k] for k, (_, _, config) in enumerate(combination))
+            slowest = max(combination, key=lambda option: option[1])[2]
+            warps = sorted({config.knobs["num_warps"] for _, _, config in combination})
+            knobs = {"parts": own_knobs, "num_warps": slowest.knobs["num_warps"], "dropout": base.knobs["dropout"]}
+            found = self.timings.lookup(signature, dims, layouts,
+                                        lambda k, w=canonical_json(own_knobs): canonical_json(k.get("parts")) == w)
+            if found is not None:
+                ms, source, knobs, extra = found[0], MEASURED, found[1], {}
+            elif self.timings.broken(signature, dims, layouts):
+                continue
+            else:
+                ms = max(floor, base_ms + sum(option_ms - base_ms for _, option_ms, _ in combination))
+                source, extra = PREDICTED, {"composed": warps}
+            reads = {t: layouts[t] for t in op.inputs if t not in masks}
+            writes = {t: layouts[t] for t in op.outputs}
+            result.append(Candidate(op.name, op.phase, GENERATED, (op.name,), reads, writes,
+                                    {"knobs": knobs, "masks": {t: layouts[t] for t in masks}, **extra}, ms, source))
+        return result
+
     def gemms(self) -> dict[str, list[Candidate]]:
         graph, ops = self.graph, {op.name: op for op in self.fused.operators}
         result: dict[str, list[Candidate]] = {}
@@ -513,7 +595,7 @@ def _ranked(candidates: list[Candidate], spec_letters: dict) -> list[Candidate]:
     """``_keep``'s order: measured ones only where any was measured, fastest first, then closest to spec order."""
     def distance(c: Candidate) -> int:
         return sum(layout != spec_letters.get(t, layout) for t, layout in {**c.reads, **c.writes}.items())
-    measured = [c for c in candidates if c.source == MEASURED]
+    measured = [c for c in candidates if c.source == MEASURED or c.config.get("composed")]
     return sorted(measured or candidates, key=lambda c: (round(c.time_ms, 6), distance(c)))
 
 
@@ -562,6 +644,13 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
             q_layouts |= {c.writes[bias["q"][0]] for cs in runs.values() for c in _keep(cs, spec_letters) if bias["q"][0] in c.writes}
         for c in builder.attention(roles, q_layouts, bias):
             runs.setdefault(c.name + ("+bias" if "bias" in c.config else ""), []).append(c)
+    written: dict[str, set] = {}
+    for c in (c for cs in runs.values() for c in cs):
+        for t, layout in c.writes.items():
+            written.setdefault(t, set()).add(layout)
+    for op in fused.operators:
+        if op.cls != "contraction":
+            runs[op.name] += builder.composed(op, written)
     order = [op.name for op in fused.operators]
     candidates = _kept_runs(runs, order, spec_letters)
     missing = [op.name for op in fused.operators if not any(op.name in c.operators for c in candidates)]

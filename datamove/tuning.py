@@ -147,11 +147,22 @@ def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int 
 
 def chosen_patterns(spaces: list, plan) -> list:
     """Every variant of the access patterns that ``plan``'s generated steps run (``spaces``:
-    ``sweep_variants``' ``OperatorSpace`` list)."""
-    chosen = {(s.name, access_pattern(Configuration({**s.reads, **s.writes, **s.config["masks"]}, s.config["knobs"])))
-              for s in plan.steps if s.kind == GENERATED}
-    return [v for space in spaces for pattern, group in space.patterns.items() if (space.op.name, pattern) in chosen
-            for v in group]
+    ``sweep_variants``' ``OperatorSpace`` list); a step combining its parts' own configurations,
+    priced from theirs (``composed``: in no pattern), at each warp count they were measured with."""
+    chosen = {(s.name, access_pattern(_configuration(s))) for s in plan.steps if s.kind == GENERATED}
+    variants = [v for space in spaces for pattern, group in space.patterns.items() if (space.op.name, pattern) in chosen
+                for v in group]
+    by_op = {space.op.name: space for space in spaces}
+    for s in plan.steps:
+        if s.kind == GENERATED and s.config.get("composed") and s.name in by_op:
+            config = _configuration(s)
+            variants += [by_op[s.name].variant(Configuration(config.layouts, {**config.knobs, "num_warps": warps}))
+                         for warps in s.config["composed"]]
+    return variants
+
+
+def _configuration(step) -> Configuration:
+    return Configuration({**step.reads, **step.writes, **step.config["masks"]}, step.config["knobs"])
 
 
 def fused_spaces(fused, spec: str, dtype) -> list:

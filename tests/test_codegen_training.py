@@ -342,8 +342,9 @@ def test_parts_of_stacked_and_joined_operators():
 
 @pytest.mark.parametrize("spec,name", CASES)
 def test_configuration_space(spec, name):
-    """Rule 5: a multi-part space is the sum of its parts' pruned spaces (the others at default),
-    each part following rules 1, 3 and 4; every configuration distinct; ``fixed`` layouts respected."""
+    """Rule 5: a multi-part space is the all-default configuration, then the sum of its parts'
+    pruned spaces (the others at default), each part following rules 1, 3 and 4; every
+    configuration distinct; ``fixed`` layouts respected."""
     graph, ops = _setup(spec, {k: v * 64 + 1 for k, v in SMALL[spec].items()})
     op = ops[name]
     configs = configurations(graph, op)
@@ -354,7 +355,8 @@ def test_configuration_space(spec, name):
         assert set(config.layouts) == externals
     if len(split) > 1:
         spaces = [configurations(graph, part) for part in split]
-        assert max(map(len, spaces)) <= len(configs) <= sum(map(len, spaces))
+        assert configs[0].key() == default_configuration(graph, op).key()
+        assert max(map(len, spaces)) <= len(configs) <= sum(map(len, spaces)) + 1
         for k, space in enumerate(spaces):  # each part ranges over its whole pruned space
             strip = lambda knobs: {n: v for n, v in knobs.items() if n != "dropout"}  # noqa: E731
             own = {str((strip({**c.knobs["parts"][k], "num_warps": c.knobs["num_warps"]}),

@@ -243,6 +243,36 @@ def test_the_main_job_tunes_the_layouts_its_plan_chose():
     assert len(variants) > len(steps)  # whole patterns, not the chosen settings alone
 
 
+
+def test_an_operator_of_parts_measures_its_defaults_first_and_a_composed_choice_once_chosen():
+    """The first stage of an operator of several parts measures its all-default configuration (what
+    ``candidates.CandidateBuilder.composed`` prices each part against); a plan step combining its
+    parts' own configurations, in no access pattern of the space, is measured after the selection
+    as it is, at each warp count its parts were measured with."""
+    from types import SimpleNamespace
+
+    from datamove.layouts.plan import GENERATED, Step
+    from datamove.layouts.space import combine_parts, parts
+    from datamove.tuning import chosen_patterns
+
+    fused = _training("gpt2")
+    spaces, _ = sv.sweep_variants("gpt2", fused, "cpu", dtype=torch.float32)
+    space = next(s for s in spaces if s.op.name == "stack(d_bv,d_bk,d_bq)")
+    graph = space.eager.ws.graph
+    base = default_configuration(graph, space.op)
+    assert any(v.config.key() == base.key() for v in space.first_stage()[1:])
+    mine = [next(c for c in configurations(graph, part) if c.knobs["vector"] in "ts" and c.knobs["mode"] == "row"
+                 and c.layouts[part.inputs[0]].startswith("he")) for part in parts(space.op)]
+    config = combine_parts(mine, 2, "regenerate")
+    assert not any(access_pattern(config) in s.patterns for s in spaces)
+    step = Step(space.op.name, "backward", GENERATED, (space.op.name,),
+                {t: config.layouts[t] for t in space.op.inputs}, {t: config.layouts[t] for t in space.op.outputs},
+                {"knobs": config.knobs, "masks": {}, "composed": [2, 4]}, 0.01, "predicted")
+    variants = [v for v in chosen_patterns(spaces, SimpleNamespace(steps=[step])) if v.op_obj is space.op]
+    assert [(v.config.layouts, v.config.knobs) for v in variants] == \
+        [(config.layouts, {**config.knobs, "num_warps": w}) for w in (2, 4)]
+    assert isinstance(variants[0].config, Configuration)
+
 @pytest.mark.gpu
 def test_compiling_ahead_in_workers_leaves_only_loading(tmp_path):
     """At full size: kernels compiled by ``Sweep(compile_workers=2)``'s spawned processes are only

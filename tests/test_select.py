@@ -294,3 +294,53 @@ def test_a_kernel_that_never_ran_is_not_offered_and_a_folded_one_is_not_cheaper(
                           (f"{bias['op']}+attention_forward", True)}
     assert found[(f"{bias['op']}+attention_forward", True)].time_ms == plain["forward"]
     assert found[(f"{bias['op']}+attention_forward", True)].source == "predicted"
+
+
+def test_an_operator_of_parts_is_offered_each_part_at_its_best():
+    """An operator of several parts is measured with one part away from its defaults at a time
+    (``layouts.space`` rule 5), so no measurement has every part where its producer writes it
+    (GPT-2's Q/K/V bias gradients on the H100: each member summed along strided rows, 47 us, plus
+    two layout changes of 8.8 us).  ``composed`` offers each part at its own measured best,
+    priced as the all-default time plus each part's measured difference, kept beside the
+    measurements; once measured, its measurement; a combination that only failed is not offered."""
+    from datamove.candidates import CandidateBuilder, _keep
+    from datamove.harness.sweep_variants import op_signature
+    from datamove.layouts.space import configurations, default_configuration, parts
+
+    fused = stored_fused()["gpt2"]
+    graph, device = fused.graph, "NVIDIA H100 80GB HBM3"
+    op = next(o for o in fused.operators if o.name == "stack(d_bv,d_bk,d_bq)")
+    base = default_configuration(graph, op)
+    wanted = {"d_v": "hebt", "d_k": "hebt", "d_q": "hebs"}
+
+    def record(config, ms, status="ok"):
+        key = Key(device, {}, op_signature("gpt2", op), dict(graph.dim_values), "bfloat16", config.layouts, config.knobs)
+        return Record(key, status, ms)
+
+    records, varied = [record(base, 0.050)], {}
+    for config in configurations(graph, op):
+        away = [k for k, part in enumerate(parts(op)) if any(config.layouts[t] != base.layouts[t] for t in part.inputs)]
+        if len(away) == 1 and all(config.layouts[t] in (base.layouts[t], wanted[t]) for t in wanted):
+            varied.setdefault(away[0], config)
+            records.append(record(config, 0.048 if varied[away[0]] is config else 0.049))
+    assert sorted(varied) == [0, 1, 2]
+    written = {t: {layout} for t, layout in wanted.items()}
+
+    def offered(extra=()):
+        builder = CandidateBuilder(fused, "gpt2", "bfloat16", device_figures("H100"),
+                                   Timings(records + list(extra), device, "bfloat16"))
+        return {tuple(sorted(c.reads.items())): c for c in builder.composed(op, written)}
+
+    composite = offered()[tuple(sorted(wanted.items()))]
+    assert composite.source == "predicted" and composite.time_ms == pytest.approx(0.050 - 3 * 0.002)
+    assert composite.config["knobs"]["parts"] == tuple(varied[k].knobs["parts"][k] for k in range(3))
+    assert set(composite.config["composed"]) >= {composite.config["knobs"]["num_warps"]}
+    assert composite in _keep([composite] + [replace(composite, source="measured", time_ms=0.047, config={})], {})
+    from datamove.layouts.space import Configuration
+    layouts = {**composite.reads, **composite.writes, **composite.config["masks"]}
+    run = Configuration(layouts, {**composite.config["knobs"], "num_warps": 8})
+    measured = offered([record(run, 0.009)])[tuple(sorted(wanted.items()))]
+    assert (measured.source, measured.time_ms, measured.config["knobs"]["num_warps"]) == ("measured", 0.009, 8)
+    assert tuple(sorted(wanted.items())) not in offered([record(run, None, "failed")])
+    assert CandidateBuilder(fused, "gpt2", "bfloat16", device_figures("H100"),
+                            Timings(records[1:], device, "bfloat16")).composed(op, written) == []  # no base measured

@@ -32,7 +32,8 @@ from datamove.harness.accuracy import Closeness
 from datamove.kernels.codegen import GENERATOR_VERSION, allocate, compile_operator
 from datamove.harness.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
 from datamove.harness.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
-from datamove.layouts.space import access_pattern, configurations, masks_grouped, representatives
+from datamove.layouts.space import (access_pattern, configurations, default_configuration, masks_grouped, parts,
+                                    representatives)
 
 DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
 # zero (GPUs round to nearest), so CPU checks of generated kernels use float32 instead
@@ -251,6 +252,12 @@ class OperatorSpace:
     op: object
     eager: EagerVariant
     patterns: dict  # access pattern -> [FusedVariant, ...]
+    spec: str
+
+    def variant(self, config) -> "FusedVariant":
+        """A variant of any configuration of this operator, in or out of ``patterns`` (a combination
+        of its parts' own configurations, ``datamove.candidates.CandidateBuilder.composed``)."""
+        return FusedVariant(self.eager.ws, self.spec, self.op, config)
 
     def variants(self) -> list:
         """The eager baseline and every configuration."""
@@ -280,10 +287,13 @@ def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool
         except Exception as exc:  # an operator the layout space cannot describe yet
             configs, notes[op.name] = [], f"no configurations: {type(exc).__name__}: {exc}"
         first = {access_pattern(c): c for c in representatives(configs, masks_grouped(training.graph, op))}
+        base = default_configuration(training.graph, op) if len(parts(op)) > 1 else None
+        if base is not None and any(c.key() == base.key() for c in configs):  # what the parts' times are taken against
+            first[access_pattern(base)] = next(c for c in configs if c.key() == base.key())
         patterns: dict = {}
         for config in configs:
             patterns.setdefault(access_pattern(config), []).append(config)
         spaces.append(OperatorSpace(op, EagerVariant(ws, spec, op), {
             pattern: [FusedVariant(ws, spec, op, c) for c in [first[pattern]] + [c for c in group if c is not first[pattern]]]
-            for pattern, group in patterns.items()}))
+            for pattern, group in patterns.items()}, spec))
     return spaces, notes

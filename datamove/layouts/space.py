@@ -53,8 +53,11 @@ tile; the kernel runs them in disjoint program ranges of one launch.  Their conf
 ``knobs = {"parts": (part knobs, ...), "num_warps": w, "dropout": ...}`` where each part's
 knobs are those above without ``num_warps`` / ``dropout`` (one launch, one warp count).
 5. parts run in disjoint programs, so their times add and the best combination is the best
-   choice per part: the multi-part space is every part's pruned space with the other parts at
-   their defaults (the sum, not the product, of the part spaces).
+   choice per part: the multi-part space is the all-default configuration
+   (``default_configuration``), then every part's pruned space with the other parts at their
+   defaults (the sum, not the product, of the part spaces).  What the product would add, each
+   part at its own best, the selection prices from these measurements
+   (``datamove.candidates.CandidateBuilder.composed``) and the main job measures once chosen.
 """
 from __future__ import annotations
 
@@ -352,6 +355,10 @@ def _multipart_configurations(graph, split: list[Part], exhaustive: bool, fixed:
     defaults = [default_configuration(graph, part) for part in split]
     has_mask = any(graph.tensors[t].role == "dropout" for part in split for t in part.inputs)
     seen, result = set(), []
+    base = combine_parts(defaults, 4, "regenerate")  # what ``composed`` prices the parts against
+    if all(base.layouts[t] == fixed[t] for t in fixed if t in base.layouts):
+        seen.add(base.key())
+        result.append(base)
     for k, part in enumerate(split):
         for config in configurations(graph, part, exhaustive=exhaustive, fixed=fixed):
             chosen = defaults[:k] + [config] + defaults[k + 1:]
