@@ -125,12 +125,27 @@ def _keep_block(seed, threshold, row_counter, col_start, drop_scol, mask_ptr, ma
 
 
 @triton.jit
-def _head_rows(x_ptr, stride_xb, stride_xh, stride_xr, stride_xp, H, L, BLOCK: tl.constexpr, P: tl.constexpr):
+def _head_rows(x_ptr, stride_xb, stride_xh, stride_xr, stride_xp, H, L, BLOCK: tl.constexpr, P: tl.constexpr,
+               LONGEST_FIRST: tl.constexpr):
     """The program's (b, h) and block of rows (grid: row blocks x b*h) of a (b, h, row, p) tensor
     with L rows (query rows j, or key rows k): ``(pid, pid_bh, b, h, offs, offs_p, row_ok, x)``, x
-    the [BLOCK, P] tile at ``x_ptr`` (zeros beyond L)."""
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    the [BLOCK, P] tile at ``x_ptr`` (zeros beyond L).
+
+    ``LONGEST_FIRST``: 0, blocks in grid order; else the causal mask's work per row block grows
+    with the block (1: query rows, which see more keys the later they are) or shrinks (-1: key
+    rows): the programs, started in launch order (grid dim 0 fastest), take the row blocks longest
+    first, every head's alike, so the short ones fill the last wave instead of a long one
+    running alone at the end."""
+    if LONGEST_FIRST == 0:
+        pid = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+    else:
+        heads = tl.num_programs(1)
+        rank = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # launch order
+        pid_bh = rank % heads
+        pid = rank // heads
+        if LONGEST_FIRST > 0:
+            pid = tl.num_programs(0) - 1 - pid
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -218,7 +233,7 @@ def _attn_fwd_kernel(
     GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
-                                                                 H, Lq, BLOCK_J, P)
+                                                                 H, Lq, BLOCK_J, P, 1 if CAUSAL else 0)
     if HAS_BIAS:
         q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p))
         _store_rows(qb_ptr, stride_qbb, stride_qbh, stride_qbj, stride_qbp, b, h, offs_j, offs_p, row_ok, q)
@@ -285,7 +300,7 @@ def _attn_bwd_preprocess_kernel(
     P: tl.constexpr, BLOCK_J: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, o = _head_rows(o_ptr, stride_ob, stride_oh, stride_oj, stride_op,
-                                                                 H, Lq, BLOCK_J, P)
+                                                                 H, Lq, BLOCK_J, P, 0)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -332,7 +347,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr,
 ):
     pid_k, pid_bh, b, h, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
-                                                                H, Lk, BLOCK_K, P)
+                                                                H, Lk, BLOCK_K, P, -1 if CAUSAL else 0)
     key_ok = col_ok
     if HAS_KPM:
         pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
@@ -423,7 +438,7 @@ def _attn_bwd_dq_kernel(
     GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
-                                                                 H, Lq, BLOCK_J, P)
+                                                                 H, Lq, BLOCK_J, P, 1 if CAUSAL else 0)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop,
                  mask=row_ok[:, None], other=0.0)
     if HAS_BIAS:  # do_j . (v_k + bv) = do_j . v_k + do_j . bv: v's bias as one term per row
