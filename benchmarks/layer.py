@@ -10,6 +10,8 @@ shape and dtype with the same weights:
 - ``torch-encoder``: ``nn.TransformerEncoderLayer`` (post-norm, batch_first, the spec's activation);
 - ``compile-default`` / ``compile-max-autotune``: ``torch.compile`` of HF ``BertLayer`` with SDPA
   (``mode=None`` / ``"max-autotune-no-cudagraphs"``).
+A GPT-2 artifact (``configs/gpt2.py``) is compared with HF's ``GPT2Block`` with SDPA (causal) and
+both compiles of it.
 All in training mode (dropout 0.1 as in the spec), inputs N(0, 1), gradients of a fixed N(0, 1)
 upstream gradient taken with ``torch.autograd.grad`` (nothing accumulates between calls).
 
@@ -54,7 +56,10 @@ KERNEL_TABLE_LAYERS = ("datamove", "compile-default", "compile-max-autotune")
 
 
 def _baselines(manifest: dict, dtype: torch.dtype, device) -> dict:
-    """The PyTorch layers of the artifact's shape, same weights as each other."""
+    """The PyTorch layers of the artifact's shape and spec (BERT's layer, GPT-2's block), same
+    weights as each other."""
+    if manifest["spec"] == "gpt2":
+        return _gpt2_baselines(manifest, dtype, device)
     import transformers
     from transformers.models.bert.modeling_bert import BertLayer
 
@@ -74,6 +79,22 @@ def _baselines(manifest: dict, dtype: torch.dtype, device) -> dict:
     layers["compile-default"] = torch.compile(layers["hf-sdpa"])
     layers["compile-max-autotune"] = torch.compile(layers["hf-sdpa"], mode="max-autotune-no-cudagraphs")
     return layers
+
+
+def _gpt2_baselines(manifest: dict, dtype: torch.dtype, device) -> dict:
+    """HF's ``GPT2Block`` with SDPA (given no mask, it applies the causal one: flash / cuDNN
+    attention) and ``torch.compile`` of it; HF's eager attention is left out (it applies a causal
+    mask only when the model hands it one)."""
+    import transformers
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    d = manifest["dims"]
+    config = transformers.GPT2Config(n_embd=d["D"], n_head=d["H"], n_inner=d["F"], activation_function="gelu_new",
+                                     layer_norm_epsilon=1e-5, attn_pdrop=0.1, resid_pdrop=0.1)
+    config._attn_implementation = "sdpa"
+    block = GPT2Block(config, layer_idx=0).to(device, dtype).train()
+    return {"hf-sdpa": block, "compile-default": torch.compile(block),
+            "compile-max-autotune": torch.compile(block, mode="max-autotune-no-cudagraphs")}
 
 
 def _call(layer, x, dy, backward: bool):
@@ -192,7 +213,9 @@ def run_case(artifact: Path) -> dict:
     load_weights(layer, baselines["hf-sdpa"])
     load_weights(plain, baselines["hf-sdpa"])
     d = manifest["dims"]
-    x = torch.randn(d["B"], d["L"], d["N"], device=device, dtype=dtype, requires_grad=True)
+    face = layer.program(True).interface
+    shape = layer.program(True).torch_shapes[face.activations[0]]
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn_like(x)
     rows = {}
     for name, module in {"datamove": layer, "datamove-plain": plain, **baselines}.items():
@@ -214,7 +237,8 @@ def markdown(report: dict) -> str:
              "from one CUDA graph the caller captured. Medians; ratio = time / tuned layer's.", ""]
     for case in report["cases"]:
         d = case["dims"]
-        lines += [f"## B={d['B']} L={d['L']} {case['dtype']} (plan timed on: {case['plan_device']['name']}; "
+        sizes = f"B={d['B']} L={d['L']}" if "L" in d else f"GPT-2 block B={d['B']} T={d['T']}"
+        lines += [f"## {sizes} {case['dtype']} (plan timed on: {case['plan_device']['name']}; "
                   f"measured {case.get('date', report['date'])})", "",
                   "| layer | direction | kernel ms | wall ms | graphed ms | kernel ratio |", "|---|---|---|---|---|---|"]
         ours = {k.split("|")[1]: v.get("kernel_ms") for k, v in case["rows"].items() if k.startswith("datamove|")}

@@ -12,6 +12,20 @@ from datamove.dataflow.spec import Dropout, Tensor, dims
 B, T, D, H, E, F = dims(B=4, T=1024, D=768, H=12, E=64, F=3072)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "e": E, "f": F}
 P_DROP = 0.1
+# Where each parameter lives in a HF ``GPT2Block`` (``datamove.weights``): Conv1D weights are stored
+# [in, out]; ``c_attn`` holds Q, K and V side by side along its output dim.
+WEIGHTS = {
+    "transformers.GPT2Block": {
+        "ln1_gain": ("ln_1.weight", "d", None), "ln1_bias": ("ln_1.bias", "d", None),
+        "wq": ("attn.c_attn.weight", "d (3 h e)", 0), "bq": ("attn.c_attn.bias", "(3 h e)", 0),
+        "wk": ("attn.c_attn.weight", "d (3 h e)", 1), "bk": ("attn.c_attn.bias", "(3 h e)", 1),
+        "wv": ("attn.c_attn.weight", "d (3 h e)", 2), "bv": ("attn.c_attn.bias", "(3 h e)", 2),
+        "wproj": ("attn.c_proj.weight", "(h e) d", None), "bproj": ("attn.c_proj.bias", "d", None),
+        "ln2_gain": ("ln_2.weight", "d", None), "ln2_bias": ("ln_2.bias", "d", None),
+        "wfc": ("mlp.c_fc.weight", "d f", None), "bfc": ("mlp.c_fc.bias", "f", None),
+        "wout": ("mlp.c_proj.weight", "f d", None), "bout": ("mlp.c_proj.bias", "d", None),
+    },
+}
 
 
 def layernorm(x, gain, bias):

@@ -222,12 +222,17 @@ class TunedLayer(torch.nn.Module):
     def reset_parameters(self) -> None:
         """Weights N(0, 1/fan-in) over their contracted letters' extent is unknown here: every
         parameter N(0, 0.02^2) (BERT's initialiser), one-letter ones (biases, norm gains/shifts)
-        0 and 1 by name (``gamma``/``gain`` -> 1)."""
+        0 and 1 by name (``gamma``/``gain`` -> 1).  A constant the fused attention's causal mask
+        stands in for (GPT-2's ``causal``, ``_check_causal_constants``) gets that mask: 0 where
+        the key is at or before the query, -1e4 after."""
         for name, param in self.named_parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.02)
             else:
                 param.fill_(1.0 if any(s in name for s in ("gamma", "gain")) else 0.0)
+        for name in self.program(True).causal_constants:
+            value = self._buffers[name]
+            value.copy_(torch.full(value.shape, -1e4).triu(1))
 
     @functools.cached_property
     def applies_key_padding(self) -> bool:

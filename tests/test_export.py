@@ -125,8 +125,7 @@ def test_gpt2_refuses_a_causal_constant_its_fused_attention_does_not_apply(tmp_p
     randomize(layer, 4)
     d = GPT2_DIMS
     x = torch.randn(d["B"], d["T"], d["D"], dtype=layer.dtype)
-    with torch.no_grad():
-        layer.causal.copy_(torch.triu(torch.full((d["T"], d["T"]), -1e4), diagonal=1))
+    assert torch.equal(layer.causal, torch.triu(torch.full((d["T"], d["T"]), -1e4), diagonal=1))  # as initialised
     layer(x)
     with torch.no_grad():
         layer.causal[0, 3] = -10.0  # a key after the query only weakened: not the causal mask
@@ -152,15 +151,31 @@ def _encoder_layer():
                                             layer_norm_eps=1e-12, batch_first=True, dtype=torch.float64).eval()
 
 
-@pytest.mark.parametrize("make", [_hf_bert_layer, _encoder_layer], ids=["BertLayer", "TransformerEncoderLayer"])
-def test_equals_the_pytorch_layer_it_replaces(tmp_path, make):
+def _hf_gpt2_block():
+    """HF's GPT-2 block with SDPA, which applies the causal mask itself when given no mask."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    d = GPT2_DIMS
+    config = transformers.GPT2Config(n_embd=d["D"], n_head=d["H"], n_inner=d["F"], activation_function="gelu_new",
+                                     layer_norm_epsilon=1e-5, attn_pdrop=0.0, resid_pdrop=0.0)
+    config._attn_implementation = "sdpa"
+    return GPT2Block(config, layer_idx=0).double().eval()
+
+
+@pytest.mark.parametrize("spec,make", [("bert", _hf_bert_layer), ("bert", _encoder_layer), ("gpt2", _hf_gpt2_block)],
+                         ids=["BertLayer", "TransformerEncoderLayer", "GPT2Block"])
+def test_equals_the_pytorch_layer_it_replaces(tmp_path, spec, make):
+    """Weights from the PyTorch module (the spec's ``WEIGHTS``), the same forward and gradients,
+    the weights given back unchanged; GPT-2's (the fused causal attention) with its ``causal``
+    constant as the layer initialised it."""
     reference = make()
     with torch.no_grad():
         for p in reference.parameters():
             p.normal_(0.0, 0.3)
-    layer = load(write(tmp_path, "bert", BERT_DIMS))
+    layer = load(write(tmp_path, "bert", BERT_DIMS) if spec == "bert" else write(tmp_path, "gpt2", GPT2_DIMS, selected_plan))
     load_weights(layer, reference).eval()
-    d = BERT_DIMS
+    d = BERT_DIMS if spec == "bert" else {"B": GPT2_DIMS["B"], "L": GPT2_DIMS["T"], "N": GPT2_DIMS["D"]}
     x = torch.randn(d["B"], d["L"], d["N"], dtype=torch.float64, requires_grad=True)
     x32 = x.detach().float().requires_grad_()
     y, expected = layer(x32), reference(x)
