@@ -313,6 +313,32 @@ def test_seeds_give_different_masks():
     assert (masks[1, 0] != masks[2, 0]).float().mean() > 0.2
 
 
+@pytest.mark.parametrize("dq_mode,option", [("atomic", "regenerate"), ("split", "regenerate"), ("atomic", "saved")])
+def test_padded_tails_skip_whole_key_blocks(dq_mode, option):
+    """Keys after the last one the padding mask keeps are skipped a block at a time (the forward's
+    and dQ's loops end there, the dK/dV programs of those blocks run no queries): O and every
+    gradient as float64, padded keys' gradients exactly zero; tails cover zero, one and two of
+    three key blocks (one ending right after a block's first key), with holes before them."""
+    B, H, Lq, Lk, P = 3, 2, 19, 150, 16
+    kpm = padding_mask(B, Lk, seed=5)
+    for b, kept in enumerate((40, 150, 129)):  # the last kept key of batch 2 opens the third block of 64
+        kpm[b, kept:] = True
+    args = dict(scale=0.3, dropout_p=0.2, seed=77, offset=0)
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, "bhjp", seed=6)
+    got, reference, _ = run_both(ref_inputs, kernel_inputs, do, key_padding_mask=kpm.to(DEVICE), **args)
+    for name, g, r in zip(NAMES, got, reference):
+        assert relative_error(g, r) < FP32_TOL, f"{name}: {relative_error(g, r):.2e}"
+    q, k, v = (t.detach() for t in kernel_inputs)
+    saved = new_saved_mask(q, k, dropout_p=0.2, offset=0) if option == "saved" else None
+    o, lse = attention_forward(q, k, v, **args, key_padding_mask=kpm.to(DEVICE), saved_mask=saved)
+    grads = attention_backward(do.to(DEVICE, torch.float32), q, k, v, o, lse, **args, key_padding_mask=kpm.to(DEVICE),
+                               saved_mask=saved, dq_mode=dq_mode, dropout_mask=option)
+    for name, g, r in zip(NAMES[1:], grads, reference[1:]):
+        assert relative_error(g, r) < FP32_TOL, f"{dq_mode} {option} {name}: {relative_error(g, r):.2e}"
+    for grad in grads[1:]:  # dK, dV of the keys dropped for every query
+        assert not grad[0, :, 40:].any() and not grad[2, :, 129:].any()
+
+
 def test_fully_padded_batch_gives_zeros():
     B, H, Lq, Lk, P = 2, 3, 37, 29, 16
     ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, seed=9)

@@ -82,6 +82,7 @@ from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_
 
 LOG2E = 1.4426950408889634
 DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the dropout mask (module doc)
+KEYS_SCANNED = tl.constexpr(1024)  # padding-mask entries ``_keys_kept`` reads per load
 
 
 @triton.jit
@@ -195,6 +196,21 @@ def _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, dro
 
 
 @triton.jit
+def _keys_kept(kpm_ptr, b, stride_mb, stride_mk, Lk):
+    """1 + the last key of batch b that the padding mask keeps (0 where it keeps none): the keys
+    after it are masked for every query, so their blocks are skipped (their probabilities, and
+    every gradient through them, are exactly 0).  Read ``KEYS_SCANNED`` keys at a time (one load
+    up to that length: a loop of short loads at every program's start took what the skipped
+    blocks saved)."""
+    last = tl.zeros([], tl.int32) - 1
+    for start in range(0, Lk, KEYS_SCANNED):
+        offs = start + tl.arange(0, KEYS_SCANNED)
+        pad = tl.load(kpm_ptr + b * stride_mb + offs * stride_mk, mask=offs < Lk, other=1)
+        last = tl.maximum(last, tl.max(tl.where(pad == 0, offs, -1), 0))
+    return last + 1
+
+
+@triton.jit
 def _visible(valid, b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr):
     """``valid`` ([J, K] bool) narrowed to the scores a query row j may see of key k: k <= j if
     CAUSAL, keys the padding mask keeps if HAS_KPM."""
@@ -250,6 +266,8 @@ def _attn_fwd_kernel(
     k_end = Lk
     if CAUSAL:
         k_end = tl.minimum(Lk, (pid_j + 1) * BLOCK_J)
+    if HAS_KPM:
+        k_end = tl.minimum(k_end, _keys_kept(kpm_ptr, b, stride_mb, stride_mk, Lk))
     for start_k in range(0, k_end, BLOCK_K):
         offs_k = start_k + tl.arange(0, BLOCK_K)
         col_ok = offs_k < Lk
@@ -364,7 +382,10 @@ def _attn_bwd_dkdv_kernel(
     j_start = 0
     if CAUSAL:  # rows j < k see none of this block's keys
         j_start = (pid_k * BLOCK_K) // BLOCK_J * BLOCK_J
-    for start_j in range(j_start, Lq, BLOCK_J):
+    j_end = Lq
+    if HAS_KPM:  # a block of keys the padding mask drops for every query: dK = dV = 0
+        j_end = tl.where(pid_k * BLOCK_K < _keys_kept(kpm_ptr, b, stride_mb, stride_mk, Lk), Lq, j_start)
+    for start_j in range(j_start, j_end, BLOCK_J):
         offs_j = start_j + tl.arange(0, BLOCK_J)
         row_ok = offs_j < Lq
         q = tl.load(q_base + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp, mask=row_ok[:, None], other=0.0)
@@ -455,6 +476,8 @@ def _attn_bwd_dq_kernel(
     k_end = Lk
     if CAUSAL:
         k_end = tl.minimum(Lk, (pid_j + 1) * BLOCK_J)
+    if HAS_KPM:
+        k_end = tl.minimum(k_end, _keys_kept(kpm_ptr, b, stride_mb, stride_mk, Lk))
     for start_k in range(0, k_end, BLOCK_K):
         offs_k = start_k + tl.arange(0, BLOCK_K)
         col_ok = offs_k < Lk
