@@ -359,9 +359,10 @@ class CandidateBuilder:
         with its fastest knobs; every combination of two
         or more parts away from their defaults, priced as the measured all-default time plus each
         part's measured difference to it (parts run in disjoint programs), no faster than the cost
-        model, marked ``composed`` (so kept beside measurements, and measured once a plan takes it:
-        ``datamove.tuning.chosen_patterns``).  Once measured, its measurement; none where it only
-        failed.  None without a measured all-default configuration."""
+        model, marked ``composed`` (so kept beside measurements, and measured once a plan takes it,
+        then tuned part by part: ``datamove.tuning.chosen_patterns``).  Once measured, the fastest
+        measured setting of its layouts; none where it only failed.  None without a measured
+        all-default configuration."""
         split = parts(op)
         if len(split) < 2:
             return []
@@ -414,17 +415,17 @@ class CandidateBuilder:
             knobs = {"parts": own_knobs, "num_warps": slowest.knobs["num_warps"], "dropout": base.knobs["dropout"]}
             found = self.timings.lookup(signature, dims, layouts,
                                         lambda k, w=canonical_json(own_knobs): canonical_json(k.get("parts")) == w)
-            if found is not None:
-                ms, source, knobs, extra = found[0], MEASURED, found[1], {}
+            if found is not None:  # measured: its fastest setting of these layouts (the main job tunes around it)
+                (ms, knobs), source = self.timings.lookup(signature, dims, layouts), MEASURED
             elif self.timings.broken(signature, dims, layouts):
                 continue
             else:
-                ms = max(floor, base_ms + sum(option_ms - base_ms for _, option_ms, _ in combination))
-                source, extra = PREDICTED, {"composed": warps}
+                ms, source = max(floor, base_ms + sum(option_ms - base_ms for _, option_ms, _ in combination)), PREDICTED
             reads = {t: layouts[t] for t in op.inputs if t not in masks}
             writes = {t: layouts[t] for t in op.outputs}
             result.append(Candidate(op.name, op.phase, GENERATED, (op.name,), reads, writes,
-                                    {"knobs": knobs, "masks": {t: layouts[t] for t in masks}, **extra}, ms, source))
+                                    {"knobs": knobs, "masks": {t: layouts[t] for t in masks}, "composed": warps}, ms,
+                                    source))
         return result
 
     def gemms(self) -> dict[str, list[Candidate]]:

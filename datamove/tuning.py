@@ -23,7 +23,7 @@ from datamove.kernels.gemm import valid_configs
 from datamove.harness.layout_change_variants import LayoutChangeVariant
 from datamove.harness.sweep_variants import sweep_variants
 from datamove.layouts.plan import GENERATED
-from datamove.layouts.space import Configuration, access_pattern
+from datamove.layouts.space import Configuration, access_pattern, configurations, parts
 
 EPILOGUE_CONFIGS = 3  # the GEMM's fastest Triton configurations a fused epilogue is timed with (epilogue_configs)
 BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurations measured again with Q/K/V biases
@@ -147,18 +147,38 @@ def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int 
 
 def chosen_patterns(spaces: list, plan) -> list:
     """Every variant of the access patterns that ``plan``'s generated steps run (``spaces``:
-    ``sweep_variants``' ``OperatorSpace`` list); a step combining its parts' own configurations,
-    priced from theirs (``composed``: in no pattern), at each warp count they were measured with."""
+    ``sweep_variants``' ``OperatorSpace`` list); a step combining its parts' own configurations
+    (``composed``: in no pattern), at each warp count they were measured with and with each part's
+    every knob setting of its layouts in turn, the others as chosen (``composed_neighbours``)."""
     chosen = {(s.name, access_pattern(_configuration(s))) for s in plan.steps if s.kind == GENERATED}
     variants = [v for space in spaces for pattern, group in space.patterns.items() if (space.op.name, pattern) in chosen
                 for v in group]
     by_op = {space.op.name: space for space in spaces}
     for s in plan.steps:
         if s.kind == GENERATED and s.config.get("composed") and s.name in by_op:
-            config = _configuration(s)
-            variants += [by_op[s.name].variant(Configuration(config.layouts, {**config.knobs, "num_warps": warps}))
-                         for warps in s.config["composed"]]
+            space = by_op[s.name]
+            variants += [space.variant(c) for c in composed_neighbours(space.eager.ws.graph, space.op,
+                                                                       _configuration(s), s.config["composed"])]
     return variants
+
+
+def composed_neighbours(graph, op, config: Configuration, warps) -> list[Configuration]:
+    """``config`` (an operator of several parts) at each of ``warps``, then with one part's knobs
+    replaced by each other setting of that part's layouts, vector and order (its own
+    ``configurations``), the other parts as they are: one round of tuning the parts together."""
+    result = {Configuration(config.layouts, {**config.knobs, "num_warps": w}).key():
+              Configuration(config.layouts, {**config.knobs, "num_warps": w}) for w in warps}
+    own = tuple(config.knobs["parts"])
+    for k, part in enumerate(parts(op)):
+        for candidate in configurations(graph, part):
+            knobs = candidate.knobs
+            if knobs["vector"] != own[k]["vector"] or knobs["order"] != own[k]["order"] \
+                    or any(config.layouts[t] != layout for t, layout in candidate.layouts.items()):
+                continue
+            mine = {n: v for n, v in knobs.items() if n not in ("num_warps", "dropout")}
+            neighbour = Configuration(config.layouts, {**config.knobs, "parts": own[:k] + (mine,) + own[k + 1:]})
+            result.setdefault(neighbour.key(), neighbour)
+    return list(result.values())
 
 
 def _configuration(step) -> Configuration:

@@ -248,7 +248,8 @@ def test_an_operator_of_parts_measures_its_defaults_first_and_a_composed_choice_
     """The first stage of an operator of several parts measures its all-default configuration (what
     ``candidates.CandidateBuilder.composed`` prices each part against); a plan step combining its
     parts' own configurations, in no access pattern of the space, is measured after the selection
-    as it is, at each warp count its parts were measured with."""
+    at each warp count its parts were measured with, and with each part's other knob settings of
+    its layouts, the other parts as chosen."""
     from types import SimpleNamespace
 
     from datamove.layouts.plan import GENERATED, Step
@@ -269,9 +270,16 @@ def test_an_operator_of_parts_measures_its_defaults_first_and_a_composed_choice_
                 {t: config.layouts[t] for t in space.op.inputs}, {t: config.layouts[t] for t in space.op.outputs},
                 {"knobs": config.knobs, "masks": {}, "composed": [2, 4]}, 0.01, "predicted")
     variants = [v for v in chosen_patterns(spaces, SimpleNamespace(steps=[step])) if v.op_obj is space.op]
-    assert [(v.config.layouts, v.config.knobs) for v in variants] == \
+    assert [(v.config.layouts, v.config.knobs) for v in variants[:2]] == \
         [(config.layouts, {**config.knobs, "num_warps": w}) for w in (2, 4)]
     assert isinstance(variants[0].config, Configuration)
+    assert len({v.config.key() for v in variants}) == len(variants)
+    for v in variants[2:]:  # one part's other knob settings, the others as chosen
+        assert v.config.layouts == config.layouts and v.config.knobs["num_warps"] == 2
+        moved = [k for k, own in enumerate(config.knobs["parts"]) if v.config.knobs["parts"][k] != own]
+        assert len(moved) == 1 and v.config.knobs["parts"][moved[0]]["order"] == config.knobs["parts"][moved[0]]["order"]
+    assert {k for v in variants[2:] for k, own in enumerate(config.knobs["parts"]) if v.config.knobs["parts"][k] != own} \
+        == {0, 1, 2}
 
 @pytest.mark.gpu
 def test_compiling_ahead_in_workers_leaves_only_loading(tmp_path):

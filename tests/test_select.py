@@ -341,6 +341,11 @@ def test_an_operator_of_parts_is_offered_each_part_at_its_best():
     run = Configuration(layouts, {**composite.config["knobs"], "num_warps": 8})
     measured = offered([record(run, 0.009)])[tuple(sorted(wanted.items()))]
     assert (measured.source, measured.time_ms, measured.config["knobs"]["num_warps"]) == ("measured", 0.009, 8)
+    assert measured.config["composed"]  # the main job tunes its parts together next
+    retuned = Configuration(layouts, {**run.knobs, "num_warps": 2, "parts": ({**run.knobs["parts"][0], "block_row": 2},
+                                                                          *run.knobs["parts"][1:])})
+    best = offered([record(run, 0.009), record(retuned, 0.007)])[tuple(sorted(wanted.items()))]
+    assert (best.time_ms, best.config["knobs"]) == (0.007, retuned.knobs)  # the fastest setting of these layouts
     assert tuple(sorted(wanted.items())) not in offered([record(run, None, "failed")])
     assert CandidateBuilder(fused, "gpt2", "bfloat16", device_figures("H100"),
                             Timings(records[1:], device, "bfloat16")).composed(op, written) == []  # no base measured
