@@ -354,15 +354,14 @@ class CandidateBuilder:
         defaults (rule 5 of ``layouts.space``), so no measured configuration has two parts away from
         their defaults, and a stacked producer's layouts (GPT-2's Q/K/V gradients, all h-outermost)
         match none: the plan paid layout changes to reach one.  Per part, the layouts of its
-        ``COMPOSED_PER_PART`` fastest variations and, per combination of layouts that ``written`` says
-        some candidate writes its inputs in ({tensor: layouts}), the fastest reading them so, each
-        with its fastest knobs; every combination of two
-        or more parts away from their defaults, priced as the measured all-default time plus each
-        part's measured difference to it (parts run in disjoint programs), no faster than the cost
-        model, marked ``composed`` (so kept beside measurements, and measured once a plan takes it,
-        then tuned part by part: ``datamove.tuning.chosen_patterns``).  Once measured, the fastest
-        measured setting of its layouts; none where it only failed.  None without a measured
-        all-default configuration."""
+        ``COMPOSED_PER_PART`` fastest variations and, per combination of layouts that ``written``
+        says some candidate writes its inputs in ({tensor: layouts}), the fastest reading them so,
+        each with its fastest knobs; every combination of two or more parts away from their
+        defaults, priced as the measured all-default time plus each part's measured difference to
+        it (parts run in disjoint programs), no faster than the cost model, marked ``composed`` (so
+        kept beside measurements, and measured once a plan takes it, then tuned part by part:
+        ``datamove.tuning.chosen_patterns``).  Once measured, the fastest measured setting of its
+        layouts; none where it only failed.  None without a measured all-default configuration."""
         split = parts(op)
         if len(split) < 2:
             return []
@@ -379,7 +378,7 @@ class CandidateBuilder:
         def own(config, k) -> str:
             return canonical_json([{t: config.layouts[t] for t in tensors[k]}, config.knobs["parts"][k]])
 
-        options: list[dict] = [{} for _ in split]  # per part: its layouts -> (ms, config, warps)
+        options: list[dict] = [{} for _ in split]  # per part: its layouts -> (fastest ms, that configuration)
         for config in configurations(graph, op):
             away = [k for k in range(len(split)) if own(config, k) != own(base, k)]
             if len(away) != 1:
