@@ -411,6 +411,29 @@ def test_bert_large_gpu(H, P, causal, backward, dropout_mask):
 
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", [dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="atomic"),
+                                      dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="split")])
+@pytest.mark.parametrize("dropout_mask", DROPOUT_MASK_OPTIONS)
+def test_bert_large_padded_tails_gpu(backward, dropout_mask):
+    """BERT-large sizes, bf16, dropout 0.1, padded tails as ``benchmarks/model.py``'s (one sequence
+    unpadded, one ending right after a block's first key): the key blocks after each sequence's
+    last kept key are skipped, and O and every gradient stay as close to float64 as PyTorch's bf16
+    chain; the dropped keys' dK and dV exactly zero."""
+    B, H, L, P = 8, 16, 512, 64
+    backward = dict(backward, dropout_mask=dropout_mask)
+    kept = torch.tensor([367, 503, 280, 512, 129, 327, 292, 65])
+    kpm = torch.arange(L)[None, :] >= kept[:, None]
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, L, L, P, torch.bfloat16, "bjhp", seed=11)
+    args = dict(scale=P**-0.5, dropout_p=0.1, seed=0x5EED, offset=0)
+    got, reference, baseline = run_both(ref_inputs, kernel_inputs, do, baseline_dtype=torch.bfloat16, **args,
+                                        key_padding_mask=kpm.to(DEVICE), backward_config=backward)
+    for name, g, r, base in zip(NAMES, got, reference, baseline):
+        assert_closer(g, base, r, what=name)
+    for grad in got[2:]:  # (b, h, k, p), stored (b, k, h, p)
+        assert all(not grad[b, :, n:].any() for b, n in enumerate(kept.tolist()))
+
+
 @pytest.mark.parametrize("has_bias", [False, True])
 @pytest.mark.parametrize("block_k,grouped,mask_io", [(64, True, 1), (128, False, 0)])
 def test_kernels_compile_for_hopper(has_bias, block_k, grouped, mask_io):
