@@ -213,9 +213,9 @@ def run_case(artifact: Path) -> dict:
     load_weights(layer, baselines["hf-sdpa"])
     load_weights(plain, baselines["hf-sdpa"])
     d = manifest["dims"]
-    face = layer.program(True).interface
-    shape = layer.program(True).torch_shapes[face.activations[0]]
-    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    program = layer.program(True)
+    x = torch.randn(program.torch_shapes[program.interface.activations[0]], device=device, dtype=dtype,
+                    requires_grad=True)
     dy = torch.randn_like(x)
     rows = {}
     for name, module in {"datamove": layer, "datamove-plain": plain, **baselines}.items():

@@ -79,6 +79,11 @@ class Timings:
         found = self.times.get(_timing_key(op, dims, layout), [])
         return next((pair for pair in found if accept(pair[1])), None)
 
+    def exact(self, op: str, dims: dict, config) -> tuple[float, dict] | None:
+        """``lookup`` of ``config`` itself (a ``layouts.space.Configuration``): its layouts, its knobs."""
+        knobs = canonical_json(config.knobs)
+        return self.lookup(op, dims, config.layouts, lambda found: canonical_json(found) == knobs)
+
     def broken(self, op: str, dims: dict, layout) -> bool:
         """Whether ``op`` at ``dims`` in ``layout`` failed (build, launch, time limit) or was wrong on
         this device at every setting tried, and never ran correctly: no candidate then, not a
@@ -332,8 +337,7 @@ class CandidateBuilder:
             default = representatives(configs, grouped)[0]
             found = None
             for config in configs:
-                hit = self.timings.lookup(op_signature(self.spec, op), dict(graph.dim_values), config.layouts,
-                                          lambda knobs, c=config: canonical_json(knobs) == canonical_json(c.knobs))
+                hit = self.timings.exact(op_signature(self.spec, op), dict(graph.dim_values), config)
                 if hit is not None and (found is None or hit[0] < found[0][0]):
                     found = (hit, config)
             if found is None and self.timings.broken(op_signature(self.spec, op), dict(graph.dim_values), default.layouts):
@@ -367,8 +371,7 @@ class CandidateBuilder:
             return []
         graph, dims, signature = self.graph, dict(self.graph.dim_values), op_signature(self.spec, op)
         base = default_configuration(graph, op)
-        base_found = self.timings.lookup(signature, dims, base.layouts,
-                                         lambda knobs: canonical_json(knobs) == canonical_json(base.knobs))
+        base_found = self.timings.exact(signature, dims, base)
         if base_found is None:
             return []
         base_ms = base_found[0]
@@ -383,8 +386,7 @@ class CandidateBuilder:
             away = [k for k in range(len(split)) if own(config, k) != own(base, k)]
             if len(away) != 1:
                 continue
-            found = self.timings.lookup(signature, dims, config.layouts,
-                                        lambda knobs, c=config: canonical_json(knobs) == canonical_json(c.knobs))
+            found = self.timings.exact(signature, dims, config)
             k = away[0]
             layouts = canonical_json({t: config.layouts[t] for t in tensors[k]})
             if found is not None and (layouts not in options[k] or found[0] < options[k][layouts][0]):

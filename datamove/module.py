@@ -142,6 +142,15 @@ class _Launched(torch.autograd.Function):
         return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
 
 
+# What a causal constant holds where the key comes after the query (as initialised), and at most
+# there for the check to pass: exp underflows to 0 as for -inf.
+MASKED_SCORE = -1e4
+
+
+def _keys_after(shape, device) -> torch.Tensor:
+    """(queries, keys) bool: True where the key comes after the query."""
+    return torch.ones(shape, dtype=torch.bool, device=device).triu(1)
+
 class TunedLayer(torch.nn.Module):
     """The tuned layer.  ``forward(*inputs, key_padding_mask=None, **named_inputs)``: the data
     inputs (``interface.activations``: the spec's ``INPUTS``, e.g. ``layer(x, memory)``), in that
@@ -232,7 +241,7 @@ class TunedLayer(torch.nn.Module):
                 param.fill_(1.0 if any(s in name for s in ("gamma", "gain")) else 0.0)
         for name in self.program(True).causal_constants:
             value = self._buffers[name]
-            value.copy_(torch.full(value.shape, -1e4).triu(1))
+            value.copy_(torch.where(_keys_after(value.shape, value.device), MASKED_SCORE, 0.0))
 
     @functools.cached_property
     def applies_key_padding(self) -> bool:
@@ -260,11 +269,11 @@ class TunedLayer(torch.nn.Module):
             key = (name, value.data_ptr())
             if self._causal_checked.get(key) == value._version:
                 continue
-            after = torch.ones(value.shape, dtype=torch.bool, device=value.device).triu(1)
-            if not bool(torch.where(after, value <= -1e4, value == 0).all()):
+            if not bool(torch.where(_keys_after(value.shape, value.device), value <= MASKED_SCORE, value == 0).all()):
                 raise ValueError(f"layer.{name} must hold the causal mask that this plan's fused attention applies in "
-                                 f"its place: 0 where the key is at or before the query, -1e4 or less after, e.g. "
-                                 f"layer.{name}.copy_(torch.triu(torch.full({tuple(value.shape)}, -1e4), diagonal=1))")
+                                 f"its place: 0 where the key is at or before the query, {MASKED_SCORE:g} or less "
+                                 f"after, e.g. layer.{name}.copy_(torch.triu(torch.full({tuple(value.shape)}, "
+                                 f"{MASKED_SCORE:g}), diagonal=1))")
             self._causal_checked[key] = value._version
 
     def _graphed_shape(self, shape: dict) -> bool:

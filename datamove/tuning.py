@@ -166,8 +166,10 @@ def composed_neighbours(graph, op, config: Configuration, warps) -> list[Configu
     """``config`` (an operator of several parts) at each of ``warps``, then with one part's knobs
     replaced by each other setting of that part's layouts, vector and order (its own
     ``configurations``), the other parts as they are: one round of tuning the parts together."""
-    result = {Configuration(config.layouts, {**config.knobs, "num_warps": w}).key():
-              Configuration(config.layouts, {**config.knobs, "num_warps": w}) for w in warps}
+    result = {}
+    for w in warps:
+        at_warps = Configuration(config.layouts, {**config.knobs, "num_warps": w})
+        result.setdefault(at_warps.key(), at_warps)
     own = tuple(config.knobs["parts"])
     for k, part in enumerate(parts(op)):
         for candidate in configurations(graph, part):
