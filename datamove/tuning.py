@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from datamove.harness.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
 from datamove.harness.bench import Sweep
-from datamove.harness.contraction_variants import (Operands, consumer_configurations, epilogue_of, epilogue_variants,
-                                          gemm_variants, training_gemms)
+from datamove.harness.contraction_variants import (Operands, consumer_configurations, epilogue_inputs, epilogue_of,
+                                          epilogue_variants, gemm_variants, training_gemms)
 from datamove.kernels.gemm import valid_configs
 from datamove.harness.layout_change_variants import LayoutChangeVariant
 from datamove.harness.sweep_variants import sweep_variants
@@ -30,10 +30,11 @@ BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurati
 # Triton GEMM configurations every GEMM tries first (and the fused epilogues take the fastest of):
 # the ones fastest at BERT-large sizes on Hopper (benchmarks/results/contractions.md), TMA tiles
 # where the layouts allow them, else the same tiles without TMA.
-# The persistent ones: the same tiles looping over output tiles on one program per multiprocessor.
+# The persistent ones: the same tiles looping over output tiles on one program per multiprocessor,
+# storing C by TMA (where C's layout allows).
 FIRST_CONFIGS = ("128x256x64 g8 s3 w8 tma", "256x128x64 g8 s3 w8 tma", "128x128x64 g8 s2 w4 tma",
                  "64x128x64 g8 s4 w4 tma", "128x256x64 g8 s3 w8", "64x128x64 g8 s4 w4",
-                 "128x256x64 g8 s3 w8 tma persistent", "256x128x64 g8 s3 w8 tma persistent")
+                 "128x256x64 g8 s3 w8 tma store-tma persistent", "128x256x64 g8 s4 w8 tma store-tma e2 persistent")
 
 
 @dataclass
@@ -91,12 +92,14 @@ def epilogue_configs(ranked: list, dropout: bool) -> list:
     """The configurations a fused epilogue is timed with: each of the ``EPILOGUE_CONFIGS`` fastest of
     ``ranked`` (its GEMM's Triton configurations, fastest first) with the epilogue split as
     ``kernels.gemm`` chooses (column slices in turn where dropout would hold many elements a thread),
-    then, with ``dropout`` (without it the split chosen is already 1), on the whole tile
-    (``epilogue_split`` 1: one pass, more registers, each Philox call drawn once in the accumulator's
-    layout; on the H200 BERT-large's FFN GEMM with bias + ReLU + dropout took 0.071 ms so against
-    0.101 in four slices, ``benchmarks/results/README.md``)."""
+    then, with ``dropout`` (without it the split chosen is already 1), on the whole tile and in two
+    halves (``epilogue_split`` 1: one pass, more registers, each Philox call drawn once in the
+    accumulator's layout; on the H200 BERT-large's FFN GEMM with bias + ReLU + dropout took 0.071 ms
+    so against 0.101 in four slices, ``benchmarks/results/README.md``; stored by TMA on an H100, two
+    halves 63.3 us, the whole tile 64.4)."""
     configs = list(ranked[:EPILOGUE_CONFIGS])
-    return configs + [replace(c, epilogue_split=1) for c in configs if dropout and c.epilogue_split != 1]
+    return configs + [replace(c, epilogue_split=split) for c in configs for split in (1, 2)
+                      if dropout and c.epilogue_split not in (1, 2)]
 
 
 def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int = 1, layouts: int | None = None,
@@ -130,7 +133,7 @@ def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int 
         if fusable is not None:
             later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable,
                                        epilogue_configs(ranked, fusable.mask is not None),
-                                       consumer_configurations(fused, fusable))
+                                       consumer_configurations(fused, fusable), epilogue_inputs(g))
     tuner.measure(later)
 
     for setup in attention:

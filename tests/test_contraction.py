@@ -218,26 +218,34 @@ def test_triton_path(spec):
 
 @pytest.mark.parametrize("spec", ["phi,ibj->phbj", "phbk,phbj->hbjk", "whbj,ibj->whi", "sphi,sphbj->ibj"])
 def test_triton_tma_path(spec):
-    """Configs with tma=True read A and B through tensor descriptors: every transposition pattern."""
+    """Configs with tma=True read A and B through tensor descriptors, those with store_tma=True write
+    C through one too: every transposition pattern (C's unit stride along m or n)."""
     plans = [p for p in _variants(spec, tuple(sorted(TMA_SIZES.items()))).blas_plans]
     patterns = {}
     for plan in plans:
-        patterns.setdefault((plan.a_transposed, plan.b_transposed, plan.batch_dims), plan)
+        patterns.setdefault((plan.a_transposed, plan.b_transposed, plan.batch_dims, plan.c_strides[3] == 1), plan)
     config = _configs(tma=True)[0]  # fits float32 tiles, hence bf16 ones
-    persistent = next(c for c in _configs(tma=True) if c.persistent) if _device() == "cpu" else config
+    cpu = _device() == "cpu"
+    persistent = next(c for c in _configs(tma=True) if c.persistent and not c.store_tma) if cpu else config
+    stores = [c for c in _configs(tma=True) if c.store_tma][:2 if cpu else 1]  # one tile per program; looping, in slices
+    stored = 0
     for n, plan in enumerate(patterns.values()):
         dtype = (torch.float32, torch.bfloat16)[n % 2]
         a, b = _operands(plan, TMA_SIZES, dtype, seed=n)
         assert _tma_ok(plan, a, b), plan.describe()
         ref = torch.einsum(spec, a.double(), b.double())
-        for chosen in (config, persistent):  # one tile per program; programs looping over tiles
+        out = _poisoned(plan.contraction.out, plan.layouts[2], TMA_SIZES, dtype)
+        c_ok = tma_compatible(a, b, GemmShape(*plan.batch, plan.m, plan.n, plan.k), plan.a_strides, plan.b_strides,
+                              out, plan.c_strides)
+        stored += c_ok
+        for chosen in (config, persistent, *(stores if c_ok else ())):
             out = _poisoned(plan.contraction.out, plan.layouts[2], TMA_SIZES, dtype)
             run_triton(plan, a, b, out, config=chosen)
             if dtype == torch.float32:
                 assert _rel(out, ref) < 1e-6, (plan.describe(), str(chosen))
             else:
                 assert_closer(out, torch.einsum(spec, a, b), ref, what=f"{plan.describe()} {chosen}")
-    assert len(patterns) >= 4
+    assert len(patterns) >= 4 and stored >= 2
     odd = _picked(spec, SMALL, 1)[0]
     a, b = _operands(odd, SMALL, torch.bfloat16)
     if not _tma_ok(odd, a, b):
@@ -286,24 +294,43 @@ EPILOGUE_CASES = [
 def test_triton_epilogue(case):
     """Each case in float32 (with the whole-tile epilogue, with 4 column slices and on a persistent
     grid of programs looping over tiles) and bf16."""
-    spec, layouts, bias_letters, activation, p, save = case
-    plan = map_layouts(spec, layouts, SMALL)
-    assert isinstance(plan, GemmPlan)
-    c = plan.contraction
     whole = _configs(tma=False)[0]
     sliced = next(cfg for cfg in valid_configs() if cfg.epilogue_split == 4) if _device() == "cpu" else whole
     persistent = next(cfg for cfg in _configs(tma=False) if cfg.persistent) if _device() == "cpu" else whole
-    for dtype, config in ((torch.float32, whole), (torch.float32, sliced), (torch.float32, persistent),
-                          (torch.bfloat16, whole)):
-        a, b = _operands(plan, SMALL, dtype, seed=7)
+    _check_epilogue(case, SMALL, ((torch.float32, whole), (torch.float32, sliced), (torch.float32, persistent),
+                                  (torch.bfloat16, whole)))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("out_layout", ["ubj", "bju"])
+def test_triton_epilogue_stored_by_tma(out_layout):
+    """`hidden`'s epilogue (bias, ReLU, dropout, the pre-dropout value saved) written through a TMA
+    store, C's unit stride along n or m: one tile per program and, on the CPU, programs looping over
+    tiles with the epilogue in two column slices."""
+    sizes = {**TMA_SIZES, "j": 64}  # whole groups of 64 dropout counters along j
+    stores = [cfg for cfg in _configs(tma=True) if cfg.store_tma][:2 if _device() == "cpu" else 1]
+    case = ("ui,ibj->ubj", ("ui", "ibj", out_layout), "u", "relu", 0.1, "pre_dropout")
+    _check_epilogue(case, sizes, [(torch.float32, cfg) for cfg in stores] + [(torch.bfloat16, stores[-1])])
+
+
+def _check_epilogue(case, sizes, runs):
+    """The fused epilogue of ``case`` (see EPILOGUE_CASES) at ``sizes`` under each (dtype, config) of
+    ``runs``: float32 as the float64 reference, bf16 as close to it as PyTorch's bf16 eager version;
+    the dropout mask exactly ``keep_mask``."""
+    spec, layouts, bias_letters, activation, p, save = case
+    plan = map_layouts(spec, layouts, sizes)
+    assert isinstance(plan, GemmPlan)
+    c = plan.contraction
+    for dtype, config in runs:
+        a, b = _operands(plan, sizes, dtype, seed=7)
         bias = None
         if bias_letters:  # stored in the order its letters have in the output layout
-            bias = _random(bias_letters, "".join(x for x in layouts[2] if x in bias_letters), SMALL, dtype)
+            bias = _random(bias_letters, "".join(x for x in layouts[2] if x in bias_letters), sizes, dtype)
         ep = Epilogue(alpha=0.125 if not bias_letters else 1.0, bias=bias, bias_letters=bias_letters, activation=activation,
                       dropout_p=p, seed=0xD00D + len(spec), offset=1001, save=save)
-        out = _poisoned(c.out, plan.layouts[2], SMALL, dtype)
+        out = _poisoned(c.out, plan.layouts[2], sizes, dtype)
         result = run_triton(plan, a, b, out, ep, config)
-        ref, pre_activation, pre_dropout = _epilogue_reference(spec, a, b, SMALL, ep)
+        ref, pre_activation, pre_dropout = _epilogue_reference(spec, a, b, sizes, ep)
         saved = None
         if save:
             out, saved = result

@@ -110,7 +110,7 @@ def test_attention_with_biases_is_checked_against_biased_inputs(tmp_path):
         av.FusedVariant(ws, "fwd+bwd")
 
 
-def test_fused_epilogues_with_dropout_are_also_timed_on_the_whole_tile():
+def test_fused_epilogues_with_dropout_are_also_timed_on_the_whole_tile_and_in_halves():
     from datamove.tuning import EPILOGUE_CONFIGS, epilogue_configs
 
     ranked = [GemmConfig(128, 256, 64, 8, 3, 8, tma=True), GemmConfig(128, 128, 64, 8, 4, 4),
@@ -120,4 +120,23 @@ def test_fused_epilogues_with_dropout_are_also_timed_on_the_whole_tile():
     with_dropout = epilogue_configs(ranked, dropout=True)
     assert with_dropout[:EPILOGUE_CONFIGS] == fastest
     assert with_dropout[EPILOGUE_CONFIGS:] == [GemmConfig(128, 256, 64, 8, 3, 8, tma=True, epilogue_split=1),
-                                               GemmConfig(128, 128, 64, 8, 4, 4, epilogue_split=1)]
+                                               GemmConfig(128, 256, 64, 8, 3, 8, tma=True, epilogue_split=2),
+                                               GemmConfig(128, 128, 64, 8, 4, 4, epilogue_split=1),
+                                               GemmConfig(128, 128, 64, 8, 4, 4, epilogue_split=2)]
+
+
+def test_fused_epilogue_is_timed_reading_each_input_layout(tmp_path):
+    """The fused GEMM + epilogue reads A and B in every layout pair whose plan writes the output in
+    spec order (BERT's x1 as its LayerNorm writes it, bji, among them), each checked against float64."""
+    training = _training()
+    linear1 = next(g for g in cv.training_gemms(training) if g.name == "w1_x1")
+    epilogue = cv.epilogue_of(training, linear1)
+    inputs = cv.epilogue_inputs(linear1)
+    assert inputs[0] == ("ui", "ibj") and ("ui", "bji") in inputs and len(set(inputs)) == len(inputs) == 4
+    variants = cv.epilogue_variants(cv.Operands(linear1, DEVICE), epilogue, valid_configs()[:1], inputs=inputs)
+    with TuningDB(tmp_path / "tuning.db") as db:
+        report = Sweep(db, variants, progress=False).run()
+        assert report.counts["wrong"] == 0 and report.counts["failed"] == 0
+        records = [r for r in db.query(op=linear1.op + "+bias[u]+relu+dropout(0.1)") if r.key.knobs["backend"] == "triton"]
+        assert sorted((r.key.layout["a"], r.key.layout["b"]) for r in records) == sorted(inputs)
+        assert {r.key.layout["out"] for r in records} == {"ubj"}

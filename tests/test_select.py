@@ -262,6 +262,29 @@ def test_a_consumer_keeps_its_variant_in_the_producers_layouts():
     assert [c for c, _ in steps] == [producer, matching] and all(not changes for _, changes in steps)
 
 
+def test_a_producer_keeps_its_variant_writing_what_its_consumer_reads():
+    """A GEMM with more near-equal layout variants than are kept per operator keeps the one writing
+    the layout its consumer's kept variants read, among those the one reading what its own producer
+    writes (an H100's BERT-large plan: the output projection's variants writing ``bji`` for its
+    LayerNorm ranked past the kept ones, and the plan paid a 9.3 us change for 0.4 us), so the
+    search can choose it."""
+    from datamove.candidates import KEEP_PER_OPERATOR, _kept_runs
+
+    source = cand("attention", ["attention"], {}, {"g": "ab"}, 1.0)
+    layouts = ["ab", "ba"]
+    gemms = [cand("gemm", ["gemm"], {"g": layouts[n % 2]}, {"t": "cab"}, 0.100 + n * 1e-4)
+             for n in range(KEEP_PER_OPERATOR + 4)]
+    elsewhere = cand("gemm", ["gemm"], {"g": "ba"}, {"t": "abc"}, 0.1030)  # the consumer's layout, reading g as no one writes it
+    matching = cand("gemm", ["gemm"], {"g": "ab"}, {"t": "abc"}, 0.1031)
+    consumer = cand("norm", ["norm"], {"t": "abc"}, {"v": "abc"}, 0.05)
+    runs = {"attention": [source], "gemm": gemms + [elsewhere, matching], "norm": [consumer]}
+    kept = _kept_runs(runs, ["attention", "gemm", "norm"], {"g": "ab", "t": "abc", "v": "abc"})
+    assert matching in kept and elsewhere not in kept
+    assert len([c for c in kept if c.name == "gemm"]) == KEEP_PER_OPERATOR + 1
+    steps, _ = select(["attention", "gemm", "norm"], kept, produced={"g", "t", "v"}, boundary={}, change_cost=change_cost)
+    assert [c for c, _ in steps] == [source, matching, consumer] and all(not changes for _, changes in steps)
+
+
 def test_a_kernel_that_never_ran_is_not_offered_and_a_folded_one_is_not_cheaper():
     """A variant whose every record failed or was wrong (and none ran) gets no candidate: the cost
     model is not asked to guess at a kernel known not to run here (the H200 run of 2026-11-25: every
@@ -349,3 +372,29 @@ def test_an_operator_of_parts_is_offered_each_part_at_its_best():
     assert tuple(sorted(wanted.items())) not in offered([record(run, None, "failed")])
     assert CandidateBuilder(fused, "gpt2", "bfloat16", device_figures("H100"),
                             Timings(records[1:], device, "bfloat16")).composed(op, written) == []  # no base measured
+
+
+def test_fused_epilogue_candidates_read_the_layouts_it_was_timed_in():
+    """The FFN's GEMM with its bias + ReLU + dropout fused: a candidate per A/B layout pair the
+    template was measured reading (x1 as its LayerNorm writes it among them), each at its own
+    time; without measurements, spec order only (the cost model's)."""
+    from datamove.candidates import CandidateBuilder
+    from datamove.harness.contraction_variants import epilogue_of, epilogue_op, training_gemms
+
+    fused = stored_fused()["bert"]
+    device = "NVIDIA H100 80GB HBM3"
+    linear1 = next(g for g in training_gemms(fused) if g.name == "w1_x1")
+    op = epilogue_op(linear1, epilogue_of(fused, linear1))
+    knobs = {"backend": "triton", "block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8, "num_stages": 3,
+             "num_warps": 8, "tma": True, "store_tma": True, "persistent": True, "epilogue_split": 2}
+
+    def record(a, b, ms):
+        return Record(Key(device, {}, op, linear1.sizes, "bfloat16", {"a": a, "b": b, "out": "ubj"}, knobs), "ok", ms)
+
+    timings = Timings([record("ui", "ibj", 0.063), record("ui", "bji", 0.062)], device, "bfloat16")
+    found = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), timings).gemms()["w1_x1+epilogue"]
+    assert {(c.reads["w1"], c.reads["x1"], c.time_ms, c.source) for c in found} == {
+        ("ui", "ibj", 0.063, "measured"), ("ui", "bji", 0.062, "measured")}
+    assert all(c.writes == {"hidden": "ubj"} and c.config["gemm"]["store_tma"] for c in found)
+    model = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), Timings([], device, "bfloat16"))
+    assert [(c.reads["x1"], c.source) for c in model.gemms()["w1_x1+epilogue"]] == [("ibj", "predicted")]

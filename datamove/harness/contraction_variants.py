@@ -242,17 +242,19 @@ def gemm_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | Non
     other_configs = first_configs if other_configs is None else list(other_configs)
     variants = []
     for index, plan in enumerate(pick_layouts(gemm, layouts)):
-        tma = _tma_possible(plan, dtype)
         variants.append(GemmVariant(operands, plan))
-        variants += [GemmVariant(operands, plan, cfg) for cfg in (first_configs if index == 0 else other_configs)
-                     if tma or not cfg.tma]
+        variants += [GemmVariant(operands, plan, cfg)
+                     for cfg in _runnable(plan, dtype, first_configs if index == 0 else other_configs)]
     return variants
 
 
-def _tma_possible(plan: GemmPlan, dtype) -> bool:
-    """Whether A and B of ``plan`` (16-byte aligned allocations) can be read through TMA descriptors."""
+def _runnable(plan: GemmPlan, dtype, configs) -> list:
+    """``configs`` whose TMA reads (and stores) ``plan``'s layouts allow, for 16-byte aligned allocations."""
     aligned = torch.empty(0, dtype=dtype, device="meta")  # data_ptr 0; only its item size and address are read
-    return tma_compatible(aligned, aligned, GemmShape(*plan.batch, plan.m, plan.n, plan.k), plan.a_strides, plan.b_strides)
+    shape = GemmShape(*plan.batch, plan.m, plan.n, plan.k)
+    loads = tma_compatible(aligned, aligned, shape, plan.a_strides, plan.b_strides)
+    stores = loads and tma_compatible(aligned, aligned, shape, plan.a_strides, plan.b_strides, aligned, plan.c_strides)
+    return [cfg for cfg in configs if (loads or not cfg.tma) and (stores or not cfg.store_tma)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,10 +347,11 @@ class EpilogueVariant:
     apply the same regenerated mask."""
 
     def __init__(self, operands: Operands, epilogue: FusableEpilogue, config: GemmConfig | None = None,
-                 consumer: tuple | None = None):
+                 consumer: tuple | None = None, inputs: tuple[str, str] | None = None):
         gemm, c = operands.gemm, operands.c
         self.operands, self.epilogue, self.config, self.consumer = operands, epilogue, config, consumer
-        self.plan = map_layouts(c, (c.a, c.b, c.out), gemm.sizes)
+        self.inputs = inputs or (c.a, c.b)  # A's and B's layouts; the output in spec order
+        self.plan = map_layouts(c, (*self.inputs, c.out), gemm.sizes)
         self.op, self.dims, self.dtype = epilogue_op(gemm, epilogue), dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
         self.layout = _layout_key(self.plan)
         if config is not None:
@@ -378,7 +381,7 @@ class EpilogueVariant:
             gen = torch.Generator(device=ops.device).manual_seed(ops.seed + 1)
             t["bias"] = torch.randn([ops.gemm.sizes[x] for x in ep.bias_letters], generator=gen, device=ops.device,
                                     dtype=torch.float32).to(ops.dtype)
-        a, b, bias = ops.stored("a", ops.c.a), ops.stored("b", ops.c.b), t["bias"]
+        a, b, bias = ops.stored("a", self.inputs[0]), ops.stored("b", self.inputs[1]), t["bias"]
         out = empty_in_layout(ops.c.out, ops.c.out, ops.gemm.sizes, ops.dtype, ops.device)
         self.tensors = dict(a=a, b=b, bias=bias, out=out)
         self.fused = Epilogue(bias=bias, bias_letters=ep.bias_letters, activation=ep.activation, dropout_p=ep.p,
@@ -439,11 +442,22 @@ def consumer_configurations(training, epilogue: FusableEpilogue) -> list[tuple]:
             and config.knobs.get("dropout", "regenerate") == "regenerate"]
 
 
-def epilogue_variants(operands: Operands, epilogue: FusableEpilogue, configs, consumers=()) -> list[EpilogueVariant]:
+def epilogue_inputs(gemm: TrainingGemm) -> list[tuple[str, str]]:
+    """The (A, B) layouts a fused epilogue is timed with: those of ``pick_layouts``' plans that write
+    the output in spec order (the consumer's layout), spec order first."""
+    out = parse(gemm.spec).out
+    return [p.layouts[:2] for p in pick_layouts(gemm, None) if p.layouts[2] == out]
+
+
+def epilogue_variants(operands: Operands, epilogue: FusableEpilogue, configs, consumers=(),
+                      inputs: list[tuple[str, str]] | None = None) -> list[EpilogueVariant]:
     """cuBLAS + eager, cuBLAS + the consumer's generated kernel per ``consumers`` entry
-    (``consumer_configurations``), then the fused kernel with each of ``configs`` (TMA ones where
-    allowed), in spec-order layouts."""
+    (``consumer_configurations``), both in spec-order layouts, then the fused kernel with each of
+    ``configs`` (TMA ones where allowed) reading A and B in each of ``inputs`` (default: spec order),
+    the output in spec order."""
     variants = [EpilogueVariant(operands, epilogue)]
     variants += [EpilogueVariant(operands, epilogue, consumer=consumer) for consumer in consumers]
-    tma = _tma_possible(variants[0].plan, operands.dtype)
-    return variants + [EpilogueVariant(operands, epilogue, cfg) for cfg in configs if tma or not cfg.tma]
+    for layouts in inputs or [(operands.c.a, operands.c.b)]:
+        plan = map_layouts(operands.c, (*layouts, operands.c.out), operands.gemm.sizes)
+        variants += [EpilogueVariant(operands, epilogue, cfg, inputs=layouts) for cfg in _runnable(plan, operands.dtype, configs)]
+    return variants
