@@ -225,29 +225,20 @@ def _gemm_kernel(
     # about one program per multiprocessor.
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
-        # One loop over (tile, k) once Triton flattens it, so that the pipeline runs on into the next
-        # tile's loads during this tile's epilogue; the epilogue takes its coordinates from a counter
-        # of its own, so that nothing computed before the main loop stays live across it.
-        tile_c = tl.program_id(0) - tl.num_programs(0)
-        for tile in tl.range(tl.program_id(0), tiles * BATCHES, tl.num_programs(0), flatten=True):
-            pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
-                             stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
-                             TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
-            tile_c += tl.num_programs(0)
-            pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile_c, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
-            _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, M, N,
-                           stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
-                           stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, alpha, drop_scale, threshold, seed,
-                           offset, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
-                           q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n, BIAS, ACTIVATION, HAS_DROPOUT,
-                           GROUPED, INDEX_64, SAVE, STORE_TMA, C_M_MAJOR, ROUND_BF16, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+        first, step = tl.program_id(0), tl.num_programs(0)
     else:
-        pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tl.program_id(1) * tiles + tl.program_id(0), tiles, M, N, B1,
-                                                    BLOCK_M, BLOCK_N, GROUP_M)
+        first, step = tl.program_id(1) * tiles + tl.program_id(0), tiles * BATCHES
+    # With PERSISTENT, one loop over (tile, k) once Triton flattens it, so that the pipeline runs on
+    # into the next tile's loads during this tile's epilogue; the epilogue takes its coordinates from
+    # a counter of its own, so that nothing computed before the main loop stays live across it.
+    tile_c = first - step
+    for tile in tl.range(first, tiles * BATCHES, step, flatten=PERSISTENT):
+        pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
         acc = _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
                          stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
                          TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+        tile_c += step
+        pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile_c, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
         _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, M, N,
                        stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
                        stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, alpha, drop_scale, threshold, seed,
