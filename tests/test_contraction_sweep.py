@@ -140,3 +140,35 @@ def test_fused_epilogue_is_timed_reading_each_input_layout(tmp_path):
         records = [r for r in db.query(op=linear1.op + "+bias[u]+relu+dropout(0.1)") if r.key.knobs["backend"] == "triton"]
         assert sorted((r.key.layout["a"], r.key.layout["b"]) for r in records) == sorted(inputs)
         assert {r.key.layout["out"] for r in records} == {"ubj"}
+
+
+def test_gelu_epilogue_found_in_the_spec_and_checked(tmp_path):
+    """GPT-2's FFN consumer (bias add, then tanh-GELU spelled as nine maps, the bias-added value
+    kept for the backward) is the template's GELU epilogue with the pre-activation saved; the
+    fused kernel and both baselines pass the float64 check at small sizes.  A chain one constant
+    off GELU is no activation."""
+    from datamove.dataflow.graph import Operand, Primitive
+
+    training = snapshot.stored_fused()["gpt2"].with_dims(dict(B=2, T=5, D=8, H=2, E=4, F=12))
+    wfc = next(g for g in cv.training_gemms(training) if g.name == "h2_wfc")
+    epilogue = cv.epilogue_of(training, wfc)
+    assert (epilogue.consumer, epilogue.bias, epilogue.activation, epilogue.mask, epilogue.save, epilogue.saved) == \
+        ("gelu", "bfc", "gelu", None, "pre_activation", "up")
+    variants = cv.epilogue_variants(cv.Operands(wfc, DEVICE), epilogue, valid_configs()[:1],
+                                    cv.consumer_configurations(training, epilogue)[:1])
+    with TuningDB(tmp_path / "tuning.db") as db:
+        report = Sweep(db, variants, progress=False).run()
+        assert report.counts["wrong"] == 0 and report.counts["failed"] == 0 and len(variants) == 3
+
+    def chain(*exprs):
+        prims, source = [], "x"
+        for n, expr in enumerate(exprs):
+            prims.append(Primitive(f"p{n}", "map", (Operand(source, "a"),), Operand(f"t{n}", "a"), expr))
+            source = f"t{n}"
+        return prims
+
+    gelu = "0.5 * in0 * (1 + tanh(0.7978845608028654 * (in0 + 0.044715 * in0 * in0 * in0)))"
+    assert cv._activation(chain("in0 + 0", gelu), 0, "x", {}) == ("gelu", 1)
+    assert cv._activation(chain(gelu.replace("0.044715", "0.045")), 0, "x", {}) is None
+    assert cv._activation(chain("maximum(in0, 0.0)"), 0, "x", {}) == ("relu", 0)
+    assert cv._activation(chain("maximum(in0, 0.01 * in0)"), 0, "x", {}) is None  # leaky

@@ -26,8 +26,8 @@ import numpy as np
 from datamove.dataflow.dropout_mask import DECISION_GROUP, dropout_scale, dropout_scale_mask
 from datamove.dataflow.graph import SCALE_PREFIX
 
-_FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "maximum": np.maximum,
-              "minimum": np.minimum, "abs": np.abs, "where": np.where, "sign": np.sign}
+FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "maximum": np.maximum,  # a map expression's calls
+             "minimum": np.minimum, "abs": np.abs, "where": np.where, "sign": np.sign}
 
 
 def tensor_shape(graph, name: str) -> tuple[int, ...]:
@@ -88,7 +88,7 @@ def run_primitive(graph, prim, values: dict[str, np.ndarray], scalars: dict[str,
         result = np.transpose(reduced, [kept.index(letter) for letter in out])
     elif prim.kind == "map":
         namespace = dict(graph.scalars() if scalars is None else scalars)
-        namespace.update(_FUNCTIONS)
+        namespace.update(FUNCTIONS)
         for k, (operand, array) in enumerate(zip(prim.inputs, arrays)):
             namespace[f"in{k}"] = _aligned(array, operand.letters, out)
         result = eval(prim.expr, {"__builtins__": {}}, namespace)  # noqa: S307 - our own expressions

@@ -36,8 +36,10 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from datamove.dataflow.executor import FUNCTIONS
 from datamove.kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
                                  run_cublas, run_triton, stacked_spec)
 from datamove.kernels.codegen import compile_operator
@@ -284,9 +286,39 @@ class FusableEpilogue:
     saved: str | None
 
 
+ACTIVATION_PROBE = np.linspace(-6.0, 6.0, 121)  # where a chain of maps is compared with each activation
+ACTIVATIONS_OF = {  # the template's activations (kernels.gemm), as functions of float64 arrays
+    "relu": lambda x: np.maximum(x, 0.0),
+    "gelu": lambda x: 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3))),
+}
+
+
+def _activation(prims: list, start: int, source: str, namespace: dict) -> tuple[str, int] | None:
+    """(activation, index of its last primitive) when ``prims[start:end + 1]`` are maps of
+    ``source`` alone (and constants) whose last output is one of ``ACTIVATIONS_OF`` at every point
+    of ``ACTIVATION_PROBE`` (float64, relative 1e-9): the spec's own spelling of ReLU or tanh-GELU,
+    in one expression or a chain; None when no prefix is."""
+    values = {source: ACTIVATION_PROBE}
+    for end in range(start, len(prims)):
+        prim = prims[end]
+        if prim.kind != "map" or any(operand.tensor not in values for operand in prim.inputs):
+            return None
+        arguments = {f"in{n}": values[operand.tensor] for n, operand in enumerate(prim.inputs)}
+        with np.errstate(all="ignore"):
+            value = np.broadcast_to(eval(prim.expr, {"__builtins__": {}}, {**namespace, **FUNCTIONS, **arguments}),  # noqa: S307
+                                    ACTIVATION_PROBE.shape)
+        values[prim.output.tensor] = value
+        for name, function in ACTIVATIONS_OF.items():
+            exact = function(ACTIVATION_PROBE)
+            if np.all(np.abs(value - exact) <= 1e-9 * np.maximum(np.abs(exact), 1.0)):
+                return name, end
+    return None
+
+
 def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
-    """The consumer of ``gemm``'s (single-einsum) output when it is exactly bias add [+ ReLU]
-    [+ dropout] on that output, its other outputs the bias-added or activated value; else None."""
+    """The consumer of ``gemm``'s (single-einsum) output when it is exactly bias add [+ ReLU or
+    tanh-GELU] [+ dropout] on that output, its other outputs the bias-added or activated value;
+    else None."""
     graph = training.graph
     op = next(o for o in training.operators if o.name == gemm.name)
     if len(op.outputs) != 1 or gemm.stacked != 1:
@@ -307,18 +339,22 @@ def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
             return None
         chain = {"pre_activation": first.output.tensor}
         current, activation, mask, p = first.output.tensor, "none", None, 0.0
-        for prim in prims[1:]:
-            expr = prim.expr.replace(" ", "")
-            if prim.kind == "map" and expr == "maximum(in0,0)" and activation == "none" and mask is None \
-                    and prim.inputs[0].tensor == current:
-                activation, current = "relu", prim.output.tensor
+        n = 1
+        while n < len(prims):
+            prim = prims[n]
+            found = _activation(prims, n, current, graph.scalars()) if activation == "none" and mask is None else None
+            if found is not None:
+                activation, n = found
+                current = prims[n].output.tensor
                 chain["pre_dropout"] = current
-            elif prim.kind == "map" and expr == "in0*in1" and mask is None and prim.inputs[0].tensor == current \
-                    and graph.tensors[prim.inputs[1].tensor].role == "dropout" and prim.inputs[1].letters == prim.inputs[0].letters:
+            elif prim.kind == "map" and prim.expr.replace(" ", "") == "in0*in1" and mask is None \
+                    and prim.inputs[0].tensor == current and graph.tensors[prim.inputs[1].tensor].role == "dropout" \
+                    and prim.inputs[1].letters == prim.inputs[0].letters:
                 mask, current = prim.inputs[1].tensor, prim.output.tensor
                 p = graph.tensors[mask].p
             else:
                 return None
+            n += 1
         if current not in consumer.outputs:
             return None
         extra = [t for t in consumer.outputs if t != current]
@@ -401,7 +437,8 @@ class EpilogueVariant:
         """bias add, activation, dropout with the regenerated mask, at ``y``'s precision."""
         ep = self.epilogue
         pre = y + self._broadcast_bias(bias)
-        act = torch.relu(pre) if ep.activation == "relu" else pre
+        act = {"relu": torch.relu, "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+               "none": lambda t: t}[ep.activation](pre)
         result = {"out": act if self._keep is None else torch.where(self._keep, act * dropout_scale(ep.p), 0.0)}
         if ep.save:
             result[ep.save] = pre if ep.save == "pre_activation" else act
