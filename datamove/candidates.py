@@ -492,8 +492,7 @@ class CandidateBuilder:
         for (a_layout, b_layout), timed_as in pairs.items():
             key = dict(zip(("a", "b", "out"), timed_as))
             found = self.timings.lookup(epilogue_op(g, ep), g.sizes, key, lambda knobs: knobs.get("backend") == "triton")
-            spec_order = (a_layout, b_layout) == (c.a, c.b)
-            if (found is None and not spec_order) or (found is None and self.timings.broken(epilogue_op(g, ep), g.sizes, key)):
+            if found is None and ((a_layout, b_layout) != (c.a, c.b) or self.timings.broken(epilogue_op(g, ep), g.sizes, key)):
                 continue  # measured where the template ran; the cost model prices spec order alone
             ms, source, knobs = self._time(found, "gemm", g.flop, moved)
             reads = {t: "".join(renames[t][x] for x in layout) for k, layout in (("a", a_layout), ("b", b_layout))
