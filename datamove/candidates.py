@@ -488,11 +488,12 @@ class CandidateBuilder:
             "produced": ep.produced, "output": ep.output, "saved": ep.saved}}
         pairs = {layouts[:2]: timed_as for layouts, timed_as in same_call_layouts(g).items()
                  if layouts[2] == c.out and timed_as[2] == c.out}
+        fused_op = epilogue_op(g, ep)
         result = []
         for (a_layout, b_layout), timed_as in pairs.items():
             key = dict(zip(("a", "b", "out"), timed_as))
-            found = self.timings.lookup(epilogue_op(g, ep), g.sizes, key, lambda knobs: knobs.get("backend") == "triton")
-            if found is None and ((a_layout, b_layout) != (c.a, c.b) or self.timings.broken(epilogue_op(g, ep), g.sizes, key)):
+            found = self.timings.lookup(fused_op, g.sizes, key, lambda knobs: knobs.get("backend") == "triton")
+            if found is None and ((a_layout, b_layout) != (c.a, c.b) or self.timings.broken(fused_op, g.sizes, key)):
                 continue  # measured where the template ran; the cost model prices spec order alone
             ms, source, knobs = self._time(found, "gemm", g.flop, moved)
             reads = {t: "".join(renames[t][x] for x in layout) for k, layout in (("a", a_layout), ("b", b_layout))
@@ -622,21 +623,21 @@ def _kept_runs(runs: dict[str, list[Candidate]], order: list[str], spec_letters:
     within 0.5 us), and the plan paid a 9.3 us change to the ``bji`` its LayerNorm reads."""
     position = {name: n for n, name in enumerate(order)}
     ordered = sorted((cs for cs in runs.values() if cs), key=lambda cs: position[cs[0].operators[0]])
+    ranked_by_run = [_ranked(cs, spec_letters) for cs in ordered]
     kept_by_run: list[list[Candidate]] = []
-    for cs in ordered:
-        ranked = _ranked(cs, spec_letters)
+    for ranked in ranked_by_run:
         kept = ranked[:KEEP_PER_OPERATOR]
         _add_matches(kept, ranked, [c for run in kept_by_run for c in run], "reads", "writes")
         kept_by_run.append(kept)
-    for n, cs in enumerate(ordered):
+    for n, ranked in enumerate(ranked_by_run):
         written: dict[str, set] = {}  # what the kept candidates before this run write
         for c in (c for run in kept_by_run[:n] for c in run):
             for t, layout in c.writes.items():
                 written.setdefault(t, set()).add(layout)
-        ranked = _ranked(cs, spec_letters)
         # among those writing a consumer's layouts, first those reading what is written before them
-        ranked.sort(key=lambda c: not all(layout in written[t] for t, layout in c.reads.items() if t in written))
-        _add_matches(kept_by_run[n], ranked, [c for run in kept_by_run[n + 1:] for c in run], "writes", "reads")
+        preferred = sorted(ranked, key=lambda c: not all(layout in written[t]
+                                                         for t, layout in c.reads.items() if t in written))
+        _add_matches(kept_by_run[n], preferred, [c for run in kept_by_run[n + 1:] for c in run], "writes", "reads")
     return [c for run in kept_by_run for c in run]
 
 

@@ -151,6 +151,7 @@ def _keys_after(shape, device) -> torch.Tensor:
     """(queries, keys) bool: True where the key comes after the query."""
     return torch.ones(shape, dtype=torch.bool, device=device).triu(1)
 
+
 class TunedLayer(torch.nn.Module):
     """The tuned layer.  ``forward(*inputs, key_padding_mask=None, **named_inputs)``: the data
     inputs (``interface.activations``: the spec's ``INPUTS``, e.g. ``layer(x, memory)``), in that

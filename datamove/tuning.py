@@ -95,8 +95,8 @@ def epilogue_configs(ranked: list, dropout: bool) -> list:
     then, with ``dropout`` (without it the split chosen is already 1), on the whole tile and in two
     halves (``epilogue_split`` 1: one pass, more registers, each Philox call drawn once in the
     accumulator's layout; on the H200 BERT-large's FFN GEMM with bias + ReLU + dropout took 0.071 ms
-    so against 0.101 in four slices, ``benchmarks/results/README.md``; stored by TMA on an H100, two
-    halves 63.3 us, the whole tile 64.4)."""
+    so against 0.101 in four slices, ``benchmarks/results/README.md``; persistent and stored by TMA
+    on an H100, two halves 62.0 us, the whole tile 66.1)."""
     configs = list(ranked[:EPILOGUE_CONFIGS])
     return configs + [replace(c, epilogue_split=split) for c in configs for split in (1, 2)
                       if dropout and c.epilogue_split not in (1, 2)]

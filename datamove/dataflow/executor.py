@@ -26,7 +26,8 @@ import numpy as np
 from datamove.dataflow.dropout_mask import DECISION_GROUP, dropout_scale, dropout_scale_mask
 from datamove.dataflow.graph import SCALE_PREFIX
 
-FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "maximum": np.maximum,  # a map expression's calls
+# The functions a map expression may call, as NumPy.
+FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "maximum": np.maximum,
              "minimum": np.minimum, "abs": np.abs, "where": np.where, "sign": np.sign}
 
 

@@ -255,7 +255,7 @@ def _runnable(plan: GemmPlan, dtype, configs) -> list:
     aligned = torch.empty(0, dtype=dtype, device="meta")  # data_ptr 0; only its item size and address are read
     shape = GemmShape(*plan.batch, plan.m, plan.n, plan.k)
     loads = tma_compatible(aligned, aligned, shape, plan.a_strides, plan.b_strides)
-    stores = loads and tma_compatible(aligned, aligned, shape, plan.a_strides, plan.b_strides, aligned, plan.c_strides)
+    stores = tma_compatible(aligned, aligned, shape, plan.a_strides, plan.b_strides, aligned, plan.c_strides)
     return [cfg for cfg in configs if (loads or not cfg.tma) and (stores or not cfg.store_tma)]
 
 
@@ -287,17 +287,19 @@ class FusableEpilogue:
 
 
 ACTIVATION_PROBE = np.linspace(-6.0, 6.0, 121)  # where a chain of maps is compared with each activation
-ACTIVATIONS_OF = {  # the template's activations (kernels.gemm), as functions of float64 arrays
-    "relu": lambda x: np.maximum(x, 0.0),
-    "gelu": lambda x: 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3))),
+ACTIVATIONS_ON_PROBE = {  # the template's activations (kernels.gemm) there, float64
+    "relu": np.maximum(ACTIVATION_PROBE, 0.0),
+    "gelu": 0.5 * ACTIVATION_PROBE
+            * (1.0 + np.tanh(0.7978845608028654 * (ACTIVATION_PROBE + 0.044715 * ACTIVATION_PROBE ** 3))),
 }
 
 
 def _activation(prims: list, start: int, source: str, namespace: dict) -> tuple[str, int] | None:
     """(activation, index of its last primitive) when ``prims[start:end + 1]`` are maps of
-    ``source`` alone (and constants) whose last output is one of ``ACTIVATIONS_OF`` at every point
-    of ``ACTIVATION_PROBE`` (float64, relative 1e-9): the spec's own spelling of ReLU or tanh-GELU,
-    in one expression or a chain; None when no prefix is."""
+    ``source`` alone (and constants) whose last output equals one of ``ACTIVATIONS_ON_PROBE`` at
+    every point of ``ACTIVATION_PROBE`` (float64, relative 1e-9): the spec's own spelling of ReLU or
+    tanh-GELU, in one expression or a chain; None when no prefix is.  ``namespace``: the graph's
+    scalars."""
     values = {source: ACTIVATION_PROBE}
     for end in range(start, len(prims)):
         prim = prims[end]
@@ -305,11 +307,9 @@ def _activation(prims: list, start: int, source: str, namespace: dict) -> tuple[
             return None
         arguments = {f"in{n}": values[operand.tensor] for n, operand in enumerate(prim.inputs)}
         with np.errstate(all="ignore"):
-            value = np.broadcast_to(eval(prim.expr, {"__builtins__": {}}, {**namespace, **FUNCTIONS, **arguments}),  # noqa: S307
-                                    ACTIVATION_PROBE.shape)
-        values[prim.output.tensor] = value
-        for name, function in ACTIVATIONS_OF.items():
-            exact = function(ACTIVATION_PROBE)
+            value = eval(prim.expr, {"__builtins__": {}}, {**namespace, **FUNCTIONS, **arguments})  # noqa: S307
+        values[prim.output.tensor] = value = np.broadcast_to(value, ACTIVATION_PROBE.shape)
+        for name, exact in ACTIVATIONS_ON_PROBE.items():
             if np.all(np.abs(value - exact) <= 1e-9 * np.maximum(np.abs(exact), 1.0)):
                 return name, end
     return None
@@ -339,10 +339,11 @@ def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
             return None
         chain = {"pre_activation": first.output.tensor}
         current, activation, mask, p = first.output.tensor, "none", None, 0.0
+        scalars = graph.scalars()
         n = 1
         while n < len(prims):
             prim = prims[n]
-            found = _activation(prims, n, current, graph.scalars()) if activation == "none" and mask is None else None
+            found = _activation(prims, n, current, scalars) if activation == "none" and mask is None else None
             if found is not None:
                 activation, n = found
                 current = prims[n].output.tensor

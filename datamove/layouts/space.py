@@ -479,5 +479,6 @@ def _plain(config: Configuration, varied: list[int] | None = None) -> bool:
     was plain, and the first stage measured ``d_b2``'s part over bji looping over all 12288 rows:
     480 us, where a split one takes a few.)"""
     knobs = _each_part(config)
-    return all(_plain_knobs(knobs[k], config.knobs["num_warps"]) for k in (range(len(knobs)) if varied is None else varied)) \
+    judged = range(len(knobs)) if varied is None else varied
+    return all(_plain_knobs(knobs[k], config.knobs["num_warps"]) for k in judged) \
         and config.knobs.get("dropout", "regenerate") == "regenerate"
