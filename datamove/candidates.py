@@ -10,6 +10,9 @@
   fastest measured Triton configuration, timed as the ``harness.contraction_variants.pick_layouts``
   plan that makes the same BLAS call (``same_call_layouts``: the same sizes and strides);
 - a GEMM and the element-wise consumer its Triton template fuses (``epilogue_of``), in spec order;
+- a layernorm backward joined with the column sums beside it (``layouts.space.column_sum_joins``:
+  its parameter gradients, a bias gradient of what it writes): one generated kernel, its
+  candidates as a generated operator's, in place of the members';
 - the fused attention (``attention_roles``): forward and backward, in every layout the producer of
   its inputs can write, in place of the score contraction, softmax and output contraction (and
   their backward operators); with its causal mask where the softmax reads the scores plus a
@@ -37,7 +40,8 @@ from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
 from datamove.layouts.select import Candidate, best_sum, select, to_plan
-from datamove.layouts.space import configurations, default_configuration, masks_grouped, parts, representatives
+from datamove.layouts.space import (column_sum_joins, configurations, default_configuration, masks_grouped, parts,
+                                    representatives)
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec order first): bounds the search
@@ -663,6 +667,9 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
     for op in fused.operators:
         if op.cls != "contraction":
             runs[op.name] = builder.generated(op)
+    for join in column_sum_joins(graph, fused.operators):  # run as one kernel: the members' names
+        members = tuple(op.name for op in fused.operators if {p.name for p in op.primitives} <= {p.name for p in join.primitives})
+        runs[join.name] = [replace(c, operators=members) for c in builder.generated(join)]
     runs.update(builder.gemms())
     roles, why = attention_roles(fused)
     if roles is not None:

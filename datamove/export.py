@@ -46,7 +46,7 @@ from datamove.shapes import call_dims, check_plans, file_stem
 from datamove.weights import from_spec, to_spec
 from datamove.kernels.codegen import compile_operator
 from datamove.layouts.plan import GENERATED, Plan
-from datamove.layouts.space import Configuration
+from datamove.layouts.space import Configuration, generated_operators
 
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
 MANIFEST_KEYS = ("dims", "dtype", "device", "torch_order", "weights")  # what loading and the benchmarks read
@@ -106,11 +106,11 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
 def _write_kernels(folder: Path, plan: Plan, graph, operators) -> None:
     """The generated Triton source of every generated step of ``plan`` into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    ops = {op.name: op for op in operators}
+    ops = generated_operators(graph, operators)
     for step in plan.steps:
         if step.kind == GENERATED:
             config = Configuration({**step.reads, **step.writes, **step.config.get("masks", {})}, step.config["knobs"])
-            source = compile_operator(graph, ops[step.operators[0]], config).source
+            source = compile_operator(graph, ops[step.name], config).source
             _write(folder / f"{_file_name(step.name)}.py", source)
 
 

@@ -30,6 +30,7 @@ from datamove.kernels.blas import DEFAULT_SETTINGS as DEFAULT_BLAS_SETTINGS, set
 from datamove.kernels.codegen import allocate
 from datamove.kernels.launch import hooked
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
+from datamove.layouts.space import generated_operators
 
 SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
 
@@ -94,7 +95,7 @@ class LayerProgram:
 
     def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device):
         self.plan, self.graph, self.interface, self.dtype, self.device = plan, graph, interface, dtype, torch.device(device)
-        ops = {op.name: op for op in operators}
+        ops = generated_operators(graph, operators)
         self.buffers = Buffers(graph, stack_groups(plan.steps), dtype, self.device)
         self.saves_mask = any(s.kind == ATTENTION_BACKWARD and s.config["knobs"].get("dropout_mask") == "saved"
                               for s in plan.steps)

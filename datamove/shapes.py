@@ -32,7 +32,7 @@ from datamove.dataflow.executor import dropout_offsets
 from datamove.kernels.attention import dropout_grouped, dropout_strides_for
 from datamove.kernels.contraction import row_major_strides
 from datamove.layouts.plan import ATTENTION_BACKWARD, GEMM, GEMM_EPILOGUE, GENERATED, Plan, Step
-from datamove.layouts.space import MAX_TILE, operator_letters, parts, tile_axes
+from datamove.layouts.space import MAX_TILE, generated_operators, operator_letters, parts, tile_axes
 
 LOOP_CHUNKS = {True: (16, 64), False: (256, 1024, 4096)}  # mode "loop" chunks (reduction along rows?) as in knob_choices
 
@@ -102,7 +102,7 @@ def nearest(tuned: list[dict], shape: dict) -> int:
 def fit_plan(plan: Plan, graph, operators, itemsize: int) -> Plan:
     """``plan`` to run at ``graph``'s dims (module doc): the same steps, layouts and kernels, the
     knobs that depend on sizes adjusted; ``itemsize``: bytes per element of the layer's dtype."""
-    ops = {op.name: op for op in operators}
+    ops = generated_operators(graph, operators)
     steps = [_fitted(step, plan, graph, ops, itemsize) for step in plan.steps]
     return replace(plan, dims=dict(graph.dim_values), steps=steps)
 
@@ -110,7 +110,7 @@ def fit_plan(plan: Plan, graph, operators, itemsize: int) -> Plan:
 def _fitted(step: Step, plan: Plan, graph, ops: dict, itemsize: int) -> Step:
     config = step.config
     if step.kind == GENERATED:
-        op, knobs = ops[step.operators[0]], config["knobs"]
+        op, knobs = ops[step.name], config["knobs"]
         if "parts" in knobs:
             fitted = [_row_fitted(graph, part, own) for part, own in zip(parts(op), knobs["parts"])]
             knobs = {**knobs, "parts": type(knobs["parts"])(fitted)}
@@ -142,6 +142,11 @@ def _row_fitted(graph, op, knobs: dict) -> dict:
     block = 1 << (extent - 1).bit_length()  # a power of two
     if block * knobs[parallel] <= MAX_TILE:
         return {**knobs, reduced: block}
+    if letters.summed:  # column sums need whole rows: fewer of them per block
+        if block > MAX_TILE:
+            raise ValueError(f"{op.name}: rows of {extent} do not fit one block of at most {MAX_TILE} elements, "
+                             "which its column sums need")
+        return {**knobs, reduced: block, parallel: MAX_TILE // block}
     chunk = max((c for c in LOOP_CHUNKS[along_rows] if c * knobs[parallel] <= MAX_TILE), default=LOOP_CHUNKS[along_rows][0])
     return {**knobs, "mode": "loop", reduced: chunk}
 

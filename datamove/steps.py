@@ -503,10 +503,10 @@ def stack_groups(steps: list[Step]) -> list[list[str]]:
 
 
 def build_launcher(step: Step, graph, ops: dict, buffers: Buffers, saves_mask: bool = False):
-    """The launcher of ``step``; ``ops``: {fused operator name -> operator} of the graph."""
+    """The launcher of ``step``; ``ops``: what a generated step runs, by its name
+    (``layouts.space.generated_operators``)."""
     if step.kind == GENERATED:
-        (name,) = step.operators
-        return GeneratedLauncher(step, graph, buffers, ops[name])
+        return GeneratedLauncher(step, graph, buffers, ops[step.name])
     if step.kind in (GEMM, GEMM_EPILOGUE):
         return GemmLauncher(step, graph, buffers)
     if step.kind == ATTENTION_FORWARD:

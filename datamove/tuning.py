@@ -160,7 +160,7 @@ def chosen_patterns(spaces: list, plan) -> list:
     for s in plan.steps:
         if s.kind == GENERATED and s.config.get("composed") and s.name in by_op:
             space = by_op[s.name]
-            variants += [space.variant(c) for c in composed_neighbours(space.eager.ws.graph, space.op,
+            variants += [space.variant(c) for c in composed_neighbours(space.ws.graph, space.op,
                                                                        _configuration(s), s.config["composed"])]
     return variants
 

@@ -21,9 +21,9 @@ from datamove.dataflow.executor import dropout_offsets, execute
 from datamove.dataflow.fusion import fuse
 from datamove.dataflow.pipeline import forward_graph
 from datamove.harness.accuracy import assert_closer
-from datamove.kernels.codegen import allocate, compile_operator
-from datamove.layouts.space import (Configuration, combine_parts, configurations, default_configuration, knob_choices,
-                           operator_letters, parts, terminal_reductions)
+from datamove.kernels.codegen import SUM_ROWS, allocate, compile_operator
+from datamove.layouts.space import (SUM_PROGRAMS, Configuration, column_sum_joins, combine_parts, configurations,
+                                    default_configuration, knob_choices, operator_letters, parts, terminal_reductions)
 from datamove.dataflow import snapshot
 from tests.test_codegen import evaluate
 
@@ -48,7 +48,9 @@ CASES = [(spec, name) for spec in ("bert", "gpt2") for name in _setup(spec)[1]]
 # bf16 checks: wider feature dims, so that outputs reduced onto them (layernorm gammas, biases) hold
 # enough elements for the error norms to compare roundings, not one flipped last bit among 12.
 BF16_DIMS = {"bert": dict(B=2, L=9, N=40, H=4, P=10, U=11), "gpt2": dict(B=2, T=9, D=40, H=4, E=10, F=11)}
-DIMS = {"small": SMALL, "grouped": GROUPED, "quartets": QUARTETS, "bf16": BF16_DIMS}
+# 300 rows (b, j) of short features: more programs' column sums than one load of the sums kernel holds
+MANY_ROWS = {"bert": dict(B=3, L=100, N=12, H=3, P=4, U=7), "gpt2": dict(B=3, T=100, D=12, H=3, E=4, F=7)}
+DIMS = {"small": SMALL, "grouped": GROUPED, "quartets": QUARTETS, "bf16": BF16_DIMS, "many_rows": MANY_ROWS}
 
 
 @functools.lru_cache(maxsize=8)
@@ -424,3 +426,86 @@ def test_grouped_refuse_a_misaligned_offset():
               for t in ops["alpha"].inputs if graph.tensors[t].role != "dropout"}
     with pytest.raises(ValueError, match="not a multiple of 64"):
         compiled.run(inputs, {"drop_attn": (7, 1004)})
+
+
+# --- a layernorm backward joined with its column sums (``layouts.space.column_sum_joins``) ----------
+
+def _joins(spec: str, dims: str = "small") -> dict:
+    graph, _ = _setup(spec, DIMS[dims][spec])
+    return graph, {op.name: op for op in column_sum_joins(graph, GRAPHS[spec][1])}
+
+
+JOINS = [(spec, name) for spec in ("bert", "gpt2") for name in _joins(spec)[1]]
+
+
+def test_joins_found():
+    """Each layernorm backward with the parameter gradients that read its tensors (BERT: and the
+    output bias gradient of what it writes); every join has its column sums over the rows."""
+    assert JOINS == [("bert", "d_ln2_gamma+d_ffn"), ("bert", "d_ln1_gamma+d_attn+d_bo"),
+                     ("gpt2", "d_ln2_gain+d_expr_plus_bproj_slice+d_bproj"), ("gpt2", "d_ln1_gain+d_x")]
+    graph, joins = _joins("bert")
+    letters = operator_letters(graph, joins["d_ln1_gamma+d_attn+d_bo"])
+    assert (letters.reduced, sorted(letters.summed)) == ("i", ["b", "j"])
+    assert "d_x1" not in joins["d_ln1_gamma+d_attn+d_bo"].outputs  # made and read inside
+
+
+def _joined(graph, op, programs: int, block_row: int, order_first: bool = True) -> Configuration:
+    """The first (or last) configuration of ``op``'s space, with ``programs`` and ``block_row`` set."""
+    configs = configurations(graph, op)
+    assert configs and all(c.knobs["mode"] == "row" and c.knobs["programs"] in SUM_PROGRAMS for c in configs)
+    config = configs[0] if order_first else configs[-1]
+    return Configuration(config.layouts, {**config.knobs, "programs": programs, "block_row": block_row})
+
+
+def _check_join(spec, name, config, dtype=torch.float32, dims="small"):
+    graph, joins = _joins(spec, dims)
+    return _check_operator(graph, joins[name], _reference(spec, dims), config, dtype)
+
+
+@pytest.mark.parametrize("spec,name", JOINS)
+@pytest.mark.parametrize("programs,block_row", [(1, 1), (3, 2), (128, 4)])
+def test_joined_fp32(spec, name, programs, block_row):
+    """One program for all rows, three visiting every third block (the last rows ragged), more
+    programs than blocks; in spec order and in the other order of the rows' letters; a second
+    launch on the same scratch (the column sums and the counter back at zero) gives the same."""
+    graph, joins = _joins(spec)
+    for first in (True, False):
+        config = _joined(graph, joins[name], programs, block_row, first)
+        compiled = _check_join(spec, name, config)
+        assert "_sums_kernel(" in compiled.source and "for rb in range(pid," in compiled.source
+        _check_join(spec, name, config)
+
+
+@pytest.mark.parametrize("spec,name", JOINS)
+def test_joined_bf16(spec, name):
+    graph, joins = _joins(spec, "bf16")
+    _check_join(spec, name, _joined(graph, joins[name], 5, 2), torch.bfloat16, dims="bf16")
+
+
+@pytest.mark.parametrize("spec,name", [s for s in JOINS if any(_setup(s[0])[0].tensors[t].role == "dropout"
+                                                               for t in _joins(*s[:1])[1][s[1]].inputs)])
+def test_joined_dropout_rows_of_one_call(spec, name):
+    """At sequence length 64 with 16 rows per block, every block a program visits draws its mask as
+    the unjoined kernel does: the rows of one Philox call per column (BERT: an ibj mask, rows b, j),
+    or sixteen columns per call (GPT-2: a bsd mask along the columns d); never one per element."""
+    graph, joins = _joins(spec, "grouped")
+    compiled = _check_join(spec, name, _joined(graph, joins[name], 3, 16), dims="grouped")
+    note = "one Philox call per sixteen columns" if spec == "gpt2" else "one Philox call per column for the block's rows"
+    assert note in compiled.source and "dropout_keep(" not in compiled.source
+
+
+def test_joined_needs_row_mode():
+    graph, joins = _joins("bert")
+    op = joins["d_ln2_gamma+d_ffn"]
+    config = default_configuration(graph, op)
+    with pytest.raises(ValueError, match="column sums over"):
+        compile_operator(graph, op, Configuration(config.layouts, {**config.knobs, "mode": "loop", "block_col": 4}))
+
+
+def test_joined_sums_of_more_programs_than_one_load():
+    """300 programs of one row each (B=3 L=100): the sums kernel adds them in two loads of
+    ``SUM_ROWS`` programs' sums, the second ragged."""
+    graph, joins = _joins("bert", "many_rows")
+    assert 300 > SUM_ROWS
+    _check_join("bert", "d_ln1_gamma+d_attn+d_bo", _joined(graph, joins["d_ln1_gamma+d_attn+d_bo"], 300, 1),
+                dims="many_rows")

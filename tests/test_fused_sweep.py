@@ -110,7 +110,10 @@ def test_sweep_checks_every_operator_records_failures_and_resumes(tmp_path, monk
     fused = [v for v in variants if isinstance(v, sv.FusedVariant)]
     eager = [v for v in variants if isinstance(v, sv.EagerVariant)]
     assert len(eager) == len(sv.fused_operators(_training("bert"))) + len(sv.fused_operators(_training("gpt2")))
-    assert {v.op.removesuffix("#eager") for v in eager} == {v.op for v in fused}
+    joins = {v.op for v in fused if "+" in v.op_obj.name}  # layouts.space.column_sum_joins: no eager sequence
+    assert {v.op.removesuffix("#eager") for v in eager} == {v.op for v in fused} - joins
+    assert {v.op_obj.name for v in fused if v.op in joins} == {
+        "d_ln2_gamma+d_ffn", "d_ln1_gamma+d_attn+d_bo", "d_ln2_gain+d_expr_plus_bproj_slice+d_bproj", "d_ln1_gain+d_x"}
     # one configuration that cannot compile: the harness records it as failed and goes on
     x1 = next(v for v in fused if v.op_obj.name == "x1")
     base = default_configuration(x1.ws.graph, x1.op_obj)
@@ -163,7 +166,7 @@ def test_two_stage_search_covers_every_layout_then_tunes_the_best():
     the patterns ranked first."""
     spaces, _ = sv.sweep_variants("bert", _training("bert"), "cpu", dtype=torch.float32)
     space = next(s for s in spaces if s.op.name == "stack(q,k,v)")
-    configs = configurations(space.eager.ws.graph, space.op)
+    configs = configurations(space.ws.graph, space.op)
     first = space.first_stage()
     assert first[0] is space.eager
     assert [access_pattern(v.config) for v in first[1:]] == list(dict.fromkeys(access_pattern(c) for c in configs))

@@ -32,8 +32,8 @@ from datamove.harness.accuracy import Closeness
 from datamove.kernels.codegen import GENERATOR_VERSION, allocate, compile_operator
 from datamove.harness.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
 from datamove.harness.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
-from datamove.layouts.space import (access_pattern, configurations, default_configuration, masks_grouped, parts,
-                                    representatives)
+from datamove.layouts.space import (access_pattern, column_sum_joins, configurations, default_configuration,
+                                    masks_grouped, parts, representatives)
 
 DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
 # zero (GPUs round to nearest), so CPU checks of generated kernels use float32 instead
@@ -120,24 +120,27 @@ class Workspace:
         self.device, self.seed, self.mask_seed = torch.device(device), seed, mask_seed
         self.offsets = dropout_offsets(self.graph)
         self._active = None
+        self._baselines: dict[str, dict] = {}
 
     def __getstate__(self) -> dict:
         """Pickled (for a measuring process) without what it computed or holds: rebuilt there on first use."""
         state = dict(self.__dict__)
         state.pop("values", None)
         state["_active"] = None
+        state["_baselines"] = {}
         return state
 
     @functools.cached_property
     def values(self) -> dict:
         return evaluate_training_graph(self.graph, self.training.operators, self.seed, self.device, self.mask_seed)
 
-    @functools.lru_cache(maxsize=None)
-    def baseline(self, op_name: str) -> dict:
-        op = next(o for o in self.training.operators if o.name == op_name)
-        inputs = {t: self.values[t].to(torch.float32) if self.graph.tensors[t].role == "dropout"
-                  else self.values[t].to(self.dtype) for t in op.inputs}
-        return evaluate(self.graph, op.primitives, inputs, self.dtype)
+    def baseline(self, op) -> dict:
+        """``op``'s primitives in ``dtype`` on its inputs rounded to ``dtype`` (computed once per operator)."""
+        if op.name not in self._baselines:
+            inputs = {t: self.values[t].to(torch.float32) if self.graph.tensors[t].role == "dropout"
+                      else self.values[t].to(self.dtype) for t in op.inputs}
+            self._baselines[op.name] = evaluate(self.graph, op.primitives, inputs, self.dtype)
+        return self._baselines[op.name]
 
     @functools.lru_cache(maxsize=None)
     def keep(self, mask: str) -> torch.Tensor:
@@ -156,7 +159,7 @@ class Workspace:
 
     def verdict(self, op, results: dict) -> Verdict:
         """Closeness of every output of ``op`` found in ``results`` (at least one)."""
-        baseline = self.baseline(op.name)
+        baseline = self.baseline(op)
         checked = [(t, judge(results[t], baseline[t], self.values[t])) for t in op.outputs if t in results]
         if not checked:
             raise ValueError(f"{op.name}: none of its outputs {op.outputs} was produced")
@@ -245,27 +248,29 @@ class EagerVariant:
 
 @dataclass
 class OperatorSpace:
-    """One fused operator's variants: ``eager`` (PyTorch's unfused sequence) and, per access pattern
-    of its configurations (``layouts.space.access_pattern``), the variants of that pattern with
-    ``representatives``' choice first."""
+    """One fused operator's variants: ``eager`` (PyTorch's unfused sequence; None for a join of
+    fused operators, ``layouts.space.column_sum_joins``, whose members have theirs) and, per access
+    pattern of its configurations (``layouts.space.access_pattern``), the variants of that pattern
+    with ``representatives``' choice first."""
 
     op: object
-    eager: EagerVariant
+    eager: EagerVariant | None
     patterns: dict  # access pattern -> [FusedVariant, ...]
     spec: str
+    ws: Workspace
 
     def variant(self, config) -> "FusedVariant":
         """A variant of any configuration of this operator, in or out of ``patterns`` (a combination
         of its parts' own configurations, ``datamove.candidates.CandidateBuilder.composed``)."""
-        return FusedVariant(self.eager.ws, self.spec, self.op, config)
+        return FusedVariant(self.ws, self.spec, self.op, config)
 
     def variants(self) -> list:
         """The eager baseline and every configuration."""
-        return [self.eager] + [v for group in self.patterns.values() for v in group]
+        return [v for v in [self.eager] if v] + [v for group in self.patterns.values() for v in group]
 
     def first_stage(self) -> list:
         """The eager baseline and one configuration per access pattern (every layout, default knobs)."""
-        return [self.eager] + [group[0] for group in self.patterns.values()]
+        return [v for v in [self.eager] if v] + [group[0] for group in self.patterns.values()]
 
     def second_stage(self, ranked: list, top: int) -> list:
         """Every configuration of the ``top`` access patterns whose first-stage variants come first
@@ -277,11 +282,15 @@ class OperatorSpace:
 def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool = False,
                    limit_ops: int | None = None, limit_configs: int | None = None,
                    seed: int = 0) -> tuple[list[OperatorSpace], dict]:
-    """(spaces, notes): one ``OperatorSpace`` per fused operator (the first ``limit_ops``), with at
-    most ``limit_configs`` configurations each.  ``notes``: {operator: why it has no configurations}."""
+    """(spaces, notes): one ``OperatorSpace`` per fused operator (the first ``limit_ops``), then one
+    per join of them (``layouts.space.column_sum_joins``), with at most ``limit_configs``
+    configurations each.  ``notes``: {operator: why it has no configurations}."""
     ws = Workspace(training, device, dtype, seed)
     spaces, notes = [], {}
-    for op in fused_operators(training)[:limit_ops]:
+    ops = fused_operators(training)[:limit_ops]
+    joins = [op for op in column_sum_joins(training.graph, training.operators) if op.name.split("+")[0] in
+             {o.name for o in ops}]
+    for op in ops + joins:
         try:
             configs = configurations(training.graph, op, exhaustive=exhaustive)[:limit_configs]
         except Exception as exc:  # an operator the layout space cannot describe yet
@@ -293,7 +302,7 @@ def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool
         patterns: dict = {}
         for config in configs:
             patterns.setdefault(access_pattern(config), []).append(config)
-        spaces.append(OperatorSpace(op, EagerVariant(ws, spec, op), {
+        spaces.append(OperatorSpace(op, EagerVariant(ws, spec, op) if op in ops else None, {
             pattern: [FusedVariant(ws, spec, op, c) for c in [first[pattern]] + [c for c in group if c is not first[pattern]]]
-            for pattern, group in patterns.items()}, spec))
+            for pattern, group in patterns.items()}, spec, ws))
     return spaces, notes

@@ -71,6 +71,13 @@ GENERATOR_VERSION = 3
 # cross-compiled for sm_90: BERT-large's bias + ReLU + dropout over ubj at 8 or 4 elements a thread,
 # GPT-2's softmax + dropout over rows of 1024 at 16).
 GATHER_ELEMENTS = 32
+# The kernel adding up each program's column sums (``layouts.space.column_sums``; ``_part_code``'s
+# ``sums_kernel``): columns per program, programs' sums per load (all of them, for up to 256 programs:
+# one load per sum).  (Atomic adds of each program's sums into one row were wrong on an H100 with
+# Triton 3.6 in most configurations; a last program to arrive adding everyone's sums left a serial
+# tail: BERT-large's layernorm backward with its parameter gradients and the output bias gradient
+# 31.4 us, against 18.7 for the layernorm backward alone; 32 columns and 64 programs a load: 9.9 us.)
+SUM_COLUMNS, SUM_ROWS = 16, 256
 CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" / "datamove" / "kernels"))
 _FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
               "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh"}
@@ -95,6 +102,7 @@ class _Plan:
     row_calls: tuple  # ... per column for BLOCK_ROW rows of one call, 64 G + 2 t + 8 i + e (``_row_call_masks``)
     split: int  # row slices of mode "split" (1: none)
     reduced_outputs: tuple  # tensors the reduce primitives produce, in primitive order
+    summed: tuple = ()  # the column sums' outputs (``layouts.space.column_sums``), in primitive order
 
 
 def _row_call_masks(graph, letters: OperatorLetters, rows: str, regenerated: tuple, block_row: int) -> tuple:
@@ -113,11 +121,17 @@ def _row_call_masks(graph, letters: OperatorLetters, rows: str, regenerated: tup
 def _plan(graph, op, knobs: dict) -> _Plan:
     letters = operator_letters(graph, op)
     reduces = [p for p in op.primitives if p.kind == "reduce"]
+    summed = []
     for prim in reduces:
         mine = "".join(letters.prim_letters[prim.name][l] for l in prim.reduced)
-        if set(mine) != set(letters.reduced):
+        if letters.summed and set(mine) == set(letters.summed):
+            summed.append(prim.output.tensor)
+        elif set(mine) != set(letters.reduced):
             raise NotImplementedError(f"{op.name}: reductions over different letter sets ({mine} vs "
                                       f"{letters.reduced}) in one kernel")
+    if summed and (knobs["mode"] != "row" or knobs["vector"] not in letters.reduced):
+        raise ValueError(f"{op.name}: column sums over {letters.summed} need mode 'row' with the vector letter "
+                         f"reduced ({letters.reduced}), not mode {knobs['mode']!r} along {knobs['vector']!r}")
     if sorted(knobs["order"]) != sorted(letters.letters) or knobs["order"][-1] != knobs["vector"]:
         raise ValueError(f"{op.name}: knob order {knobs['order']!r} must hold letters {letters.letters!r}, "
                          f"vector {knobs['vector']!r} last")
@@ -141,7 +155,7 @@ def _plan(graph, op, knobs: dict) -> _Plan:
     row_calls = () if reduce_axis != 1 else tuple(
         t for t in _row_call_masks(graph, letters, rows, regenerated, knobs["block_row"]) if t not in grouped + row_grouped)
     return _Plan(letters, grid, rows, cols, reduce_axis, loads, regenerated, tuple(op.outputs), tuple(sorted(dim_names)),
-                 grouped, row_grouped, row_calls, split, tuple(p.output.tensor for p in reduces))
+                 grouped, row_grouped, row_calls, split, tuple(p.output.tensor for p in reduces), tuple(summed))
 
 
 class _Expr(ast.NodeTransformer):
@@ -192,9 +206,10 @@ def _var(tensor: str) -> str:
     return f"v_{tensor}"
 
 
-def _part_code(graph, op, knobs: dict, index64: bool) -> tuple[list, list[str], str]:
+def _part_code(graph, op, knobs: dict, index64: bool) -> tuple[list, list[str], str, tuple | None]:
     """The code of one connected part: (signature [(parameter names, comment)], body lines at
-    depth 1 starting from the program id ``pid``, a description for the docstring)."""
+    depth 1 starting from the program id ``pid``, a description for the docstring, and for column
+    sums the (signature, body) of the kernel that adds up each program's sums)."""
     plan = _plan(graph, op, knobs)
     L = plan.letters
     axes = L.tensor_axes
@@ -219,8 +234,12 @@ def _part_code(graph, op, knobs: dict, index64: bool) -> tuple[list, list[str], 
         sig.append((["split_partials_ptr"], f"float32 [{len(plan.reduced_outputs)}, BLOCK_SPLIT, column blocks, "
                                             "BLOCK_COL], contiguous: each slice's partial sums"))
         sig.append((["split_arrivals_ptr"], "int32 [column blocks], zero between launches: slices done"))
+    if plan.summed:
+        sig.append((["sums_ptr"], f"float32 [BLOCK_PROGRAMS, {len(plan.summed)}, BLOCK_COL]: each program's "
+                                  "column sums (``{name}_sums_kernel`` adds them up)"))
     sig.append((["BLOCK_ROW: tl.constexpr", "BLOCK_COL: tl.constexpr"] +
-                (["BLOCK_SPLIT: tl.constexpr"] if plan.split > 1 else []), ""))
+                (["BLOCK_SPLIT: tl.constexpr"] if plan.split > 1 else []) +
+                (["BLOCK_PROGRAMS: tl.constexpr"] if plan.summed else []), ""))
 
     w = _Writer()
     def describe(prim) -> str:
@@ -260,6 +279,26 @@ Knobs: {knobs}"""
     def extent(group: str) -> str:
         return " * ".join(f"size_{l}" for l in group) if group else "1"
 
+    row_block = "rb" if plan.summed else "pid"  # the index of the block of rows a program takes (reduced along columns)
+
+    def emit_row_block(depth: int):
+        """rows (and, inside a loop over blocks of rows, row_ok and the row letters' indices) of block ``row_block``."""
+        if plan.row_calls:  # rows 64 G + 2 t + 8 i + e of call 4 G + t (byte 2 i + e):
+            # 64 // BLOCK_ROW blocks per G, t = block % 4, BLOCK_ROW // 2 values of i from (block // 4) % (16 // BLOCK_ROW)
+            w(f"row_group = {row_block} // (64 // BLOCK_ROW)  # G", depth)
+            w(f"row_byte = (({row_block} // 4) % (16 // BLOCK_ROW)) * BLOCK_ROW  # the byte of the block's first row: 2 i + e",
+              depth)
+            w(f"row_start = row_group * 64 + 2 * ({row_block} % 4) + 4 * row_byte", depth)
+            w("rows = row_start + 8 * (tl.arange(0, BLOCK_ROW) // 2) + tl.arange(0, BLOCK_ROW) % 2", depth)
+        else:
+            w(f"row_start = {row_block} * BLOCK_ROW", depth)
+            w("rows = row_start + tl.arange(0, BLOCK_ROW)", depth)
+        if plan.summed:
+            if index64:
+                w("rows = rows.to(tl.int64)", depth)
+            w("row_ok = (rows < n_rows)[:, None]", depth)
+            decompose("rows", plan.rows, "[:, None]", depth)
+
     w(f"n_rows = {extent(plan.rows)}")
     w(f"n_cols = {extent(plan.cols)}")
     if plan.reduce_axis is None:
@@ -268,16 +307,9 @@ Knobs: {knobs}"""
         w("rows = row_start + tl.arange(0, BLOCK_ROW)")
         w("col_start = (pid % col_blocks) * BLOCK_COL")
         w("cols = col_start + tl.arange(0, BLOCK_COL)")
-    elif plan.reduce_axis == 1 and plan.row_calls:  # rows 64 G + 2 t + 8 i + e of call 4 G + t (byte 2 i + e):
-        # 64 // BLOCK_ROW programs per G, t = pid % 4, BLOCK_ROW // 2 values of i from (pid // 4) % (16 // BLOCK_ROW)
-        w("row_group = pid // (64 // BLOCK_ROW)  # G")
-        w("row_byte = ((pid // 4) % (16 // BLOCK_ROW)) * BLOCK_ROW  # the byte of the block's first row: 2 i + e")
-        w("row_start = row_group * 64 + 2 * (pid % 4) + 4 * row_byte")
-        w("rows = row_start + 8 * (tl.arange(0, BLOCK_ROW) // 2) + tl.arange(0, BLOCK_ROW) % 2")
-    elif plan.reduce_axis == 1:
-        w("row_start = pid * BLOCK_ROW")
-        w("rows = row_start + tl.arange(0, BLOCK_ROW)")
-    else:
+    elif plan.reduce_axis == 1 and not plan.summed:
+        emit_row_block(1)
+    elif plan.reduce_axis == 0:
         if plan.split > 1:  # the BLOCK_SPLIT programs of a column block are neighbours
             w("row_slice = pid % BLOCK_SPLIT")
             w("pid = pid // BLOCK_SPLIT")
@@ -288,8 +320,9 @@ Knobs: {knobs}"""
         decompose("g", plan.grid, "")
     if index64:
         for axis in ("rows", "cols") if plan.reduce_axis is None else (("rows",) if plan.reduce_axis == 1 else ("cols",)):
-            w(f"{axis} = {axis}.to(tl.int64)")
-    if plan.reduce_axis != 0:
+            if not (axis == "rows" and plan.summed):
+                w(f"{axis} = {axis}.to(tl.int64)")
+    if plan.reduce_axis != 0 and not plan.summed:
         w("row_ok = (rows < n_rows)[:, None]")
         decompose("rows", plan.rows, "[:, None]")
     if plan.reduce_axis != 1:
@@ -340,7 +373,7 @@ Knobs: {knobs}"""
                 note = "one Philox call per sixteen rows"
             elif t in plan.row_calls:  # row r of the block: byte (first byte) + r of the one call of its column
                 base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
-                calls = f"((offset_{t} + {base}row_group * 64) >> 4) + pid % 4"
+                calls = f"((offset_{t} + {base}row_group * 64) >> 4) + {row_block} % 4"
                 keep = f"unpack_rows(keep_bits(seed_{t}, {calls}, {threshold}), row_byte, BLOCK_ROW)"
                 note = "one Philox call per column for the block's rows"
             else:
@@ -377,7 +410,42 @@ Knobs: {knobs}"""
             stack.extend(o.tensor for o in producer[t].inputs)
         return [p for p in op.primitives if p.output.tensor in want]
 
+    def emit_sums_partials():
+        """Each program's column sums into its row of ``sums`` (plain stores: a value its threads hold
+        twice is stored twice, never added twice); ``{name}_sums_kernel`` adds the rows up."""
+        for r, t in enumerate(plan.summed):
+            w(f"tl.store(sums_ptr + (pid * {len(plan.summed)} + {r}) * BLOCK_COL + cols[None, :], acc_{t}, mask=col_ok)")
+
+    def sums_kernel() -> tuple[list, list[str]]:
+        """(signature, body) of the kernel adding the programs' column sums and storing them: one
+        program per ``SUM_COLUMNS`` columns, ``SUM_ROWS`` programs' sums per load."""
+        n = len(plan.summed)
+        fsig = [(["sums_ptr"], f"float32 [programs, {n}, BLOCK_COL]: each program's column sums")]
+        fsig += [([f"{t}_ptr"], f"{axes[t]} (spec order {graph.tensors[t].letters}), any strides: output")
+                 for t in plan.summed]
+        fsig += [([f"stride_{t}_{l}" for l in axes[t]], "") for t in plan.summed if axes[t]]
+        fsig += [([f"size_{l}" for l in plan.cols], ""), (["programs"], "programs of the main kernel"),
+                 (["BLOCK_COL: tl.constexpr", "SUM_ROWS: tl.constexpr", "SUM_COLUMNS: tl.constexpr"], "")]
+        main_lines, w.lines = w.lines, []
+        w("pid = tl.program_id(0)")
+        w(f"n_cols = {extent(plan.cols)}")
+        w("cols = pid * SUM_COLUMNS + tl.arange(0, SUM_COLUMNS)")
+        w("col_ok = (cols < n_cols)[None, :]")
+        decompose("cols", plan.cols, "[None, :]")
+        for t in plan.summed:
+            w(f"{_var(t)} = tl.zeros([1, SUM_COLUMNS], tl.float32)")
+        w("for start in range(0, programs, SUM_ROWS):  # program order")
+        w("rows = (start + tl.arange(0, SUM_ROWS))[:, None]", 2)
+        for r, t in enumerate(plan.summed):
+            w(f"{_var(t)} += tl.sum(tl.load(sums_ptr + (rows * {n} + {r}) * BLOCK_COL + cols[None, :], "
+              "mask=(rows < programs) & col_ok, other=0.0), axis=0)[None, :]", 2)
+        for t in plan.summed:
+            emit_store(t, 1)
+        finish, w.lines = w.lines, main_lines
+        return fsig, finish
+
     if plan.reduce_axis is None or knobs["mode"] == "row":
+        depth = 1
         if plan.reduce_axis == 1:
             w("col_start = 0")
             w("cols = tl.arange(0, BLOCK_COL)")
@@ -388,19 +456,36 @@ Knobs: {knobs}"""
             w("rows = tl.arange(0, BLOCK_ROW)")
             w("row_ok = (rows < n_rows)[:, None]")
             decompose("rows", plan.rows, "[:, None]")
-        for t in op.inputs:
-            emit_input(t, 1)
+        inputs = list(op.inputs)
+        if plan.summed:  # column sums: a loop over every BLOCK_PROGRAMS-th block of rows from this program's
+            inputs = [t for t in op.inputs if any(l in plan.rows for l in axes[t])]
+            for t in op.inputs:  # read once: what has no row letter (a layernorm's gamma)
+                if t not in inputs:
+                    emit_input(t, 1)
+            for t in plan.summed:  # each block's rows added up as it goes (one row of registers)
+                w(f"acc_{t} = tl.zeros([1, BLOCK_COL], tl.float32)")
+            w(f"for {row_block} in range(pid, tl.cdiv(n_rows, BLOCK_ROW), BLOCK_PROGRAMS):")
+            depth = 2
+            emit_row_block(depth)
+        for t in inputs:
+            emit_input(t, depth)
         for prim in op.primitives:
             if prim.kind == "map":
-                emit_map(prim, 1)
+                emit_map(prim, depth)
+            elif prim.output.tensor in plan.summed:
+                w(f"acc_{prim.output.tensor} += tl.sum(tl.where(row_ok & col_ok, {_var(prim.inputs[0].tensor)}, 0.0), "
+                  "axis=0)[None, :]", depth)
             else:
                 neutral = "0.0" if prim.expr == "sum" else 'float("-inf")'
                 fn = "tl.sum" if prim.expr == "sum" else "tl.max"
                 keep = "[:, None]" if plan.reduce_axis == 1 else "[None, :]"
                 w(f"{_var(prim.output.tensor)} = {fn}(tl.where(row_ok & col_ok, {_var(prim.inputs[0].tensor)}, {neutral}), "
-                  f"axis={plan.reduce_axis}){keep}", 1)
+                  f"axis={plan.reduce_axis}){keep}", depth)
         for t in plan.outputs:
-            emit_store(t, 1)
+            if t not in plan.summed:
+                emit_store(t, depth)
+        if plan.summed:
+            emit_sums_partials()
     else:  # loop: one pass per reduction level, then the outputs
         if plan.reduce_axis == 1:
             idx_axis, ok, shape, n, block = "cols", "col_ok", "[None, :]", "n_cols", "BLOCK_COL"
@@ -499,7 +584,8 @@ Knobs: {knobs}"""
             if plan.split > 1:
                 emit_split_finish()
             emit_statistics()
-    return sig, w.lines, doc
+    finish = sums_kernel() if plan.summed else None
+    return sig, w.lines, doc, finish
 
 
 _PRELUDE = '''import triton
@@ -549,7 +635,7 @@ def generate_source(graph, op, config: Configuration, *, index64: bool = False) 
     name = _kernel_name(op)
     codes = [_part_code(graph, part, knobs, index64) for part, knobs in zip(split, _part_knobs(config, len(split)))]
     if len(split) == 1:
-        sig, lines, doc = codes[0]
+        sig, lines, doc, finish = codes[0]
         header = f'''"""Generated by kernels.codegen: operator {op.name} ({op.cls}).
 
 {doc}
@@ -560,9 +646,14 @@ Layouts: {config.layouts}
 @triton.jit
 def {name}_kernel('''
         pid = "    pid = tl.program_id(0)"
-        return "\n".join([header] + _signature(sig) + ["):", pid] + lines) + "\n"
+        source = [header] + _signature(sig) + ["):", pid] + lines
+        if finish:
+            source += ["", "", "@triton.jit", f"def {name}_sums_kernel("] + _signature(finish[0]) + ["):"] + finish[1]
+        return "\n".join(source) + "\n"
+    if any(finish for *_, finish in codes):
+        raise NotImplementedError(f"{op.name}: column sums in an operator of several parts")
     docs = "\n\n".join(f"Part {k} (program range [end_{k - 1}, end_{k})):\n{doc}".replace("[end_-1", "[0")
-                         for k, (_, _, doc) in enumerate(codes))
+                         for k, (_, _, doc, _) in enumerate(codes))
     out = [f'''"""Generated by kernels.codegen: operator {op.name} ({op.cls}), {len(split)} independent parts
 in disjoint program ranges of one launch.
 
@@ -572,18 +663,18 @@ Layouts: {config.layouts}
 Knobs: {config.knobs}
 """
 {_PRELUDE}''']
-    for k, (sig, lines, _) in enumerate(codes):
+    for k, (sig, lines, _, _) in enumerate(codes):
         out += ["", "@triton.jit", f"def {name}_part{k}(", "    pid,  # program index within this part's range"]
         out += _signature(sig) + ["):"] + lines
     out += ["", "", "@triton.jit", f"def {name}_kernel("]
     per_part = lambda n, k: f"{n.split(':')[0]}_{k}{n[len(n.split(':')[0]):]}" if _shared(n) else n  # noqa: E731
-    for k, (sig, _, _) in enumerate(codes):  # runtime parameters, then the parts' program ranges, then blocks
+    for k, (sig, *_) in enumerate(codes):  # runtime parameters, then the parts' program ranges, then blocks
         out += _signature([(names, c) for names, c in sig if not names[0].startswith("BLOCK_")], lambda n: per_part(n, k))
     out.append("    " + ", ".join(f"end_{k}" for k in range(len(split) - 1)) + ",  # where part k's program range ends")
-    for k, (sig, _, _) in enumerate(codes):
+    for k, (sig, *_) in enumerate(codes):
         out += _signature([(names, c) for names, c in sig if names[0].startswith("BLOCK_")], lambda n: per_part(n, k))
     out += ["):", "    pid = tl.program_id(0)"]
-    for k, (sig, _, _) in enumerate(codes):
+    for k, (sig, *_) in enumerate(codes):
         args = ", ".join(f"{n.split(':')[0]}_{k}" if _shared(n) else n for names, _ in sig for n in names)
         start = f" - end_{k - 1}" if k else ""
         if k == len(split) - 1:
@@ -653,7 +744,7 @@ class CompiledOperator:
         self.plan = self.plans[0] if len(self.plans) == 1 else None  # the single part's plan
         self.loads = tuple(t for plan in self.plans for t in plan.loads)  # every tensor read from memory
         self._kernels: dict[bool, object] = {}
-        self._scratch: dict[tuple, list] = {}  # (part, device) -> mode "split" buffers
+        self._scratch: dict[tuple, object] = {}  # (part, device[, "sums"]) -> mode "split" / column sums' buffers
         self._bound = [(kind, t) for plan in self.plans for kind, names in (("load", plan.loads), ("output", plan.outputs))
                        for t in names]  # each part's loads, then its outputs: the kernel's pointer order
         self._templates: dict[tuple, tuple] = {}  # (shapes and strides, device) -> ``_template``
@@ -663,7 +754,8 @@ class CompiledOperator:
     def _variant(self, index64: bool):
         source = generate_source(self.graph, self.op, self.config, index64=index64)
         module, path = _load_module(source)
-        self._kernels[index64] = getattr(module, f"{_kernel_name(self.op)}_kernel")
+        name = _kernel_name(self.op)
+        self._kernels[index64] = (getattr(module, f"{name}_kernel"), getattr(module, f"{name}_sums_kernel", None))
         return self._kernels[index64], source, path
 
     def _size(self, plan: _Plan, letter: str) -> int:
@@ -680,7 +772,8 @@ class CompiledOperator:
         if plan.reduce_axis is None:
             return triton.cdiv(rows, knobs["block_row"]) * triton.cdiv(cols, knobs["block_col"])
         if plan.reduce_axis == 1:
-            return triton.cdiv(rows, knobs["block_row"])
+            blocks = triton.cdiv(rows, knobs["block_row"])
+            return min(blocks, knobs["programs"]) if plan.summed else blocks
         return self._extent(plan, plan.grid) * triton.cdiv(cols, knobs["block_col"]) * plan.split
 
     def _split_buffers(self, k: int, plan: _Plan, knobs: dict, device) -> list:
@@ -695,6 +788,15 @@ class CompiledOperator:
                 torch.zeros(blocks, dtype=torch.int32, device=device)]
         return self._scratch[key]
 
+    def _sums_buffer(self, k: int, plan: _Plan, knobs: dict, device) -> torch.Tensor:
+        """Part ``k``'s column sums of each program on ``device``, made once (each launch writes
+        all of them before its sums kernel reads them), so a CUDA graph can replay them."""
+        key = (k, str(device), "sums")
+        if key not in self._scratch:
+            self._scratch[key] = torch.empty(self._programs(plan, knobs) * len(plan.summed) * knobs["block_col"],
+                                             dtype=torch.float32, device=device)
+        return self._scratch[key]
+
     def grid(self) -> tuple[int]:
         return (sum(self._programs(plan, knobs) for plan, knobs in zip(self.plans, self.part_knobs)),)
 
@@ -705,8 +807,8 @@ class CompiledOperator:
                               and self.graph.tensors[t].role != "dropout"), loads[0])
             outputs = {t: allocate(self.graph, t, self.config.layouts[t], reference.dtype, reference.device)
                        for plan in self.plans for t in plan.outputs}
-        launch, args = self._arguments(tensors, outputs, seeds or {})
-        launch(args)
+        for launch, args in self._arguments(tensors, outputs, seeds or {}):
+            launch(args)
         return outputs
 
     def _check_shapes(self, tensors: dict) -> None:
@@ -726,41 +828,45 @@ class CompiledOperator:
                   for t in self.loads}
         outputs = {t: allocate(self.graph, t, self.config.layouts[t], dtype, "meta")
                    for plan in self.plans for t in plan.outputs}
-        launch, args = self._arguments(stored, outputs, seeds)
-        launch.kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=launch.grid,
-                             **launch.kwargs)
+        for launch, args in self._arguments(stored, outputs, seeds):
+            launch.kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=launch.grid,
+                                 **launch.kwargs)
 
-    def _arguments(self, tensors: dict, outputs: dict, seeds: dict) -> tuple:
-        """(launcher, positional args) of one launch on ``tensors`` -> ``outputs``: the arguments'
-        template (``_template``) made once per tensors' shapes, strides and device, filled with
-        this call's tensors and seeds (host time per launch counts where nothing is graphed)."""
+    def _arguments(self, tensors: dict, outputs: dict, seeds: dict) -> list[tuple]:
+        """[(launcher, positional args)] of the launches on ``tensors`` -> ``outputs`` (the kernel,
+        then for column sums the kernel adding them up): the arguments' template (``_template``)
+        made once per tensors' shapes, strides and device, filled with this call's tensors and
+        seeds (host time per launch counts where nothing is graphed)."""
         bound = [tensors[t] if kind == "load" else outputs[t] for kind, t in self._bound]
         key = (tuple((tuple(x.shape), x.stride()) for x in bound), bound[0].device)
         template = self._templates.get(key)
         if template is None:  # first call with these shapes and strides: checked here, once
             self._check_shapes(tensors)
             template = self._templates[key] = self._template(bound)
-        launch, slots, grouped = template
+        launches, grouped = template
         for t in grouped:
             if seeds[t][1] % DECISION_GROUP:
                 raise ValueError(f"dropout mask {t}: counter offset {seeds[t][1]} is not a multiple of {DECISION_GROUP}, "
                                  f"which drawing whole groups of Philox calls needs (dataflow.executor.dropout_offsets)")
-        args = []
-        for kind, value in slots:
-            if kind == _TENSOR:
-                args.append(bound[value])
-            elif kind == _SEED:
-                seed = seeds[value][0]
-                args += [seed if isinstance(seed, torch.Tensor) else int(seed), int(seeds[value][1])]
-            else:
-                args.append(value)
-        return launch, args
+        result = []
+        for launch, slots in launches:
+            args = []
+            for kind, value in slots:
+                if kind == _TENSOR:
+                    args.append(bound[value])
+                elif kind == _SEED:
+                    seed = seeds[value][0]
+                    args += [seed if isinstance(seed, torch.Tensor) else int(seed), int(seeds[value][1])]
+                else:
+                    args.append(value)
+            result.append((launch, args))
+        return result
 
     def _template(self, bound: list) -> tuple:
-        """(launcher, argument slots, grouped masks) for tensors shaped and strided as ``bound``
-        (``self._bound``'s order): the launcher a ``kernels.launch.DirectLaunch`` of the kernel on
-        its grid with its constexprs; a slot is (_TENSOR, index into ``bound``),
-        (_SEED, mask: its seed and counter offset) or (_VALUE, the argument)."""
+        """([(launcher, argument slots)], grouped masks) for tensors shaped and strided as ``bound``
+        (``self._bound``'s order): a launcher is a ``kernels.launch.DirectLaunch`` of the kernel (then,
+        for column sums, of the kernel adding them up) on its grid with its constexprs; a slot is
+        (_TENSOR, index into ``bound``), (_SEED, mask: its seed and counter offset) or (_VALUE, the argument)."""
         reach, slots, ends, blocks, grouped, n = [], [], [], {}, [], 0
         for k, (plan, part_knobs) in enumerate(zip(self.plans, self.part_knobs)):
             axes = plan.letters.tensor_axes
@@ -778,20 +884,35 @@ class CompiledOperator:
             if plan.split > 1:
                 slots += [(_VALUE, x) for x in self._split_buffers(k, plan, part_knobs, mine[0].device)]
                 blocks[f"BLOCK_SPLIT{suffix}"] = plan.split
+            if plan.summed:
+                sums = self._sums_buffer(k, plan, part_knobs, mine[0].device)
+                slots.append((_VALUE, sums))
+                blocks[f"BLOCK_PROGRAMS{suffix}"] = self._programs(plan, part_knobs)
+                outputs = [n - len(plan.outputs) + plan.outputs.index(t) for t in plan.summed]  # indices into bound
+                finish = [(_VALUE, sums)] + [(_TENSOR, i) for i in outputs]
+                finish += [(_VALUE, stride) for i in outputs for stride in bound[i].stride()]
+                finish += [(_VALUE, self._size(plan, l)) for l in plan.cols] + [(_VALUE, self._programs(plan, part_knobs))]
+                finish_grid = (triton.cdiv(self._extent(plan, plan.cols), SUM_COLUMNS),)
+                finish_blocks = {"BLOCK_COL": part_knobs["block_col"], "SUM_ROWS": SUM_ROWS, "SUM_COLUMNS": SUM_COLUMNS,
+                                 "num_warps": 4}
             blocks[f"BLOCK_ROW{suffix}"] = part_knobs["block_row"]
             blocks[f"BLOCK_COL{suffix}"] = part_knobs["block_col"]
             ends.append((ends[-1] if ends else 0) + self._programs(plan, part_knobs))
         if len(self.plans) > 1:
             slots += [(_VALUE, end) for end in ends[:-1]]
         index64 = max(reach) >= 2 ** 31 - 1
-        kernel = self._kernels.get(index64) or self._variant(index64)[0]
+        kernel, sums_kernel = self._kernels.get(index64) or self._variant(index64)[0]
         varying, n = [], 0  # argument positions of the tensors and seeds (strides, sizes, scalars: the template's)
         for kind, _ in slots:
             width = 2 if kind == _SEED else 1
             varying += range(n, n + width) if kind in (_TENSOR, _SEED) else []
             n += width
-        launch = DirectLaunch(kernel, (ends[-1],), {**blocks, "num_warps": self.config.knobs["num_warps"]}, varying)
-        return launch, slots, tuple(grouped)
+        launches = [(DirectLaunch(kernel, (ends[-1],), {**blocks, "num_warps": self.config.knobs["num_warps"]}, varying),
+                     slots)]
+        if sums_kernel is not None:
+            launches.append((DirectLaunch(sums_kernel, finish_grid, finish_blocks,
+                                          [n for n, (kind, _) in enumerate(finish) if kind == _TENSOR]), finish))
+        return launches, tuple(grouped)
 
 
 _TENSOR, _SEED, _VALUE = "tensor", "seed", "value"  # kinds of CompiledOperator._template's argument slots

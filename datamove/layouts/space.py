@@ -20,6 +20,10 @@ stride 1 along i.  A *configuration* of a non-contraction operator is
                   column block, each loops over its slice of the rows, and the last of them to
                   finish adds the partial sums in slice order and stores the result);
     ``split``     the number of row slices (mode "split" only);
+    ``programs``  an operator with column sums (``column_sums``: a layernorm backward with its
+                  parameter gradients): mode "row" on this many programs (at most one per block
+                  of rows), each visiting every ``programs``-th block of rows and adding up its
+                  column sums, which the last program to finish stores;
     ``block_row``, ``block_col``  tile sizes (powers of two) of the tile's two axes;
     ``num_warps``;
     ``dropout``   "regenerate" (Philox from (seed, offset)) or "load" (read a stored mask).
@@ -67,6 +71,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
+from datamove.dataflow.operators import NORMALIZATION, make_operator
 
 MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 # Modes a first stage measures an access pattern with (one pass over the data, enough programs):
@@ -81,6 +86,10 @@ PLAIN_TILE = 4096  # ... with tiles of at most 32 fp32 values per thread at 4 wa
 ELEMENTWISE_TILES = (1024, 4096, 8192)
 ELEMENTWISE_COLUMNS = (32, 64, 128, 512)
 SPLIT_PROGRAMS = 512  # programs a "split" reduction aims at (a few per multiprocessor of an H100 / H200)
+# Programs an operator with column sums is tried with (each visits rows in turn and stores its sums, which
+# a second kernel adds up: more programs, more sums to store and add; 1024 took 1.5x the time of 256 on
+# BERT-large's layernorm backwards, H100).
+SUM_PROGRAMS = (128, 256, 512)
 # Rows per program of a reduction along the tile's columns whose dropout masks run along its rows:
 # each takes rows of one Philox call per column (``kernels.codegen._row_call_masks``).
 ROW_CALL_BLOCKS = (2, 4, 8, DECISIONS_PER_CALL)
@@ -110,8 +119,8 @@ class OperatorLetters:
 
     tensor_axes: {tensor -> operator letter of each axis, in the tensor's spec order}
     prim_letters: {primitive name -> {primitive letter -> operator letter}}
-    letters: every operator letter; reduced: letters reduced by the reduce primitives;
-    dims: {operator letter -> dim name}.
+    letters: every operator letter; reduced: letters reduced by the reduce primitives (but those
+    of ``summed``); dims: {operator letter -> dim name}; summed: see ``column_sums``.
     """
 
     tensor_axes: dict
@@ -119,6 +128,7 @@ class OperatorLetters:
     letters: str
     reduced: str
     dims: dict
+    summed: str = ""  # letters of column sums over the rows of a tile reduced along ``reduced`` (``column_sums``)
 
     @property
     def independent(self) -> str:
@@ -216,7 +226,73 @@ def operator_letters(graph, op) -> OperatorLetters:
     letters += "".join(l for l in dict.fromkeys(names.values()) if l not in letters)
     reduced = "".join(dict.fromkeys(prim_letters[p.name][l] for p in op.primitives if p.kind == "reduce"
                                     for l in p.reduced))
-    return OperatorLetters(tensor_axes, prim_letters, letters, reduced, dims)
+    summed = column_sums(op, prim_letters, letters)
+    return OperatorLetters(tensor_axes, prim_letters, letters, "".join(l for l in reduced if l not in summed), dims,
+                           summed)
+
+
+def column_sums(op, prim_letters: dict, letters: str) -> str:
+    """The letters of an operator's *column sums*, or "": where its reductions run over two
+    disjoint letter sets that together are all its letters, and every reduction over one of them
+    is a sum nothing inside reads (a layernorm's parameter gradients, a bias gradient, joined to
+    the layernorm backward that reads the same tensors: ``dataflow.fusion.column_sum_joins``), the
+    tile reduces along the other set's letters (its columns, whole rows per block) and those sums
+    run over its rows, each program adding up the rows it visits (``kernels.codegen``)."""
+    reduces = [p for p in op.primitives if p.kind == "reduce"]
+    sets = {p.name: frozenset(prim_letters[p.name][l] for l in p.reduced) for p in reduces}
+    distinct = set(sets.values())
+    if len(distinct) != 2:
+        return ""
+    first, second = distinct
+    if first & second or first | second != set(letters):
+        return ""
+    read = {o.tensor for p in op.primitives for o in p.inputs}
+    terminal = [group for group in (first, second) if all(
+        p.expr == "sum" and p.output.tensor not in read for p in reduces if sets[p.name] == group)]
+    return "".join(l for l in letters if l in terminal[0]) if len(terminal) == 1 else ""
+
+
+def column_sum_joins(graph, operators) -> list:
+    """Operators that join a normalization (a layernorm backward) with its neighbours in
+    ``operators`` (the fused graph's order) that only compute column sums over its rows (its
+    parameter gradients, a bias gradient of what it writes), where they share a tensor and the
+    join has ``column_sums``: one pass instead of one per operator.  Each is named by its
+    members joined with "+"; candidates beside the separate operators, which the selection weighs
+    (on BERT-large the layernorm backward's data gradient and its parameter gradients each read
+    the same two 8 MB tensors)."""
+    result = []
+    for k, op in enumerate(operators):
+        if op.cls != NORMALIZATION or terminal_reductions(op):
+            continue
+        first, last, joined = k, k, None
+        while True:
+            grown = None
+            for n in (first - 1, last + 1):
+                other = operators[n] if 0 <= n < len(operators) else None
+                if other is None or other.cls != NORMALIZATION or other.phase != op.phase \
+                        or not terminal_reductions(other) or len(parts(other)) > 1:
+                    continue
+                members = operators[min(first, n):max(last, n) + 1]
+                tensors = lambda ops: {t for o in ops for t in (*o.inputs, *o.outputs)}  # noqa: E731
+                if not tensors([other]) & tensors(operators[first:last + 1]):
+                    continue
+                trial = make_operator(graph, [p for m in members for p in m.primitives], op.phase,
+                                      name="+".join(m.name for m in members), cls=NORMALIZATION)
+                if operator_letters(graph, trial).summed:
+                    grown = (min(first, n), max(last, n), trial)
+                    break
+            if grown is None:
+                break
+            first, last, joined = grown
+        if joined is not None:
+            result.append(joined)
+    return result
+
+
+def generated_operators(graph, operators) -> dict:
+    """{name -> operator} of ``operators`` and their joins (``column_sum_joins``): what a plan's
+    generated step runs, by the step's name."""
+    return {op.name: op for op in [*operators, *column_sum_joins(graph, operators)]}
 
 
 def tile_axes(letters: OperatorLetters, knobs: dict) -> tuple[str, str, str]:
@@ -260,6 +336,11 @@ def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhau
         for tile in ELEMENTWISE_TILES:
             for bc in sorted({min(c, n_cols) for c in ELEMENTWISE_COLUMNS}):
                 combos.append(("tile", min(max(1, tile // bc), n_rows), bc, 1))
+    elif letters.summed:  # whole rows along the columns, column sums over the rows each program visits
+        if vector in letters.reduced:
+            for pb in sorted({min(b, n_rows) for b in ((1, *ROW_CALL_BLOCKS) if masked else (1, 4, DECISIONS_PER_CALL))}):
+                if n_cols * pb <= MAX_TILE:
+                    combos += [("row", pb, n_cols, programs) for programs in SUM_PROGRAMS]
     else:
         reduce_rows = vector not in letters.reduced  # the reduction runs along the tile's rows
         n_red, n_par = (n_rows, n_cols) if reduce_rows else (n_cols, n_rows)
@@ -276,11 +357,11 @@ def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhau
                         combos.append(("split", chunk, pb, split))
     result = []
     for mode, br, bc, split in dict.fromkeys(combos):
+        extra = {"split": split} if mode == "split" else {"programs": split} if letters.summed else {}
         for warps in (1, 2, 4, 8, 16):
             if br * bc >= 4 * 32 * warps or warps == 1 or (exhaustive and warps <= 4):
                 result.append({"vector": vector, "order": order, "mode": mode, "block_row": br, "block_col": bc,
-                               **({"split": split} if mode == "split" else {}), "num_warps": warps,
-                               "dropout": "regenerate"})
+                               **extra, "num_warps": warps, "dropout": "regenerate"})
     return result
 
 
@@ -326,6 +407,8 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
                 result.append(config)
 
     for vector in vectors:
+        if letters.summed and vector not in letters.reduced:
+            continue  # column sums run over the tile's rows, along which nothing else reduces
         others = [l for l in letters.letters if l != vector]
         if exhaustive:
             perms = [["".join(p) for p in itertools.permutations(graph.tensors[t].letters)] for t in externals]
