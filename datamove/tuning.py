@@ -15,11 +15,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from datamove.harness.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
 from datamove.harness.bench import Sweep
 from datamove.harness.contraction_variants import (Operands, consumer_configurations, epilogue_inputs, epilogue_of,
                                           epilogue_variants, gemm_variants, training_gemms)
-from datamove.kernels.gemm import valid_configs
+from datamove.kernels.gemm import fitted, valid_configs
 from datamove.harness.layout_change_variants import LayoutChangeVariant
 from datamove.harness.sweep_variants import sweep_variants
 from datamove.layouts.plan import GENERATED
@@ -88,7 +90,7 @@ def first_gemm_configs(dtype, count: int) -> list:
     return (preferred + [c for c in configs if c not in preferred])[:count]
 
 
-def epilogue_configs(ranked: list, dropout: bool) -> list:
+def epilogue_configs(ranked: list, dropout: bool, saves: bool = False, dtype=torch.bfloat16) -> list:
     """The configurations a fused epilogue is timed with: each of the ``EPILOGUE_CONFIGS`` fastest of
     ``ranked`` (its GEMM's Triton configurations, fastest first) with the epilogue split as
     ``kernels.gemm`` chooses (column slices in turn where dropout would hold many elements a thread),
@@ -96,10 +98,13 @@ def epilogue_configs(ranked: list, dropout: bool) -> list:
     halves (``epilogue_split`` 1: one pass, more registers, each Philox call drawn once in the
     accumulator's layout; on the H200 BERT-large's FFN GEMM with bias + ReLU + dropout took 0.071 ms
     so against 0.101 in four slices, ``benchmarks/results/README.md``; persistent and stored by TMA
-    on an H100, two halves 62.0 us, the whole tile 66.1)."""
+    on an H100, two halves 62.0 us, the whole tile 66.1).  With ``saves`` (the epilogue also writes
+    the value before its activation or dropout), each with as many pipeline stages as fit beside
+    that store's shared memory (``kernels.gemm.fitted``)."""
     configs = list(ranked[:EPILOGUE_CONFIGS])
-    return configs + [replace(c, epilogue_split=split) for c in configs for split in (1, 2)
-                      if dropout and c.epilogue_split not in (1, 2)]
+    configs += [replace(c, epilogue_split=split) for c in configs for split in (1, 2)
+                if dropout and c.epilogue_split not in (1, 2)]
+    return list(dict.fromkeys(f for f in (fitted(c, dtype, saves) for c in configs) if f is not None))
 
 
 def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int = 1, layouts: int | None = None,
@@ -132,7 +137,7 @@ def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int 
         fusable = epilogue_of(fused, g)
         if fusable is not None:
             later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable,
-                                       epilogue_configs(ranked, fusable.mask is not None),
+                                       epilogue_configs(ranked, fusable.mask is not None, fusable.save is not None, dtype),
                                        consumer_configurations(fused, fusable), epilogue_inputs(g))
     tuner.measure(later)
 

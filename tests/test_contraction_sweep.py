@@ -172,3 +172,20 @@ def test_gelu_epilogue_found_in_the_spec_and_checked(tmp_path):
     assert cv._activation(chain(gelu.replace("0.044715", "0.045")), 0, "x", {}) is None
     assert cv._activation(chain("maximum(in0, 0.0)"), 0, "x", {}) == ("relu", 0)
     assert cv._activation(chain("maximum(in0, 0.01 * in0)"), 0, "x", {}) is None  # leaky
+
+
+def test_an_epilogue_that_saves_gets_the_stages_that_fit(monkeypatch):
+    """A saved pre-activation takes a second slice of the tile in shared memory (sm_90): a
+    configuration that fits without it runs one stage fewer, or two, or is dropped."""
+    from datamove.kernels import gemm
+    from datamove.tuning import epilogue_configs
+
+    monkeypatch.setattr(gemm, "interpreted", lambda: False)
+    halves = GemmConfig(128, 256, 64, 8, 4, 8, tma=True, epilogue_split=2, persistent=True, store_tma=True)
+    whole = GemmConfig(128, 256, 64, 8, 3, 8, tma=True, persistent=True, store_tma=True)
+    assert gemm.fitted(halves, torch.bfloat16, saves=False) == halves
+    assert gemm.fitted(halves, torch.bfloat16, saves=True).num_stages == 3
+    assert gemm.fitted(whole, torch.bfloat16, saves=True).num_stages == 2
+    assert gemm.fitted(GemmConfig(256, 256, 64, 8, 2, 8, tma=True, store_tma=True), torch.bfloat16, saves=True) is None
+    assert epilogue_configs([halves, whole], dropout=False, saves=True) == [gemm.replace(halves, num_stages=3),
+                                                                           gemm.replace(whole, num_stages=2)]

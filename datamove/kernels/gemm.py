@@ -40,7 +40,7 @@ Offsets inside a batch are int32: each operand must hold fewer than 2**31 elemen
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -125,14 +125,32 @@ INTERPRETER_PROGRAMS = 3  # a persistent grid under the interpreter: programs lo
 
 def valid_configs(dtype: torch.dtype = torch.bfloat16) -> tuple[GemmConfig, ...]:
     """The configs to try on this machine for inputs of ``dtype``: the interpreter's tiny set, or
-    the Hopper configs whose pipeline buffers (stages x (BM + BN) x BK elements), with a TMA store's
-    staging buffer (a slice of the tile), fit in shared memory."""
+    the Hopper configs whose pipeline buffers and staging fit in shared memory (``shared_bytes``)."""
     if interpreted():
         return INTERPRETER_CONFIGS
-    def shared_bytes(c: GemmConfig) -> int:
-        staged = c.block_m * c.block_n // max(c.epilogue_split, 1) if c.store_tma else 0
-        return (c.num_stages * (c.block_m + c.block_n) * c.block_k + staged) * dtype.itemsize
-    return tuple(c for c in HOPPER_CONFIGS if shared_bytes(c) <= HOPPER_SHARED_MEMORY)
+    return tuple(c for c in HOPPER_CONFIGS if shared_bytes(c, dtype) <= HOPPER_SHARED_MEMORY)
+
+
+def shared_bytes(c: GemmConfig, dtype: torch.dtype, saves: bool = False) -> int:
+    """Shared memory of ``c`` for inputs of ``dtype``: its pipeline buffers (stages x (BM + BN) x BK
+    elements), a TMA store's staging buffer (a slice of the tile) and, with an epilogue that also
+    writes the value before its activation or dropout (``saves``), a second slice, which that
+    store's layout change takes (sm_90, Triton 3.6: GPT-2's FFN GEMM with bias + GELU saving the
+    pre-activation asked 262176 bytes at 128 x 256 x 64, four stages, halves)."""
+    staged = c.block_m * c.block_n // max(c.epilogue_split, 1) if c.store_tma else 0
+    return (c.num_stages * (c.block_m + c.block_n) * c.block_k + staged * (2 if saves else 1)) * dtype.itemsize
+
+
+def fitted(c: GemmConfig, dtype: torch.dtype, saves: bool) -> GemmConfig | None:
+    """``c`` with as many pipeline stages as fit beside its epilogue's shared memory (``shared_bytes``;
+    at least 2), None where none does; ``c`` itself under the interpreter."""
+    if interpreted():
+        return c
+    while shared_bytes(c, dtype, saves) > HOPPER_SHARED_MEMORY:
+        if c.num_stages <= 2:
+            return None
+        c = replace(c, num_stages=c.num_stages - 1)
+    return c
 
 
 def _tma_view(t: torch.Tensor, sizes: tuple[int, int, int, int], strides: tuple[int, int, int, int]):
