@@ -21,6 +21,10 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   rows: each program writes its fp32 partial sums to a scratch buffer, and the last program of a
   column block to arrive (an int32 counter per column block, reset by that program) adds them in
   slice order and stores the result, so the sum is the same whatever order programs finish in;
+  an operator with column sums (``layouts.space.column_sums``: a layernorm backward joined with its
+  parameter gradients) runs mode "row" on ``programs`` programs, each visiting every
+  ``programs``-th block of rows and adding each block's rows into one row of sums, which it stores;
+  ``<op>_sums_kernel``, launched after it, adds the programs' rows in program order and stores them;
 - fp32 arithmetic and statistics whatever the storage dtype, stores cast to each output's dtype;
 - dropout: a multiplication by a tensor of role "dropout" is not loaded but regenerated from the
   counter ``offset_<mask> + n`` (``n`` the element's row-major index over the mask's letters in

@@ -260,6 +260,9 @@ def column_sum_joins(graph, operators) -> list:
     members joined with "+"; candidates beside the separate operators, which the selection weighs
     (on BERT-large the layernorm backward's data gradient and its parameter gradients each read
     the same two 8 MB tensors)."""
+    def tensors(ops) -> set:
+        return {t for o in ops for t in (*o.inputs, *o.outputs)}
+
     result = []
     for k, op in enumerate(operators):
         if op.cls != NORMALIZATION or terminal_reductions(op):
@@ -273,7 +276,6 @@ def column_sum_joins(graph, operators) -> list:
                         or not terminal_reductions(other) or len(parts(other)) > 1:
                     continue
                 members = operators[min(first, n):max(last, n) + 1]
-                tensors = lambda ops: {t for o in ops for t in (*o.inputs, *o.outputs)}  # noqa: E731
                 if not tensors([other]) & tensors(operators[first:last + 1]):
                     continue
                 trial = make_operator(graph, [p for m in members for p in m.primitives], op.phase,
