@@ -390,8 +390,12 @@ def test_full_size_gpu(spec, name, dtype):
     """Spec dims; random inputs (no whole-graph float64 run on the device), reference: the
     operator's primitives in float64 on the GPU, masks regenerated with the same (seed, offset)."""
     graph, ops = GRAPHS[spec]
-    op = {o.name: o for o in ops}[name]
-    offsets = dropout_offsets(graph)
+    _check_full_size(graph, {o.name: o for o in ops}[name], dtype)
+
+
+def _check_full_size(graph, op, dtype):
+    """``test_full_size_gpu`` on one operator of ``graph`` (at its spec dims), default and permuted layouts."""
+    name, offsets = op.name, dropout_offsets(graph)
     gen = torch.Generator().manual_seed(0)
     values, seeds = {}, {}
     for t in op.inputs:
@@ -509,3 +513,11 @@ def test_joined_sums_of_more_programs_than_one_load():
     assert 300 > SUM_ROWS
     _check_join("bert", "d_ln1_gamma+d_attn+d_bo", _joined(graph, joins["d_ln1_gamma+d_attn+d_bo"], 300, 1),
                 dims="many_rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec,name", JOINS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joined_full_size_gpu(spec, name, dtype):
+    graph, ops = GRAPHS[spec]
+    _check_full_size(graph, {op.name: op for op in column_sum_joins(graph, ops)}[name], dtype)
