@@ -240,7 +240,7 @@ def _part_code(graph, op, knobs: dict, index64: bool) -> tuple[list, list[str], 
         sig.append((["split_arrivals_ptr"], "int32 [column blocks], zero between launches: slices done"))
     if plan.summed:
         sig.append((["sums_ptr"], f"float32 [BLOCK_PROGRAMS, {len(plan.summed)}, BLOCK_COL]: each program's "
-                                  "column sums (``{name}_sums_kernel`` adds them up)"))
+                                  "column sums (the sums kernel adds them up)"))
     sig.append((["BLOCK_ROW: tl.constexpr", "BLOCK_COL: tl.constexpr"] +
                 (["BLOCK_SPLIT: tl.constexpr"] if plan.split > 1 else []) +
                 (["BLOCK_PROGRAMS: tl.constexpr"] if plan.summed else []), ""))
@@ -416,7 +416,7 @@ Knobs: {knobs}"""
 
     def emit_sums_partials():
         """Each program's column sums into its row of ``sums`` (plain stores: a value its threads hold
-        twice is stored twice, never added twice); ``{name}_sums_kernel`` adds the rows up."""
+        twice is stored twice, never added twice); ``<op>_sums_kernel`` adds the rows up."""
         for r, t in enumerate(plan.summed):
             w(f"tl.store(sums_ptr + (pid * {len(plan.summed)} + {r}) * BLOCK_COL + cols[None, :], acc_{t}, mask=col_ok)")
 
@@ -461,7 +461,7 @@ Knobs: {knobs}"""
             w("row_ok = (rows < n_rows)[:, None]")
             decompose("rows", plan.rows, "[:, None]")
         inputs = list(op.inputs)
-        if plan.summed:  # column sums: a loop over every BLOCK_PROGRAMS-th block of rows from this program's
+        if plan.summed:  # column sums: a loop over every BLOCK_PROGRAMS-th block of rows, from the program's own
             inputs = [t for t in op.inputs if any(l in plan.rows for l in axes[t])]
             for t in op.inputs:  # read once: what has no row letter (a layernorm's gamma)
                 if t not in inputs:
