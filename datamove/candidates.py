@@ -40,8 +40,8 @@ from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
 from datamove.layouts.select import Candidate, best_sum, select, to_plan
-from datamove.layouts.space import (column_sum_joins, configurations, default_configuration, masks_grouped, parts,
-                                    representatives)
+from datamove.layouts.space import (column_sum_joins, configurations, default_configuration, join_members, masks_grouped,
+                                    parts, representatives)
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec order first): bounds the search
@@ -668,7 +668,7 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
         if op.cls != "contraction":
             runs[op.name] = builder.generated(op)
     for join in column_sum_joins(graph, fused.operators):  # run as one kernel: the members' names
-        members = tuple(op.name for op in fused.operators if {p.name for p in op.primitives} <= {p.name for p in join.primitives})
+        members = join_members(join, fused.operators)
         runs[join.name] = [replace(c, operators=members) for c in builder.generated(join)]
     runs.update(builder.gemms())
     roles, why = attention_roles(fused)

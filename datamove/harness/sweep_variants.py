@@ -33,7 +33,7 @@ from datamove.kernels.codegen import GENERATOR_VERSION, allocate, compile_operat
 from datamove.harness.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
 from datamove.harness.torch_eval import dropout_offsets, evaluate, evaluate_training_graph, keep_mask_torch
 from datamove.layouts.space import (access_pattern, column_sum_joins, configurations, default_configuration,
-                                    masks_grouped, parts, representatives)
+                                    join_members, masks_grouped, parts, representatives)
 
 DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
 # zero (GPUs round to nearest), so CPU checks of generated kernels use float32 instead
@@ -288,9 +288,10 @@ def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool
     ws = Workspace(training, device, dtype, seed)
     spaces, notes = [], {}
     ops = fused_operators(training)[:limit_ops]
-    joins = [op for op in column_sum_joins(training.graph, training.operators) if op.name.split("+")[0] in
-             {o.name for o in ops}]
-    for op in ops + joins:
+    names = {op.name for op in ops}
+    joins = [join for join in column_sum_joins(training.graph, training.operators)
+             if set(join_members(join, training.operators)) <= names]
+    for op, eager in [(op, EagerVariant(ws, spec, op)) for op in ops] + [(join, None) for join in joins]:
         try:
             configs = configurations(training.graph, op, exhaustive=exhaustive)[:limit_configs]
         except Exception as exc:  # an operator the layout space cannot describe yet
@@ -302,7 +303,7 @@ def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool
         patterns: dict = {}
         for config in configs:
             patterns.setdefault(access_pattern(config), []).append(config)
-        spaces.append(OperatorSpace(op, EagerVariant(ws, spec, op) if op in ops else None, {
+        spaces.append(OperatorSpace(op, eager, {
             pattern: [FusedVariant(ws, spec, op, c) for c in [first[pattern]] + [c for c in group if c is not first[pattern]]]
             for pattern, group in patterns.items()}, spec, ws))
     return spaces, notes

@@ -22,8 +22,8 @@ stride 1 along i.  A *configuration* of a non-contraction operator is
     ``split``     the number of row slices (mode "split" only);
     ``programs``  an operator with column sums (``column_sums``: a layernorm backward with its
                   parameter gradients): mode "row" on this many programs (at most one per block
-                  of rows), each visiting every ``programs``-th block of rows and adding up its
-                  column sums, which the last program to finish stores;
+                  of rows), each visiting every ``programs``-th block of rows and storing its
+                  column sums, which a second kernel adds up;
     ``block_row``, ``block_col``  tile sizes (powers of two) of the tile's two axes;
     ``num_warps``;
     ``dropout``   "regenerate" (Philox from (seed, offset)) or "load" (read a stored mask).
@@ -235,7 +235,7 @@ def column_sums(op, prim_letters: dict, letters: str) -> str:
     """The letters of an operator's *column sums*, or "": where its reductions run over two
     disjoint letter sets that together are all its letters, and every reduction over one of them
     is a sum nothing inside reads (a layernorm's parameter gradients, a bias gradient, joined to
-    the layernorm backward that reads the same tensors: ``dataflow.fusion.column_sum_joins``), the
+    the layernorm backward that reads the same tensors: ``column_sum_joins``), the
     tile reduces along the other set's letters (its columns, whole rows per block) and those sums
     run over its rows, each program adding up the rows it visits (``kernels.codegen``)."""
     reduces = [p for p in op.primitives if p.kind == "reduce"]
@@ -291,6 +291,12 @@ def column_sum_joins(graph, operators) -> list:
     return result
 
 
+def join_members(join, operators) -> tuple[str, ...]:
+    """The names of the operators of ``operators`` that ``join`` (one of ``column_sum_joins``) runs."""
+    inside = {p.name for p in join.primitives}
+    return tuple(op.name for op in operators if {p.name for p in op.primitives} <= inside)
+
+
 def generated_operators(graph, operators) -> dict:
     """{name -> operator} of ``operators`` and their joins (``column_sum_joins``): what a plan's
     generated step runs, by the step's name."""
@@ -333,20 +339,22 @@ def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhau
     dropout mask, so a reduction along the columns also tries every block of ``ROW_CALL_BLOCKS`` rows."""
     grid, rows, cols = tile_axes(letters, {"order": order, "vector": vector})
     n_rows, n_cols = _next_pow2(_extent(graph, letters, rows)), _next_pow2(_extent(graph, letters, cols))
-    combos = []  # (mode, block_row, block_col, split)
+    combos = []  # (mode, block_row, block_col, split or programs)
+    # rows per block of a reduction along the tile's columns (with a mask: blocks of one Philox call's rows)
+    row_blocks = (1, *ROW_CALL_BLOCKS) if masked else (1, 4, DECISIONS_PER_CALL)
     if not letters.reduced:
         for tile in ELEMENTWISE_TILES:
             for bc in sorted({min(c, n_cols) for c in ELEMENTWISE_COLUMNS}):
                 combos.append(("tile", min(max(1, tile // bc), n_rows), bc, 1))
     elif letters.summed:  # whole rows along the columns, column sums over the rows each program visits
         if vector in letters.reduced:
-            for pb in sorted({min(b, n_rows) for b in ((1, *ROW_CALL_BLOCKS) if masked else (1, 4, DECISIONS_PER_CALL))}):
+            for pb in sorted({min(b, n_rows) for b in row_blocks}):
                 if n_cols * pb <= MAX_TILE:
                     combos += [("row", pb, n_cols, programs) for programs in SUM_PROGRAMS]
     else:
         reduce_rows = vector not in letters.reduced  # the reduction runs along the tile's rows
         n_red, n_par = (n_rows, n_cols) if reduce_rows else (n_cols, n_rows)
-        par_blocks = (32, 128) if reduce_rows else (1, *ROW_CALL_BLOCKS) if masked else (1, 4, DECISIONS_PER_CALL)
+        par_blocks = (32, 128) if reduce_rows else row_blocks
         for pb in sorted({min(b, n_par) for b in par_blocks}):
             if n_red * pb <= MAX_TILE:
                 combos.append(("row", n_red, pb, 1) if reduce_rows else ("row", pb, n_red, 1))
