@@ -10,6 +10,8 @@
   fastest measured Triton configuration, timed as the ``harness.contraction_variants.pick_layouts``
   plan that makes the same BLAS call (``same_call_layouts``: the same sizes and strides);
 - a GEMM and the element-wise consumer its Triton template fuses (``epilogue_of``), in spec order;
+- a GEMM and the backward of an activation with a bias gradient after it, in its epilogue
+  (``harness.gradient_epilogue``), the consumer's other parts by their generated kernel;
 - a layernorm backward joined with the column sums beside it (``layouts.space.column_sum_joins``:
   its parameter gradients, a bias gradient of what it writes): one generated kernel, its
   candidates as a generated operator's, in place of the members';
@@ -34,8 +36,10 @@ from datamove.dataflow.layer_inputs import batch_letters
 from datamove.kernels.attention import supported_head_dim
 from datamove.harness.attention_variants import AttentionCase
 from datamove.kernels.contraction import parse
-from datamove.harness.contraction_variants import STACK_LETTERS, epilogue_of, epilogue_op, same_call_layouts, training_gemms
-from datamove.harness.sweep_variants import moved_bytes, op_signature
+from datamove.harness.contraction_variants import (STACK_LETTERS, epilogue_inputs, epilogue_of, epilogue_op, same_call_layouts,
+                                                   training_gemms)
+from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_op, rest_layouts, rest_operator
+from datamove.harness.sweep_variants import moved_bytes, op_signature, tensor_bytes
 from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
@@ -472,6 +476,45 @@ class CandidateBuilder:
             epilogue = epilogue_of(self.fused, g)
             if epilogue is not None:
                 result[g.name + "+epilogue"] = self._epilogue(g, op, epilogue, members, renames)
+            gradient = gradient_epilogue_of(self.fused, g)
+            if gradient is not None:
+                result[g.name + "+gradient"] = self._gradient(g, op, gradient, members, renames)
+        return result
+
+    def _gradient(self, g, op, ep, members, renames) -> list[Candidate]:
+        """The GEMM with the backward of an activation and a bias gradient in its epilogue
+        (``harness.gradient_epilogue``), then the consumer's other parts by their generated kernel:
+        the output and factor in spec order, A and B in each layout pair it was timed with
+        (``epilogue_inputs``), the rest reading what it shares with them alike (``rest_layouts``);
+        without timings, spec order only, priced by the cost model."""
+        c, graph = parse(g.spec), self.graph
+        rest = rest_operator(self.fused, ep)
+        moved = self.itemsize * (sum(math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b))
+                                 + 2 * math.prod(g.sizes[x] for x in c.out))
+        moved += tensor_bytes(graph, [ep.summed, *((*rest.inputs, *rest.outputs) if rest else ())], self.itemsize)
+        fused_op = gradient_op(self.spec, self.fused, g, ep)
+        result = []
+        for layouts in epilogue_inputs(g):
+            key = dict(zip(("a", "b", "out"), (*layouts, c.out)))
+            found = self.timings.lookup(fused_op, g.sizes, key)
+            if found is None and (layouts != (c.a, c.b) or self.timings.broken(fused_op, g.sizes, key)):
+                continue  # measured where the template ran; the cost model prices spec order alone
+            own = rest_layouts(self.fused, g, ep, layouts)
+            reads = {t: "".join(renames[t][x] for x in layout) for k, layout in zip(("a", "b"), layouts)
+                     for t in members[k]}
+            reads |= {ep.factor: graph.tensors[ep.factor].letters, **{t: own[t] for t in (rest.inputs if rest else ())
+                                                                     if t in own}}
+            writes = {ep.output: graph.tensors[ep.output].letters, ep.summed: graph.tensors[ep.summed].letters,
+                      **{t: own[t] for t in (rest.outputs if rest else ())}}
+            ms, source, knobs = self._time(found, "gemm", g.flop, moved)
+            config = {"einsum": g.spec, "backend": "triton", "operands": members,
+                      "gemm": {k: v for k, v in knobs.items() if k not in ("backend", "rest")} if knobs else None,
+                      "epilogue": {
+                          "consumer": ep.consumer, "gradient": ep.gradient, "factor": ep.factor, "produced": ep.produced, "output": ep.output, "summed": ep.summed,
+                          "sum_letters": ep.sum_letters, "primitives": list(ep.primitives), "rest": list(ep.rest),
+                          "rest_layouts": own}}
+            result.append(Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer),
+                                    reads, writes, config, ms, source))
         return result
 
     def _epilogue(self, g, op, ep, members, renames) -> list[Candidate]:
@@ -656,6 +699,24 @@ def _add_matches(kept: list[Candidate], ranked: list[Candidate], others: list[Ca
             kept.append(match)
 
 
+def execution_order(fused) -> list[str]:
+    """The fused graph's operators in order, but the consumer of a gradient epilogue
+    (``harness.gradient_epilogue``) right after its GEMM where no operator between writes what it
+    reads (GPT-2's ``d_bfc`` after ``d_gelu``, before ``d_wout``), so that one candidate can run
+    both (the selection takes contiguous runs)."""
+    order = [op.name for op in fused.operators]
+    ops = {op.name: op for op in fused.operators}
+    for g in training_gemms(fused):
+        found = gradient_epilogue_of(fused, g)
+        if found is None:
+            continue
+        start, at = order.index(g.name), order.index(found.consumer)
+        between = {t for name in order[start + 1:at] for t in ops[name].outputs}
+        if at > start + 1 and not between & set(ops[found.consumer].inputs):
+            order.insert(start + 1, order.pop(at))
+    return order
+
+
 def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings: Timings = NO_TIMINGS,
                boundary: dict | None = None, device: str | None = None) -> Plan:
     """Select the plan of ``fused`` (see the module doc).  ``boundary``: {tensor -> layout} fixed
@@ -687,7 +748,7 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
     for op in fused.operators:
         if op.cls != "contraction":
             runs[op.name] += builder.composed(op, written)
-    order = [op.name for op in fused.operators]
+    order = execution_order(fused)
     candidates = _kept_runs(runs, order, spec_letters)
     missing = [op.name for op in fused.operators if not any(op.name in c.operators for c in candidates)]
     if missing:

@@ -45,8 +45,8 @@ from datamove.module import TunedLayer
 from datamove.shapes import call_dims, check_plans, file_stem
 from datamove.weights import from_spec, to_spec
 from datamove.kernels.codegen import compile_operator
-from datamove.layouts.plan import GENERATED, Plan
-from datamove.layouts.space import Configuration, generated_operators
+from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Plan
+from datamove.layouts.space import Configuration, generated_operators, rest_configuration, rest_part
 
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
 MANIFEST_KEYS = ("dims", "dtype", "device", "torch_order", "weights")  # what loading and the benchmarks read
@@ -104,7 +104,8 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
 
 
 def _write_kernels(folder: Path, plan: Plan, graph, operators) -> None:
-    """The generated Triton source of every generated step of ``plan`` into ``folder``."""
+    """The generated Triton source of every generated step of ``plan`` into ``folder``, and of the
+    generated kernel a gradient epilogue's step runs after its GEMM (``<consumer>_rest``)."""
     folder.mkdir(parents=True, exist_ok=True)
     ops = generated_operators(graph, operators)
     for step in plan.steps:
@@ -112,6 +113,11 @@ def _write_kernels(folder: Path, plan: Plan, graph, operators) -> None:
             config = Configuration({**step.reads, **step.writes, **step.config.get("masks", {})}, step.config["knobs"])
             source = compile_operator(graph, ops[step.name], config).source
             _write(folder / f"{_file_name(step.name)}.py", source)
+        epilogue = step.config.get("epilogue") or {}
+        if step.kind == GEMM_EPILOGUE and epilogue.get("rest"):
+            rest = rest_part(ops[epilogue["consumer"]], epilogue["primitives"])
+            source = compile_operator(graph, rest, rest_configuration(graph, rest, epilogue["rest_layouts"])).source
+            _write(folder / f"{_file_name(rest.name)}.py", source)
 
 
 def _file_name(step: str) -> str:

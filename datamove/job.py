@@ -163,7 +163,7 @@ def run_job(o: JobOptions) -> int:
         if measured:
             stages(f"tuning {label}")
             spaces = fused_spaces(each, spec_name, dtype)
-            tunings.append(tune(tuner, each, spaces, dtype=dtype, attention=attention_setups(each, o.dtype)))
+            tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype, attention=attention_setups(each, o.dtype)))
             timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
         stages(f"selection {label}")
 

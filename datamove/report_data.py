@@ -28,7 +28,10 @@ def _kernel_text(step) -> str:
         return "generated Triton, " + ", ".join(f"{k}={v}" for k, v in knobs.items() if k not in ("parts",))
     if step.kind in (GEMM, GEMM_EPILOGUE):
         backend = "cuBLAS" if config["backend"] == "cublas" else "Triton GEMM"
-        tail = " + fused epilogue" if step.kind == GEMM_EPILOGUE else ""
+        tail = ""
+        if step.kind == GEMM_EPILOGUE:
+            tail = " + gradient epilogue" if "gradient" in config["epilogue"] else " + fused epilogue"
+            tail += " + generated rest" if config["epilogue"].get("rest") else ""
         return f"{backend} {config['einsum']}{tail}"
     if step.kind == LAYOUT_CHANGE:
         return f"copy {config['from']} -> {config['to']}"

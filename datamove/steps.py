@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from datamove.dataflow.derivatives import derivative
 from datamove.dataflow.executor import dropout_offsets
 from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
 from datamove.kernels.blas import LtMatmul
@@ -33,7 +34,7 @@ from datamove.kernels.launch import hooked, recording
 from datamove.kernels.layout_change import permute_copy
 from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
                           Step)
-from datamove.layouts.space import Configuration
+from datamove.layouts.space import Configuration, rest_configuration, rest_part
 from datamove.replay import StepReplay
 
 
@@ -287,9 +288,11 @@ class _KeptViews:
 
 class GemmLauncher(Launcher):
     """A contraction (stacked or not) as one GEMM, cuBLAS or the Triton template, optionally with
-    its element-wise consumer fused as the epilogue (``GEMM_EPILOGUE``)."""
+    its element-wise consumer fused as the epilogue (``GEMM_EPILOGUE``; a gradient epilogue then
+    runs the consumer's other parts by their generated kernel, ``rest``).  ``ops``: the fused
+    graph's operators by name."""
 
-    def __init__(self, step: Step, graph, buffers: Buffers):
+    def __init__(self, step: Step, graph, buffers: Buffers, ops: dict):
         super().__init__(step, graph, buffers)
         config = step.config
         self.einsum, self.backend = config["einsum"], config["backend"]
@@ -300,6 +303,22 @@ class GemmLauncher(Launcher):
         mask = self.epilogue.get("mask") if self.epilogue else None
         self.offset = dropout_offsets(graph)[mask] if mask else 0
         self.dropout_p = graph.tensors[mask].p if mask else 0.0  # the graph's: 0 in evaluation mode
+        self.rest, self.gradient = None, None
+        if self.epilogue and "gradient" in self.epilogue:  # (kind, scale) at the graph's scalars: 1 in evaluation mode
+            product = next(p for p in ops[self.epilogue["consumer"]].primitives if p.name == self.epilogue["primitives"][0])
+            self.gradient = derivative(product.expr, int(product.inputs[0].tensor != self.epilogue["produced"]),
+                                       graph.scalars())
+            if self.gradient is None or self.gradient[0] != self.epilogue["gradient"]:
+                raise ValueError(f"{step.name}: {product.expr!r} is not the {self.epilogue['gradient']} derivative "
+                                 f"the plan's epilogue computes")
+        if self.epilogue and self.epilogue.get("rest"):
+            rest = rest_part(ops[self.epilogue["consumer"]], self.epilogue["primitives"])
+            config = rest_configuration(graph, rest, self.epilogue["rest_layouts"])
+            masks = {t: config.layouts[t] for t in rest.inputs if graph.tensors[t].role == "dropout"}
+            self.rest = GeneratedLauncher(
+                Step(rest.name, step.phase, GENERATED, (), {t: config.layouts[t] for t in rest.inputs if t not in masks},
+                     {t: config.layouts[t] for t in rest.outputs}, {"knobs": config.knobs, "masks": masks}, 0.0,
+                     step.source), graph, buffers, rest)
         self.gemm_plan = None
         self.kept_views: _KeptViews | None = None  # a cuBLAS step of one call: its views, derived once
         self.direct: LtMatmul | None = None  # and its cuBLASLt call on pointers, where one can be made
@@ -349,6 +368,15 @@ class GemmLauncher(Launcher):
             return
         ep = self.epilogue
         out = self.output(store, ep["output"])
+        if "gradient" in ep:
+            sums = self.output(store, ep["summed"])
+            epilogue = Epilogue(gradient=self.gradient[0], factor=_read(self.step, store, ep["factor"]),
+                                factor_scale=self.gradient[1], sums=sums, sum_letters=ep["sum_letters"])
+            contract(self.einsum, a, b, out, backend="triton", epilogue=epilogue, config=self.gemm_config)
+            store[ep["output"]], store[ep["summed"]] = out, sums
+            if self.rest is not None:
+                self.rest(store, run)
+            return
         epilogue = Epilogue(bias=_read(self.step, store, ep["bias"]), bias_letters=ep["bias_letters"],
                             activation=ep["activation"], dropout_p=self.dropout_p,
                             seed=run.seed, offset=self.offset, save=ep.get("save"))
@@ -508,7 +536,7 @@ def build_launcher(step: Step, graph, ops: dict, buffers: Buffers, saves_mask: b
     if step.kind == GENERATED:
         return GeneratedLauncher(step, graph, buffers, ops[step.name])
     if step.kind in (GEMM, GEMM_EPILOGUE):
-        return GemmLauncher(step, graph, buffers)
+        return GemmLauncher(step, graph, buffers, ops)
     if step.kind == ATTENTION_FORWARD:
         return AttentionForwardLauncher(step, graph, buffers, saves_mask)
     if step.kind == ATTENTION_BACKWARD:

@@ -21,6 +21,7 @@ from datamove.harness.attention_variants import AttentionCase, Workspace, biased
 from datamove.harness.bench import Sweep
 from datamove.harness.contraction_variants import (Operands, consumer_configurations, epilogue_inputs, epilogue_of,
                                           epilogue_variants, gemm_variants, training_gemms)
+from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_variants
 from datamove.kernels.gemm import fitted, valid_configs
 from datamove.harness.layout_change_variants import LayoutChangeVariant
 from datamove.harness.sweep_variants import sweep_variants
@@ -90,11 +91,12 @@ def first_gemm_configs(dtype, count: int) -> list:
     return (preferred + [c for c in configs if c not in preferred])[:count]
 
 
-def epilogue_configs(ranked: list, dropout: bool, saves: bool = False, dtype=torch.bfloat16) -> list:
+def epilogue_configs(ranked: list, slices: bool, saves: bool = False, dtype=torch.bfloat16) -> list:
     """The configurations a fused epilogue is timed with: each of the ``EPILOGUE_CONFIGS`` fastest of
     ``ranked`` (its GEMM's Triton configurations, fastest first) with the epilogue split as
     ``kernels.gemm`` chooses (column slices in turn where dropout would hold many elements a thread),
-    then, with ``dropout`` (without it the split chosen is already 1), on the whole tile and in two
+    then, with ``slices`` (an epilogue holding many values a thread: dropout's draws, a gradient
+    epilogue's factor; without dropout the split chosen is already 1), on the whole tile and in two
     halves (``epilogue_split`` 1: one pass, more registers, each Philox call drawn once in the
     accumulator's layout; on the H200 BERT-large's FFN GEMM with bias + ReLU + dropout took 0.071 ms
     so against 0.101 in four slices, ``benchmarks/results/README.md``; persistent and stored by TMA
@@ -103,18 +105,19 @@ def epilogue_configs(ranked: list, dropout: bool, saves: bool = False, dtype=tor
     that store's shared memory (``kernels.gemm.fitted``)."""
     configs = list(ranked[:EPILOGUE_CONFIGS])
     configs += [replace(c, epilogue_split=split) for c in configs for split in (1, 2)
-                if dropout and c.epilogue_split not in (1, 2)]
+                if slices and c.epilogue_split not in (1, 2)]
     return list(dict.fromkeys(f for f in (fitted(c, dtype, saves) for c in configs) if f is not None))
 
 
-def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int = 1, layouts: int | None = None,
+def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list, top: int = 1, layouts: int | None = None,
          first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``; ``spaces``: its fused
     operators' variants, ``fused_spaces``) into ``db``, the most
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
     of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations
     (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
-    ``pick_layouts``; None: one per transposition pattern), and the fused epilogues; the attention's
+    ``pick_layouts``; None: one per transposition pattern), and the fused epilogues (forward, and
+    the gradient epilogues of ``harness.gradient_epilogue``; ``spec``: the spec's name); the attention's
     configurations (where the spec's Q/K/V bias add can fold into it, ``attention``'s ``bias``, the
     fastest again with the biases); last, every knob setting of each fused operator's ``top`` fastest patterns.
     The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
@@ -129,7 +132,7 @@ def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int 
     gemms = training_gemms(fused)
     first = {g.name: gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs) for g in gemms}
     tuner.measure([v for vs in first.values() for v in vs])
-    later = []
+    later, gradients = [], []
     for g in gemms:
         ranked = [v.config for v in tuner.ranker.ranked(first[g.name]) if v.config is not None]
         later += gemm_variants(g, "cuda", dtype=dtype, layouts=layouts, first_configs=configs,
@@ -139,7 +142,15 @@ def tune(tuner: Tuner, fused, spaces: list, *, dtype, attention: list, top: int 
             later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable,
                                        epilogue_configs(ranked, fusable.mask is not None, fusable.save is not None, dtype),
                                        consumer_configurations(fused, fusable), epilogue_inputs(g))
+        gradient = gradient_epilogue_of(fused, g)
+        if gradient is not None:
+            # the factor's tile takes shared memory for its layout change, as a saved value's store does
+            gradients += gradient_variants(spec, fused, g, gradient, epilogue_configs(ranked, True, True, dtype), "cuda",
+                                           dtype)
     tuner.measure(later)
+    # three launches with host work between them (descriptors, the partial sums' buffer, the rest's
+    # kernel): timed replayed from a CUDA graph, or the host's time counts (H100: 0.3-0.4 ms against 0.085)
+    tuner.measure(gradients, cuda_graph=True)
 
     for setup in attention:
         setup = dict(setup)

@@ -116,8 +116,8 @@ def test_fused_epilogues_with_dropout_are_also_timed_on_the_whole_tile_and_in_ha
     ranked = [GemmConfig(128, 256, 64, 8, 3, 8, tma=True), GemmConfig(128, 128, 64, 8, 4, 4),
               GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=1), GemmConfig(256, 128, 64, 8, 3, 8)]
     fastest = ranked[:EPILOGUE_CONFIGS]
-    assert epilogue_configs(ranked, dropout=False) == fastest
-    with_dropout = epilogue_configs(ranked, dropout=True)
+    assert epilogue_configs(ranked, slices=False) == fastest
+    with_dropout = epilogue_configs(ranked, slices=True)
     assert with_dropout[:EPILOGUE_CONFIGS] == fastest
     assert with_dropout[EPILOGUE_CONFIGS:] == [GemmConfig(128, 256, 64, 8, 3, 8, tma=True, epilogue_split=1),
                                                GemmConfig(128, 256, 64, 8, 3, 8, tma=True, epilogue_split=2),
@@ -187,5 +187,5 @@ def test_an_epilogue_that_saves_gets_the_stages_that_fit(monkeypatch):
     assert gemm.fitted(halves, torch.bfloat16, saves=True).num_stages == 3
     assert gemm.fitted(whole, torch.bfloat16, saves=True).num_stages == 2
     assert gemm.fitted(GemmConfig(256, 256, 64, 8, 2, 8, tma=True, store_tma=True), torch.bfloat16, saves=True) is None
-    assert epilogue_configs([halves, whole], dropout=False, saves=True) == [gemm.replace(halves, num_stages=3),
+    assert epilogue_configs([halves, whole], slices=False, saves=True) == [gemm.replace(halves, num_stages=3),
                                                                            gemm.replace(whole, num_stages=2)]

@@ -370,6 +370,12 @@ class Epilogue:
     probability ``dropout_p``: element at logical row-major index n over the output's letters in spec
     order is kept as ``dataflow.dropout_mask`` decides for counter ``offset + n`` (``kernels.philox``), kept
     values scaled by ``dropout_scale(dropout_p)``.
+
+    Or the backward of such work (``gradient`` relu / gelu; nothing above then but alpha):
+    ``y = y * act'(factor)`` (``factor`` over all output letters, any dense layout; relu's
+    derivative taken as ``factor_scale`` where the factor is positive, 0 elsewhere), and given
+    ``sums`` (dims ``sum_letters``: the letters of the GEMM's m or n group), ``sums`` = y summed
+    over the other output letters (in fp32, by a second kernel: ``kernels.gemm``).
     """
 
     alpha: float = 1.0
@@ -380,6 +386,11 @@ class Epilogue:
     seed: int = 0
     offset: int = 0
     save: str | None = None
+    gradient: str = "none"
+    factor: torch.Tensor | None = None
+    factor_scale: float = 1.0
+    sums: torch.Tensor | None = None
+    sum_letters: str = ""
 
 
 def _dim_strides(plan: GemmPlan, letters: str, tensor: torch.Tensor, what: str) -> tuple[int, int, int, int]:
@@ -399,6 +410,17 @@ def _dim_strides(plan: GemmPlan, letters: str, tensor: torch.Tensor, what: str) 
                 raise ValueError(f"{what}: letters {''.join(group)!r} do not flatten to one stride in it")
         result.append(strides[group[-1]])
     return tuple(result)
+
+
+def _sums_along(plan: GemmPlan, letters: str, sums: torch.Tensor) -> tuple[str, int]:
+    """("m" or "n", element stride) of a sum over output letters ``letters``: the letters of the
+    plan's m or n group, flattening to one stride in ``sums``."""
+    for along, group in (("m", plan.m_letters), ("n", plan.n_letters)):
+        if set(group) == set(letters):
+            strides = _dim_strides(plan, letters, sums, "sums")
+            return along, strides[2] if along == "m" else strides[3]
+    raise ValueError(f"sums over {letters!r}: not the letters of the GEMM's m group {''.join(plan.m_letters)!r} "
+                     f"or n group {''.join(plan.n_letters)!r} in this layout")
 
 
 def dropout_digits(plan: GemmPlan, sizes: Mapping[str, int]) -> tuple[tuple[int, int, int, int, int], ...]:
@@ -444,11 +466,19 @@ def run_triton(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tens
     if epilogue.save is not None:
         saved = empty_in_layout(c.out, plan.layouts[2], sizes, out.dtype, out.device)
     digits = dropout_digits(plan, sizes) if epilogue.dropout_p > 0 else None
+    factor_strides = (0, 0, 0, 0)
+    if epilogue.factor is not None:
+        factor_strides = _dim_strides(plan, c.out, epilogue.factor, "factor")
+    sums_along, sums_stride = "none", 1
+    if epilogue.sums is not None:
+        sums_along, sums_stride = _sums_along(plan, epilogue.sum_letters, epilogue.sums)
     triton_gemm.gemm(
         a, b, out, triton_gemm.GemmShape(*plan.batch, plan.m, plan.n, plan.k), plan.a_strides, plan.b_strides, plan.c_strides,
         alpha=epilogue.alpha, bias=epilogue.bias, bias_strides=bias_strides, activation=epilogue.activation,
         dropout_p=epilogue.dropout_p, seed=epilogue.seed, offset=epilogue.offset, dropout_digits=digits,
-        saved=saved, saved_strides=plan.c_strides, save=epilogue.save, config=config)
+        saved=saved, saved_strides=plan.c_strides, save=epilogue.save, gradient=epilogue.gradient,
+        factor=epilogue.factor, factor_strides=factor_strides, factor_scale=epilogue.factor_scale,
+        sums=epilogue.sums, sums_along=sums_along, sums_stride=sums_stride, config=config)
     return out if saved is None else (out, saved)
 
 

@@ -10,6 +10,17 @@ Computes, for every (b0, b1, m, n),
     y = keep ? y * dropout_scale(p) : 0                         (optional dropout)
     C[b0, b1, m, n] = y
 
+or, as the backward of such an epilogue (``gradient``; none of the above then),
+
+    y = alpha * sum_k A[b0, b1, m, k] * B[b0, b1, k, n]        (fp32 accumulator)
+    y = y * relu'(F) * factor_scale | y * gelu_tanh'(F)         F = factor[b0, b1, m, n]
+    C[b0, b1, m, n] = y
+    sums[m] = sum over b0, b1, n of y   (or sums[n], over b0, b1, m; optional, fp32 sums)
+
+The sums (a bias gradient) come in two kernels: each tile's epilogue stores its fp32 row (column)
+sums into a partial buffer, one row per (batch, tile along the summed dim, epilogue slice), and
+``_sum_partials_kernel`` adds those rows in order, so the result does not depend on scheduling.
+
 Every operand is addressed by one element stride per GEMM dim (two batch dims, then m/k, k/n or
 m/n), so one kernel serves every storage layout that ``kernels.contraction`` maps to a GEMM.
 Configs with ``tma=True`` read A and B through 4-d host tensor descriptors instead (TMA on Hopper:
@@ -55,6 +66,9 @@ from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SAVES = ("none", "pre_activation", "pre_dropout")
+GRADIENTS = ("none", "relu", "gelu")  # the factor's derivative the backward epilogue multiplies by
+SUM_PARTIAL_COLUMNS = 128  # sums a program of ``_sum_partials_kernel`` adds up
+SUM_PARTIAL_ROWS = 32  # partial rows it loads at a time
 
 
 @dataclass(frozen=True)
@@ -206,12 +220,16 @@ def _gemm_kernel(
     c_desc,  # with STORE_TMA a descriptor over C as [b0, b1, m, n] ([b0, b1, n, m] if C_M_MAJOR); else c_ptr
     bias_ptr,  # bias[b0, b1, m, n], stride 0 on dims it lacks; read unless BIAS == "none"
     saved_ptr,  # saved[b0, b1, m, n]; written only if SAVE != "none"
+    factor_ptr,  # factor[b0, b1, m, n]; read only if GRADIENT != "none"
+    sums_ptr,  # fp32 partial sums [rows, M] (SUMS == "m") or [rows, N] (SUMS == "n"); see _sums_row
     B1, BATCHES, M, N, K,  # BATCHES = b0 * b1
     stride_ab0, stride_ab1, stride_am, stride_ak,  # unused with TMA
     stride_bb0, stride_bb1, stride_bk, stride_bn,  # unused with TMA
     stride_cb0, stride_cb1, stride_cm, stride_cn,
     stride_biasb0, stride_biasb1, stride_biasm, stride_biasn,
     stride_sb0, stride_sb1, stride_sm, stride_sn,
+    stride_fb0, stride_fb1, stride_fm, stride_fn,
+    factor_scale,  # GRADIENT == "relu": the factor's positive entries pass y times this
     alpha, drop_scale, threshold, seed, offset,  # kernels.philox.dropout_scale(p), keep_threshold(p)
     q1_b0, q2_b0, l0_b0, l1_b0, l2_b0,  # dropout index digits of b0 (see _digits)
     q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
@@ -223,6 +241,8 @@ def _gemm_kernel(
     GROUPED: tl.constexpr,  # dropout: "n" / "m": one Philox call per sixteen columns / rows (see _grouped); "none": per element
     INDEX_64: tl.constexpr,  # offset + logical index may pass 2**31: add them in int64
     SAVE: tl.constexpr,  # "none" | "pre_activation" | "pre_dropout"
+    GRADIENT: tl.constexpr,  # "none" | "relu" | "gelu": y times that derivative of the factor (no bias, activation, dropout)
+    SUMS: tl.constexpr,  # "none" | "m" | "n": partial sums of y along that dim (over the other and the batches)
     TMA: tl.constexpr,  # A and B tiles through tensor descriptors (TMA on Hopper) instead of pointers
     A_M_MAJOR: tl.constexpr,  # TMA: A's unit stride is along m
     B_K_MAJOR: tl.constexpr,  # TMA: B's unit stride is along k
@@ -257,12 +277,14 @@ def _gemm_kernel(
                          TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += step
         pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile_c, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
-        _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, M, N,
-                       stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
-                       stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, alpha, drop_scale, threshold, seed,
+        _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, factor_ptr, sums_ptr,
+                       B1, M, N, stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
+                       stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, stride_fb0, stride_fb1, stride_fm,
+                       stride_fn, factor_scale, alpha, drop_scale, threshold, seed,
                        offset, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
                        q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n, BIAS, ACTIVATION, HAS_DROPOUT,
-                       GROUPED, INDEX_64, SAVE, STORE_TMA, C_M_MAJOR, ROUND_BF16, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
+                       GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, STORE_TMA, C_M_MAJOR, ROUND_BF16, EPILOGUE_SPLIT,
+                       BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -330,28 +352,39 @@ def _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
 
 
 @triton.jit
-def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, M, N,
+def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, factor_ptr, sums_ptr, B1, M, N,
                    stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
-                   stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, alpha, drop_scale, threshold, seed,
+                   stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, stride_fb0, stride_fb1, stride_fm,
+                   stride_fn, factor_scale, alpha, drop_scale, threshold, seed,
                    offset, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
                    q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
                    BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
-                   INDEX_64: tl.constexpr, SAVE: tl.constexpr, STORE_TMA: tl.constexpr, C_M_MAJOR: tl.constexpr,
-                   ROUND_BF16: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   INDEX_64: tl.constexpr, SAVE: tl.constexpr, GRADIENT: tl.constexpr, SUMS: tl.constexpr,
+                   STORE_TMA: tl.constexpr, C_M_MAJOR: tl.constexpr, ROUND_BF16: tl.constexpr,
+                   EPILOGUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The epilogue of output tile (pid_m, pid_n) of batch (pid_b0, pid_b1) on the fp32 tile ``acc``,
     in EPILOGUE_SPLIT column slices (fewer live registers for Philox) (``_gemm_kernel``'s arguments)."""
     acc = acc * alpha
     base_c = c_ptr + pid_b0.to(tl.int64) * stride_cb0 + pid_b1.to(tl.int64) * stride_cb1
     base_bias = bias_ptr + pid_b0.to(tl.int64) * stride_biasb0 + pid_b1.to(tl.int64) * stride_biasb1
     base_saved = saved_ptr + pid_b0.to(tl.int64) * stride_sb0 + pid_b1.to(tl.int64) * stride_sb1
+    base_factor = factor_ptr + pid_b0.to(tl.int64) * stride_fb0 + pid_b1.to(tl.int64) * stride_fb1
+    # partial sums: this tile's first row of the partial buffer (_sums_row) and the row length
+    if SUMS == "m":
+        sums_row = ((pid_b0 * B1 + pid_b1) * tl.cdiv(N, BLOCK_N) + pid_n) * EPILOGUE_SPLIT
+        base_sums = sums_ptr + sums_row.to(tl.int64) * M
+    else:
+        sums_row = (pid_b0 * B1 + pid_b1) * tl.cdiv(M, BLOCK_M) + pid_m
+        base_sums = sums_ptr + sums_row.to(tl.int64) * N
     index_b = 0
     if HAS_DROPOUT:
         index_b = _digits(pid_b0, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0) + _digits(pid_b1, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1)
     if EPILOGUE_SPLIT == 1:
         _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, base_c, stride_cm, stride_cn, c_desc, pid_b0, pid_b1,
-                  base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn, drop_scale, threshold, seed,
+                  base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn, base_factor, stride_fm,
+                  stride_fn, factor_scale, base_sums, drop_scale, threshold, seed,
                   offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n, BIAS, ACTIVATION,
-                  HAS_DROPOUT, GROUPED, INDEX_64, SAVE, STORE_TMA, C_M_MAJOR, ROUND_BF16)
+                  HAS_DROPOUT, GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, STORE_TMA, C_M_MAJOR, ROUND_BF16)
     else:  # column halves (then quarters): [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N)
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
         if EPILOGUE_SPLIT == 2:
@@ -361,11 +394,15 @@ def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, s
             right_left, right_right = right.reshape(BLOCK_M, 2, BLOCK_N // 4).permute(0, 2, 1).split()
             parts = (left_left, left_right, right_left, right_right)
         for h in tl.static_range(EPILOGUE_SPLIT):
+            # row sums (SUMS == "m"): one partial row per slice; column sums: the slices' columns differ
+            slice_sums = base_sums + h * M if SUMS == "m" else base_sums
             _epilogue(parts[h], pid_m * BLOCK_M, pid_n * BLOCK_N + h * (BLOCK_N // EPILOGUE_SPLIT), M, N,
                       base_c, stride_cm, stride_cn, c_desc, pid_b0, pid_b1, base_bias, stride_biasm, stride_biasn,
-                      base_saved, stride_sm, stride_sn, drop_scale, threshold, seed, offset, index_b,
+                      base_saved, stride_sm, stride_sn, base_factor, stride_fm, stride_fn, factor_scale, slice_sums,
+                      drop_scale, threshold, seed, offset, index_b,
                       q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
-                      BIAS, ACTIVATION, HAS_DROPOUT, GROUPED, INDEX_64, SAVE, STORE_TMA, C_M_MAJOR, ROUND_BF16)
+                      BIAS, ACTIVATION, HAS_DROPOUT, GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, STORE_TMA, C_M_MAJOR,
+                      ROUND_BF16)
 
 
 @triton.jit
@@ -374,18 +411,32 @@ def _epilogue(acc, m_start, n_start, M, N,
               c_desc, pid_b0, pid_b1,  # with STORE_TMA: C's descriptor and the tile's batch coordinates
               bias_ptr, stride_biasm, stride_biasn,
               saved_ptr, stride_sm, stride_sn,
+              factor_ptr, stride_fm, stride_fn, factor_scale,
+              sums_ptr,  # this slice's partial row (SUMS == "m": indexed by m) or its tile's (SUMS == "n": by n)
               drop_scale, threshold, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
               q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
               BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
-              INDEX_64: tl.constexpr, SAVE: tl.constexpr, STORE_TMA: tl.constexpr, C_M_MAJOR: tl.constexpr,
-              ROUND_BF16: tl.constexpr):
-    """Bias, activation, saves, dropout and the store of the slice of C whose rows start at m_start
-    and columns at n_start (its extents: acc's shape; both starts multiples of the extents).  Grouped
-    dropout draws in acc's layout: in the accumulator's each thread draws the Philox calls of its
-    own columns."""
+              INDEX_64: tl.constexpr, SAVE: tl.constexpr, GRADIENT: tl.constexpr, SUMS: tl.constexpr,
+              STORE_TMA: tl.constexpr, C_M_MAJOR: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Bias, activation, saves, dropout (or the factor's derivative and the partial sums) and the
+    store of the slice of C whose rows start at m_start and columns at n_start (its extents: acc's
+    shape; both starts multiples of the extents).  Grouped dropout draws in acc's layout: in the
+    accumulator's each thread draws the Philox calls of its own columns."""
     offs_m = m_start + tl.arange(0, acc.shape[0])
     offs_n = n_start + tl.arange(0, acc.shape[1])
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if GRADIENT != "none":
+        factor = tl.load(factor_ptr + offs_m[:, None] * stride_fm + offs_n[None, :] * stride_fn, mask=mask,
+                         other=0.0).to(tl.float32)
+        if GRADIENT == "relu":
+            acc = tl.where(factor > 0.0, acc * factor_scale, 0.0)
+        else:  # d/dx of x sigmoid(2z), z = sqrt(2/pi) (x + 0.044715 x^3): s + 2 x s (1 - s) z'
+            s = tl.sigmoid(1.5957691216057308 * (factor + 0.044715 * factor * factor * factor))
+            acc = acc * (s + factor * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 3 * 0.044715 * factor * factor))
+        if SUMS == "m":
+            tl.store(sums_ptr + offs_m, tl.sum(tl.where(mask, acc, 0.0), axis=1), mask=offs_m < M)
+        elif SUMS == "n":
+            tl.store(sums_ptr + offs_n, tl.sum(tl.where(mask, acc, 0.0), axis=0), mask=offs_n < N)
     if BIAS == "m":
         acc += tl.load(bias_ptr + offs_m * stride_biasm, mask=offs_m < M, other=0.0).to(tl.float32)[:, None]
     elif BIAS == "n":
@@ -488,13 +539,20 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
          activation: str = "none", dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
          dropout_digits: tuple[tuple[int, int, int, int, int], ...] | None = None,
          saved: torch.Tensor | None = None, saved_strides: tuple[int, int, int, int] | None = None, save: str | None = None,
+         gradient: str = "none", factor: torch.Tensor | None = None,
+         factor_strides: tuple[int, int, int, int] = (0, 0, 0, 0), factor_scale: float = 1.0,
+         sums: torch.Tensor | None = None, sums_along: str = "none", sums_stride: int = 1,
          config: GemmConfig | None = None) -> torch.Tensor:
-    """Launch the template; ``c`` (and ``saved``) are written in place and ``c`` is returned.
+    """Launch the template; ``c`` (and ``saved``, ``sums``) are written in place and ``c`` is returned.
 
-    ``a``, ``b``, ``c``, ``bias``, ``saved`` are tensors whose first element is element 0 of the
+    ``a``, ``b``, ``c``, ``bias``, ``saved``, ``factor`` are tensors whose first element is element 0 of the
     operand; everything else is addressed through the strides, in elements, ordered (b0, b1, m, k)
-    for A, (b0, b1, k, n) for B and (b0, b1, m, n) for C, bias and saved.  ``dropout_digits``: four
-    ``(q1, q2, l0, l1, l2)`` (b0, b1, m, n), required when ``dropout_p > 0``.
+    for A, (b0, b1, k, n) for B and (b0, b1, m, n) for C, bias, saved and factor.  ``dropout_digits``: four
+    ``(q1, q2, l0, l1, l2)`` (b0, b1, m, n), required when ``dropout_p > 0``.  With ``gradient``
+    ("relu" / "gelu"), C is the product times that derivative of ``factor`` (relu: times
+    ``factor_scale`` where the factor is positive) and, given ``sums_along`` ("m" / "n"), ``sums``
+    (M or N elements ``sums_stride`` apart, any dtype) gets C's fp32 sums along that dim, over the
+    other and the batches, by a second kernel.
     """
     if a.dtype != b.dtype or a.dtype not in DTYPES or c.dtype not in DTYPES:
         raise TypeError(f"A {a.dtype}, B {b.dtype}, C {c.dtype}: A and B alike, each of {DTYPES}")
@@ -505,7 +563,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         raise ValueError(f"save {save!r} needs a saved tensor, and only then")
     if not 0.0 <= dropout_p < 1.0 or (dropout_p > 0 and dropout_digits is None):
         raise ValueError(f"dropout_p {dropout_p} must be in [0, 1), and > 0 needs dropout_digits")
-    for t in (a, b, c, bias, saved):
+    if gradient not in GRADIENTS or (gradient != "none") != (factor is not None):
+        raise ValueError(f"gradient {gradient!r} needs a factor, and only then")
+    if gradient != "none" and (bias is not None or activation != "none" or dropout_p > 0 or save != "none"):
+        raise ValueError("a gradient epilogue takes no bias, activation, dropout or save")
+    if sums_along not in ("none", "m", "n") or (sums_along != "none") != (sums is not None) \
+            or (sums is not None and gradient == "none"):
+        raise ValueError(f"sums along {sums_along!r} need a sums tensor and a gradient, and only then")
+    for t in (a, b, c, bias, saved, factor):
         if t is not None and t.numel() >= 2**31:
             raise ValueError("operands must hold fewer than 2**31 elements (int32 offsets)")
     config = config or valid_configs(a.dtype)[0]
@@ -534,14 +599,19 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         c_desc = TensorDescriptor(c, list(c_view[0]), list(c_view[1]), c_block)
     tiles, batches = ceil_div(shape.m, config.block_m) * ceil_div(shape.n, config.block_n), shape.b0 * shape.b1
     grid = (min(tiles * batches, _programs(a.device)), 1) if config.persistent else (tiles, batches)
+    partial = c
+    if sums is not None:  # one row per (batch, tile along the summed dim[, epilogue slice]): _tile_epilogue
+        rows = batches * (ceil_div(shape.n, config.block_n) * split if sums_along == "m" else ceil_div(shape.m, config.block_m))
+        partial = torch.empty((rows, shape.m if sums_along == "m" else shape.n), dtype=torch.float32, device=c.device)
     _gemm_kernel[grid](
         a_src, b_src, c, c_desc, c if bias is None else bias, c if saved is None else saved,
+        c if factor is None else factor, partial,
         shape.b1, batches, shape.m, shape.n, shape.k,
-        *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)),
-        alpha, dropout_scale(dropout_p), keep_threshold(dropout_p), seed, offset,
+        *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)), *factor_strides,
+        factor_scale, alpha, dropout_scale(dropout_p), keep_threshold(dropout_p), seed, offset,
         *digits[0], *digits[1], *digits[2], *digits[3],
         BIAS=_bias_along(bias, bias_strides), ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0, GROUPED=grouped,
-        INDEX_64=dropout_p > 0 and offset + c.numel() >= 2**31, SAVE=save,
+        INDEX_64=dropout_p > 0 and offset + c.numel() >= 2**31, SAVE=save, GRADIENT=gradient, SUMS=sums_along,
         TMA=config.tma, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, STORE_TMA=config.store_tma, C_M_MAJOR=c_m_major,
         EVEN_K=shape.k % config.block_k == 0,
         EPILOGUE_SPLIT=split,
@@ -552,4 +622,25 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         PERSISTENT=config.persistent, num_stages=config.num_stages, num_warps=config.num_warps,
     )
+    if sums is not None:
+        columns = partial.shape[1]
+        _sum_partials_kernel[(ceil_div(columns, SUM_PARTIAL_COLUMNS),)](
+            partial, sums, partial.shape[0], columns, sums_stride, ROUND_BF16=interpreted() and sums.dtype == torch.bfloat16,
+            BLOCK_COLUMNS=SUM_PARTIAL_COLUMNS, BLOCK_ROWS=SUM_PARTIAL_ROWS)
     return c
+
+
+@triton.jit
+def _sum_partials_kernel(partial_ptr, sums_ptr, ROWS, COLUMNS, stride_sums, ROUND_BF16: tl.constexpr,
+                         BLOCK_COLUMNS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """sums[c * stride_sums] = sum over r of partial[r, c] (fp32 [ROWS, COLUMNS], row-major), in row
+    order: the same result on every run."""
+    columns = tl.program_id(0) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), dtype=tl.float32)
+    for first in range(0, ROWS, BLOCK_ROWS):
+        rows = first + tl.arange(0, BLOCK_ROWS)
+        acc += tl.load(partial_ptr + rows.to(tl.int64)[:, None] * COLUMNS + columns[None, :],
+                       mask=(rows < ROWS)[:, None] & (columns < COLUMNS)[None, :], other=0.0)
+    total = tl.sum(acc, axis=0)
+    tl.store(sums_ptr + columns * stride_sums, (round_bf16(total) if ROUND_BF16 else total).to(sums_ptr.dtype.element_ty),
+             mask=columns < COLUMNS)

@@ -23,7 +23,13 @@ it reads (``config = {"tensor", "from", "to"}``; the copy lives until its last r
   (the runtime may reorder an operand stacked on both inputs and summed away).
 - ``GEMM_EPILOGUE``: the ``GEMM`` fields plus ``"epilogue": {"consumer", "bias", "bias_letters",
   "activation", "mask", "p", "save", "produced", "output", "saved"}`` (``harness.contraction_variants
-  .FusableEpilogue``): the contraction and its element-wise consumer in one Triton kernel.
+  .FusableEpilogue``): the contraction and its element-wise consumer in one Triton kernel; or
+  ``"epilogue": {"consumer", "gradient", "factor", "produced", "output", "summed",
+  "sum_letters", "primitives", "rest", "rest_layouts"}`` (``harness.gradient_epilogue.GradientEpilogue``):
+  the contraction times an activation's derivative (its scale from the graph's scalars, 1 in
+  evaluation mode) and its bias-gradient sums in the Triton kernel
+  (and a second that adds the sums), then the consumer's ``rest`` primitives by their generated
+  kernel (``layouts.space.rest_part`` in ``rest_configuration`` of ``rest_layouts``).
 - ``ATTENTION_FORWARD`` / ``ATTENTION_BACKWARD``: ``{"knobs": {...}, "roles": {"q", "k", "v", "o",
   "mask", "lse"}, "letters": {"batch", "heads", "rows", "keys", "features", "value_features"},
   "scale": float, "causal": bool}``: flash-style attention over the graph's tensors in those roles

@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
-from datamove.dataflow.operators import NORMALIZATION, make_operator
+from datamove.dataflow.operators import ELEMENTWISE, NORMALIZATION, make_operator
 
 MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 # Modes a first stage measures an access pattern with (one pass over the data, enough programs):
@@ -174,6 +174,40 @@ def parts(op) -> list[Part]:
         result.append(Part(f"{op.name}_part{len(result)}", cls, prims, tuple(t for t in op.inputs if t in touched),
                            tuple(t for t in op.outputs if t in touched)))
     return result
+
+
+def rest_part(op, primitives) -> Part | None:
+    """The parts of ``op`` that run none of the primitives named in ``primitives``, as one operator
+    named ``<op>_rest`` (what is left of ``op`` when another kernel runs those: a GEMM's gradient
+    epilogue), or None when nothing is left.  ``primitives`` must be whole parts of ``op``."""
+    split = parts(op)
+    taken = [part for part in split if {p.name for p in part.primitives} & set(primitives)]
+    if {p.name for part in taken for p in part.primitives} != set(primitives):
+        raise ValueError(f"{op.name}: {sorted(primitives)} are not whole parts of it")
+    left = [part for part in split if part not in taken]
+    if not left:
+        return None
+    prims = tuple(p for part in left for p in part.primitives)
+    cls = NORMALIZATION if any(p.kind == "reduce" for p in prims) else ELEMENTWISE
+    return Part(f"{op.name}_rest", cls, prims, tuple(t for t in op.inputs if any(t in part.inputs for part in left)),
+                tuple(t for t in op.outputs if any(t in part.outputs for part in left)))
+
+
+def rest_configuration(graph, rest, layouts: dict) -> Configuration:
+    """The configuration a gradient epilogue's rest (``rest_part``) runs in: among the
+    ``representatives`` of those with the tensors' ``layouts`` ({tensor: layout}, every tensor of
+    ``rest`` but its dropout masks), the first whose vector letter is the unit-stride letter of
+    its largest tensor (coalesced loads; one part), else the first.  (BERT-large's ``d_b2``, a
+    column sum of an 8 MB ``d_ffn``, took about 0.3 ms vectorised along a strided letter.)"""
+    found = representatives(configurations(graph, rest, fixed=layouts))
+    if not found:
+        raise ValueError(f"{rest.name}: no configuration with layouts {layouts}")
+    if len(parts(rest)) == 1:
+        letters = operator_letters(graph, rest)
+        largest = max(layouts, key=lambda t: graph.size(graph.tensors[t].letters))
+        unit = letters.tensor_axes[largest][graph.tensors[largest].letters.index(layouts[largest][-1])]
+        found = [c for c in found if c.knobs.get("vector") == unit] or found
+    return found[0]
 
 
 def operator_letters(graph, op) -> OperatorLetters:
