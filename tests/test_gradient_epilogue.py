@@ -34,9 +34,10 @@ def _gelu_derivative(x: torch.Tensor) -> torch.Tensor:
                                                     ("bsd,fd->bsf", dict(b=3, s=5, d=24, f=40), "f")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_template_multiplies_by_the_derivative_and_sums(spec, sizes, sum_letters, dtype):
-    """Every config (TMA, persistent, epilogue slices; strides of 16 bytes), the output in spec
-    order (and reversed where that is a GEMM), the sums along m (BERT's u) or n (GPT-2's f), partial
-    tiles along both: against float64, within the rule's tolerance from PyTorch's own error."""
+    """Every config (TMA, persistent, epilogue slices; strides of 16 bytes), the output and factor in
+    spec order and rotated (unit stride along m or n; reversed where that is a GEMM), the sums along
+    m (BERT's u) or n (GPT-2's f), partial tiles along both: against float64, within the rule's
+    tolerance from PyTorch's own error."""
     c = parse(spec)
     gen = torch.Generator().manual_seed(3)
     a, b = (torch.randn([sizes[x] for x in letters], generator=gen).to(dtype) for letters in (c.a, c.b))
@@ -51,20 +52,21 @@ def test_template_multiplies_by_the_derivative_and_sums(spec, sizes, sum_letters
                                      / reference.sum(reduced).norm()) + 1e-4
         ran = []
         for config in valid_configs(dtype):
-            for layout in (c.out, c.out[::-1]):
+            for layout in dict.fromkeys((c.out, c.out[1:] + c.out[0], c.out[-1] + c.out[:-1], c.out[::-1])):
                 out = empty_in_layout(c.out, layout, sizes, dtype, DEVICE).fill_(float("nan"))
+                stored = empty_in_layout(c.out, layout, sizes, dtype, DEVICE).copy_(factor)  # M-major with C
                 sums = torch.full((sizes[sum_letters],), float("nan"), dtype=dtype)
-                epilogue = Epilogue(gradient=gradient, factor=factor, factor_scale=1.25, sums=sums, sum_letters=sum_letters)
+                epilogue = Epilogue(gradient=gradient, factor=stored, factor_scale=1.25, sums=sums, sum_letters=sum_letters)
                 try:
                     contract(spec, a, b, out, backend="triton", epilogue=epilogue, config=config)
-                except ValueError as refused:  # a reversal that is no GEMM
-                    assert layout != c.out and "in order" in str(refused)
+                except ValueError as refused:  # a reversal that is no GEMM; a TMA store off 16-byte strides
+                    assert layout != c.out and ("in order" in str(refused) or "TMA-compatible C" in str(refused))
                     continue
                 ran.append(layout)
                 assert float((out.double() - reference).norm() / reference.norm()) <= tolerance, (gradient, config, layout)
                 assert float((sums.double() - reference.sum(reduced)).norm() / reference.sum(reduced).norm()) \
                     <= sums_tolerance, (gradient, config, layout)
-        assert ran.count(c.out) == len(valid_configs(dtype))
+        assert ran.count(c.out) == len(valid_configs(dtype)) and len(set(ran)) >= 2
 
 
 def test_template_refuses_a_gradient_with_forward_work_or_sums_off_a_gemm_group():

@@ -25,7 +25,8 @@ Every operand is addressed by one element stride per GEMM dim (two batch dims, t
 m/n), so one kernel serves every storage layout that ``kernels.contraction`` maps to a GEMM.
 Configs with ``tma=True`` read A and B through 4-d host tensor descriptors instead (TMA on Hopper:
 no address tiles in registers, no masks), which needs a unit-stride matrix dim and 16-byte
-aligned strides in both (``tma_compatible``); C, bias and saved always go through pointers.
+aligned strides in both (``tma_compatible``); C, bias and saved always go through pointers (a
+gradient epilogue's factor, with TMA reads, through a descriptor where its layout allows).
 Configs with ``store_tma=True`` write C through a descriptor too (an asynchronous TMA store from shared
 memory; C needs the same alignment, ``tma_compatible``).  Configs with ``persistent=True`` launch about
 one program per multiprocessor, each looping over output tiles (batch-major, grouped within a batch)
@@ -221,6 +222,7 @@ def _gemm_kernel(
     bias_ptr,  # bias[b0, b1, m, n], stride 0 on dims it lacks; read unless BIAS == "none"
     saved_ptr,  # saved[b0, b1, m, n]; written only if SAVE != "none"
     factor_ptr,  # factor[b0, b1, m, n]; read only if GRADIENT != "none"
+    factor_desc,  # with FACTOR_TMA a descriptor over the factor as [b0, b1, m, n] ([b0, b1, n, m] if FACTOR_M_MAJOR)
     sums_ptr,  # fp32 partial sums [rows, M] (SUMS == "m") or [rows, N] (SUMS == "n"); see _sums_row
     B1, BATCHES, M, N, K,  # BATCHES = b0 * b1
     stride_ab0, stride_ab1, stride_am, stride_ak,  # unused with TMA
@@ -243,6 +245,8 @@ def _gemm_kernel(
     SAVE: tl.constexpr,  # "none" | "pre_activation" | "pre_dropout"
     GRADIENT: tl.constexpr,  # "none" | "relu" | "gelu": y times that derivative of the factor (no bias, activation, dropout)
     SUMS: tl.constexpr,  # "none" | "m" | "n": partial sums of y along that dim (over the other and the batches)
+    FACTOR_TMA: tl.constexpr,  # the factor's tiles through factor_desc (TMA) instead of a tile of pointers
+    FACTOR_M_MAJOR: tl.constexpr,  # FACTOR_TMA: the factor's unit stride is along m
     TMA: tl.constexpr,  # A and B tiles through tensor descriptors (TMA on Hopper) instead of pointers
     A_M_MAJOR: tl.constexpr,  # TMA: A's unit stride is along m
     B_K_MAJOR: tl.constexpr,  # TMA: B's unit stride is along k
@@ -277,14 +281,14 @@ def _gemm_kernel(
                          TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += step
         pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile_c, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
-        _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, factor_ptr, sums_ptr,
+        _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, factor_ptr, factor_desc, sums_ptr,
                        B1, M, N, stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
                        stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, stride_fb0, stride_fb1, stride_fm,
                        stride_fn, factor_scale, alpha, drop_scale, threshold, seed,
                        offset, q1_b0, q2_b0, l0_b0, l1_b0, l2_b0, q1_b1, q2_b1, l0_b1, l1_b1, l2_b1,
                        q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n, BIAS, ACTIVATION, HAS_DROPOUT,
-                       GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, STORE_TMA, C_M_MAJOR, ROUND_BF16, EPILOGUE_SPLIT,
-                       BLOCK_M, BLOCK_N)
+                       GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, FACTOR_TMA, FACTOR_M_MAJOR, STORE_TMA, C_M_MAJOR,
+                       ROUND_BF16, EPILOGUE_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -352,7 +356,8 @@ def _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
 
 
 @triton.jit
-def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, factor_ptr, sums_ptr, B1, M, N,
+def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, factor_ptr, factor_desc, sums_ptr,
+                   B1, M, N,
                    stride_cb0, stride_cb1, stride_cm, stride_cn, stride_biasb0, stride_biasb1, stride_biasm,
                    stride_biasn, stride_sb0, stride_sb1, stride_sm, stride_sn, stride_fb0, stride_fb1, stride_fm,
                    stride_fn, factor_scale, alpha, drop_scale, threshold, seed,
@@ -360,8 +365,9 @@ def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, s
                    q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
                    BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
                    INDEX_64: tl.constexpr, SAVE: tl.constexpr, GRADIENT: tl.constexpr, SUMS: tl.constexpr,
-                   STORE_TMA: tl.constexpr, C_M_MAJOR: tl.constexpr, ROUND_BF16: tl.constexpr,
-                   EPILOGUE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   FACTOR_TMA: tl.constexpr, FACTOR_M_MAJOR: tl.constexpr, STORE_TMA: tl.constexpr,
+                   C_M_MAJOR: tl.constexpr, ROUND_BF16: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The epilogue of output tile (pid_m, pid_n) of batch (pid_b0, pid_b1) on the fp32 tile ``acc``,
     in EPILOGUE_SPLIT column slices (fewer live registers for Philox) (``_gemm_kernel``'s arguments)."""
     acc = acc * alpha
@@ -382,9 +388,10 @@ def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, s
     if EPILOGUE_SPLIT == 1:
         _epilogue(acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, base_c, stride_cm, stride_cn, c_desc, pid_b0, pid_b1,
                   base_bias, stride_biasm, stride_biasn, base_saved, stride_sm, stride_sn, base_factor, stride_fm,
-                  stride_fn, factor_scale, base_sums, drop_scale, threshold, seed,
+                  stride_fn, factor_desc, factor_scale, base_sums, drop_scale, threshold, seed,
                   offset, index_b, q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n, BIAS, ACTIVATION,
-                  HAS_DROPOUT, GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, STORE_TMA, C_M_MAJOR, ROUND_BF16)
+                  HAS_DROPOUT, GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, FACTOR_TMA, FACTOR_M_MAJOR, STORE_TMA,
+                  C_M_MAJOR, ROUND_BF16)
     else:  # column halves (then quarters): [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N)
         left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
         if EPILOGUE_SPLIT == 2:
@@ -398,11 +405,11 @@ def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, s
             slice_sums = base_sums + h * M if SUMS == "m" else base_sums
             _epilogue(parts[h], pid_m * BLOCK_M, pid_n * BLOCK_N + h * (BLOCK_N // EPILOGUE_SPLIT), M, N,
                       base_c, stride_cm, stride_cn, c_desc, pid_b0, pid_b1, base_bias, stride_biasm, stride_biasn,
-                      base_saved, stride_sm, stride_sn, base_factor, stride_fm, stride_fn, factor_scale, slice_sums,
-                      drop_scale, threshold, seed, offset, index_b,
+                      base_saved, stride_sm, stride_sn, base_factor, stride_fm, stride_fn, factor_desc, factor_scale,
+                      slice_sums, drop_scale, threshold, seed, offset, index_b,
                       q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
-                      BIAS, ACTIVATION, HAS_DROPOUT, GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, STORE_TMA, C_M_MAJOR,
-                      ROUND_BF16)
+                      BIAS, ACTIVATION, HAS_DROPOUT, GROUPED, INDEX_64, SAVE, GRADIENT, SUMS, FACTOR_TMA, FACTOR_M_MAJOR,
+                      STORE_TMA, C_M_MAJOR, ROUND_BF16)
 
 
 @triton.jit
@@ -411,13 +418,15 @@ def _epilogue(acc, m_start, n_start, M, N,
               c_desc, pid_b0, pid_b1,  # with STORE_TMA: C's descriptor and the tile's batch coordinates
               bias_ptr, stride_biasm, stride_biasn,
               saved_ptr, stride_sm, stride_sn,
-              factor_ptr, stride_fm, stride_fn, factor_scale,
+              factor_ptr, stride_fm, stride_fn,  # factor tile base (batch offsets applied)
+              factor_desc, factor_scale,  # with FACTOR_TMA: the factor's descriptor (the tile's batch: pid_b0, pid_b1)
               sums_ptr,  # this slice's partial row (SUMS == "m": indexed by m) or its tile's (SUMS == "n": by n)
               drop_scale, threshold, seed, offset, index_b,  # index_b: the batch dims' share of the dropout index
               q1_m, q2_m, l0_m, l1_m, l2_m, q1_n, q2_n, l0_n, l1_n, l2_n,
               BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
               INDEX_64: tl.constexpr, SAVE: tl.constexpr, GRADIENT: tl.constexpr, SUMS: tl.constexpr,
-              STORE_TMA: tl.constexpr, C_M_MAJOR: tl.constexpr, ROUND_BF16: tl.constexpr):
+              FACTOR_TMA: tl.constexpr, FACTOR_M_MAJOR: tl.constexpr, STORE_TMA: tl.constexpr,
+              C_M_MAJOR: tl.constexpr, ROUND_BF16: tl.constexpr):
     """Bias, activation, saves, dropout (or the factor's derivative and the partial sums) and the
     store of the slice of C whose rows start at m_start and columns at n_start (its extents: acc's
     shape; both starts multiples of the extents).  Grouped dropout draws in acc's layout: in the
@@ -426,8 +435,15 @@ def _epilogue(acc, m_start, n_start, M, N,
     offs_n = n_start + tl.arange(0, acc.shape[1])
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if GRADIENT != "none":
-        factor = tl.load(factor_ptr + offs_m[:, None] * stride_fm + offs_n[None, :] * stride_fn, mask=mask,
-                         other=0.0).to(tl.float32)
+        if FACTOR_TMA:  # rows / columns past M / N come in as zeros
+            if FACTOR_M_MAJOR:
+                factor = factor_desc.load([pid_b0, pid_b1, n_start, m_start]).reshape(acc.shape[1], acc.shape[0]).T
+            else:
+                factor = factor_desc.load([pid_b0, pid_b1, m_start, n_start]).reshape(acc.shape[0], acc.shape[1])
+            factor = factor.to(tl.float32)
+        else:
+            factor = tl.load(factor_ptr + offs_m[:, None] * stride_fm + offs_n[None, :] * stride_fn, mask=mask,
+                             other=0.0).to(tl.float32)
         if GRADIENT == "relu":
             acc = tl.where(factor > 0.0, acc * factor_scale, 0.0)
         else:  # d/dx of x sigmoid(2z), z = sqrt(2/pi) (x + 0.044715 x^3): s + 2 x s (1 - s) z'
@@ -597,6 +613,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         columns = config.block_n // split
         c_block = [1, 1, columns, config.block_m] if c_m_major else [1, 1, config.block_m, columns]
         c_desc = TensorDescriptor(c, list(c_view[0]), list(c_view[1]), c_block)
+    factor_desc, factor_m_major = c, False  # the factor's tiles through a descriptor where it allows, with TMA reads
+    factor_view = _tma_view(factor, (shape.b0, shape.b1, shape.m, shape.n), factor_strides) \
+        if factor is not None and config.tma else None
+    if factor_view is not None:
+        factor_m_major = factor_view[2]
+        columns = config.block_n // split
+        block = [1, 1, columns, config.block_m] if factor_m_major else [1, 1, config.block_m, columns]
+        factor_desc = TensorDescriptor(factor, list(factor_view[0]), list(factor_view[1]), block)
     tiles, batches = ceil_div(shape.m, config.block_m) * ceil_div(shape.n, config.block_n), shape.b0 * shape.b1
     grid = (min(tiles * batches, _programs(a.device)), 1) if config.persistent else (tiles, batches)
     partial = c
@@ -605,13 +629,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         partial = torch.empty((rows, shape.m if sums_along == "m" else shape.n), dtype=torch.float32, device=c.device)
     _gemm_kernel[grid](
         a_src, b_src, c, c_desc, c if bias is None else bias, c if saved is None else saved,
-        c if factor is None else factor, partial,
+        c if factor is None else factor, factor_desc, partial,
         shape.b1, batches, shape.m, shape.n, shape.k,
         *a_strides, *b_strides, *c_strides, *bias_strides, *(saved_strides or (0, 0, 0, 0)), *factor_strides,
         factor_scale, alpha, dropout_scale(dropout_p), keep_threshold(dropout_p), seed, offset,
         *digits[0], *digits[1], *digits[2], *digits[3],
         BIAS=_bias_along(bias, bias_strides), ACTIVATION=activation, HAS_DROPOUT=dropout_p > 0, GROUPED=grouped,
         INDEX_64=dropout_p > 0 and offset + c.numel() >= 2**31, SAVE=save, GRADIENT=gradient, SUMS=sums_along,
+        FACTOR_TMA=factor_desc is not c, FACTOR_M_MAJOR=factor_m_major,
         TMA=config.tma, A_M_MAJOR=a_m_major, B_K_MAJOR=b_k_major, STORE_TMA=config.store_tma, C_M_MAJOR=c_m_major,
         EVEN_K=shape.k % config.block_k == 0,
         EPILOGUE_SPLIT=split,
