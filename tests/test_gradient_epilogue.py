@@ -4,7 +4,6 @@ swept and checked against float64 (Triton interpreter on the CPU, small odd size
 test at BERT-large and GPT-2 sizes), offered to the selection, run by the exported layer."""
 import math
 
-import numpy as np
 import pytest
 import torch
 

@@ -190,7 +190,8 @@ class Operands:
         return empty_in_layout(letters, layout, self.gemm.sizes, self.dtype, self.device).copy_(self.tensors()[name])
 
 
-def _numel(letters: str, sizes: dict) -> int:
+def numel(letters: str, sizes: dict) -> int:
+    """Elements of a tensor over ``letters`` at ``sizes`` ({letter: size})."""
     return math.prod(sizes[x] for x in letters)
 
 
@@ -198,7 +199,8 @@ def _layout_key(plan: GemmPlan) -> dict:
     return dict(zip(("a", "b", "out"), plan.layouts))
 
 
-def _config_knobs(config: GemmConfig) -> dict:
+def config_knobs(config: GemmConfig) -> dict:
+    """The tuning-DB knobs of a Triton configuration (the module doc's keys)."""
     return {"backend": "triton", **dataclasses.asdict(config)}
 
 
@@ -210,10 +212,10 @@ class GemmVariant:
         gemm = operands.gemm
         self.op, self.dims, self.dtype = gemm.op, dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
         self.layout = _layout_key(plan)
-        self.knobs = {"backend": "cublas"} if config is None else _config_knobs(config)
+        self.knobs = {"backend": "cublas"} if config is None else config_knobs(config)
         c = operands.c
         self.flop = gemm.flop
-        self.bytes = operands.dtype.itemsize * sum(_numel(x, gemm.sizes) for x in (c.a, c.b, c.out))
+        self.bytes = operands.dtype.itemsize * sum(numel(x, gemm.sizes) for x in (c.a, c.b, c.out))
         self.a = self.b = self.out = None
 
     def build(self) -> None:
@@ -246,11 +248,11 @@ def gemm_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | Non
     for index, plan in enumerate(pick_layouts(gemm, layouts)):
         variants.append(GemmVariant(operands, plan))
         variants += [GemmVariant(operands, plan, cfg)
-                     for cfg in _runnable(plan, dtype, first_configs if index == 0 else other_configs)]
+                     for cfg in runnable(plan, dtype, first_configs if index == 0 else other_configs)]
     return variants
 
 
-def _runnable(plan: GemmPlan, dtype, configs) -> list:
+def runnable(plan: GemmPlan, dtype, configs) -> list:
     """``configs`` whose TMA reads (and stores) ``plan``'s layouts allow, for 16-byte aligned allocations."""
     aligned = torch.empty(0, dtype=dtype, device="meta")  # data_ptr 0; only its item size and address are read
     shape = GemmShape(*plan.batch, plan.m, plan.n, plan.k)
@@ -392,15 +394,15 @@ class EpilogueVariant:
         self.op, self.dims, self.dtype = epilogue_op(gemm, epilogue), dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
         self.layout = _layout_key(self.plan)
         if config is not None:
-            self.knobs = _config_knobs(config)
+            self.knobs = config_knobs(config)
         elif consumer is not None:
             self.knobs = {"backend": "cublas+fused", **consumer[2].knobs}
         else:
             self.knobs = {"backend": "cublas+eager"}
         self.flop = gemm.flop
         outputs = 2 if epilogue.save else 1
-        self.bytes = operands.dtype.itemsize * (_numel(c.a, gemm.sizes) + _numel(c.b, gemm.sizes)
-                                                + _numel(epilogue.bias_letters, gemm.sizes) + outputs * _numel(c.out, gemm.sizes))
+        self.bytes = operands.dtype.itemsize * (numel(c.a, gemm.sizes) + numel(c.b, gemm.sizes)
+                                                + numel(epilogue.bias_letters, gemm.sizes) + outputs * numel(c.out, gemm.sizes))
         self.tensors = None
 
     @functools.cached_property
@@ -497,5 +499,5 @@ def epilogue_variants(operands: Operands, epilogue: FusableEpilogue, configs, co
     variants += [EpilogueVariant(operands, epilogue, consumer=consumer) for consumer in consumers]
     for layouts in inputs or [(operands.c.a, operands.c.b)]:
         plan = map_layouts(operands.c, (*layouts, operands.c.out), operands.gemm.sizes)
-        variants += [EpilogueVariant(operands, epilogue, cfg, inputs=layouts) for cfg in _runnable(plan, operands.dtype, configs)]
+        variants += [EpilogueVariant(operands, epilogue, cfg, inputs=layouts) for cfg in runnable(plan, operands.dtype, configs)]
     return variants

@@ -30,7 +30,7 @@ import torch
 
 from datamove.dataflow.derivatives import derivative
 from datamove.dataflow.executor import dropout_offsets
-from datamove.harness.contraction_variants import DTYPE, TrainingGemm, _config_knobs, _numel, _runnable, epilogue_inputs
+from datamove.harness.contraction_variants import DTYPE, TrainingGemm, config_knobs, numel, runnable, epilogue_inputs
 from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge, op_signature, tensor_bytes
 from datamove.harness.torch_eval import evaluate, graph_inputs
 from datamove.kernels.codegen import allocate, compile_operator
@@ -153,11 +153,11 @@ class GradientVariant:
         if rest_operator(training, epilogue) is not None:
             self.rest_config = rest_configuration(training.graph, rest_operator(training, epilogue),
                                                   rest_layouts(training, gemm, epilogue, inputs))
-        self.knobs = _config_knobs(config) | ({"rest": self.rest_config.key()} if self.rest_config else {})
+        self.knobs = config_knobs(config) | ({"rest": self.rest_config.key()} if self.rest_config else {})
         self.flop = gemm.flop
         graph = training.graph
         self.rest = rest_operator(training, epilogue)
-        self.bytes = dtype.itemsize * (_numel(c.a, gemm.sizes) + _numel(c.b, gemm.sizes) + 2 * _numel(c.out, gemm.sizes))
+        self.bytes = dtype.itemsize * (numel(c.a, gemm.sizes) + numel(c.b, gemm.sizes) + 2 * numel(c.out, gemm.sizes))
         self.bytes += tensor_bytes(graph, [epilogue.summed], dtype.itemsize)
         if self.rest is not None:
             self.bytes += tensor_bytes(graph, [*self.rest.inputs, *self.rest.outputs], dtype.itemsize)
@@ -219,5 +219,5 @@ def gradient_variants(spec: str, training, gemm: TrainingGemm, epilogue: Gradien
         c = parse(gemm.spec)
         plan = map_layouts(c, (*layouts, c.out), gemm.sizes)
         variants += [GradientVariant(spec, training, gemm, epilogue, cfg, layouts, device, dtype)
-                     for cfg in _runnable(plan, dtype, configs)]
+                     for cfg in runnable(plan, dtype, configs)]
     return variants
