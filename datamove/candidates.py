@@ -36,6 +36,7 @@ from datamove.dataflow.layer_inputs import batch_letters
 from datamove.kernels.attention import supported_head_dim
 from datamove.harness.attention_variants import AttentionCase
 from datamove.kernels.contraction import parse
+from datamove.kernels.gemm import TEMPLATE_ID
 from datamove.harness.contraction_variants import (STACK_LETTERS, epilogue_inputs, epilogue_of, epilogue_op, same_call_layouts,
                                                    training_gemms)
 from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_op, rest_layouts, rest_operator
@@ -55,8 +56,10 @@ COMPOSED_PER_PART = 3  # a multi-part operator's fastest measured layouts per pa
 class Timings:
     """Measured times by key, from tuning-database records of exactly one device and dtype.
 
-    A record of another device or dtype is refused (``ValueError`` naming both), never used.  A
-    kernel whose every record failed or was wrong (``broken``) is not offered at a predicted time."""
+    A record of another device or dtype is refused (``ValueError`` naming both), never used; one
+    of a Triton GEMM configuration timed with another version of the template (knob ``template``,
+    ``kernels.gemm.TEMPLATE_ID``) is left out.  A kernel whose every record failed or was wrong
+    (``broken``) is not offered at a predicted time."""
 
     def __init__(self, records, device: str, dtype: str):
         self.device, self.dtype = device, dtype
@@ -66,6 +69,8 @@ class Timings:
             if r.key.device != device or r.key.dtype != dtype:
                 raise ValueError(f"timing of {r.key.op} is from {r.key.device} / {r.key.dtype}; this selection is for "
                                  f"{device} / {dtype}: query the tuning database for this device and dtype only")
+            if r.key.knobs.get("backend") == "triton" and r.key.knobs.get("template") != TEMPLATE_ID:
+                continue  # another version of the GEMM template was timed (the tuning measures this one again)
             key = _timing_key(r.key.op, r.key.dims, r.key.layout)
             if r.status in ("failed", "wrong"):
                 self._broken.add(key)
@@ -317,6 +322,12 @@ def _feeds(op, wanted: set, ops: dict, reach: set) -> bool:
     return False
 
 
+def gemm_config_of(knobs: dict) -> dict:
+    """The ``kernels.gemm.GemmConfig`` fields of a Triton configuration's tuning-DB knobs (not its
+    backend, template hash or a gradient epilogue's rest configuration)."""
+    return {k: v for k, v in knobs.items() if k not in ("backend", "template", "rest")}
+
+
 class CandidateBuilder:
     """Candidates of one fused graph for one dtype, timed by ``timings`` or ``figures``."""
 
@@ -468,7 +479,7 @@ class CandidateBuilder:
                 ms, source, knobs = self._time(found, "gemm", g.flop, self.itemsize * sum(
                     math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out)))
                 backend = (knobs or {}).get("backend", "cublas")
-                gemm_config = {k: v for k, v in knobs.items() if k != "backend"} if backend == "triton" else None
+                gemm_config = gemm_config_of(knobs) if backend == "triton" else None
                 candidates.append(Candidate(g.name, op.phase, GEMM, (g.name,), reads, writes,
                                             {"einsum": g.spec, "backend": backend, "gemm": gemm_config,
                                              "operands": members}, ms, source))
@@ -508,7 +519,7 @@ class CandidateBuilder:
                       **{t: own[t] for t in (rest.outputs if rest else ())}}
             ms, source, knobs = self._time(found, "gemm", g.flop, moved)
             config = {"einsum": g.spec, "backend": "triton", "operands": members,
-                      "gemm": {k: v for k, v in knobs.items() if k not in ("backend", "rest")} if knobs else None,
+                      "gemm": gemm_config_of(knobs) if knobs else None,
                       "epilogue": {
                           "consumer": ep.consumer, "gradient": ep.gradient, "factor": ep.factor, "produced": ep.produced, "output": ep.output, "summed": ep.summed,
                           "sum_letters": ep.sum_letters, "primitives": list(ep.primitives), "rest": list(ep.rest),
@@ -546,7 +557,7 @@ class CandidateBuilder:
             reads = {t: "".join(renames[t][x] for x in layout) for k, layout in (("a", a_layout), ("b", b_layout))
                      for t in members[k]}
             reads[ep.bias] = self.graph.tensors[ep.bias].letters
-            gemm = {k: v for k, v in knobs.items() if k != "backend"} if knobs else None
+            gemm = gemm_config_of(knobs) if knobs else None
             result.append(Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer), reads,
                                     writes, {**config, "gemm": gemm}, ms, source))
         return result

@@ -380,21 +380,25 @@ def test_fused_epilogue_candidates_read_the_layouts_it_was_timed_in():
     time; without measurements, spec order only (the cost model's)."""
     from datamove.candidates import CandidateBuilder
     from datamove.harness.contraction_variants import epilogue_of, epilogue_op, training_gemms
+    from datamove.kernels.gemm import TEMPLATE_ID
 
     fused = stored_fused()["bert"]
     device = "NVIDIA H100 80GB HBM3"
     linear1 = next(g for g in training_gemms(fused) if g.name == "w1_x1")
     op = epilogue_op(linear1, epilogue_of(fused, linear1))
     knobs = {"backend": "triton", "block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8, "num_stages": 3,
-             "num_warps": 8, "tma": True, "store_tma": True, "persistent": True, "epilogue_split": 2}
+             "num_warps": 8, "tma": True, "store_tma": True, "persistent": True, "epilogue_split": 2,
+             "template": TEMPLATE_ID}
 
-    def record(a, b, ms):
+    def record(a, b, ms, knobs=knobs):
         return Record(Key(device, {}, op, linear1.sizes, "bfloat16", {"a": a, "b": b, "out": "ubj"}, knobs), "ok", ms)
 
-    timings = Timings([record("ui", "ibj", 0.063), record("ui", "bji", 0.062)], device, "bfloat16")
+    stale = record("ui", "bji", 0.001, {**knobs, "template": "an-older-one"})  # another template's timing: left out
+    timings = Timings([record("ui", "ibj", 0.063), record("ui", "bji", 0.062), stale], device, "bfloat16")
     found = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), timings).gemms()["w1_x1+epilogue"]
     assert {(c.reads["w1"], c.reads["x1"], c.time_ms, c.source) for c in found} == {
         ("ui", "ibj", 0.063, "measured"), ("ui", "bji", 0.062, "measured")}
-    assert all(c.writes == {"hidden": "ubj"} and c.config["gemm"]["store_tma"] for c in found)
+    assert all(c.writes == {"hidden": "ubj"} and c.config["gemm"]["store_tma"] and "template" not in c.config["gemm"]
+               for c in found)
     model = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), Timings([], device, "bfloat16"))
     assert [(c.reads["x1"], c.source) for c in model.gemms()["w1_x1+epilogue"]] == [("ibj", "predicted")]

@@ -25,7 +25,7 @@ outputs are filled with NaN before each checked run, so an unwritten element fai
 
 Keys: ``op`` = ``"gemm:<einsum>"`` (epilogue: ``"gemm:<einsum>+bias[<letters>]+relu+dropout(<p>)"``),
 ``dims`` = {letter: size}, ``dtype``, ``layout`` = {"a", "b", "out": storage order}, ``knobs`` =
-{"backend": "cublas"} or {"backend": "triton", <GemmConfig fields>} (epilogue baseline:
+{"backend": "cublas"} or {"backend": "triton", <GemmConfig fields>, "template": <its source hash>} (epilogue baseline:
 {"backend": "cublas+eager"}).  ``flop`` = 2 x the product of all letter sizes; ``bytes`` =
 elements of A, B and the output (plus bias and saved value) x the item size.
 """
@@ -43,7 +43,7 @@ from datamove.dataflow.executor import FUNCTIONS
 from datamove.kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
                                  run_cublas, run_triton, stacked_spec)
 from datamove.kernels.codegen import compile_operator
-from datamove.kernels.gemm import GemmConfig, GemmShape, tma_compatible, valid_configs
+from datamove.kernels.gemm import TEMPLATE_ID, GemmConfig, GemmShape, tma_compatible, valid_configs
 from datamove.kernels.philox import dropout_scale
 from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge
 from datamove.harness.torch_eval import dropout_offsets, keep_mask_torch
@@ -200,8 +200,9 @@ def _layout_key(plan: GemmPlan) -> dict:
 
 
 def config_knobs(config: GemmConfig) -> dict:
-    """The tuning-DB knobs of a Triton configuration (the module doc's keys)."""
-    return {"backend": "triton", **dataclasses.asdict(config)}
+    """The tuning-DB knobs of a Triton configuration (the module doc's keys), with the template's
+    source hash (``kernels.gemm.TEMPLATE_ID``)."""
+    return {"backend": "triton", **dataclasses.asdict(config), "template": TEMPLATE_ID}
 
 
 class GemmVariant:

@@ -52,7 +52,9 @@ Offsets inside a batch are int32: each operand must hold fewer than 2**31 elemen
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -66,6 +68,9 @@ from datamove.kernels.launch import ceil_div
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# this file's source hash: a timing of a Triton configuration holds for the template that was timed
+# (the tuning database's knobs carry it, ``harness.contraction_variants.config_knobs``)
+TEMPLATE_ID = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 SAVES = ("none", "pre_activation", "pre_dropout")
 GRADIENTS = ("none", "relu", "gelu")  # the factor's derivative the backward epilogue multiplies by
 SUM_PARTIAL_COLUMNS = 128  # sums a program of ``_sum_partials_kernel`` adds up
