@@ -521,9 +521,9 @@ class CandidateBuilder:
             config = {"einsum": g.spec, "backend": "triton", "operands": members,
                       "gemm": gemm_config_of(knobs) if knobs else None,
                       "epilogue": {
-                          "consumer": ep.consumer, "gradient": ep.gradient, "factor": ep.factor, "produced": ep.produced, "output": ep.output, "summed": ep.summed,
-                          "sum_letters": ep.sum_letters, "primitives": list(ep.primitives), "rest": list(ep.rest),
-                          "rest_layouts": own}}
+                          "consumer": ep.consumer, "gradient": ep.gradient, "factor": ep.factor, "produced": ep.produced,
+                          "output": ep.output, "summed": ep.summed, "sum_letters": ep.sum_letters,
+                          "primitives": list(ep.primitives), "rest": list(ep.rest), "rest_layouts": own}}
             result.append(Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer),
                                     reads, writes, config, ms, source))
         return result

@@ -44,9 +44,10 @@ from datamove.layer import tensor_interface
 from datamove.module import TunedLayer
 from datamove.shapes import call_dims, check_plans, file_stem
 from datamove.weights import from_spec, to_spec
+from datamove.steps import epilogue_rest
 from datamove.kernels.codegen import compile_operator
 from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Plan
-from datamove.layouts.space import Configuration, generated_operators, rest_configuration, rest_part
+from datamove.layouts.space import Configuration, generated_operators
 
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
 MANIFEST_KEYS = ("dims", "dtype", "device", "torch_order", "weights")  # what loading and the benchmarks read
@@ -115,8 +116,8 @@ def _write_kernels(folder: Path, plan: Plan, graph, operators) -> None:
             _write(folder / f"{_file_name(step.name)}.py", source)
         epilogue = step.config.get("epilogue") or {}
         if step.kind == GEMM_EPILOGUE and epilogue.get("rest"):
-            rest = rest_part(ops[epilogue["consumer"]], epilogue["primitives"])
-            source = compile_operator(graph, rest, rest_configuration(graph, rest, epilogue["rest_layouts"])).source
+            rest, config = epilogue_rest(graph, ops, epilogue)
+            source = compile_operator(graph, rest, config).source
             _write(folder / f"{_file_name(rest.name)}.py", source)
 
 

@@ -286,6 +286,14 @@ class _KeptViews:
         return result
 
 
+def epilogue_rest(graph, ops: dict, epilogue: dict) -> tuple:
+    """(operator, configuration) of the generated kernel a gradient epilogue's step runs after its
+    GEMM (``epilogue``: the step's config, ``layouts.plan``; ``ops``: the fused graph's operators
+    by name)."""
+    rest = rest_part(ops[epilogue["consumer"]], epilogue["primitives"])
+    return rest, rest_configuration(graph, rest, epilogue["rest_layouts"])
+
+
 class GemmLauncher(Launcher):
     """A contraction (stacked or not) as one GEMM, cuBLAS or the Triton template, optionally with
     its element-wise consumer fused as the epilogue (``GEMM_EPILOGUE``; a gradient epilogue then
@@ -312,8 +320,7 @@ class GemmLauncher(Launcher):
                 raise ValueError(f"{step.name}: {product.expr!r} is not the {self.epilogue['gradient']} derivative "
                                  f"the plan's epilogue computes")
         if self.epilogue and self.epilogue.get("rest"):
-            rest = rest_part(ops[self.epilogue["consumer"]], self.epilogue["primitives"])
-            config = rest_configuration(graph, rest, self.epilogue["rest_layouts"])
+            rest, config = epilogue_rest(graph, ops, self.epilogue)
             masks = {t: config.layouts[t] for t in rest.inputs if graph.tensors[t].role == "dropout"}
             self.rest = GeneratedLauncher(
                 Step(rest.name, step.phase, GENERATED, (), {t: config.layouts[t] for t in rest.inputs if t not in masks},

@@ -149,14 +149,12 @@ class GradientVariant:
         self.plan = map_layouts(c, (*inputs, c.out), gemm.sizes)
         self.op, self.dims, self.dtype = gradient_op(spec, training, gemm, epilogue), dict(gemm.sizes), str(dtype).removeprefix("torch.")
         self.layout = dict(zip(("a", "b", "out"), (*inputs, c.out)))
-        self.rest_config = None
-        if rest_operator(training, epilogue) is not None:
-            self.rest_config = rest_configuration(training.graph, rest_operator(training, epilogue),
-                                                  rest_layouts(training, gemm, epilogue, inputs))
-        self.knobs = config_knobs(config) | ({"rest": self.rest_config.key()} if self.rest_config else {})
-        self.flop = gemm.flop
         graph = training.graph
         self.rest = rest_operator(training, epilogue)
+        self.rest_config = None if self.rest is None else \
+            rest_configuration(graph, self.rest, rest_layouts(training, gemm, epilogue, inputs))
+        self.knobs = config_knobs(config) | ({"rest": self.rest_config.key()} if self.rest_config else {})
+        self.flop = gemm.flop
         self.bytes = dtype.itemsize * (numel(c.a, gemm.sizes) + numel(c.b, gemm.sizes) + 2 * numel(c.out, gemm.sizes))
         self.bytes += tensor_bytes(graph, [epilogue.summed], dtype.itemsize)
         if self.rest is not None:
@@ -206,17 +204,13 @@ class GradientVariant:
         return Verdict(tuple((name, judge(value, self.baseline[name], self.reference[name]))
                              for name, value in results.items()))
 
-    def release(self) -> None:
-        self.tensors = None
-
 
 def gradient_variants(spec: str, training, gemm: TrainingGemm, epilogue: GradientEpilogue, configs, device,
                       dtype=DTYPE) -> list[GradientVariant]:
     """The fused kernel with each of ``configs`` (TMA ones where the layouts allow) reading A and B
     in each of ``epilogue_inputs``' pairs (the rest reading an operand it shares in the same layout)."""
-    variants = []
+    variants, c = [], parse(gemm.spec)
     for layouts in epilogue_inputs(gemm):
-        c = parse(gemm.spec)
         plan = map_layouts(c, (*layouts, c.out), gemm.sizes)
         variants += [GradientVariant(spec, training, gemm, epilogue, cfg, layouts, device, dtype)
                      for cfg in runnable(plan, dtype, configs)]

@@ -228,7 +228,7 @@ def _gemm_kernel(
     saved_ptr,  # saved[b0, b1, m, n]; written only if SAVE != "none"
     factor_ptr,  # factor[b0, b1, m, n]; read only if GRADIENT != "none"
     factor_desc,  # with FACTOR_TMA a descriptor over the factor as [b0, b1, m, n] ([b0, b1, n, m] if FACTOR_M_MAJOR)
-    sums_ptr,  # fp32 partial sums [rows, M] (SUMS == "m") or [rows, N] (SUMS == "n"); see _sums_row
+    sums_ptr,  # fp32 partial sums [rows, M] (SUMS == "m") or [rows, N] (SUMS == "n"); rows: see _tile_epilogue
     B1, BATCHES, M, N, K,  # BATCHES = b0 * b1
     stride_ab0, stride_ab1, stride_am, stride_ak,  # unused with TMA
     stride_bb0, stride_bb1, stride_bk, stride_bn,  # unused with TMA
@@ -380,7 +380,8 @@ def _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, s
     base_bias = bias_ptr + pid_b0.to(tl.int64) * stride_biasb0 + pid_b1.to(tl.int64) * stride_biasb1
     base_saved = saved_ptr + pid_b0.to(tl.int64) * stride_sb0 + pid_b1.to(tl.int64) * stride_sb1
     base_factor = factor_ptr + pid_b0.to(tl.int64) * stride_fb0 + pid_b1.to(tl.int64) * stride_fb1
-    # partial sums: this tile's first row of the partial buffer (_sums_row) and the row length
+    # partial sums: this tile's first row of the partial buffer (one per batch, tile along the summed
+    # dim and, for row sums, epilogue slice) and the row length
     if SUMS == "m":
         sums_row = ((pid_b0 * B1 + pid_b1) * tl.cdiv(N, BLOCK_N) + pid_n) * EPILOGUE_SPLIT
         base_sums = sums_ptr + sums_row.to(tl.int64) * M
@@ -546,6 +547,18 @@ def _bias_along(bias: torch.Tensor | None, strides: tuple[int, int, int, int]) -
     return {(True, False): "m", (False, True): "n"}.get((strides[2] != 0, strides[3] != 0), "mn")
 
 
+def _slice_descriptor(t: torch.Tensor, shape: GemmShape, strides: tuple[int, int, int, int], config: GemmConfig,
+                      split: int) -> tuple[TensorDescriptor, bool] | None:
+    """(descriptor over ``t``, an operand shaped as C, in blocks of one epilogue slice; whether its
+    unit stride is along m), or None where TMA cannot address it (``_tma_view``)."""
+    view = _tma_view(t, (shape.b0, shape.b1, shape.m, shape.n), strides)
+    if view is None:
+        return None
+    columns = config.block_n // split
+    block = [1, 1, columns, config.block_m] if view[2] else [1, 1, config.block_m, columns]
+    return TensorDescriptor(t, list(view[0]), list(view[1]), block), view[2]
+
+
 @functools.cache
 def _programs(device: torch.device) -> int:
     """Programs of a persistent grid on ``device``: its multiprocessors (the interpreter: a few)."""
@@ -611,21 +624,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         b_src = TensorDescriptor(b, list(b_view[0]), list(b_view[1]), b_block)
     c_desc, c_m_major = c, False
     if config.store_tma:
-        c_view = _tma_view(c, (shape.b0, shape.b1, shape.m, shape.n), c_strides)
-        if not config.tma or c_view is None:
+        c_tiles = _slice_descriptor(c, shape, c_strides, config, split)
+        if not config.tma or c_tiles is None:
             raise ValueError(f"config {config} needs tma and a TMA-compatible C (see tma_compatible)")
-        c_m_major = c_view[2]
-        columns = config.block_n // split
-        c_block = [1, 1, columns, config.block_m] if c_m_major else [1, 1, config.block_m, columns]
-        c_desc = TensorDescriptor(c, list(c_view[0]), list(c_view[1]), c_block)
+        c_desc, c_m_major = c_tiles
     factor_desc, factor_m_major = c, False  # the factor's tiles through a descriptor where it allows, with TMA reads
-    factor_view = _tma_view(factor, (shape.b0, shape.b1, shape.m, shape.n), factor_strides) \
-        if factor is not None and config.tma else None
-    if factor_view is not None:
-        factor_m_major = factor_view[2]
-        columns = config.block_n // split
-        block = [1, 1, columns, config.block_m] if factor_m_major else [1, 1, config.block_m, columns]
-        factor_desc = TensorDescriptor(factor, list(factor_view[0]), list(factor_view[1]), block)
+    if factor is not None and config.tma:
+        factor_desc, factor_m_major = _slice_descriptor(factor, shape, factor_strides, config, split) or (c, False)
     tiles, batches = ceil_div(shape.m, config.block_m) * ceil_div(shape.n, config.block_n), shape.b0 * shape.b1
     grid = (min(tiles * batches, _programs(a.device)), 1) if config.persistent else (tiles, batches)
     partial = c
