@@ -7,8 +7,8 @@ with fixed inputs and dropout seed; each operator is fed its inputs from that ru
 are compared with the executor's (fp32: tight tolerance; bf16: ``harness.accuracy`` against
 PyTorch eager bf16 of the same primitives).  Dropout masks are regenerated in the kernel from
 the executor's (seed, offset), so a kernel that drew another mask would fail.  Operators of
-several independent parts (stacked Q/K/V bias adds and bias gradients, a bias gradient joined
-across a contraction) run as one launch with one program range per part.
+several independent parts (stacked Q/K/V bias adds and bias gradients, BERT's two FFN bias
+gradients joined as the paper fuses them: ``tests/bias_join.py``) run as one launch with one program range per part.
 """
 import functools
 
@@ -25,6 +25,7 @@ from datamove.kernels.codegen import SUM_ROWS, allocate, compile_operator
 from datamove.layouts.space import (SUM_PROGRAMS, Configuration, column_sum_joins, combine_parts, configurations,
                                     default_configuration, knob_choices, operator_letters, parts, terminal_reductions)
 from datamove.dataflow import snapshot
+from tests.bias_join import joined_bias_gradients
 from tests.test_codegen import evaluate
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
@@ -177,10 +178,12 @@ def test_bf16(spec, name):
 
 def test_stored_dropout_mask_in_a_part():
     """knob dropout="load" in an operator of several parts: the mask is read, not regenerated.  Such
-    an operator: BERT's d_b1 as derived before ``relu_masks_from_outputs`` (its dropout dX reads the mask)."""
+    an operator: BERT's d_b1 as derived before ``relu_masks_from_outputs`` (its dropout dX reads the mask),
+    joined with d_b2 (``tests/bias_join.py``)."""
     _, forward = forward_graph("configs/bert.py", SMALL["bert"])
     fused = fuse(build_training_graph(forward, relu_masks=False))
-    graph, op = fused.graph, next(op for op in fused.operators if op.name == "d_b1")
+    graph = fused.graph
+    op = next(op for op in joined_bias_gradients(graph, fused.operators) if op.name == "d_b1")
     assert len(parts(op)) == 2 and "drop_act" in op.inputs
     rng = np.random.default_rng(0)
     env = execute(graph, {n: rng.standard_normal([graph.size(l) for l in t.letters]) + 0.1 for n, t in graph.tensors.items()
@@ -212,7 +215,7 @@ def _split(graph, op, slices: int, rows: int = 2) -> Configuration:
 
 def test_split_operators():
     """The operators with terminal reductions are those computing bias and layernorm-parameter gradients."""
-    assert SPLIT == [("bert", "d_ln2_gamma"), ("bert", "d_b1"), ("bert", "d_ln1_gamma"), ("bert", "d_bo"),
+    assert SPLIT == [("bert", "d_ln2_gamma"), ("bert", "d_b2"), ("bert", "d_b1"), ("bert", "d_ln1_gamma"), ("bert", "d_bo"),
                      ("bert", "stack(d_bv,d_bk,d_bq)"), ("gpt2", "d_bout"), ("gpt2", "d_bfc"), ("gpt2", "d_ln2_gain"),
                      ("gpt2", "d_bproj"), ("gpt2", "stack(d_bv,d_bk,d_bq)"), ("gpt2", "d_ln1_gain")]
 
@@ -332,12 +335,14 @@ def test_dropout_grouped_with_the_vector_letter_not_reduced(mode):
 # --- parts and their configuration spaces -------------------------------------------------------
 
 def test_parts_of_stacked_and_joined_operators():
-    _, bert = _setup("bert")
+    graph, bert = _setup("bert")
     assert [p.outputs for p in parts(bert["stack(q,k,v)"])] == [("q",), ("k",), ("v",)]
     assert [p.outputs for p in parts(bert["stack(d_bv,d_bk,d_bq)"])] == [("d_bv",), ("d_bk",), ("d_bq",)]
-    assert [p.outputs for p in parts(bert["d_b1"])] == [("d_b2",), ("d_pre_act", "d_b1")]
+    assert len(parts(bert["d_b1"])) == 1 and len(parts(bert["d_b2"])) == 1
+    joined = next(op for op in joined_bias_gradients(graph, list(bert.values())) if op.name == "d_b1")
+    assert [p.outputs for p in parts(joined)] == [("d_b2",), ("d_pre_act", "d_b1")]
     assert len(parts(bert["x1"])) == 1 and parts(bert["x1"])[0].primitives == bert["x1"].primitives
-    source = compile_operator(*_setup("bert")[:1], bert["d_b1"], default_configuration(_setup("bert")[0], bert["d_b1"])).source
+    source = compile_operator(graph, joined, default_configuration(graph, joined)).source
     assert source.count("@triton.jit") == 4  # _tanh, two parts, the dispatching kernel
     assert "if pid < end_0:" in source and "d_b1_part1(pid - end_0," in source
 
@@ -444,8 +449,8 @@ JOINS = [(spec, name) for spec in ("bert", "gpt2") for name in _joins(spec)[1]]
 
 def test_joins_found():
     """Each layernorm backward with the parameter gradients that read its tensors (BERT: and the
-    output bias gradient of what it writes); every join has its column sums over the rows."""
-    assert JOINS == [("bert", "d_ln2_gamma+d_ffn"), ("bert", "d_ln1_gamma+d_attn+d_bo"),
+    bias gradients of what it writes); every join has its column sums over the rows."""
+    assert JOINS == [("bert", "d_ln2_gamma+d_ffn+d_b2"), ("bert", "d_ln1_gamma+d_attn+d_bo"),
                      ("gpt2", "d_ln2_gain+d_expr_plus_bproj_slice+d_bproj"), ("gpt2", "d_ln1_gain+d_x")]
     graph, joins = _joins("bert")
     letters = operator_letters(graph, joins["d_ln1_gamma+d_attn+d_bo"])
@@ -500,7 +505,7 @@ def test_joined_dropout_rows_of_one_call(spec, name):
 
 def test_joined_needs_row_mode():
     graph, joins = _joins("bert")
-    op = joins["d_ln2_gamma+d_ffn"]
+    op = joins["d_ln2_gamma+d_ffn+d_b2"]
     config = default_configuration(graph, op)
     with pytest.raises(ValueError, match="column sums over"):
         compile_operator(graph, op, Configuration(config.layouts, {**config.knobs, "mode": "loop", "block_col": 4}))

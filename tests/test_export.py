@@ -21,6 +21,7 @@ from datamove.dataflow.snapshot import stored_fused
 from datamove.export import (ArtifactError, ArtifactMismatch, load_layer, load_weights, read_manifest, state_dict_for,
                              write_artifact)
 from datamove.weights import from_spec
+from bias_join import with_joined_bias_gradients
 from plans import selected_plan, spec_module, spec_order_plan
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU); "
@@ -31,8 +32,11 @@ GPT2_DIMS = dict(B=2, T=21, D=32, H=2, E=16, F=72)
 FLOAT32_TOLERANCE = 2e-5  # interpreter float32 vs float64: measured ~3e-7; far below any indexing or mask error
 
 
-def write(tmp_path, spec: str, dims: dict, plan_for=spec_order_plan, device=None):
+def write(tmp_path, spec: str, dims: dict, plan_for=spec_order_plan, device=None, fused_as=None):
+    """The artifact of ``plan_for``'s plan of ``spec`` at ``dims`` (``fused_as``: a change of the
+    stored fused graph first)."""
     fused = stored_fused()[spec].with_dims(dims)
+    fused = fused_as(fused) if fused_as else fused
     module = spec_module(spec)
     plan = plan_for(fused, spec)
     return write_artifact(tmp_path / spec, plan, fused.graph, fused.operators, spec_name=spec, spec_digest="test",
@@ -96,6 +100,17 @@ def test_bert_matches_the_executor_with_dropout(tmp_path, plan_for):
     folded = [s for s in layer.plan.steps if "bias" in s.config]  # Q/K/V's bias add inside the attention
     assert plan_for is spec_order_plan or [s.name for s in folded] == ["stack(q,k,v)+attention_forward", "attention_backward"]
     randomize(layer, 1)
+    check_against_executor(layer, {"x": None})
+
+
+def test_bert_gradient_epilogue_with_a_rest_matches_the_executor(tmp_path):
+    """BERT with its FFN bias gradients as one operator (``tests/bias_join.py``): the gradient
+    epilogue's consumer has another part, which the layer runs after the GEMM (its rest kernel)."""
+    layer = load(write(tmp_path, "bert", BERT_DIMS, selected_plan, fused_as=with_joined_bias_gradients))
+    (step,) = [s for s in layer.plan.steps if s.kind == "gemm_epilogue" and "gradient" in s.config["epilogue"]]
+    assert step.name == "d_hidden+d_b1" and step.config["epilogue"]["rest"]
+    assert (tmp_path / "bert" / "kernels" / "d_b1_rest.py").exists()
+    randomize(layer, 2)
     check_against_executor(layer, {"x": None})
 
 

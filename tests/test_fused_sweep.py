@@ -113,7 +113,7 @@ def test_sweep_checks_every_operator_records_failures_and_resumes(tmp_path, monk
     joins = {v.op for v in fused if "+" in v.op_obj.name}  # layouts.space.column_sum_joins: no eager sequence
     assert {v.op.removesuffix("#eager") for v in eager} == {v.op for v in fused} - joins
     assert {v.op_obj.name for v in fused if v.op in joins} == {
-        "d_ln2_gamma+d_ffn", "d_ln1_gamma+d_attn+d_bo", "d_ln2_gain+d_expr_plus_bproj_slice+d_bproj", "d_ln1_gain+d_x"}
+        "d_ln2_gamma+d_ffn+d_b2", "d_ln1_gamma+d_attn+d_bo", "d_ln2_gain+d_expr_plus_bproj_slice+d_bproj", "d_ln1_gain+d_x"}
     # one configuration that cannot compile: the harness records it as failed and goes on
     x1 = next(v for v in fused if v.op_obj.name == "x1")
     base = default_configuration(x1.ws.graph, x1.op_obj)

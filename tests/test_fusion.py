@@ -42,6 +42,13 @@ PAPER = {
     "BAIB (attention input bias dW, Q/K/V stacked)": {"d_bq", "d_bk", "d_bv"},
     "BEI (encoder input residual)": {"d_x"},
 }
+# Where datamove departs from the table: the FFN output bias gradient (d_b2, the column sum of
+# d_ffn) stays an operator of its own rather than joining d_b1 across the FFN's second GEMM; the
+# candidates join it with the layernorm backward that writes d_ffn (layouts.space.column_sum_joins),
+# so d_ffn is not read again (BERT-large B=8 L=512 on an H100: 10 us less).
+FUSED = {**{name: members for name, members in PAPER.items() if not name.startswith("BDRB")},
+         "BRB (dropout dX, ReLU dX, bias dW)": {"d_pre_act", "d_b1"},
+         "BB (FFN output bias dW)": {"d_b2"}}
 
 
 def _fused(path, dims=None, options=None):
@@ -64,9 +71,11 @@ def bert_large():
 def test_bert_fused_operators_are_the_papers(which, request):
     _, _, fused = request.getfixturevalue(which)
     found = {frozenset(fused.merged[op.name]): op for op in fused.operators if op.cls != CONTRACTION}
-    assert set(found) == {frozenset(members) for members in PAPER.values()}  # one-to-one
-    phases = {name: found[frozenset(members)].phase for name, members in PAPER.items()}
-    assert list(phases.values()) == [FORWARD] * 5 + [BACKWARD] * 9
+    assert set(found) == {frozenset(members) for members in FUSED.values()}  # one-to-one
+    phases = {name: found[frozenset(members)].phase for name, members in FUSED.items()}
+    assert list(phases.values()) == [FORWARD] * 5 + [BACKWARD] * 10
+    joined = {name for op in fused.operators for name in fused.rules[op.name]}
+    assert "join-reduction-across-contraction" not in joined  # BERT's one candidate is d_b2's (FUSED)
 
 
 def test_bert_algebraic_fusion_stacks_qkv(bert):
@@ -189,7 +198,7 @@ def test_analyze_cli_reports_training_and_fusion(tmp_path, capsys):
     assert {"forward/contraction", "backward/contraction"} <= set(data["totals"])
     for entry in data["fused"]:
         assert {"name", "members", "class", "phase", "input_elements", "output_elements"} <= set(entry)
-    assert len([e for e in data["fused"] if e["class"] != CONTRACTION]) == len(PAPER)
+    assert len([e for e in data["fused"] if e["class"] != CONTRACTION]) == len(FUSED)
     movement = data["data_movement"]
     assert movement["fused"]["non_contraction"] <= 0.8 * movement["unfused"]["non_contraction"]
     assert movement["reduction_percent"]["total"] > 20

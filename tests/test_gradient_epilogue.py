@@ -18,6 +18,7 @@ from datamove.kernels.contraction import Epilogue, contract, empty_in_layout, pa
 from datamove.kernels.gemm import valid_configs
 from datamove.layouts.cost_model import device_figures
 from datamove.layouts.space import rest_part
+from tests.bias_join import with_joined_bias_gradients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = {"bert": dict(B=2, L=5, N=7, H=3, P=3, U=9), "gpt2": dict(B=2, T=5, D=24, H=2, E=12, F=40)}
@@ -101,8 +102,11 @@ def test_found_in_bert_and_gpt2_with_their_rest():
     scale = bert.graph.scalars()["scale_drop_act"]
     assert name == "d_hidden" and (ep.consumer, ep.factor, ep.gradient, ep.output, ep.summed, ep.sum_letters) == \
         ("d_b1", "hidden", "relu", "d_pre_act", "d_b1", "u") and ep.scale == pytest.approx(scale)
-    assert ep.rest == ("reduce:d_b2",)
-    rest = ge.rest_operator(bert, ep)
+    assert ep.rest == ()  # d_b2 is joined with the layernorm backward that writes d_ffn
+    joined = with_joined_bias_gradients(bert)
+    ep = ge.gradient_epilogue_of(joined, next(g for g in cv.training_gemms(joined) if g.name == "d_hidden"))
+    assert ep.consumer == "d_b1" and ep.rest == ("reduce:d_b2",)
+    rest = ge.rest_operator(joined, ep)
     assert (rest.name, rest.inputs, rest.outputs) == ("d_b1_rest", ("d_ffn",), ("d_b2",))
     (name, ep), = [(n, e) for n, e in found["gpt2"] if e]
     assert name == "d_gelu" and (ep.consumer, ep.factor, ep.gradient, ep.sum_letters, ep.rest) == \
@@ -111,18 +115,21 @@ def test_found_in_bert_and_gpt2_with_their_rest():
     assert order.index("d_bfc") == order.index("d_gelu") + 1 and "d_bfc" != [o.name for o in gpt2.operators][
         [o.name for o in gpt2.operators].index("d_gelu") + 1]  # moved up past d_wout, which it does not read
     with pytest.raises(ValueError, match="not whole parts"):
-        rest_part(next(o for o in bert.operators if o.name == "d_b1"), ("map:d_pre_act",))
+        rest_part(next(o for o in joined.operators if o.name == "d_b1"), ("map:d_pre_act",))
 
 
-@pytest.mark.parametrize("spec", ["bert", "gpt2"])
-def test_variants_pass_the_float64_check_through_the_sweep(spec, tmp_path):
+@pytest.mark.parametrize("spec,joined", [("bert", False), ("bert", True), ("gpt2", False)])
+def test_variants_pass_the_float64_check_through_the_sweep(spec, joined, tmp_path):
+    """Each spec's variants; BERT's also with its bias gradients as one operator (a rest to run)."""
     training = snapshot.stored_fused()[spec].with_dims(SMALL[spec])
+    training = with_joined_bias_gradients(training) if joined else training
     gemm = next(g for g in cv.training_gemms(training) if ge.gradient_epilogue_of(training, g))
     ep = ge.gradient_epilogue_of(training, gemm)
     dtype = torch.bfloat16
     variants = ge.gradient_variants(spec, training, gemm, ep, valid_configs(dtype)[:3], DEVICE, dtype)
     pairs = {tuple(v.layout[k] for k in ("a", "b")) for v in variants}
     assert pairs == set(cv.epilogue_inputs(gemm))
+    assert bool(ep.rest) == joined
     if ep.rest:  # the rest reads the GEMM's B operand (d_ffn) in B's layout
         assert {ge.rest_layouts(training, gemm, ep, pair)["d_ffn"] for pair in pairs} == {b for _, b in pairs}
     with TuningDB(tmp_path / "tuning.db") as db:

@@ -484,11 +484,28 @@ class StackElementwise(Rule):
         state.merge(list(owners), self.name, Stack(letter, len(owners), members, (tuple(stacked),)))
 
 
+def _sums_columns_of(state: FusionState, producer: int, tensor: str, letters: str, reduced: frozenset) -> bool:
+    """Whether a reduction over ``reduced`` of ``tensor`` (read under ``letters``) sums the columns
+    of a normalization ``producer`` writing it: one that reduces over the other letters (a
+    layernorm backward's rows).  Such a sum runs best inside the producer's pass, which holds the
+    tensor in registers (the candidates' column-sum joins, ``layouts.space.column_sum_joins``)."""
+    if state.cls(producer) != NORMALIZATION or state.groups[producer].stack is not None:
+        return False
+    theirs = _access(state, producer, tensor)
+    rename = dict(zip(letters, theirs))
+    mine = {rename.get(l, l) for l in reduced}
+    _, reductions = _space(state, producer)
+    return any(r and not r & mine and r | mine == set(theirs) for r in reductions)
+
+
 class JoinReductionAcrossContraction(Rule):
     """Pattern: a non-contraction group whose results nobody reads (e.g. a bias gradient) and
     which reduces over letters R; a contraction reads one of its input tensors, and a
     non-contraction group reads that contraction's output and reduces over the same letters
-    (aligned through the contraction's letters).  Legal: one phase, no cycle, I/O not grown.
+    (aligned through the contraction's letters).  Not where the tensor's producer is a
+    normalization whose rows R sums over (``_sums_columns_of``: BERT's FFN output bias gradient
+    stays beside its layernorm backward rather than joining the first bias gradient across the
+    FFN's second GEMM).  Legal: one phase, no cycle, I/O not grown.
     Rewrite: merge the two (one launch for both reductions)."""
 
     name = "join-reduction-across-contraction"
@@ -509,6 +526,8 @@ class JoinReductionAcrossContraction(Rule):
                 if tensor not in state.producer or state.phases[state.producer[tensor]] != group.phase:
                     continue
                 mine = _access(state, gid, tensor)
+                if _sums_columns_of(state, state.owner[state.producer[tensor]], tensor, mine, reduced):
+                    continue
                 for reader in state.readers.get(tensor, []):
                     c = state.owner[reader]
                     einsum = _single_einsum(state, c)
