@@ -205,3 +205,31 @@ def test_analyze_cli_reports_training_and_fusion(tmp_path, capsys):
     assert data["attention_candidates"][0]["outputs"] == ["gamma"]
     printed = capsys.readouterr().out
     assert "backward" in printed and "fused operator" in printed and "non_contraction" in printed
+
+
+TWO_LINEAR = textwrap.dedent('''
+    import numpy as np
+    from datamove.dataflow.spec import Tensor, dims
+
+    B, N, U = dims(B=3, N=5, U=7)
+    INDEX = {"b": B, "i": N, "u": U, "k": N}
+
+
+    def layer(x: Tensor("bi"), w1: Tensor("iu"), b1: Tensor("u"), w2: Tensor("uk"), b2: Tensor("k"),
+              w3: Tensor("ki"), b3: Tensor("i")):
+        h = np.maximum(np.einsum("bi,iu->bu", x, w1) + b1, 0)
+        y = np.einsum("bu,uk->bk", h, w2) + b2
+        z = np.einsum("bk,ki->bi", y, w3) + b3
+        return z
+''')
+
+
+def test_a_bias_gradient_of_a_contractions_output_joins_across_a_contraction(tmp_path):
+    """y's bias gradient sums d_y, which a contraction writes (z's dX): it joins b1's, past the
+    contraction that reads d_y (``JoinReductionAcrossContraction``); no normalization writes d_y
+    to hold that sum instead (BERT's d_b2, ``FUSED``)."""
+    path = tmp_path / "two_linear.py"
+    path.write_text(TWO_LINEAR)
+    _, _, fused = _fused(path)
+    joined = [op for op in fused.operators if "join-reduction-across-contraction" in fused.rules[op.name]]
+    assert len(joined) == 1 and {"d_b2", "d_b1"} <= set(fused.merged[joined[0].name])
