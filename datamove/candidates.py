@@ -33,10 +33,11 @@ from dataclasses import dataclass, replace
 
 from datamove.dataflow.graph import is_expression
 from datamove.dataflow.layer_inputs import batch_letters
-from datamove.kernels.attention import supported_head_dim
+from datamove.kernels.attention import KERNEL_ID as ATTENTION_ID, supported_head_dim
 from datamove.harness.attention_variants import AttentionCase
 from datamove.kernels.contraction import parse
 from datamove.kernels.gemm import TEMPLATE_ID
+from datamove.kernels.layout_change import KERNEL_ID as LAYOUT_CHANGE_ID
 from datamove.harness.contraction_variants import (STACK_LETTERS, epilogue_inputs, epilogue_of, epilogue_op, same_call_layouts,
                                                    training_gemms)
 from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_op, rest_layouts, rest_operator
@@ -53,12 +54,27 @@ KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec 
 COMPOSED_PER_PART = 3  # a multi-part operator's fastest measured layouts per part that ``composed`` combines
 
 
+def _stale(key) -> bool:
+    """Whether a tuning-database key times another version of its kernel's source than this one:
+    a Triton GEMM configuration (knob ``template``, ``kernels.gemm.TEMPLATE_ID``), the fused
+    attention or a layout change (knob ``kernel``: ``kernels.attention.KERNEL_ID``,
+    ``kernels.layout_change.KERNEL_ID``).  Generated kernels carry their generator's version in
+    their key instead (``harness.sweep_variants``)."""
+    knobs = key.knobs
+    if knobs.get("backend") == "triton":
+        return knobs.get("template") != TEMPLATE_ID
+    if key.op.startswith("attention:") and knobs.get("impl") == "fused":
+        return knobs.get("kernel") != ATTENTION_ID
+    if key.op.startswith("layout:"):
+        return knobs.get("kernel") != LAYOUT_CHANGE_ID
+    return False
+
+
 class Timings:
     """Measured times by key, from tuning-database records of exactly one device and dtype.
 
     A record of another device or dtype is refused (``ValueError`` naming both), never used; one
-    of a Triton GEMM configuration timed with another version of the template (knob ``template``,
-    ``kernels.gemm.TEMPLATE_ID``) is left out.  A kernel whose every record failed or was wrong
+    of another version of the kernel's source (``_stale``) is left out.  A kernel whose every record failed or was wrong
     (``broken``) is not offered at a predicted time."""
 
     def __init__(self, records, device: str, dtype: str):
@@ -69,8 +85,8 @@ class Timings:
             if r.key.device != device or r.key.dtype != dtype:
                 raise ValueError(f"timing of {r.key.op} is from {r.key.device} / {r.key.dtype}; this selection is for "
                                  f"{device} / {dtype}: query the tuning database for this device and dtype only")
-            if r.key.knobs.get("backend") == "triton" and r.key.knobs.get("template") != TEMPLATE_ID:
-                continue  # another version of the GEMM template was timed (the tuning measures this one again)
+            if _stale(r.key):
+                continue  # another version of the kernel was timed (the tuning measures this one again)
             key = _timing_key(r.key.op, r.key.dims, r.key.layout)
             if r.status in ("failed", "wrong"):
                 self._broken.add(key)

@@ -15,6 +15,8 @@ import pytest
 from datamove.dataflow.snapshot import stored_fused
 from datamove.candidates import Timings, plan_layer
 from datamove.harness.tuning_db import Key, Record
+from datamove.kernels.attention import KERNEL_ID as ATTENTION_ID
+from datamove.kernels.layout_change import KERNEL_ID as LAYOUT_CHANGE_ID
 from datamove.layouts.cost_model import device_figures
 from datamove.layouts.plan import LAYOUT_CHANGE
 from datamove.layouts.select import Candidate, NoPlan, select
@@ -188,13 +190,14 @@ def test_unmeasured_layout_change_priced_like_measured_ones_of_its_size():
     sizes = {x: graph.size(x) for x in "phbjk"}
     device = "NVIDIA H200"
 
-    def change(letters, source, target, ms):
+    def change(letters, source, target, ms, kernel=LAYOUT_CHANGE_ID):
         key = Key(device, {}, f"layout:{letters}", {x: sizes[x] for x in letters}, "bfloat16",
-                  {"from": source, "to": target}, {"impl": "triton-tiles"})
+                  {"from": source, "to": target}, {"impl": "triton-tiles", "kernel": kernel})
         return Record(key, "ok", ms)
 
+    older = change("phbj", "phbj", "bpjh", 0.001, kernel="an-older-one")  # another version's timing: left out
     timings = Timings([change("phbj", "phbj", "bjph", 0.026), change("phbj", "bjph", "phbj", 0.027),
-                       change("phbj", "phbj", "bpjh", 0.025)], device, "bfloat16")
+                       change("phbj", "phbj", "bpjh", 0.025), older], device, "bfloat16")
     builder = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H200"), timings)
     unmeasured = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H200"), Timings([], device, "bfloat16"))
     model_ms, source = unmeasured.layout_change("k", "phbk", "bkph")
@@ -302,19 +305,22 @@ def test_a_kernel_that_never_ran_is_not_offered_and_a_folded_one_is_not_cheaper(
                          fused.graph.tensors[roles.tensors["mask"]].p)
     layout = {"q": "phbj", "k": "phbk", "v": "phbk", "o": "phbj", "do": "phbj"}
 
-    def record(direction, status, ms=None, folded=False):
+    def record(direction, status, ms=None, folded=False, kernel=ATTENTION_ID):
         timed = replace(case, bias=folded)
-        return Record(Key(device, {}, timed.op(direction), timed.dims, "bfloat16", layout, {"impl": "fused"}), status, ms)
+        return Record(Key(device, {}, timed.op(direction), timed.dims, "bfloat16", layout,
+                          {"impl": "fused", "kernel": kernel}), status, ms)
 
     plain = {"forward": 5.0, "backward": 7.0}  # slower than the model's guesses
+    older = record("forward", "ok", 0.001, kernel="an-older-one")  # another version of the kernels: left out
     timings = Timings([record(d, "ok", ms) for d, ms in plain.items()] + [record("backward", "failed", folded=True),
-                       record("backward", "wrong", folded=True)], device, "bfloat16")
+                       record("backward", "wrong", folded=True), older], device, "bfloat16")
     assert timings.broken(replace(case, bias=True).op("backward"), case.dims, layout)
     assert not timings.broken(case.op("backward"), case.dims, layout)
     builder = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H200"), timings)
     found = {(c.name, "bias" in c.config): c for c in builder.attention(roles, {"phbj"}, bias)}
     assert set(found) == {("attention_forward", False), ("attention_backward", False),
                           (f"{bias['op']}+attention_forward", True)}
+    assert found[("attention_forward", False)].time_ms == plain["forward"]
     assert found[(f"{bias['op']}+attention_forward", True)].time_ms == plain["forward"]
     assert found[(f"{bias['op']}+attention_forward", True)].source == "predicted"
 

@@ -26,8 +26,9 @@ uses ``dropout_p``), and on a GPU the verdict names the attention kernels the ti
 Keys: ``op`` = ``"attention:<direction>:dropout=<p>"`` (``":bias"`` appended where biases (h, p) are
 added to q, k, v, the bias add folded into the fused kernels: ``kernels.attention``'s biases,
 ``AttentionCase.bias``, forward and backward only), ``dims`` = {b, h, j, k, p}, ``layout`` =
-{tensor: storage order}, ``knobs`` = {"impl": "fused", "forward": {...}, "backward": {...}} (direction
-"forward": {"impl": "fused", "forward": {...}, "dropout_mask": ...}) /
+{tensor: storage order}, ``knobs`` = {"impl": "fused", "kernel": ``kernels.attention.KERNEL_ID``,
+"forward": {...}, "backward": {...}} (direction "forward": {"impl": "fused", "kernel": ..., "forward":
+{...}, "dropout_mask": ...}) /
 {"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
 (how the benchmark times it: ``Sweep(cuda_graph=True/False)``).  ``flop``: forward 4 BHLLP,
 backward 10 BHLLP (five products), both 14 BHLLP; ``bytes``: Q, K, V, O (forward) and dO, dQ, dK,
@@ -41,8 +42,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from datamove.kernels.attention import (DROPOUT_MASK_OPTIONS, attention_backward, attention_configs, attention_forward,
-                               default_config, fused_attention, mask_options, new_saved_mask)
+from datamove.kernels.attention import (DROPOUT_MASK_OPTIONS, KERNEL_ID, attention_backward, attention_configs,
+                                        attention_forward, default_config, fused_attention, mask_options, new_saved_mask)
 from datamove.harness.sweep_variants import Verdict, judge
 from datamove.kernels.philox import dropout_scale
 from datamove.harness.torch_eval import keep_mask_torch
@@ -239,7 +240,7 @@ class FusedVariant(_Base):
         self.forward = dict(forward or default_config(P, "forward")) if direction != "backward" else None
         self.backward = backward if direction != "forward" else None
         self.dropout_mask = backward["dropout_mask"]
-        self.impl = {"impl": "fused", **({"forward": self.forward} if self.forward else {}),
+        self.impl = {"impl": "fused", "kernel": KERNEL_ID, **({"forward": self.forward} if self.forward else {}),
                      **({"backward": self.backward} if self.backward else {"dropout_mask": self.dropout_mask})}
         super().__init__(ws, direction, launch)
 

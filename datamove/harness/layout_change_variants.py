@@ -1,7 +1,8 @@
 """A layout change (``kernels.layout_change.permute_copy``) as a sweep variant, timed like every other
 kernel so the selection prices changes by measurement.  Key: ``op = "layout:<letters>"`` (the
 tensor's letters in spec order), ``dims`` {letter: size}, ``layout`` {"from", "to"} (storage
-orders), ``knobs`` {"impl": "triton-tiles", "block_s", "block_a", "num_warps"}; ``bytes`` = read +
+orders), ``knobs`` {"impl": "triton-tiles", "block_s", "block_a", "num_warps", "kernel": the kernel's
+source version, ``kernels.layout_change.KERNEL_ID``}; ``bytes`` = read +
 written.  Check: the copy equals its source exactly (random normal data, never zeros).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from datamove.harness.accuracy import Closeness
 from datamove.kernels.contraction import empty_in_layout
-from datamove.kernels.layout_change import TILE, permute_copy
+from datamove.kernels.layout_change import KERNEL_ID, TILE, permute_copy
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class LayoutChangeVariant:
         self.dtype_, self.device = dtype, device
         self.op, self.dims = f"layout:{letters}", {x: sizes[x] for x in letters}
         self.dtype = str(dtype).removeprefix("torch.")
-        self.layout, self.knobs = {"from": source, "to": target}, {"impl": "triton-tiles", **TILE}
+        self.layout, self.knobs = {"from": source, "to": target}, {"impl": "triton-tiles", **TILE, "kernel": KERNEL_ID}
         self.flop, self.bytes = 0, 2 * math.prod(self.dims.values()) * dtype.itemsize
         self.src = self.dst = None
 

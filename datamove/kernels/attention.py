@@ -77,10 +77,13 @@ import triton.language as tl
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP
 from datamove.kernels.interpreter import interpreted
+from datamove.kernels import philox
+from datamove.kernels.device import source_id
 from datamove.kernels.launch import ceil_div, launch
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_bits, keep_threshold, unpack_grouped
 
 LOG2E = 1.4426950408889634
+KERNEL_ID = source_id(__file__, philox.__file__)  # the kernels' source version: a timing holds for it
 DROPOUT_MASK_OPTIONS = ("regenerate", "saved")  # how the backward gets the dropout mask (module doc)
 KEYS_SCANNED = tl.constexpr(1024)  # padding-mask entries ``_keys_kept`` reads per load
 

@@ -4,12 +4,15 @@
 theoretical peaks from them; with no driver or no GPU it returns a ``NoDevice`` that says why (the
 runtime answers with an error code, nothing crashes).  The measured ceilings (a large copy and a
 large GEMM) are taken by ``harness.bench.measure_ceilings`` and kept in the tuning DB.
-``versions()`` names the software a measurement was taken with (part of every tuning-DB key).
+``versions()`` names the software a measurement was taken with (part of every tuning-DB key);
+``source_id(*files)`` names the version of a kernel's own source (the knobs of its timings carry it).
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from cuda.bindings import runtime as cudart
 
@@ -147,3 +150,13 @@ def versions() -> dict[str, str]:
         "cuda_runtime": _cuda_version_text(runtime_version or 0),
         "cuda_driver": _cuda_version_text(driver_version or 0),
     }
+
+
+def source_id(*files: str) -> str:
+    """A 12-digit hash of ``files``' bytes (a kernel's module and the Triton functions it calls): a
+    timing holds for the source that was timed, so the tuning database's knobs carry it and the
+    selection leaves out timings of another version (``datamove.candidates.Timings``)."""
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(Path(file).read_bytes())
+    return digest.hexdigest()[:12]

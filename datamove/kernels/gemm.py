@@ -52,9 +52,7 @@ Offsets inside a batch are int32: each operand must hold fewer than 2**31 elemen
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -64,13 +62,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP
 from datamove.kernels.interpreter import interpreted, round_bf16
+from datamove.kernels import philox
+from datamove.kernels.device import source_id
 from datamove.kernels.launch import ceil_div
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# this file's source hash: a timing of a Triton configuration holds for the template that was timed
-# (the tuning database's knobs carry it, ``harness.contraction_variants.config_knobs``)
-TEMPLATE_ID = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+# the template's source version (with the Philox draws its epilogue calls): a timing of a Triton
+# configuration holds for the template that was timed (``harness.contraction_variants.config_knobs``)
+TEMPLATE_ID = source_id(__file__, philox.__file__)
 SAVES = ("none", "pre_activation", "pre_dropout")
 GRADIENTS = ("none", "relu", "gelu")  # the factor's derivative the backward epilogue multiplies by
 SUM_PARTIAL_COLUMNS = 128  # sums a program of ``_sum_partials_kernel`` adds up
