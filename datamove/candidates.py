@@ -74,8 +74,8 @@ class Timings:
     """Measured times by key, from tuning-database records of exactly one device and dtype.
 
     A record of another device or dtype is refused (``ValueError`` naming both), never used; one
-    of another version of the kernel's source (``_stale``) is left out.  A kernel whose every record failed or was wrong
-    (``broken``) is not offered at a predicted time."""
+    of another version of the kernel's source (``_stale``) is left out.  A kernel whose every
+    record failed or was wrong (``broken``) is not offered at a predicted time."""
 
     def __init__(self, records, device: str, dtype: str):
         self.device, self.dtype = device, dtype

@@ -503,7 +503,7 @@ class JoinReductionAcrossContraction(Rule):
     which reduces over letters R; a contraction reads one of its input tensors, and a
     non-contraction group reads that contraction's output and reduces over the same letters
     (aligned through the contraction's letters).  Not where the tensor's producer is a
-    normalization whose rows R sums over (``_sums_columns_of``: BERT's FFN output bias gradient
+    normalization whose columns the group sums (``_sums_columns_of``: BERT's FFN output bias gradient
     stays beside its layernorm backward rather than joining the first bias gradient across the
     FFN's second GEMM).  Legal: one phase, no cycle, I/O not grown.
     Rewrite: merge the two (one launch for both reductions)."""
