@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from datamove.dataflow.derivatives import derivative
+from datamove.dataflow.activations import derivative
 from datamove.dataflow.executor import dropout_offsets
 from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
 from datamove.kernels.blas import LtMatmul

@@ -9,7 +9,7 @@ import torch
 
 from datamove.candidates import execution_order, plan_layer
 from datamove.dataflow import snapshot
-from datamove.dataflow.derivatives import derivative
+from datamove.dataflow.activations import derivative
 from datamove.harness import contraction_variants as cv
 from datamove.harness import gradient_epilogue as ge
 from datamove.harness.bench import Sweep

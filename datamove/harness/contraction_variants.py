@@ -36,10 +36,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from datamove.dataflow.executor import FUNCTIONS
+from datamove.dataflow.activations import PROBE, activation, evaluate
 from datamove.kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
                                  run_cublas, run_triton, stacked_spec)
 from datamove.kernels.codegen import compile_operator
@@ -289,32 +288,22 @@ class FusableEpilogue:
     saved: str | None
 
 
-ACTIVATION_PROBE = np.linspace(-6.0, 6.0, 121)  # where a chain of maps is compared with each activation
-ACTIVATIONS_ON_PROBE = {  # the template's activations (kernels.gemm) there, float64
-    "relu": np.maximum(ACTIVATION_PROBE, 0.0),
-    "gelu": 0.5 * ACTIVATION_PROBE
-            * (1.0 + np.tanh(0.7978845608028654 * (ACTIVATION_PROBE + 0.044715 * ACTIVATION_PROBE ** 3))),
-}
-
-
 def _activation(prims: list, start: int, source: str, namespace: dict) -> tuple[str, int] | None:
     """(activation, index of its last primitive) when ``prims[start:end + 1]`` are maps of
-    ``source`` alone (and constants) whose last output equals one of ``ACTIVATIONS_ON_PROBE`` at
-    every point of ``ACTIVATION_PROBE`` (float64, relative 1e-9): the spec's own spelling of ReLU or
-    tanh-GELU, in one expression or a chain; None when no prefix is.  ``namespace``: the graph's
+    ``source`` alone (and constants) whose last output equals one of the template's activations
+    (``dataflow.activations.activation``, on its probe in float64): the spec's own spelling of ReLU
+    or tanh-GELU, in one expression or a chain; None when no prefix is.  ``namespace``: the graph's
     scalars."""
-    values = {source: ACTIVATION_PROBE}
+    values = {source: PROBE}
     for end in range(start, len(prims)):
         prim = prims[end]
         if prim.kind != "map" or any(operand.tensor not in values for operand in prim.inputs):
             return None
         arguments = {f"in{n}": values[operand.tensor] for n, operand in enumerate(prim.inputs)}
-        with np.errstate(all="ignore"):
-            value = eval(prim.expr, {"__builtins__": {}}, {**namespace, **FUNCTIONS, **arguments})  # noqa: S307
-        values[prim.output.tensor] = value = np.broadcast_to(value, ACTIVATION_PROBE.shape)
-        for name, exact in ACTIVATIONS_ON_PROBE.items():
-            if np.all(np.abs(value - exact) <= 1e-9 * np.maximum(np.abs(exact), 1.0)):
-                return name, end
+        values[prim.output.tensor] = value = evaluate(prim.expr, arguments, namespace)
+        name = activation(value)
+        if name is not None:
+            return name, end
     return None
 
 

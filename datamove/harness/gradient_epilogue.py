@@ -9,7 +9,7 @@ stores the product and the tile's partial sums, and a second small kernel adds t
 
 ``gradient_epilogue_of`` finds such a consumer structurally: the only reader of the GEMM's
 output, a map ``in_k * f(in_j)`` whose ``f`` is ReLU's derivative times a constant (BERT: the
-dropout mask folded in, ``(hidden > 0) * scale``) or tanh-GELU's (GPT-2; ``dataflow.derivatives``),
+dropout mask folded in, ``(hidden > 0) * scale``) or tanh-GELU's (GPT-2; ``dataflow.activations``),
 and one sum of the product.  The consumer's other parts (BERT's ``d_b2``,
 stacked into the same fused operator) run after the GEMM as one generated kernel
 (``layouts.space.rest_part`` in ``rest_configuration``).
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from datamove.dataflow.derivatives import derivative
+from datamove.dataflow.activations import derivative
 from datamove.dataflow.executor import dropout_offsets
 from datamove.harness.contraction_variants import DTYPE, TrainingGemm, config_knobs, numel, runnable, epilogue_inputs
 from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge, op_signature, tensor_bytes
