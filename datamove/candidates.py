@@ -41,7 +41,8 @@ from datamove.kernels.layout_change import KERNEL_ID as LAYOUT_CHANGE_ID
 from datamove.harness.contraction_variants import (STACK_LETTERS, epilogue_inputs, epilogue_of, epilogue_op, same_call_layouts,
                                                    training_gemms)
 from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_op, rest_layouts, rest_operator
-from datamove.harness.sweep_variants import moved_bytes, op_signature, tensor_bytes
+from datamove.harness.gradient_epilogue import moved_bytes as gradient_bytes
+from datamove.harness.sweep_variants import moved_bytes, op_signature
 from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
@@ -516,9 +517,7 @@ class CandidateBuilder:
         without timings, spec order only, priced by the cost model."""
         c, graph = parse(g.spec), self.graph
         rest = rest_operator(self.fused, ep)
-        moved = self.itemsize * (sum(math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b))
-                                 + 2 * math.prod(g.sizes[x] for x in c.out))
-        moved += tensor_bytes(graph, [ep.summed, *((*rest.inputs, *rest.outputs) if rest else ())], self.itemsize)
+        moved = gradient_bytes(self.fused, g, ep, self.itemsize)
         fused_op = gradient_op(self.spec, self.fused, g, ep)
         result = []
         for layouts in epilogue_inputs(g):

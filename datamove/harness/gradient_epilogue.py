@@ -10,8 +10,9 @@ stores the product and the tile's partial sums, and a second small kernel adds t
 ``gradient_epilogue_of`` finds such a consumer structurally: the only reader of the GEMM's
 output, a map ``in_k * f(in_j)`` whose ``f`` is ReLU's derivative times a constant (BERT: the
 dropout mask folded in, ``(hidden > 0) * scale``) or tanh-GELU's (GPT-2; ``dataflow.activations``),
-and one sum of the product.  The consumer's other parts (BERT's ``d_b2``,
-stacked into the same fused operator) run after the GEMM as one generated kernel
+and one sum of the product.  The consumer's other parts, where it has any (none in BERT or GPT-2:
+BERT's ``d_b2`` joins its layernorm backward instead; ``tests/bias_join.py`` stacks it into
+``d_b1`` as the paper's fusion does), run after the GEMM as one generated kernel
 (``layouts.space.rest_part`` in ``rest_configuration``).
 
 ``GradientVariant`` is one such kernel (a ``harness.bench.Variant``): a Triton configuration
@@ -37,6 +38,7 @@ from datamove.kernels.codegen import allocate, compile_operator
 from datamove.kernels.contraction import Epilogue, empty_in_layout, map_layouts, parse, run_triton
 from datamove.kernels.gemm import GemmConfig
 from datamove.layouts.space import rest_configuration, rest_part
+
 
 @dataclass(frozen=True)
 class GradientEpilogue:
@@ -119,6 +121,15 @@ def rest_operator(training, epilogue: GradientEpilogue):
     return rest_part(consumer, epilogue.primitives)
 
 
+def moved_bytes(training, gemm: TrainingGemm, epilogue: GradientEpilogue, itemsize: int) -> int:
+    """Bytes the fused kernel and its rest move: A and B read, the output written and the factor
+    read (both shaped as the output), the bias gradient written, the rest's tensors."""
+    c, rest = parse(gemm.spec), rest_operator(training, epilogue)
+    moved = itemsize * (numel(c.a, gemm.sizes) + numel(c.b, gemm.sizes) + 2 * numel(c.out, gemm.sizes))
+    return moved + tensor_bytes(training.graph, [epilogue.summed, *((*rest.inputs, *rest.outputs) if rest else ())],
+                                itemsize)
+
+
 def rest_layouts(training, gemm: TrainingGemm, epilogue: GradientEpilogue, inputs: tuple[str, str]) -> dict:
     """{tensor: layout} of the rest's tensors (not its dropout masks) when the GEMM reads A and B in
     ``inputs``: an operand the rest reads too in the GEMM's layout, every other tensor in spec
@@ -149,16 +160,11 @@ class GradientVariant:
         self.plan = map_layouts(c, (*inputs, c.out), gemm.sizes)
         self.op, self.dims, self.dtype = gradient_op(spec, training, gemm, epilogue), dict(gemm.sizes), str(dtype).removeprefix("torch.")
         self.layout = dict(zip(("a", "b", "out"), (*inputs, c.out)))
-        graph = training.graph
         self.rest = rest_operator(training, epilogue)
         self.rest_config = None if self.rest is None else \
-            rest_configuration(graph, self.rest, rest_layouts(training, gemm, epilogue, inputs))
+            rest_configuration(training.graph, self.rest, rest_layouts(training, gemm, epilogue, inputs))
         self.knobs = config_knobs(config) | ({"rest": self.rest_config.key()} if self.rest_config else {})
-        self.flop = gemm.flop
-        self.bytes = dtype.itemsize * (numel(c.a, gemm.sizes) + numel(c.b, gemm.sizes) + 2 * numel(c.out, gemm.sizes))
-        self.bytes += tensor_bytes(graph, [epilogue.summed], dtype.itemsize)
-        if self.rest is not None:
-            self.bytes += tensor_bytes(graph, [*self.rest.inputs, *self.rest.outputs], dtype.itemsize)
+        self.flop, self.bytes = gemm.flop, moved_bytes(training, gemm, epilogue, dtype.itemsize)
         self.tensors = None
 
     def _primitives(self) -> list:
