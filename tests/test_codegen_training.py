@@ -22,7 +22,7 @@ from datamove.dataflow.fusion import fuse
 from datamove.dataflow.pipeline import forward_graph
 from datamove.harness.accuracy import assert_closer
 from datamove.kernels.codegen import SUM_ROWS, allocate, compile_operator
-from datamove.layouts.space import (SUM_PROGRAMS, Configuration, column_sum_joins, combine_parts, configurations,
+from datamove.layouts.space import (SUM_PROGRAMS, SUMS_KEPT, Configuration, column_sum_joins, combine_parts, configurations,
                                     default_configuration, knob_choices, operator_letters, parts, terminal_reductions)
 from datamove.dataflow import snapshot
 from tests.bias_join import joined_bias_gradients
@@ -398,8 +398,9 @@ def test_full_size_gpu(spec, name, dtype):
     _check_full_size(graph, {o.name: o for o in ops}[name], dtype)
 
 
-def _check_full_size(graph, op, dtype):
-    """``test_full_size_gpu`` on one operator of ``graph`` (at its spec dims), default and permuted layouts."""
+def _check_full_size(graph, op, dtype, knobs: dict | None = None):
+    """``test_full_size_gpu`` on one operator of ``graph`` (at its spec dims), default and permuted
+    layouts, with ``knobs`` set in both."""
     name, offsets = op.name, dropout_offsets(graph)
     gen = torch.Generator().manual_seed(0)
     values, seeds = {}, {}
@@ -415,6 +416,7 @@ def _check_full_size(graph, op, dtype):
     reference = evaluate(graph, op, values, torch.float64)
     baseline = evaluate(graph, op, {t: v.to(dtype) for t, v in values.items()}, dtype)
     for config in (default_configuration(graph, op), _permuted(graph, op)):
+        config = Configuration(config.layouts, {**config.knobs, **(knobs or {})})
         compiled = compile_operator(graph, op, config)
         tensors = {}
         for t in compiled.loads:
@@ -458,12 +460,15 @@ def test_joins_found():
     assert "d_x1" not in joins["d_ln1_gamma+d_attn+d_bo"].outputs  # made and read inside
 
 
-def _joined(graph, op, programs: int, block_row: int, order_first: bool = True) -> Configuration:
-    """The first (or last) configuration of ``op``'s space, with ``programs`` and ``block_row`` set."""
+def _joined(graph, op, programs: int, block_row: int, order_first: bool = True, sums_kept: str = "row") -> Configuration:
+    """The first (or last) configuration of ``op``'s space, with ``programs``, ``block_row`` and
+    ``sums_kept`` set."""
     configs = configurations(graph, op)
     assert configs and all(c.knobs["mode"] == "row" and c.knobs["programs"] in SUM_PROGRAMS for c in configs)
+    assert {c.knobs["sums_kept"] for c in configs} == set(SUMS_KEPT)
     config = configs[0] if order_first else configs[-1]
-    return Configuration(config.layouts, {**config.knobs, "programs": programs, "block_row": block_row})
+    return Configuration(config.layouts, {**config.knobs, "programs": programs, "block_row": block_row,
+                                          "sums_kept": sums_kept})
 
 
 def _check_join(spec, name, config, dtype=torch.float32, dims="small"):
@@ -472,33 +477,38 @@ def _check_join(spec, name, config, dtype=torch.float32, dims="small"):
 
 
 @pytest.mark.parametrize("spec,name", JOINS)
-@pytest.mark.parametrize("programs,block_row", [(1, 1), (3, 2), (128, 4)])
-def test_joined_fp32(spec, name, programs, block_row):
+@pytest.mark.parametrize("programs,block_row,sums_kept", [(1, 1, "row"), (3, 2, "row"), (128, 4, "row"), (3, 2, "tile"),
+                                                          (128, 4, "tile")])
+def test_joined_fp32(spec, name, programs, block_row, sums_kept):
     """One program for all rows, three visiting every third block (the last rows ragged), more
-    programs than blocks; in spec order and in the other order of the rows' letters; a second
-    launch on the same scratch (the column sums and the counter back at zero) gives the same."""
+    programs than blocks; the sums kept in a row or in a tile of registers; in spec order and in
+    the other order of the rows' letters; a second launch on the same scratch (the column sums and
+    the counter back at zero) gives the same."""
     graph, joins = _joins(spec)
     for first in (True, False):
-        config = _joined(graph, joins[name], programs, block_row, first)
+        config = _joined(graph, joins[name], programs, block_row, first, sums_kept)
         compiled = _check_join(spec, name, config)
         assert "_sums_kernel(" in compiled.source and "for rb in range(pid," in compiled.source
+        assert ("zeros([BLOCK_ROW, BLOCK_COL]" in compiled.source) == (sums_kept == "tile")
         _check_join(spec, name, config)
 
 
 @pytest.mark.parametrize("spec,name", JOINS)
-def test_joined_bf16(spec, name):
+@pytest.mark.parametrize("sums_kept", SUMS_KEPT)
+def test_joined_bf16(spec, name, sums_kept):
     graph, joins = _joins(spec, "bf16")
-    _check_join(spec, name, _joined(graph, joins[name], 5, 2), torch.bfloat16, dims="bf16")
+    _check_join(spec, name, _joined(graph, joins[name], 5, 2, sums_kept=sums_kept), torch.bfloat16, dims="bf16")
 
 
 @pytest.mark.parametrize("spec,name", [s for s in JOINS if any(_setup(s[0])[0].tensors[t].role == "dropout"
                                                                for t in _joins(*s[:1])[1][s[1]].inputs)])
-def test_joined_dropout_rows_of_one_call(spec, name):
+@pytest.mark.parametrize("sums_kept", SUMS_KEPT)
+def test_joined_dropout_rows_of_one_call(spec, name, sums_kept):
     """At sequence length 64 with 16 rows per block, every block a program visits draws its mask as
     the unjoined kernel does: the rows of one Philox call per column (BERT: an ibj mask, rows b, j),
     or sixteen columns per call (GPT-2: a bsd mask along the columns d); never one per element."""
     graph, joins = _joins(spec, "grouped")
-    compiled = _check_join(spec, name, _joined(graph, joins[name], 3, 16), dims="grouped")
+    compiled = _check_join(spec, name, _joined(graph, joins[name], 3, 16, sums_kept=sums_kept), dims="grouped")
     note = "one Philox call per sixteen columns" if spec == "gpt2" else "one Philox call per column for the block's rows"
     assert note in compiled.source and "dropout_keep(" not in compiled.source
 
@@ -523,6 +533,7 @@ def test_joined_sums_of_more_programs_than_one_load():
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec,name", JOINS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_joined_full_size_gpu(spec, name, dtype):
+@pytest.mark.parametrize("sums_kept", SUMS_KEPT)
+def test_joined_full_size_gpu(spec, name, dtype, sums_kept):
     graph, ops = GRAPHS[spec]
-    _check_full_size(graph, {op.name: op for op in column_sum_joins(graph, ops)}[name], dtype)
+    _check_full_size(graph, {op.name: op for op in column_sum_joins(graph, ops)}[name], dtype, {"sums_kept": sums_kept})

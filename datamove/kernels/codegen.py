@@ -23,7 +23,8 @@ The generated kernel, over the operator's letters (``layouts.space.operator_lett
   slice order and stores the result, so the sum is the same whatever order programs finish in;
   an operator with column sums (``layouts.space.column_sums``: a layernorm backward joined with its
   parameter gradients) runs mode "row" on ``programs`` programs, each visiting every
-  ``programs``-th block of rows and adding each block's rows into one row of sums, which it stores;
+  ``programs``-th block of rows and adding each block's rows into one row of sums (knob
+  ``sums_kept`` "tile": into a tile of sums whose rows it adds after the loop), which it stores;
   ``<op>_sums_kernel``, launched after it, adds the programs' rows in program order and stores them;
 - fp32 arithmetic and statistics whatever the storage dtype, stores cast to each output's dtype;
 - dropout: a multiplication by a tensor of role "dropout" is not loaded but regenerated from the
@@ -284,6 +285,7 @@ Knobs: {knobs}"""
         return " * ".join(f"size_{l}" for l in group) if group else "1"
 
     row_block = "rb" if plan.summed else "pid"  # the index of the block of rows a program takes (reduced along columns)
+    tile_sums = knobs.get("sums_kept", "row") == "tile"  # column sums kept in a tile, its rows summed after the loop
 
     def emit_row_block(depth: int):
         """rows (and, inside a loop over blocks of rows, row_ok and the row letters' indices) of block ``row_block``."""
@@ -418,7 +420,8 @@ Knobs: {knobs}"""
         """Each program's column sums into its row of ``sums`` (plain stores: a value its threads hold
         twice is stored twice, never added twice); ``<op>_sums_kernel`` adds the rows up."""
         for r, t in enumerate(plan.summed):
-            w(f"tl.store(sums_ptr + (pid * {len(plan.summed)} + {r}) * BLOCK_COL + cols[None, :], acc_{t}, mask=col_ok)")
+            acc = f"tl.sum(acc_{t}, axis=0)[None, :]" if tile_sums else f"acc_{t}"
+            w(f"tl.store(sums_ptr + (pid * {len(plan.summed)} + {r}) * BLOCK_COL + cols[None, :], {acc}, mask=col_ok)")
 
     def sums_kernel() -> tuple[list, list[str]]:
         """(signature, body) of the kernel adding the programs' column sums and storing them: one
@@ -466,8 +469,8 @@ Knobs: {knobs}"""
             for t in op.inputs:  # read once: what has no row letter (a layernorm's gamma)
                 if t not in inputs:
                     emit_input(t, 1)
-            for t in plan.summed:  # each block's rows added up as it goes (one row of registers)
-                w(f"acc_{t} = tl.zeros([1, BLOCK_COL], tl.float32)")
+            for t in plan.summed:  # each block's rows added into a row of registers (or a tile: sums_kept)
+                w(f"acc_{t} = tl.zeros([{'BLOCK_ROW' if tile_sums else '1'}, BLOCK_COL], tl.float32)")
             w(f"for {row_block} in range(pid, tl.cdiv(n_rows, BLOCK_ROW), BLOCK_PROGRAMS):")
             depth = 2
             emit_row_block(depth)
@@ -476,6 +479,8 @@ Knobs: {knobs}"""
         for prim in op.primitives:
             if prim.kind == "map":
                 emit_map(prim, depth)
+            elif prim.output.tensor in plan.summed and tile_sums:
+                w(f"acc_{prim.output.tensor} += tl.where(row_ok & col_ok, {_var(prim.inputs[0].tensor)}, 0.0)", depth)
             elif prim.output.tensor in plan.summed:
                 w(f"acc_{prim.output.tensor} += tl.sum(tl.where(row_ok & col_ok, {_var(prim.inputs[0].tensor)}, 0.0), "
                   "axis=0)[None, :]", depth)

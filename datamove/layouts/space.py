@@ -24,6 +24,11 @@ stride 1 along i.  A *configuration* of a non-contraction operator is
                   parameter gradients): mode "row" on this many programs (at most one per block
                   of rows), each visiting every ``programs``-th block of rows and storing its
                   column sums, which a second kernel adds up;
+    ``sums_kept`` (with ``programs``) where a program keeps its column sums: "row" (each block's
+                  rows added into one row of registers as it goes) or "tile" (a tile of registers
+                  the blocks are added into, its rows summed once after the loop: no reduction
+                  across the tile's rows per block, at the price of BLOCK_ROW times the
+                  registers; absent means "row");
     ``block_row``, ``block_col``  tile sizes (powers of two) of the tile's two axes;
     ``num_warps``;
     ``dropout``   "regenerate" (Philox from (seed, offset)) or "load" (read a stored mask).
@@ -90,6 +95,11 @@ SPLIT_PROGRAMS = 512  # programs a "split" reduction aims at (a few per multipro
 # a second kernel adds up: more programs, more sums to store and add; 1024 took 1.5x the time of 256 on
 # BERT-large's layernorm backwards, H100).
 SUM_PROGRAMS = (128, 256, 512)
+# Where such a program keeps its sums (knob ``sums_kept``).  H100, bf16, each join alone (L2 flushed),
+# 4 rows a block, 4 warps, 256 programs: BERT-large's LN2 join 26.1 us per block, 24.8 as a tile
+# (B=96 L=128: 60.1 / 57.1), its LN1 join 29.4 / 28.4 (B=96: 67.0 both); GPT-2's LN2 join 34.4 / 29.6,
+# its LN1 join 19.6 / 20.7: 255 registers a thread either way, which half as many rows a block halves.
+SUMS_KEPT = ("row", "tile")
 # Rows per program of a reduction along the tile's columns whose dropout masks run along its rows:
 # each takes rows of one Philox call per column (``kernels.codegen._row_call_masks``).
 ROW_CALL_BLOCKS = (2, 4, 8, DECISIONS_PER_CALL)
@@ -401,11 +411,13 @@ def knob_choices(graph, letters: OperatorLetters, vector: str, order: str, exhau
                         combos.append(("split", chunk, pb, split))
     result = []
     for mode, br, bc, split in dict.fromkeys(combos):
-        extra = {"split": split} if mode == "split" else {"programs": split} if letters.summed else {}
-        for warps in (1, 2, 4, 8, 16):
-            if br * bc >= 4 * 32 * warps or warps == 1 or (exhaustive and warps <= 4):
-                result.append({"vector": vector, "order": order, "mode": mode, "block_row": br, "block_col": bc,
-                               **extra, "num_warps": warps, "dropout": "regenerate"})
+        extras = [{"split": split}] if mode == "split" else \
+            [{"programs": split, "sums_kept": kept} for kept in SUMS_KEPT] if letters.summed else [{}]
+        for extra in extras:
+            for warps in (1, 2, 4, 8, 16):
+                if br * bc >= 4 * 32 * warps or warps == 1 or (exhaustive and warps <= 4):
+                    result.append({"vector": vector, "order": order, "mode": mode, "block_row": br, "block_col": bc,
+                                   **extra, "num_warps": warps, "dropout": "regenerate"})
     return result
 
 
