@@ -127,6 +127,7 @@ def test_variants_pass_the_float64_check_through_the_sweep(spec, joined, tmp_pat
     ep = ge.gradient_epilogue_of(training, gemm)
     dtype = torch.bfloat16
     variants = ge.gradient_variants(spec, training, gemm, ep, valid_configs(dtype)[:3], DEVICE, dtype)
+    assert len({id(v.operands) for v in variants}) == 1  # one float64 evaluation for all of them
     pairs = {tuple(v.layout[k] for k in ("a", "b")) for v in variants}
     assert pairs == set(cv.epilogue_inputs(gemm))
     assert bool(ep.rest) == joined
@@ -148,8 +149,8 @@ def test_a_variant_that_skips_the_derivative_is_judged_wrong():
     training = snapshot.stored_fused()["bert"].with_dims(SMALL["bert"])
     gemm = next(g for g in cv.training_gemms(training) if g.name == "d_hidden")
     ep = ge.gradient_epilogue_of(training, gemm)
-    variant = ge.GradientVariant("bert", training, gemm, ep, valid_configs(torch.float32)[0], ("iu", "ibj"), DEVICE,
-                                 torch.float32)
+    operands = ge.GradientOperands(training, gemm, ep, DEVICE, torch.float32)
+    variant = ge.GradientVariant("bert", operands, valid_configs(torch.float32)[0], ("iu", "ibj"))
     variant.build()
     assert variant.check().passed
     variant.tensors["factor"].fill_(1.0)  # relu' = 1 everywhere: the mask dropped

@@ -154,34 +154,46 @@ def same_call_layouts(gemm: TrainingGemm) -> dict:
             if blas_call(p) in picked}
 
 
-class Operands:
-    """Random logical operands of one GEMM (dims in spec letter order), its float64 reference and
-    PyTorch's result in ``dtype``; computed on first use, dropped when another GEMM's are needed."""
+class SharedTensors:
+    """Tensors the variants of one operator share (its inputs, float64 reference, PyTorch's result):
+    made by ``make`` on first use, only one such object's kept at a time (a sweep measures one
+    operator's variants, then the next's), and left out of pickles (a measuring process makes
+    them again; the variants that share the object travel in one pickle and share it there)."""
 
-    _active: "Operands | None" = None
+    _active: "SharedTensors | None" = None
+    _tensors: dict | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tensors": None}
+
+    def make(self) -> dict:
+        raise NotImplementedError
+
+    def tensors(self) -> dict:
+        if SharedTensors._active is not self:
+            if SharedTensors._active is not None:
+                SharedTensors._active._tensors = None
+            SharedTensors._active = self
+        if self._tensors is None:
+            self._tensors = self.make()
+        return self._tensors
+
+
+class Operands(SharedTensors):
+    """Random logical operands of one GEMM (dims in spec letter order), its float64 reference and
+    PyTorch's result in ``dtype`` (``SharedTensors``)."""
 
     def __init__(self, gemm: TrainingGemm, device, dtype=DTYPE, seed: int = 0):
         self.gemm, self.device, self.dtype, self.seed = gemm, torch.device(device), dtype, seed
         self.c = parse(gemm.spec)
-        self._tensors = None
 
-    def __getstate__(self) -> dict:
-        """Pickled (for a measuring process) without its tensors: made there on first use."""
-        return {**self.__dict__, "_tensors": None}
-
-    def tensors(self) -> dict:
-        """{"a", "b" (``dtype``), "reference" (float64), "baseline" (``dtype``), plus what ``extra`` added}."""
-        if Operands._active is not self:
-            if Operands._active is not None:
-                Operands._active._tensors = None
-            Operands._active = self
-        if self._tensors is None:
-            gen = torch.Generator(device=self.device).manual_seed(self.seed)
-            a, b = (torch.randn([self.gemm.sizes[x] for x in letters], generator=gen, device=self.device,
-                                dtype=torch.float32).to(self.dtype) for letters in (self.c.a, self.c.b))
-            self._tensors = {"a": a, "b": b, "reference": torch.einsum(self.gemm.spec, a.double(), b.double()),
-                             "baseline": torch.einsum(self.gemm.spec, a, b)}
-        return self._tensors
+    def make(self) -> dict:
+        """{"a", "b" (``dtype``), "reference" (float64), "baseline" (``dtype``)}."""
+        gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        a, b = (torch.randn([self.gemm.sizes[x] for x in letters], generator=gen, device=self.device,
+                            dtype=torch.float32).to(self.dtype) for letters in (self.c.a, self.c.b))
+        return {"a": a, "b": b, "reference": torch.einsum(self.gemm.spec, a.double(), b.double()),
+                "baseline": torch.einsum(self.gemm.spec, a, b)}
 
     def stored(self, name: str, layout: str) -> torch.Tensor:
         """Operand ``name`` ("a" or "b") stored densely in ``layout`` (a logical view, dims in spec order)."""

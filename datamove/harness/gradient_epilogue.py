@@ -31,7 +31,8 @@ import torch
 
 from datamove.dataflow.activations import derivative
 from datamove.dataflow.executor import dropout_offsets
-from datamove.harness.contraction_variants import DTYPE, TrainingGemm, config_knobs, numel, runnable, epilogue_inputs
+from datamove.harness.contraction_variants import (DTYPE, SharedTensors, TrainingGemm, config_knobs, epilogue_inputs, numel,
+                                                   runnable)
 from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge, op_signature, tensor_bytes
 from datamove.harness.torch_eval import evaluate, graph_inputs
 from datamove.kernels.codegen import allocate, compile_operator
@@ -147,14 +148,36 @@ def rest_layouts(training, gemm: TrainingGemm, epilogue: GradientEpilogue, input
     return layouts
 
 
+class GradientOperands(SharedTensors):
+    """The inputs of ``gemm`` and its epilogue's consumer (random, float64), the float64 evaluation
+    of their primitives and PyTorch's rule in ``dtype`` (every primitive in that dtype), shared by
+    the variants of one epilogue (``SharedTensors``)."""
+
+    def __init__(self, training, gemm: TrainingGemm, epilogue: GradientEpilogue, device, dtype=DTYPE, seed: int = 1):
+        self.training, self.gemm, self.epilogue = training, gemm, epilogue
+        self.device, self.dtype, self.seed = torch.device(device), dtype, seed
+
+    def primitives(self) -> list:
+        ops = {o.name: o for o in self.training.operators}
+        return [*ops[self.gemm.name].primitives, *ops[self.epilogue.consumer].primitives]
+
+    def make(self) -> dict:
+        """{"values" (float64 inputs by tensor name), "reference" (float64), "baseline" (``dtype``)}."""
+        graph, prims = self.training.graph, self.primitives()
+        values = graph_inputs(graph, prims, self.seed, self.device, torch.float64, MASK_SEED)
+        return {"values": values, "reference": evaluate(graph, prims, values),
+                "baseline": evaluate(graph, prims, {t: v.to(self.dtype) for t, v in values.items()}, self.dtype)}
+
+
 class GradientVariant:
     """``gemm`` with ``epilogue`` fused by Triton config ``config``, A and B read in ``inputs``,
-    then the rest's generated kernel (module doc)."""
+    then the rest's generated kernel (module doc); its inputs and references from ``operands``."""
 
-    def __init__(self, spec: str, training, gemm: TrainingGemm, epilogue: GradientEpilogue, config: GemmConfig,
-                 inputs: tuple[str, str], device, dtype=DTYPE, seed: int = 1):
-        self.training, self.gemm, self.epilogue, self.config = training, gemm, epilogue, config
-        self.device, self.dtype_obj, self.seed = torch.device(device), dtype, seed
+    def __init__(self, spec: str, operands: GradientOperands, config: GemmConfig, inputs: tuple[str, str]):
+        self.operands, self.config = operands, config
+        training, gemm, epilogue, dtype = operands.training, operands.gemm, operands.epilogue, operands.dtype
+        self.training, self.gemm, self.epilogue = training, gemm, epilogue
+        self.device, self.dtype_obj = operands.device, dtype
         c = parse(gemm.spec)
         self.c, self.inputs = c, inputs
         self.plan = map_layouts(c, (*inputs, c.out), gemm.sizes)
@@ -167,17 +190,10 @@ class GradientVariant:
         self.flop, self.bytes = gemm.flop, moved_bytes(training, gemm, epilogue, dtype.itemsize)
         self.tensors = None
 
-    def _primitives(self) -> list:
-        ops = {o.name: o for o in self.training.operators}
-        return [*ops[self.gemm.name].primitives, *ops[self.epilogue.consumer].primitives]
-
     def build(self) -> None:
         graph, ep = self.training.graph, self.epilogue
-        prims = self._primitives()
-        values = graph_inputs(graph, prims, self.seed, self.device, torch.float64, MASK_SEED)
-        self.reference = evaluate(graph, prims, values)
-        self.baseline = evaluate(graph, prims, {t: v.to(self.dtype_obj) for t, v in values.items()}, self.dtype_obj)
-        einsum = next(p for p in prims if p.kind == "einsum")
+        values = self.operands.tensors()["values"]
+        einsum = next(p for p in self.operands.primitives() if p.kind == "einsum")
         a, b = (empty_in_layout(letters, layout, self.gemm.sizes, self.dtype_obj, self.device).copy_(values[o.tensor])
                 for letters, layout, o in zip((self.c.a, self.c.b), self.inputs, einsum.inputs))
         self.tensors = {"a": a, "b": b, "factor": values[ep.factor].to(self.dtype_obj),
@@ -207,7 +223,8 @@ class GradientVariant:
         self.tensors["out"].fill_(float("nan"))
         self.tensors["sums"].fill_(float("nan"))
         results = self.run()
-        return Verdict(tuple((name, judge(value, self.baseline[name], self.reference[name]))
+        t = self.operands.tensors()
+        return Verdict(tuple((name, judge(value, t["baseline"][name], t["reference"][name]))
                              for name, value in results.items()))
 
 
@@ -216,8 +233,8 @@ def gradient_variants(spec: str, training, gemm: TrainingGemm, epilogue: Gradien
     """The fused kernel with each of ``configs`` (TMA ones where the layouts allow) reading A and B
     in each of ``epilogue_inputs``' pairs (the rest reading an operand it shares in the same layout)."""
     variants, c = [], parse(gemm.spec)
+    operands = GradientOperands(training, gemm, epilogue, device, dtype)
     for layouts in epilogue_inputs(gemm):
         plan = map_layouts(c, (*layouts, c.out), gemm.sizes)
-        variants += [GradientVariant(spec, training, gemm, epilogue, cfg, layouts, device, dtype)
-                     for cfg in runnable(plan, dtype, configs)]
+        variants += [GradientVariant(spec, operands, cfg, layouts) for cfg in runnable(plan, dtype, configs)]
     return variants
