@@ -521,13 +521,14 @@ def test_joined_needs_row_mode():
         compile_operator(graph, op, Configuration(config.layouts, {**config.knobs, "mode": "loop", "block_col": 4}))
 
 
-def test_joined_sums_of_more_programs_than_one_load():
+@pytest.mark.parametrize("sums_kept", SUMS_KEPT)
+def test_joined_sums_of_more_programs_than_one_load(sums_kept):
     """300 programs of one row each (B=3 L=100): the sums kernel adds them in two loads of
     ``SUM_ROWS`` programs' sums, the second ragged."""
     graph, joins = _joins("bert", "many_rows")
     assert 300 > SUM_ROWS
-    _check_join("bert", "d_ln1_gamma+d_attn+d_bo", _joined(graph, joins["d_ln1_gamma+d_attn+d_bo"], 300, 1),
-                dims="many_rows")
+    _check_join("bert", "d_ln1_gamma+d_attn+d_bo",
+                _joined(graph, joins["d_ln1_gamma+d_attn+d_bo"], 300, 1, sums_kept=sums_kept), dims="many_rows")
 
 
 @pytest.mark.gpu
