@@ -479,11 +479,9 @@ Knobs: {knobs}"""
         for prim in op.primitives:
             if prim.kind == "map":
                 emit_map(prim, depth)
-            elif prim.output.tensor in plan.summed and tile_sums:
-                w(f"acc_{prim.output.tensor} += tl.where(row_ok & col_ok, {_var(prim.inputs[0].tensor)}, 0.0)", depth)
             elif prim.output.tensor in plan.summed:
-                w(f"acc_{prim.output.tensor} += tl.sum(tl.where(row_ok & col_ok, {_var(prim.inputs[0].tensor)}, 0.0), "
-                  "axis=0)[None, :]", depth)
+                rows = f"tl.where(row_ok & col_ok, {_var(prim.inputs[0].tensor)}, 0.0)"
+                w(f"acc_{prim.output.tensor} += {rows if tile_sums else f'tl.sum({rows}, axis=0)[None, :]'}", depth)
             else:
                 neutral = "0.0" if prim.expr == "sum" else 'float("-inf")'
                 fn = "tl.sum" if prim.expr == "sum" else "tl.max"

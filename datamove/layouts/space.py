@@ -98,7 +98,7 @@ SUM_PROGRAMS = (128, 256, 512)
 # Where such a program keeps its sums (knob ``sums_kept``).  H100, bf16, each join alone (L2 flushed),
 # 4 rows a block, 4 warps, 256 programs: BERT-large's LN2 join 26.1 us per block, 24.8 as a tile
 # (B=96 L=128: 60.1 / 57.1), its LN1 join 29.4 / 28.4 (B=96: 67.0 both); GPT-2's LN2 join 34.4 / 29.6,
-# its LN1 join 19.6 / 20.7: 255 registers a thread either way, which half as many rows a block halves.
+# its LN1 join 19.6 / 20.7.  255 registers a thread either way (2 rows a block: 128 per block, 168 as a tile).
 SUMS_KEPT = ("row", "tile")
 # Rows per program of a reduction along the tile's columns whose dropout masks run along its rows:
 # each takes rows of one Philox call per column (``kernels.codegen._row_call_masks``).
