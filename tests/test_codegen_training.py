@@ -488,7 +488,8 @@ def test_joined_fp32(spec, name, programs, block_row, sums_kept):
     for first in (True, False):
         config = _joined(graph, joins[name], programs, block_row, first, sums_kept)
         compiled = _check_join(spec, name, config)
-        assert "_sums_kernel(" in compiled.source and "for rb in range(pid," in compiled.source
+        assert "_sums_kernel(" in compiled.source
+        assert ("for rb in range(pid," in compiled.source) != ("for rc in range(pid," in compiled.source)
         assert ("zeros([BLOCK_ROW, BLOCK_COL]" in compiled.source) == (sums_kept == "tile")
         _check_join(spec, name, config)
 
@@ -500,17 +501,25 @@ def test_joined_bf16(spec, name, sums_kept):
     _check_join(spec, name, _joined(graph, joins[name], 5, 2, sums_kept=sums_kept), torch.bfloat16, dims="bf16")
 
 
-@pytest.mark.parametrize("spec,name", [s for s in JOINS if any(_setup(s[0])[0].tensors[t].role == "dropout"
-                                                               for t in _joins(*s[:1])[1][s[1]].inputs)])
+@pytest.mark.parametrize("spec,name,block_row", [(*s, rows) for s in JOINS if any(
+    _setup(s[0])[0].tensors[t].role == "dropout" for t in _joins(*s[:1])[1][s[1]].inputs) for rows in (4, 16)
+    if s[0] == "bert" or rows == 16])
 @pytest.mark.parametrize("sums_kept", SUMS_KEPT)
-def test_joined_dropout_rows_of_one_call(spec, name, sums_kept):
-    """At sequence length 64 with 16 rows per block, every block a program visits draws its mask as
-    the unjoined kernel does: the rows of one Philox call per column (BERT: an ibj mask, rows b, j),
-    or sixteen columns per call (GPT-2: a bsd mask along the columns d); never one per element."""
+def test_joined_dropout_rows_of_one_call(spec, name, sums_kept, block_row):
+    """At sequence length 64, every block a program visits draws its mask from whole Philox calls:
+    BERT (an ibj mask, rows b, j): the program loops over calls, drawing each column's call once
+    and taking its sixteen bytes in 16 / ``block_row`` blocks of rows (4: four blocks a call, three
+    programs); GPT-2 (a bsd mask along the columns d): sixteen columns per call; never one call per
+    element."""
     graph, joins = _joins(spec, "grouped")
-    compiled = _check_join(spec, name, _joined(graph, joins[name], 3, 16, sums_kept=sums_kept), dims="grouped")
-    note = "one Philox call per sixteen columns" if spec == "gpt2" else "one Philox call per column for the block's rows"
-    assert note in compiled.source and "dropout_keep(" not in compiled.source
+    compiled = _check_join(spec, name, _joined(graph, joins[name], 3, block_row, sums_kept=sums_kept), dims="grouped")
+    assert "dropout_keep(" not in compiled.source
+    if spec == "gpt2":
+        assert "one Philox call per sixteen columns" in compiled.source
+    else:
+        loop = compiled.source[compiled.source.index("for rc in range(pid,"):]
+        drawn, blocks = loop.index("= keep_bits("), loop.index("for rq in range(16 // BLOCK_ROW)")
+        assert drawn < blocks and loop.count("keep_bits(") == 1 and "unpack_rows(bits_" in loop[blocks:]
 
 
 def test_joined_needs_row_mode():

@@ -70,7 +70,9 @@ from datamove.layouts.space import (ROW_CALL_BLOCKS, Configuration, OperatorLett
 # generated operators' timings by it, ``harness.sweep_variants.op_signature``).  2: blocks of 2, 4 and 8
 # rows take rows of one Philox call per column (were one call per element).  3: a mask grouped along
 # the tile's columns is drawn once per call and its bits exchanged (``kernels.philox.unpack_gathered``).
-GENERATOR_VERSION = 3
+# 4: column sums over a row-call mask loop over whole calls, drawing each column's call once for all
+# its blocks of rows (was once a block).
+GENERATOR_VERSION = 4
 # Elements per thread from which a mask grouped along the tile's columns exchanges its bits by
 # ``tl.gather``: with fewer, Triton 3.6 may fail to compile the exchange (its thread-locality pass;
 # cross-compiled for sm_90: BERT-large's bias + ReLU + dropout over ubj at 8 or 4 elements a thread,
@@ -286,10 +288,17 @@ Knobs: {knobs}"""
 
     row_block = "rb" if plan.summed else "pid"  # the index of the block of rows a program takes (reduced along columns)
     tile_sums = knobs.get("sums_kept", "row") == "tile"  # column sums kept in a tile, its rows summed after the loop
+    # column sums over row-call masks: a program's loop visits whole calls (rows of call 4 G + t, the
+    # 16 // BLOCK_ROW blocks of its bytes in turn), drawing each column's call once, not once a block
+    call_loop = bool(plan.summed and plan.row_calls)
 
     def emit_row_block(depth: int):
         """rows (and, inside a loop over blocks of rows, row_ok and the row letters' indices) of block ``row_block``."""
-        if plan.row_calls:  # rows 64 G + 2 t + 8 i + e of call 4 G + t (byte 2 i + e):
+        if call_loop:  # inside the loop over calls rc = 4 G + t, block rq of its bytes
+            w("row_byte = rq * BLOCK_ROW  # the byte of the block's first row: 2 i + e", depth)
+            w("row_start = row_group * 64 + 2 * (rc % 4) + 4 * row_byte", depth)
+            w("rows = row_start + 8 * (tl.arange(0, BLOCK_ROW) // 2) + tl.arange(0, BLOCK_ROW) % 2", depth)
+        elif plan.row_calls:  # rows 64 G + 2 t + 8 i + e of call 4 G + t (byte 2 i + e):
             # 64 // BLOCK_ROW blocks per G, t = block % 4, BLOCK_ROW // 2 values of i from (block // 4) % (16 // BLOCK_ROW)
             w(f"row_group = {row_block} // (64 // BLOCK_ROW)  # G", depth)
             w(f"row_byte = (({row_block} // 4) % (16 // BLOCK_ROW)) * BLOCK_ROW  # the byte of the block's first row: 2 i + e",
@@ -360,6 +369,12 @@ Knobs: {knobs}"""
         level[prim.output.tensor] = deps + 1 if prim.kind == "reduce" else deps
     n_pass = max((level[p.output.tensor] for p in op.primitives if p.kind == "reduce"), default=0)
 
+    def row_call_bits(t: str) -> str:
+        """uint16 [1, BLOCK_COL]: the keep decisions of call 4 G + t of each column of row-call mask ``t``."""
+        base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
+        calls = f"((offset_{t} + {base}row_group * 64) >> 4) + {'rc' if call_loop else row_block} % 4"
+        return f"keep_bits(seed_{t}, {calls}, {keep_threshold(graph.tensors[t].p)})"
+
     def emit_input(t: str, depth: int):
         if t in plan.regenerated:
             info = graph.tensors[t]
@@ -377,10 +392,11 @@ Knobs: {knobs}"""
                 calls = f"((offset_{t} + {base}row_start) >> 4) + tl.arange(0, BLOCK_ROW // 16)[:, None]"
                 keep = f"tl.trans(dropout_keep_grouped(seed_{t}, tl.trans({calls}), {threshold}))"
                 note = "one Philox call per sixteen rows"
+            elif t in plan.row_calls and call_loop:  # drawn once per call, before its blocks
+                keep = f"unpack_rows(bits_{t}, row_byte, BLOCK_ROW)"
+                note = "the bytes of the block's rows in its column's call"
             elif t in plan.row_calls:  # row r of the block: byte (first byte) + r of the one call of its column
-                base = "".join(f"idx_{l} * lstride_{t}_{l} + " for l in axes[t] if l not in plan.rows)
-                calls = f"((offset_{t} + {base}row_group * 64) >> 4) + {row_block} % 4"
-                keep = f"unpack_rows(keep_bits(seed_{t}, {calls}, {threshold}), row_byte, BLOCK_ROW)"
+                keep = f"unpack_rows({row_call_bits(t)}, row_byte, BLOCK_ROW)"
                 note = "one Philox call per column for the block's rows"
             else:
                 index = " + ".join(f"idx_{l} * lstride_{t}_{l}" for l in axes[t])
@@ -471,8 +487,16 @@ Knobs: {knobs}"""
                     emit_input(t, 1)
             for t in plan.summed:  # each block's rows added into a row of registers (or a tile: sums_kept)
                 w(f"acc_{t} = tl.zeros([{'BLOCK_ROW' if tile_sums else '1'}, BLOCK_COL], tl.float32)")
-            w(f"for {row_block} in range(pid, tl.cdiv(n_rows, BLOCK_ROW), BLOCK_PROGRAMS):")
-            depth = 2
+            if call_loop:
+                w("for rc in range(pid, tl.cdiv(n_rows, 64) * 4, BLOCK_PROGRAMS):  # rows of call 4 G + t of every column")
+                w("row_group = rc // 4  # G", 2)
+                for t in plan.row_calls:
+                    w(f"bits_{t} = {row_call_bits(t)}", 2)
+                w("for rq in range(16 // BLOCK_ROW):", 2)
+                depth = 3
+            else:
+                w(f"for {row_block} in range(pid, tl.cdiv(n_rows, BLOCK_ROW), BLOCK_PROGRAMS):")
+                depth = 2
             emit_row_block(depth)
         for t in inputs:
             emit_input(t, depth)
