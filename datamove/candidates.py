@@ -51,7 +51,11 @@ from datamove.layouts.space import (column_sum_joins, configurations, default_co
                                     parts, representatives)
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-KEEP_PER_OPERATOR = 16  # candidates kept per operator run (fastest; ties: spec order first): bounds the search
+# candidates kept per operator run (fastest; ties: spec order first): bounds the search.  48: with
+# cuBLASLt's other algorithms timed, BERT-large's 1024-wide GEMMs have 8 layouts within 0.3 us of each
+# other, and at 16 the H100 plan lost the layouts shared by the three GEMMs reading the attention's
+# output projection weight and paid a 9.5 us change (0.7776 ms against 0.7683 at 48; search 2 s)
+KEEP_PER_OPERATOR = 48
 COMPOSED_PER_PART = 3  # a multi-part operator's fastest measured layouts per part that ``composed`` combines
 
 
@@ -497,9 +501,10 @@ class CandidateBuilder:
                     math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out)))
                 backend = (knobs or {}).get("backend", "cublas")
                 gemm_config = gemm_config_of(knobs) if backend == "triton" else None
+                algorithm = {"algorithm": knobs["algorithm"]} if backend == "cublas" and (knobs or {}).get("algorithm") else {}
                 candidates.append(Candidate(g.name, op.phase, GEMM, (g.name,), reads, writes,
                                             {"einsum": g.spec, "backend": backend, "gemm": gemm_config,
-                                             "operands": members}, ms, source))
+                                             "operands": members, **algorithm}, ms, source))
             result[g.name] = candidates
             epilogue = epilogue_of(self.fused, g)
             if epilogue is not None:

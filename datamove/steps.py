@@ -52,7 +52,8 @@ class Run:
     their recorded launches (``datamove.replay``: the caller vouches that the tensors from outside
     are aligned, typed and strided as when they were recorded); ``blas``: besides, the cuBLAS steps
     may call cuBLASLt on pointers (``kernels.blas.LtMatmul``: PyTorch's settings are those under
-    which it runs the same kernel)."""
+    which it runs the same kernel; with the algorithm the plan names, where the tuning found another
+    of cuBLASLt's faster than PyTorch's, whose call records)."""
 
     seed: int | torch.Tensor
     key_padding_mask: torch.Tensor | None = None
@@ -304,6 +305,7 @@ class GemmLauncher(Launcher):
         super().__init__(step, graph, buffers)
         config = step.config
         self.einsum, self.backend = config["einsum"], config["backend"]
+        self.algorithm = config.get("algorithm", 0)  # cuBLAS: the heuristic's algorithm the tuning chose
         self.gemm_config = GemmConfig(**config["gemm"]) if config.get("gemm") else None
         operands = config["operands"]
         self.a, self.b, self.out = list(operands["a"]), list(operands["b"]), list(operands["out"])
@@ -367,9 +369,9 @@ class GemmLauncher(Launcher):
                 if views is None:
                     run_cublas(self.gemm_plan, a, b, out)
                 else:
-                    cublas_call(*views)
+                    cublas_call(*views)  # PyTorch's call (the heuristic's first algorithm) while recording
                     self.kept_views = _KeptViews.derive(self.step, store, [a_members, b_members, out_members], views)
-                    self.direct = LtMatmul.of(*views) if self.kept_views is not None else None
+                    self.direct = LtMatmul.of(*views, self.algorithm) if self.kept_views is not None else None
             else:
                 run_triton(self.gemm_plan, a, b, out, Epilogue(), self.gemm_config)
             return

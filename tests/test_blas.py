@@ -2,11 +2,11 @@
 views, checked on the CPU by carrying them out as cuBLAS defines them (column-major, op N / T,
 leading dims, batch strides) over the views' storage in float64; on the GPU (``-m gpu``) the
 cuBLASLt call (``LtMatmul``) against PyTorch's ``addmm_`` / ``baddbmm_`` on the same views: the
-same kernel, so bitwise equal."""
+same kernel, so bitwise equal; the heuristic's further algorithms against float64."""
 import pytest
 import torch
 
-from datamove.kernels.blas import OP_N, DirectGemm, LtMatmul
+from datamove.kernels.blas import ALGORITHMS, OP_N, DirectGemm, LtMatmul, algorithm_count
 from datamove.kernels.contraction import cublas_call, cublas_views, empty_in_layout, gemm_plan
 from tests.test_contraction import EINSUMS, SMALL, _operands, _picked
 
@@ -87,6 +87,30 @@ def test_direct_call_matches_pytorch(spec, dtype):
         torch.cuda.synchronize()
         assert torch.equal(vc, expected), plan.describe()
         called += 1
+    assert called, f"{spec}: no plan gave a direct call"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", EINSUMS)
+def test_every_algorithm_of_the_heuristic_is_the_product(spec):
+    """The heuristic's further algorithms (``ALGORITHMS``, which the tuning times): each the GEMM
+    of the views within PyTorch's own error from float64 (1.5 x + 1e-4, as the tuning's check)."""
+    called = 0
+    for n, plan in enumerate(_picked(spec, SMALL, 6, blas_only=True)):
+        views = _views(plan, torch.bfloat16, "cuda", seed=n)
+        if views is None or LtMatmul.of(*views) is None:
+            continue
+        va, vb, vc = views
+        reference = va.double() @ vb.double()
+        own = float((va @ vb).double().sub(reference).abs().max())
+        count = algorithm_count(*views, "cuda")
+        assert 1 <= count <= ALGORITHMS
+        for algorithm in range(count):
+            vc.fill_(float("nan"))
+            LtMatmul.of(*views, algorithm)(va.data_ptr(), vb.data_ptr(), vc.data_ptr())
+            error = float(vc.double().sub(reference).abs().max())
+            assert error <= 1.5 * own + 1e-4, (plan.describe(), algorithm, error, own)
+            called += 1
     assert called, f"{spec}: no plan gave a direct call"
 
 

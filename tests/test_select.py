@@ -257,7 +257,7 @@ def test_a_consumer_keeps_its_variant_in_the_producers_layouts():
     layouts = ["acb", "bac", "bca", "cab", "cba"]
     others = [cand("add", ["add"], {"t": layouts[n % 5], "u": layouts[(n // 5) % 5]}, {"v": "abc"}, 0.100 + n * 1e-4)
               for n in range(KEEP_PER_OPERATOR + 4)]
-    matching = cand("add", ["add"], {"t": "abc", "u": "abc"}, {"v": "abc"}, 0.103)
+    matching = cand("add", ["add"], {"t": "abc", "u": "abc"}, {"v": "abc"}, 0.101 + KEEP_PER_OPERATOR * 1e-4)  # past all
     runs = {"gemm": [producer], "add": others + [matching]}
     kept = _kept_runs(runs, ["gemm", "add"], {"t": "abc", "u": "abc", "v": "abc"})
     assert matching in kept and len([c for c in kept if c.name == "add"]) == KEEP_PER_OPERATOR + 1
@@ -277,8 +277,9 @@ def test_a_producer_keeps_its_variant_writing_what_its_consumer_reads():
     layouts = ["ab", "ba"]
     gemms = [cand("gemm", ["gemm"], {"g": layouts[n % 2]}, {"t": "cab"}, 0.100 + n * 1e-4)
              for n in range(KEEP_PER_OPERATOR + 4)]
-    elsewhere = cand("gemm", ["gemm"], {"g": "ba"}, {"t": "abc"}, 0.1030)  # the consumer's layout, reading g as no one writes it
-    matching = cand("gemm", ["gemm"], {"g": "ab"}, {"t": "abc"}, 0.1031)
+    past = 0.101 + KEEP_PER_OPERATOR * 1e-4  # slower than every one of gemms
+    elsewhere = cand("gemm", ["gemm"], {"g": "ba"}, {"t": "abc"}, past)  # the consumer's layout, reading g as no one writes it
+    matching = cand("gemm", ["gemm"], {"g": "ab"}, {"t": "abc"}, past + 1e-4)
     consumer = cand("norm", ["norm"], {"t": "abc"}, {"v": "abc"}, 0.05)
     runs = {"attention": [source], "gemm": gemms + [elsewhere, matching], "norm": [consumer]}
     kept = _kept_runs(runs, ["attention", "gemm", "norm"], {"g": "ab", "t": "abc", "v": "abc"})
@@ -408,3 +409,23 @@ def test_fused_epilogue_candidates_read_the_layouts_it_was_timed_in():
                for c in found)
     model = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), Timings([], device, "bfloat16"))
     assert [(c.reads["x1"], c.source) for c in model.gemms()["w1_x1+epilogue"]] == [("ibj", "predicted")]
+
+
+@pytest.mark.parametrize("fastest", [0, 3])
+def test_a_gemm_takes_the_cublas_algorithm_measured_fastest(fastest):
+    """cuBLAS records of one call with other algorithms of cuBLASLt's heuristic
+    (``harness.contraction_variants.cublas_knobs``): the candidate of that layout takes the fastest's
+    time and names its algorithm (none: the first, PyTorch's call)."""
+    from datamove.candidates import CandidateBuilder
+    from datamove.harness.contraction_variants import cublas_knobs, same_call_layouts, training_gemms
+
+    fused = stored_fused()["bert"]
+    gemm = next(g for g in training_gemms(fused) if g.name == "w2_hidden")
+    layouts = next(iter(same_call_layouts(gemm).values()))
+    device = "NVIDIA H100 80GB HBM3"
+    records = [Record(Key(device, {}, gemm.op, gemm.sizes, "bfloat16", dict(zip(("a", "b", "out"), layouts)),
+                          cublas_knobs(n)), "ok", 0.040 if n == fastest else 0.045 + n / 1000) for n in range(5)]
+    builder = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), Timings(records, device, "bfloat16"))
+    timed = [c for c in builder.gemms()["w2_hidden"] if c.source == "measured"]
+    assert timed and all(c.time_ms == 0.040 and c.config["backend"] == "cublas" for c in timed)
+    assert all(c.config.get("algorithm") == (fastest or None) for c in timed)

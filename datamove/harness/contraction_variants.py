@@ -25,7 +25,9 @@ outputs are filled with NaN before each checked run, so an unwritten element fai
 
 Keys: ``op`` = ``"gemm:<einsum>"`` (epilogue: ``"gemm:<einsum>+bias[<letters>]+relu+dropout(<p>)"``),
 ``dims`` = {letter: size}, ``dtype``, ``layout`` = {"a", "b", "out": storage order}, ``knobs`` =
-{"backend": "cublas"} or {"backend": "triton", <GemmConfig fields>, "template": <its source hash>} (epilogue baseline:
+{"backend": "cublas"} (the heuristic's first algorithm, PyTorch's call; {"backend": "cublas", "algorithm": n}: its
+n-th, ``kernels.blas.ALGORITHMS`` of them where cuBLASLt takes the call on a CUDA device) or
+{"backend": "triton", <GemmConfig fields>, "template": <its source hash>} (epilogue baseline:
 {"backend": "cublas+eager"}).  ``flop`` = 2 x the product of all letter sizes; ``bytes`` =
 elements of A, B and the output (plus bias and saved value) x the item size.
 """
@@ -39,8 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from datamove.dataflow.activations import PROBE, activation, evaluate
-from datamove.kernels.contraction import (Epilogue, GemmPlan, empty_in_layout, enumerate_variants, flops, map_layouts, parse,
-                                 run_cublas, run_triton, stacked_spec)
+from datamove.kernels.blas import LtMatmul, algorithm_count
+from datamove.kernels.contraction import (Epilogue, GemmPlan, cublas_views, empty_in_layout, enumerate_variants, flops, map_layouts,
+                                 parse, run_cublas, run_triton, stacked_spec)
 from datamove.kernels.codegen import compile_operator
 from datamove.kernels.gemm import TEMPLATE_ID, GemmConfig, GemmShape, tma_compatible, valid_configs
 from datamove.kernels.philox import dropout_scale
@@ -216,15 +219,23 @@ def config_knobs(config: GemmConfig) -> dict:
     return {"backend": "triton", **dataclasses.asdict(config), "template": TEMPLATE_ID}
 
 
-class GemmVariant:
-    """One GEMM in one layout combination through cuBLAS (``config`` None) or a Triton config."""
+def cublas_knobs(algorithm: int) -> dict:
+    """The tuning-DB knobs of a cuBLAS call with the heuristic's ``algorithm``-th algorithm
+    (``kernels.blas.LtMatmul``; 0, its first, as PyTorch calls it: {"backend": "cublas"})."""
+    return {"backend": "cublas", **({"algorithm": algorithm} if algorithm else {})}
 
-    def __init__(self, operands: Operands, plan: GemmPlan, config: GemmConfig | None = None):
-        self.operands, self.plan, self.config = operands, plan, config
+
+class GemmVariant:
+    """One GEMM in one layout combination through cuBLAS (``config`` None; ``algorithm`` > 0: the
+    heuristic's ``algorithm``-th algorithm, called through cuBLASLt on pointers) or a Triton config."""
+
+    def __init__(self, operands: Operands, plan: GemmPlan, config: GemmConfig | None = None, algorithm: int = 0):
+        self.operands, self.plan, self.config, self.algorithm = operands, plan, config, algorithm
         gemm = operands.gemm
         self.op, self.dims, self.dtype = gemm.op, dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
         self.layout = _layout_key(plan)
-        self.knobs = {"backend": "cublas"} if config is None else config_knobs(config)
+        self.knobs = cublas_knobs(algorithm) if config is None else config_knobs(config)
+        self.direct = self.pointers = None
         c = operands.c
         self.flop = gemm.flop
         self.bytes = operands.dtype.itemsize * sum(numel(x, gemm.sizes) for x in (c.a, c.b, c.out))
@@ -234,9 +245,18 @@ class GemmVariant:
         gemm, plan = self.operands.gemm, self.plan
         self.a, self.b = self.operands.stored("a", plan.layouts[0]), self.operands.stored("b", plan.layouts[1])
         self.out = empty_in_layout(self.operands.c.out, plan.layouts[2], gemm.sizes, self.operands.dtype, self.operands.device)
+        if self.algorithm:
+            views = cublas_views(plan, self.a, self.b, self.out)
+            self.direct = LtMatmul.of(*views, self.algorithm) if views is not None else None
+            if self.direct is None:
+                raise RuntimeError(f"cuBLASLt has no algorithm #{self.algorithm} for {plan.describe()}")
+            self.pointers = tuple(v.data_ptr() for v in views)
         self.run()
 
     def run(self) -> torch.Tensor:
+        if self.algorithm:
+            self.direct(*self.pointers)
+            return self.out
         if self.config is None:
             return run_cublas(self.plan, self.a, self.b, self.out)
         return run_triton(self.plan, self.a, self.b, self.out, config=self.config)
@@ -258,10 +278,23 @@ def gemm_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | Non
     other_configs = first_configs if other_configs is None else list(other_configs)
     variants = []
     for index, plan in enumerate(pick_layouts(gemm, layouts)):
-        variants.append(GemmVariant(operands, plan))
+        variants += [GemmVariant(operands, plan, algorithm=n)
+                     for n in range(cublas_algorithms(plan, gemm.sizes, dtype, device))]
         variants += [GemmVariant(operands, plan, cfg)
                      for cfg in runnable(plan, dtype, first_configs if index == 0 else other_configs)]
     return variants
+
+
+def cublas_algorithms(plan: GemmPlan, sizes: dict, dtype, device) -> int:
+    """How many of cuBLASLt's heuristic's algorithms to time for ``plan``'s call at ``sizes``: up to
+    ``kernels.blas.ALGORITHMS`` where it is one call cuBLASLt takes on a CUDA ``device``, else 1
+    (PyTorch's call)."""
+    if torch.device(device).type != "cuda" or not plan.blas:
+        return 1
+    c = plan.contraction
+    views = cublas_views(plan, *(empty_in_layout(letters, layout, sizes, dtype, "meta")
+                                 for letters, layout in zip((c.a, c.b, c.out), plan.layouts)))
+    return max(1, algorithm_count(*views, device)) if views is not None else 1
 
 
 def runnable(plan: GemmPlan, dtype, configs) -> list:

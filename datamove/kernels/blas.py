@@ -9,7 +9,9 @@ through ``ctypes`` on new pointers (H200 host: the layer's 12 GEMMs launched pla
 of wall per fwd+bwd through ``addmm_``, 2.17 through ``cublasGemmEx`` on pointers, 2.03 this way).
 The heuristic's first algorithm was the kernel PyTorch's ``cublasGemmEx`` runs wherever checked:
 the same kernel names in the BERT-large layer's profile (H200), results bitwise equal on every
-layout ``tests/test_blas.py`` tries on the GPU.
+layout ``tests/test_blas.py`` tries on the GPU.  The tuning also times the heuristic's next
+algorithms (``ALGORITHMS``: other tiles, clusters, split-K) and a plan's cuBLAS step may name one
+(its config's ``algorithm``), made through this call only.
 
 Used only where PyTorch's settings are those under which it makes that call (``settings()``:
 cuBLAS the preferred backend, reduced precision reductions with split-K allowed, no fp16
@@ -41,6 +43,10 @@ TRANSA, TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 BATCH_COUNT, BATCH_STRIDE = 5, 6  # cublasLtMatrixLayoutAttribute_t
 MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
 WORKSPACE_BYTES = 32 * 1024 * 1024  # PyTorch's cuBLAS workspace on Hopper
+# The heuristic's algorithms the tuning times per cuBLAS call (``harness.contraction_variants``): H100,
+# BERT-large's GEMMs alone (L2 flushed), the fastest of the first eight against the first: 1.00-1.07x,
+# the 1024-wide ones 1.04-1.07x; B=8 L=512 the ten distinct calls 360.8 -> 354.1 us, B=96 L=128 716.0 -> 698.6.
+ALGORITHMS = 8
 
 _WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}  # (device index, stream) -> workspace
 
@@ -160,10 +166,11 @@ def _checked(status: int, what: str) -> None:
 
 class LtMatmul:
     """A ``DirectGemm`` as a cuBLASLt matmul on one device, its descriptors and algorithm found
-    once; ``__call__(pa, pb, pc)``: the GEMM on A's, B's and C's data pointers (tensors laid out as
-    the views it was made from), on the current stream."""
+    once (``algorithm``: the index in cuBLASLt's heuristic's list, 0 its first, PyTorch's);
+    ``__call__(pa, pb, pc)``: the GEMM on A's, B's and C's data pointers (tensors laid out as the
+    views it was made from), on the current stream."""
 
-    def __init__(self, gemm: DirectGemm, device: int):
+    def __init__(self, gemm: DirectGemm, device: int, algorithm: int = 0):
         library, handles = _lt()
         self.library, self.gemm, self.device = library, gemm, device
         with torch.cuda.device(device):
@@ -188,34 +195,46 @@ class LtMatmul:
                     _checked(library.cublasLtMatrixLayoutSetAttribute(layout, BATCH_COUNT, ctypes.byref(count), 4), "batch")
                     _checked(library.cublasLtMatrixLayoutSetAttribute(layout, BATCH_STRIDE, ctypes.byref(stride), 8),
                              "batch stride")
-            preference, limit = ctypes.c_void_p(), ctypes.c_uint64(WORKSPACE_BYTES)
-            _checked(library.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "preference")
-            try:
-                _checked(library.cublasLtMatmulPreferenceSetAttribute(preference, MAX_WORKSPACE, ctypes.byref(limit), 8),
-                         "workspace limit")
-                self.heuristic, found = _HeuristicResult(), ctypes.c_int(0)
-                a, b, c = self.layouts
-                _checked(library.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, preference, 1,
-                                                                 ctypes.byref(self.heuristic), ctypes.byref(found)),
-                         "heuristic")
-            finally:
-                library.cublasLtMatmulPreferenceDestroy(preference)
-        if found.value < 1:
-            raise RuntimeError(f"cuBLASLt: no algorithm for {gemm}")
-        self.algo = ctypes.addressof(self.heuristic)  # the algorithm is the result's first field
-        self.workspace_bytes = self.heuristic.workspace_size
+            self.results = self._heuristic(algorithm + 1)  # kept: the algorithm is a result's first field
+        if len(self.results) <= algorithm:
+            raise RuntimeError(f"cuBLASLt: {len(self.results)} algorithms for {gemm}, none #{algorithm}")
+        self.algorithm = algorithm
+        self.algo = ctypes.addressof(self.results[algorithm])
+        self.workspace_bytes = self.results[algorithm].workspace_size
+
+    def _heuristic(self, count: int) -> list:
+        """cuBLASLt's heuristic's first ``count`` algorithms for this call (fewer where it has fewer),
+        within ``WORKSPACE_BYTES``; the same list for the same call, device and library."""
+        library, (a, b, c) = self.library, self.layouts
+        preference, limit = ctypes.c_void_p(), ctypes.c_uint64(WORKSPACE_BYTES)
+        _checked(library.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "preference")
+        try:
+            _checked(library.cublasLtMatmulPreferenceSetAttribute(preference, MAX_WORKSPACE, ctypes.byref(limit), 8),
+                     "workspace limit")
+            results, found = (_HeuristicResult * count)(), ctypes.c_int(0)
+            _checked(library.cublasLtMatmulAlgoGetHeuristic(self.handle, self.desc, a, b, c, c, preference, count,
+                                                             results, ctypes.byref(found)), "heuristic")
+        finally:
+            library.cublasLtMatmulPreferenceDestroy(preference)
+        return results[:found.value]
+
+    def algorithms(self) -> int:
+        """How many of the heuristic's first ``ALGORITHMS`` algorithms this call has."""
+        with torch.cuda.device(self.device):
+            return len(self._heuristic(ALGORITHMS))
 
     @classmethod
-    def of(cls, va: torch.Tensor, vb: torch.Tensor, vc: torch.Tensor) -> "LtMatmul | None":
-        """The matmul computing ``vc = va @ vb`` on the views' device, or None where PyTorch is to
-        make it (not CUDA, no cuBLASLt loaded, a call ``DirectGemm`` cannot express, no algorithm)."""
+    def of(cls, va: torch.Tensor, vb: torch.Tensor, vc: torch.Tensor, algorithm: int = 0) -> "LtMatmul | None":
+        """The matmul computing ``vc = va @ vb`` on the views' device with the heuristic's
+        ``algorithm``-th algorithm (0: its first, PyTorch's), or None where PyTorch is to make it (not
+        CUDA, no cuBLASLt loaded, a call ``DirectGemm`` cannot express, no such algorithm)."""
         if vc.device.type != "cuda" or _lt() is None:
             return None
         gemm = DirectGemm.derive(va, vb, vc)
         if gemm is None:
             return None
         try:
-            return cls(gemm, vc.device.index if vc.device.index is not None else torch.cuda.current_device())
+            return cls(gemm, vc.device.index if vc.device.index is not None else torch.cuda.current_device(), algorithm)
         except RuntimeError:
             return None
 
@@ -245,6 +264,20 @@ class LtMatmul:
                 library.cublasLtMatrixLayoutDestroy(layout)
         except (AttributeError, TypeError):  # interpreter shutdown: ctypes torn down first
             pass
+
+
+def algorithm_count(va: torch.Tensor, vb: torch.Tensor, vc: torch.Tensor, device) -> int:
+    """How many algorithms (at most ``ALGORITHMS``) cuBLASLt's heuristic has for ``vc = va @ vb`` on
+    CUDA ``device``, from the views' shapes, strides and dtype (any device, meta included); 0 where
+    ``LtMatmul`` cannot make the call."""
+    gemm = DirectGemm.derive(va, vb, vc)
+    if gemm is None or _lt() is None:
+        return 0
+    index = torch.device(device).index
+    try:
+        return LtMatmul(gemm, torch.cuda.current_device() if index is None else index).algorithms()
+    except RuntimeError:
+        return 0
 
 
 class _HeuristicResult(ctypes.Structure):
