@@ -10,6 +10,9 @@
   fastest measured Triton configuration, timed as the ``harness.contraction_variants.pick_layouts``
   plan that makes the same BLAS call (``same_call_layouts``: the same sizes and strides);
 - a GEMM and the element-wise consumer its Triton template fuses (``epilogue_of``), in spec order;
+- a cuBLAS GEMM adding the tensor its consumer adds to its output (``residual_add_of``: BERT's
+  input gradient), ``D = A B + C`` in each layout it was timed in (cost model: every layout where
+  nothing of that GEMM was measured);
 - a GEMM and the backward of an activation with a bias gradient after it, in its epilogue
   (``harness.gradient_epilogue``), the consumer's other parts by their generated kernel;
 - a layernorm backward joined with the column sums beside it (``layouts.space.column_sum_joins``:
@@ -38,8 +41,8 @@ from datamove.harness.attention_variants import AttentionCase
 from datamove.kernels.contraction import parse
 from datamove.kernels.gemm import TEMPLATE_ID
 from datamove.kernels.layout_change import KERNEL_ID as LAYOUT_CHANGE_ID
-from datamove.harness.contraction_variants import (STACK_LETTERS, epilogue_inputs, epilogue_of, epilogue_op, same_call_layouts,
-                                                   training_gemms)
+from datamove.harness.contraction_variants import (STACK_LETTERS, epilogue_inputs, epilogue_of, epilogue_op, residual_add_of,
+                                                   residual_op, same_call_layouts, training_gemms)
 from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_op, rest_layouts, rest_operator
 from datamove.harness.gradient_epilogue import moved_bytes as gradient_bytes
 from datamove.harness.sweep_variants import moved_bytes, op_signature
@@ -488,6 +491,8 @@ class CandidateBuilder:
             first = {"a": einsums[0].inputs[0].letters, "b": einsums[0].inputs[1].letters, "out": einsums[0].output.letters}
             renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
             candidates = []
+            residual = residual_add_of(self.fused, g) if members["out"] == list(op.outputs) else None
+            added = []  # with the residual added (``ResidualAdd``), where measured (or nothing was)
             for plan_layouts, timed_as in same_call_layouts(g).items():
                 layouts = dict(zip(("a", "b", "out"), plan_layouts))
                 if any(len(members[k]) > 1 and layouts[k][0] != stack for k in layouts):
@@ -505,7 +510,11 @@ class CandidateBuilder:
                 candidates.append(Candidate(g.name, op.phase, GEMM, (g.name,), reads, writes,
                                             {"einsum": g.spec, "backend": backend, "gemm": gemm_config,
                                              "operands": members, **algorithm}, ms, source))
+                if residual is not None:
+                    added += self._residual(g, op, residual, members, reads, writes, timed_as, measured=found is not None)
             result[g.name] = candidates
+            if added:
+                result[g.name + "+residual"] = added
             epilogue = epilogue_of(self.fused, g)
             if epilogue is not None:
                 result[g.name + "+epilogue"] = self._epilogue(g, op, epilogue, members, renames)
@@ -513,6 +522,24 @@ class CandidateBuilder:
             if gradient is not None:
                 result[g.name + "+gradient"] = self._gradient(g, op, gradient, members, renames)
         return result
+
+    def _residual(self, g, op, res, members, reads, writes, timed_as, measured: bool) -> list[Candidate]:
+        """The cuBLAS GEMM adding ``res``'s residual (``D = A B + C``), read and written in the
+        layout the plain GEMM writes (``writes``); measured, else priced by the cost model only
+        where the plain GEMM was not measured either (a prediction must not beat measurements)."""
+        key = dict(zip(("a", "b", "out"), timed_as))
+        found = self.timings.lookup(residual_op(g), g.sizes, key)
+        if found is None and (measured or self.timings.broken(residual_op(g), g.sizes, key)):
+            return []
+        c = parse(g.spec)
+        moved = self.itemsize * sum(math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out, c.out))
+        ms, source, knobs = self._time(found, "gemm", g.flop, moved)
+        layout = writes[res.produced]
+        algorithm = {"algorithm": knobs["algorithm"]} if (knobs or {}).get("algorithm") else {}
+        config = {"einsum": g.spec, "backend": "cublas", "gemm": None, "operands": members,
+                  "residual": {"consumer": res.consumer, "tensor": res.residual, "output": res.output}, **algorithm}
+        return [Candidate(f"{g.name}+{res.consumer}", op.phase, GEMM, (g.name, res.consumer),
+                          {**reads, res.residual: layout}, {res.output: layout}, config, ms, source)]
 
     def _gradient(self, g, op, ep, members, renames) -> list[Candidate]:
         """The GEMM with the backward of an activation and a bias gradient in its epilogue

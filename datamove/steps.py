@@ -309,6 +309,9 @@ class GemmLauncher(Launcher):
         self.gemm_config = GemmConfig(**config["gemm"]) if config.get("gemm") else None
         operands = config["operands"]
         self.a, self.b, self.out = list(operands["a"]), list(operands["b"]), list(operands["out"])
+        self.residual = config.get("residual")  # cuBLAS adding a tensor (D = A B + C): writes its consumer's output
+        if self.residual:
+            self.out = [self.residual["output"]]
         self.epilogue = config.get("epilogue")
         mask = self.epilogue.get("mask") if self.epilogue else None
         self.offset = dropout_offsets(graph)[mask] if mask else 0
@@ -336,18 +339,38 @@ class GemmLauncher(Launcher):
         tensors = [_read(self.step, store, t) for t in members]
         return tensors[0] if len(tensors) == 1 else stacked_view(tensors)
 
+    def _added(self, store: dict) -> torch.Tensor | None:
+        """The residual this step adds (config ``residual``), stored as its output (checked), or None."""
+        if not self.residual:
+            return None
+        added, out = _read(self.step, store, self.residual["tensor"]), store[self.out[0]]
+        if added.shape != out.shape or added.stride() != out.stride():
+            raise RuntimeError(f"{self.step.name}: the residual {self.residual['tensor']} is stored "
+                               f"{tuple(added.stride())}, its output {tuple(out.stride())}")
+        return added
+
+    def _cublas(self, views: tuple, added: torch.Tensor | None, store: dict) -> None:
+        """PyTorch's cuBLAS call on ``views``, adding ``added`` (copied into the output first: beta 1)."""
+        if added is None:
+            cublas_call(*views)
+            return
+        store[self.out[0]].copy_(added)
+        cublas_call(*views, beta=1.0)
+
     def launch(self, store: dict, run: Run) -> None:
         if not self.epilogue:
             for t in self.out:
                 store[t] = self.output(store, t)
+            added = self._added(store)
             if run.blas and self.direct is not None:
                 pointers = self.kept_views.pointers(store)
                 if pointers is not None:
-                    self.direct(*pointers)
+                    self.direct(*pointers, *((added.data_ptr() + pointers[2] - store[self.out[0]].data_ptr(),)
+                                             if added is not None else ()))
                     return
             views = self.kept_views.views(store) if self.kept_views is not None else None
             if views is not None:
-                cublas_call(*views)
+                self._cublas(views, added, store)
                 return
         stacked = [m for m in (self.out, self.a, self.b) if len(m) > 1 and m[0] in store]
         reference = next((m for m in stacked if _one_buffer([_read(self.step, store, t) for t in m])), None)
@@ -368,8 +391,10 @@ class GemmLauncher(Launcher):
                 views = cublas_views(self.gemm_plan, a, b, out)
                 if views is None:
                     run_cublas(self.gemm_plan, a, b, out)
+                    if added is not None:
+                        out.add_(added)
                 else:
-                    cublas_call(*views)  # PyTorch's call (the heuristic's first algorithm) while recording
+                    self._cublas(views, added, store)  # PyTorch's call (the heuristic's first algorithm) while recording
                     self.kept_views = _KeptViews.derive(self.step, store, [a_members, b_members, out_members], views)
                     self.direct = LtMatmul.of(*views, self.algorithm) if self.kept_views is not None else None
             else:

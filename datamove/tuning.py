@@ -20,7 +20,8 @@ import torch
 from datamove.harness.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
 from datamove.harness.bench import Sweep
 from datamove.harness.contraction_variants import (Operands, consumer_configurations, epilogue_inputs, epilogue_of,
-                                          epilogue_variants, gemm_variants, training_gemms)
+                                          epilogue_variants, gemm_variants, residual_add_of,
+                                          residual_variants, training_gemms)
 from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_variants
 from datamove.kernels.gemm import fitted, valid_configs
 from datamove.harness.layout_change_variants import LayoutChangeVariant
@@ -116,7 +117,8 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
     of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations
     (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
-    ``pick_layouts``; None: one per transposition pattern), and the fused epilogues (forward, and
+    ``pick_layouts``; None: one per transposition pattern; cuBLASLt's other algorithms, and a GEMM adding
+    a residual, ``residual_variants``), and the fused epilogues (forward, and
     the gradient epilogues of ``harness.gradient_epilogue``; ``spec``: the spec's name); the attention's
     configurations (where the spec's Q/K/V bias add can fold into it, ``attention``'s ``bias``, the
     fastest again with the biases); last, every knob setting of each fused operator's ``top`` fastest patterns.
@@ -137,6 +139,8 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
         ranked = [v.config for v in tuner.ranker.ranked(first[g.name]) if v.config is not None]
         later += gemm_variants(g, "cuda", dtype=dtype, layouts=layouts, first_configs=configs,
                                other_configs=[])[len(first[g.name]):]
+        if residual_add_of(fused, g) is not None:
+            later += residual_variants(g, "cuda", dtype=dtype, layouts=layouts)
         fusable = epilogue_of(fused, g)
         if fusable is not None:
             later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable,

@@ -94,7 +94,8 @@ def test_direct_call_matches_pytorch(spec, dtype):
 @pytest.mark.parametrize("spec", EINSUMS)
 def test_every_algorithm_of_the_heuristic_is_the_product(spec):
     """The heuristic's further algorithms (``ALGORITHMS``, which the tuning times): each the GEMM
-    of the views within PyTorch's own error from float64 (1.5 x + 1e-4, as the tuning's check)."""
+    of the views within PyTorch's own error from float64 (1.5 x + 1e-4, as the tuning's check),
+    and with a residual added (C = A B + residual, beta 1) within PyTorch's ``addmm`` error."""
     called = 0
     for n, plan in enumerate(_picked(spec, SMALL, 6, blas_only=True)):
         views = _views(plan, torch.bfloat16, "cuda", seed=n)
@@ -105,11 +106,19 @@ def test_every_algorithm_of_the_heuristic_is_the_product(spec):
         own = float((va @ vb).double().sub(reference).abs().max())
         count = algorithm_count(*views, "cuda")
         assert 1 <= count <= ALGORITHMS
+        base = torch.randn(vc.untyped_storage().nbytes() // vc.element_size(), dtype=vc.dtype, device=vc.device)
+        added = base.as_strided(vc.shape, vc.stride(), vc.storage_offset())  # a residual laid out as C
+        summed = reference + added.double()
+        own_summed = float(((torch.addmm if vc.dim() == 2 else torch.baddbmm)(added, va, vb)).double().sub(summed).abs().max())
         for algorithm in range(count):
             vc.fill_(float("nan"))
             LtMatmul.of(*views, algorithm)(va.data_ptr(), vb.data_ptr(), vc.data_ptr())
             error = float(vc.double().sub(reference).abs().max())
             assert error <= 1.5 * own + 1e-4, (plan.describe(), algorithm, error, own)
+            vc.fill_(float("nan"))  # C = A B + residual
+            LtMatmul.of(*views, algorithm)(va.data_ptr(), vb.data_ptr(), vc.data_ptr(), added.data_ptr())
+            error = float(vc.double().sub(summed).abs().max())
+            assert error <= 1.5 * own_summed + 1e-4, (plan.describe(), algorithm, "residual", error, own_summed)
             called += 1
     assert called, f"{spec}: no plan gave a direct call"
 

@@ -35,6 +35,9 @@ def test_gemms_come_from_the_training_graph():
     assert (epilogue.bias, epilogue.bias_letters, epilogue.activation, epilogue.mask, epilogue.save) == \
         ("b1", "u", "relu", "drop_act", None)  # the backward reads hidden, not the pre-activation
     assert [g.name for g in gemms.values() if cv.epilogue_of(snapshot.stored_fused()["bert"], g)] == ["w1_x1"]
+    residual = {g.name: cv.residual_add_of(snapshot.stored_fused()["bert"], g) for g in gemms.values()}
+    assert {name: r for name, r in residual.items() if r} == {"stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)": cv.ResidualAdd(
+        "d_x", "d_x_stacked", "d_resid1", "d_x")}  # the input gradient: the residual branch's plus the GEMM's
 
 
 def test_sweep_records_checked_failed_and_resumes(tmp_path):
@@ -46,6 +49,10 @@ def test_sweep_records_checked_failed_and_resumes(tmp_path):
     for name in ("stack(wq_x,wk_x,wv_x)", "k_q", "stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)"):
         variants += cv.gemm_variants(gemms[name], DEVICE, layouts=2, first_configs=configs, other_configs=configs[:1])
     variants += cv.gemm_variants(gemms["d_w1"], DEVICE, layouts=1, first_configs=[broken])
+    # D = A B + C through cuBLASLt (CUDA only): checked against float64 with the residual added
+    added = cv.residual_variants(gemms["stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)"], DEVICE, layouts=1)
+    assert bool(added) == (DEVICE == "cuda")
+    variants += added
     linear1 = gemms["w1_x1"]
     epilogue = cv.epilogue_of(training, linear1)
     consumers = cv.consumer_configurations(training, epilogue)

@@ -99,6 +99,8 @@ def test_bert_matches_the_executor_with_dropout(tmp_path, plan_for):
     assert plan_for is spec_order_plan or {"attention_forward", "attention_backward", "gemm_epilogue"} <= kinds
     folded = [s for s in layer.plan.steps if "bias" in s.config]  # Q/K/V's bias add inside the attention
     assert plan_for is spec_order_plan or [s.name for s in folded] == ["stack(q,k,v)+attention_forward", "attention_backward"]
+    added = [s.name for s in layer.plan.steps if s.config.get("residual")]  # d_x = d_resid1 + the GEMM's, in the GEMM
+    assert plan_for is spec_order_plan or added == ["stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)+d_x"]
     randomize(layer, 1)
     check_against_executor(layer, {"x": None})
 

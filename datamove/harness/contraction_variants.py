@@ -191,16 +191,18 @@ class Operands(SharedTensors):
         self.c = parse(gemm.spec)
 
     def make(self) -> dict:
-        """{"a", "b" (``dtype``), "reference" (float64), "baseline" (``dtype``)}."""
+        """{"a", "b", "residual" (over the output's letters; ``dtype``), "reference" (float64),
+        "baseline" (``dtype``)}."""
         gen = torch.Generator(device=self.device).manual_seed(self.seed)
-        a, b = (torch.randn([self.gemm.sizes[x] for x in letters], generator=gen, device=self.device,
-                            dtype=torch.float32).to(self.dtype) for letters in (self.c.a, self.c.b))
-        return {"a": a, "b": b, "reference": torch.einsum(self.gemm.spec, a.double(), b.double()),
+        a, b, residual = (torch.randn([self.gemm.sizes[x] for x in letters], generator=gen, device=self.device,
+                                      dtype=torch.float32).to(self.dtype) for letters in (self.c.a, self.c.b, self.c.out))
+        return {"a": a, "b": b, "residual": residual, "reference": torch.einsum(self.gemm.spec, a.double(), b.double()),
                 "baseline": torch.einsum(self.gemm.spec, a, b)}
 
     def stored(self, name: str, layout: str) -> torch.Tensor:
-        """Operand ``name`` ("a" or "b") stored densely in ``layout`` (a logical view, dims in spec order)."""
-        letters = self.c.a if name == "a" else self.c.b
+        """Operand ``name`` ("a", "b" or "residual") stored densely in ``layout`` (a logical view, dims
+        in spec order)."""
+        letters = {"a": self.c.a, "b": self.c.b, "residual": self.c.out}[name]
         return empty_in_layout(letters, layout, self.gemm.sizes, self.dtype, self.device).copy_(self.tensors()[name])
 
 
@@ -227,34 +229,42 @@ def cublas_knobs(algorithm: int) -> dict:
 
 class GemmVariant:
     """One GEMM in one layout combination through cuBLAS (``config`` None; ``algorithm`` > 0: the
-    heuristic's ``algorithm``-th algorithm, called through cuBLASLt on pointers) or a Triton config."""
+    heuristic's ``algorithm``-th algorithm, called through cuBLASLt on pointers) or a Triton config.
+    ``residual``: cuBLAS adding a residual of the output's letters, stored as the output
+    (``ResidualAdd``: ``D = A B + C`` through cuBLASLt; op ``residual_op``)."""
 
-    def __init__(self, operands: Operands, plan: GemmPlan, config: GemmConfig | None = None, algorithm: int = 0):
-        self.operands, self.plan, self.config, self.algorithm = operands, plan, config, algorithm
+    def __init__(self, operands: Operands, plan: GemmPlan, config: GemmConfig | None = None, algorithm: int = 0,
+                 residual: bool = False):
+        self.operands, self.plan, self.config, self.algorithm, self.residual = operands, plan, config, algorithm, residual
         gemm = operands.gemm
-        self.op, self.dims, self.dtype = gemm.op, dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
+        self.op = residual_op(gemm) if residual else gemm.op
+        self.dims, self.dtype = dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
         self.layout = _layout_key(plan)
         self.knobs = cublas_knobs(algorithm) if config is None else config_knobs(config)
         self.direct = self.pointers = None
         c = operands.c
         self.flop = gemm.flop
-        self.bytes = operands.dtype.itemsize * sum(numel(x, gemm.sizes) for x in (c.a, c.b, c.out))
-        self.a = self.b = self.out = None
+        self.bytes = operands.dtype.itemsize * sum(numel(x, gemm.sizes) for x in (c.a, c.b, c.out, *((c.out,) if residual else ())))
+        self.a = self.b = self.out = self.added = None
 
     def build(self) -> None:
         gemm, plan = self.operands.gemm, self.plan
         self.a, self.b = self.operands.stored("a", plan.layouts[0]), self.operands.stored("b", plan.layouts[1])
         self.out = empty_in_layout(self.operands.c.out, plan.layouts[2], gemm.sizes, self.operands.dtype, self.operands.device)
-        if self.algorithm:
+        if self.residual:
+            self.added = self.operands.stored("residual", plan.layouts[2])
+        if self.algorithm or self.residual:
             views = cublas_views(plan, self.a, self.b, self.out)
             self.direct = LtMatmul.of(*views, self.algorithm) if views is not None else None
             if self.direct is None:
                 raise RuntimeError(f"cuBLASLt has no algorithm #{self.algorithm} for {plan.describe()}")
             self.pointers = tuple(v.data_ptr() for v in views)
+            if self.residual:  # C: the residual's view at the output's offsets
+                self.pointers += (self.added.data_ptr() + (views[2].data_ptr() - self.out.data_ptr()),)
         self.run()
 
     def run(self) -> torch.Tensor:
-        if self.algorithm:
+        if self.direct is not None:
             self.direct(*self.pointers)
             return self.out
         if self.config is None:
@@ -265,6 +275,9 @@ class GemmVariant:
         self.out.fill_(float("nan"))
         out = self.run()
         t = self.operands.tensors()
+        if self.residual:
+            return Verdict(((self.operands.c.out, judge(out, t["baseline"] + t["residual"],
+                                                        t["reference"] + t["residual"].double())),))
         return Verdict(((self.operands.c.out, judge(out, t["baseline"], t["reference"])),))
 
 
@@ -285,16 +298,25 @@ def gemm_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | Non
     return variants
 
 
-def cublas_algorithms(plan: GemmPlan, sizes: dict, dtype, device) -> int:
+def residual_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | None = 3, seed: int = 0) -> list[GemmVariant]:
+    """``gemm`` adding a residual (``ResidualAdd``) through cuBLASLt, each of ``cublas_algorithms``,
+    over ``pick_layouts(gemm, layouts)`` where cuBLASLt takes the call (none off CUDA)."""
+    operands = Operands(gemm, device, dtype, seed)
+    return [GemmVariant(operands, plan, algorithm=n, residual=True) for plan in pick_layouts(gemm, layouts)
+            for n in range(cublas_algorithms(plan, gemm.sizes, dtype, device, direct_only=True))]
+
+
+def cublas_algorithms(plan: GemmPlan, sizes: dict, dtype, device, direct_only: bool = False) -> int:
     """How many of cuBLASLt's heuristic's algorithms to time for ``plan``'s call at ``sizes``: up to
     ``kernels.blas.ALGORITHMS`` where it is one call cuBLASLt takes on a CUDA ``device``, else 1
-    (PyTorch's call)."""
+    (PyTorch's call; ``direct_only``: 0)."""
     if torch.device(device).type != "cuda" or not plan.blas:
-        return 1
+        return 0 if direct_only else 1
     c = plan.contraction
     views = cublas_views(plan, *(empty_in_layout(letters, layout, sizes, dtype, "meta")
                                  for letters, layout in zip((c.a, c.b, c.out), plan.layouts)))
-    return max(1, algorithm_count(*views, device)) if views is not None else 1
+    count = algorithm_count(*views, device) if views is not None else 0
+    return count if direct_only else max(1, count)
 
 
 def runnable(plan: GemmPlan, dtype, configs) -> list:
@@ -404,6 +426,45 @@ def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
                                mask, p, offset, saves[0] if saves else None, produced, current,
                                extra[0] if extra else None)
     return None
+
+
+@dataclass(frozen=True)
+class ResidualAdd:
+    """An element-wise consumer that only adds a tensor to a GEMM's output, ``output = produced +
+    residual`` (all three over the same letters): cuBLAS's ``D = A B + C`` with ``C`` the residual,
+    so the GEMM writes ``output`` and the consumer's kernel goes (BERT's input gradient: the residual
+    branch's gradient plus the stacked Q/K/V GEMM's)."""
+
+    consumer: str
+    produced: str
+    residual: str
+    output: str
+
+
+def residual_add_of(training, gemm: TrainingGemm) -> ResidualAdd | None:
+    """``gemm``'s output's one consumer when it is exactly that add (its one primitive ``in0 + in1``
+    on the output and another tensor of the same letters, its one output), else None."""
+    op = next(o for o in training.operators if o.name == gemm.name)
+    if len(op.outputs) != 1:
+        return None
+    produced = op.outputs[0]
+    consumers = [o for o in training.operators if produced in o.inputs]
+    if len(consumers) != 1 or consumers[0].cls == "contraction" or len(consumers[0].primitives) != 1 \
+            or len(consumers[0].outputs) != 1:
+        return None
+    (add,) = consumers[0].primitives
+    operands = [x.tensor for x in add.inputs]
+    if add.kind != "map" or add.expr.replace(" ", "") != "in0+in1" or produced not in operands \
+            or len(set(operands)) != 2 or any(x.letters != add.output.letters for x in add.inputs):
+        return None
+    residual = operands[1 - operands.index(produced)]
+    letters = {training.graph.tensors[t].letters for t in (produced, residual, add.output.tensor)}
+    return ResidualAdd(consumers[0].name, produced, residual, add.output.tensor) if len(letters) == 1 else None
+
+
+def residual_op(gemm: TrainingGemm) -> str:
+    """The tuning-DB ``op`` of ``gemm`` adding a residual (``ResidualAdd``)."""
+    return gemm.op + "+residual"
 
 
 def epilogue_op(gemm: TrainingGemm, epilogue: FusableEpilogue) -> str:

@@ -238,7 +238,8 @@ class LtMatmul:
         except RuntimeError:
             return None
 
-    def __call__(self, pa: int, pb: int, pc: int) -> None:
+    def __call__(self, pa: int, pb: int, pc: int, residual: int = 0) -> None:
+        """C = A B, or with ``residual`` (the data pointer of a tensor laid out as C) C = A B + residual."""
         first, second, out = self.gemm.operands(pa, pb, pc)
         stream = torch._C._cuda_getCurrentRawStream(self.device)
         workspace = 0
@@ -249,8 +250,8 @@ class LtMatmul:
                                                                           device=f"cuda:{self.device}")
             workspace = buffer.data_ptr()
         a, b, c = self.layouts
-        status = self.library.cublasLtMatmul(self.handle, self.desc, _ONE, first, a, second, b, _ZERO, out, c, out, c,
-                                             self.algo, workspace, self.workspace_bytes, stream)
+        status = self.library.cublasLtMatmul(self.handle, self.desc, _ONE, first, a, second, b, _ONE if residual else _ZERO,
+                                             residual or out, c, out, c, self.algo, workspace, self.workspace_bytes, stream)
         if status:
             raise RuntimeError(f"cuBLASLt matmul {self.gemm}: status {status}")
 

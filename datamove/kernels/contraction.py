@@ -330,12 +330,12 @@ def cublas_views(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Te
     return None if dims is None else _views(plan, a, b, out, dims)
 
 
-def cublas_call(va: torch.Tensor, vb: torch.Tensor, vc: torch.Tensor, alpha: float = 1.0) -> None:
-    """``vc = alpha * va @ vb`` in place (beta=0) on ``cublas_views``' views."""
+def cublas_call(va: torch.Tensor, vb: torch.Tensor, vc: torch.Tensor, alpha: float = 1.0, beta: float = 0.0) -> None:
+    """``vc = alpha * va @ vb + beta * vc`` in place on ``cublas_views``' views."""
     if vc.dim() == 2:
-        vc.addmm_(va, vb, beta=0, alpha=alpha)
+        vc.addmm_(va, vb, beta=beta, alpha=alpha)
     else:
-        vc.baddbmm_(va, vb, beta=0, alpha=alpha)
+        vc.baddbmm_(va, vb, beta=beta, alpha=alpha)
 
 
 def run_cublas(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:

@@ -20,7 +20,11 @@ it reads (``config = {"tensor", "from", "to"}``; the copy lives until its last r
   fields} | None, "operands": {"a": [tensors], "b": [tensors], "out": [tensors]}}``: each operand
   of the einsum as the list of graph tensors it is made of, one tensor, or for a stacked
   contraction (Q/K/V) the members stacked along the einsum's extra leading letter, in stack order
-  (the runtime may reorder an operand stacked on both inputs and summed away).
+  (the runtime may reorder an operand stacked on both inputs and summed away).  cuBLAS only:
+  ``"algorithm": n`` (absent: 0), the n-th of cuBLASLt's heuristic's algorithms the tuning found
+  fastest (``kernels.blas.LtMatmul``); ``"residual": {"consumer", "tensor", "output"}``
+  (``harness.contraction_variants.ResidualAdd``): the GEMM adds ``tensor`` (beta 1, stored as the
+  output) and writes its consumer's ``output``, covering that consumer too.
 - ``GEMM_EPILOGUE``: the ``GEMM`` fields plus ``"epilogue": {"consumer", "bias", "bias_letters",
   "activation", "mask", "p", "save", "produced", "output", "saved"}`` (``harness.contraction_variants
   .FusableEpilogue``): the contraction and its element-wise consumer in one Triton kernel; or
