@@ -21,7 +21,9 @@ except where a knob depends on the sizes, which ``fit_plan`` adjusts:
   needs the mask drawn in whole Philox groups (``kernels.attention.dropout_grouped``); where the
   new sizes do not allow it the backward regenerates the mask instead;
 - a Triton GEMM reading its operands through tensor descriptors (``tma``) needs every stride a
-  multiple of 16 bytes; where the new sizes break that it reads them plainly (same tiles).
+  multiple of 16 bytes; where the new sizes break that it reads them plainly (same tiles);
+- a cuBLAS GEMM's ``algorithm`` is an index into cuBLASLt's heuristic's list at the tuned sizes,
+  which at other sizes names another kernel: it is dropped (PyTorch's call, the list's first).
 """
 from __future__ import annotations
 
@@ -120,6 +122,8 @@ def _fitted(step: Step, plan: Plan, graph, ops: dict, itemsize: int) -> Step:
     if step.kind == ATTENTION_BACKWARD and config["knobs"].get("dropout_mask") == "saved" \
             and not _attention_grouped(graph, config):
         return replace(step, config={**config, "knobs": {**config["knobs"], "dropout_mask": "regenerate"}})
+    if step.kind == GEMM and config.get("algorithm") and dict(graph.dim_values) != dict(plan.dims):
+        return replace(step, config={k: v for k, v in config.items() if k != "algorithm"})
     if step.kind in (GEMM, GEMM_EPILOGUE) and (config.get("gemm") or {}).get("tma"):
         operands = [config["operands"]["a"], config["operands"]["b"]]
         if not all(_descriptor_strides(graph, members, step.reads.get(t) or plan.layouts[t], itemsize)

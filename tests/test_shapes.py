@@ -129,6 +129,20 @@ def test_row_mode_too_long_for_one_tile_becomes_loop():
     assert fit_plan(plan, fused.graph, fused.operators, 4).steps == plan.steps  # at its own sizes: as chosen
 
 
+def test_a_cublas_algorithm_holds_at_its_sizes_only():
+    """A cuBLAS step's ``algorithm`` (an index into cuBLASLt's heuristic's list at the tuned sizes)
+    is dropped at other sizes, kept at its own."""
+    from dataclasses import replace
+
+    fused = stored_fused()["bert"].with_dims(BERT_DIMS)
+    plan = spec_order_plan(fused, "bert")
+    plan = replace(plan, steps=[replace(s, config={**s.config, "algorithm": 3}) if s.kind == "gemm" else s
+                                for s in plan.steps])
+    longer = fused.graph.with_dims({**fused.graph.dim_values, "L": 40})
+    assert all("algorithm" not in s.config for s in fit_plan(plan, longer, fused.operators, 4).steps)
+    assert fit_plan(plan, fused.graph, fused.operators, 4).steps == plan.steps
+
+
 def test_call_dims_are_those_no_weight_carries():
     for spec, expected in (("bert", ("B", "L")), ("gpt2", ("B",))):  # GPT-2's causal constant is [T, T]
         graph = stored_fused()[spec].graph

@@ -10,7 +10,10 @@ graph's dims; the label is the graph's operator name.
 For one such ``TrainingGemm``, ``pick_layouts`` chooses mappable layout combinations
 (``enumerate_variants``): spec order first if it is a BLAS GEMM, then one BLAS plan (at most one
 batch dim) per new transposition pattern.  ``gemm_variants`` gives, per chosen plan, a
-``GemmVariant`` for the cuBLAS path (``run_cublas``) and one per Triton config (``run_triton``).
+``GemmVariant`` for the cuBLAS path (``run_cublas``; on CUDA one per algorithm of cuBLASLt's
+heuristic, ``cublas_algorithms``) and one per Triton config (``run_triton``).  ``residual_add_of``
+finds a consumer that only adds a tensor to the GEMM's output; ``residual_variants`` time cuBLASLt
+adding it (``D = A B + C``).
 ``epilogue_of`` finds, structurally, the element-wise consumer that the GEMM template can fuse
 (bias add over whole output groups, ReLU, Philox dropout, the saved pre-activation), as in
 linear1 -> bias + ReLU + dropout; ``epilogue_variants`` gives the fused Triton kernel per config
@@ -23,7 +26,8 @@ the baseline of ``harness.accuracy``'s rule); only one GEMM's operands are alive
 Checks: ``harness.sweep_variants.judge`` (error <= 1.5 x PyTorch's + 1e-4, on the device);
 outputs are filled with NaN before each checked run, so an unwritten element fails.
 
-Keys: ``op`` = ``"gemm:<einsum>"`` (epilogue: ``"gemm:<einsum>+bias[<letters>]+relu+dropout(<p>)"``),
+Keys: ``op`` = ``"gemm:<einsum>"`` (epilogue: ``"gemm:<einsum>+bias[<letters>]+relu+dropout(<p>)"``; adding a
+residual, ``ResidualAdd``: ``"gemm:<einsum>+residual"``),
 ``dims`` = {letter: size}, ``dtype``, ``layout`` = {"a", "b", "out": storage order}, ``knobs`` =
 {"backend": "cublas"} (the heuristic's first algorithm, PyTorch's call; {"backend": "cublas", "algorithm": n}: its
 n-th, ``kernels.blas.ALGORITHMS`` of them where cuBLASLt takes the call on a CUDA device) or
