@@ -360,6 +360,7 @@ class CandidateBuilder:
         self.graph = fused.graph
         self.itemsize = ITEMSIZE[dtype]
         self._changes: dict[tuple, tuple[float, str]] = {}
+        self.order = execution_order(fused)
 
     def _time(self, found, family: str, flop: float, bytes_moved: float, **extra) -> tuple[float, str, dict | None]:
         if found is not None:
@@ -492,6 +493,8 @@ class CandidateBuilder:
             renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
             candidates = []
             residual = residual_add_of(self.fused, g) if members["out"] == list(op.outputs) else None
+            if residual is not None and self.order.index(residual.consumer) != self.order.index(g.name) + 1:
+                residual = None  # one candidate runs a contiguous run of operators; something between writes what it reads
             added = []  # with the residual added (``ResidualAdd``), where measured (or nothing was)
             for plan_layouts, timed_as in same_call_layouts(g).items():
                 layouts = dict(zip(("a", "b", "out"), plan_layouts))
@@ -759,13 +762,13 @@ def _add_matches(kept: list[Candidate], ranked: list[Candidate], others: list[Ca
 
 def execution_order(fused) -> list[str]:
     """The fused graph's operators in order, but the consumer of a gradient epilogue
-    (``harness.gradient_epilogue``) right after its GEMM where no operator between writes what it
-    reads (GPT-2's ``d_bfc`` after ``d_gelu``, before ``d_wout``), so that one candidate can run
-    both (the selection takes contiguous runs)."""
+    (``harness.gradient_epilogue``) or of a residual add (``ResidualAdd``) right after its GEMM
+    where no operator between writes what it reads (GPT-2's ``d_bfc`` after ``d_gelu``, before
+    ``d_wout``), so that one candidate can run both (the selection takes contiguous runs)."""
     order = [op.name for op in fused.operators]
     ops = {op.name: op for op in fused.operators}
     for g in training_gemms(fused):
-        found = gradient_epilogue_of(fused, g)
+        found = gradient_epilogue_of(fused, g) or residual_add_of(fused, g)
         if found is None:
             continue
         start, at = order.index(g.name), order.index(found.consumer)
