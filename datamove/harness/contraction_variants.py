@@ -46,8 +46,8 @@ import torch
 
 from datamove.dataflow.activations import PROBE, activation, evaluate
 from datamove.kernels.blas import LtMatmul, algorithm_count
-from datamove.kernels.contraction import (Epilogue, GemmPlan, cublas_views, empty_in_layout, enumerate_variants, flops, map_layouts,
-                                 parse, run_cublas, run_triton, stacked_spec)
+from datamove.kernels.contraction import (Epilogue, GemmPlan, cublas_views, empty_in_layout, enumerate_variants, flops,
+                                          map_layouts, parse, run_cublas, run_triton, stacked_spec)
 from datamove.kernels.codegen import compile_operator
 from datamove.kernels.gemm import TEMPLATE_ID, GemmConfig, GemmShape, tma_compatible, valid_configs
 from datamove.kernels.philox import dropout_scale
@@ -248,7 +248,8 @@ class GemmVariant:
         self.direct = self.pointers = None
         c = operands.c
         self.flop = gemm.flop
-        self.bytes = operands.dtype.itemsize * sum(numel(x, gemm.sizes) for x in (c.a, c.b, c.out, *((c.out,) if residual else ())))
+        moved = (c.a, c.b, c.out) + ((c.out,) if residual else ())  # the residual read as the output is written
+        self.bytes = operands.dtype.itemsize * sum(numel(x, gemm.sizes) for x in moved)
         self.a = self.b = self.out = self.added = None
 
     def build(self) -> None:
