@@ -360,7 +360,7 @@ class CandidateBuilder:
         self.graph = fused.graph
         self.itemsize = ITEMSIZE[dtype]
         self._changes: dict[tuple, tuple[float, str]] = {}
-        self.order = execution_order(fused)
+        self.order = execution_order(fused)  # the operators as the plan runs them
 
     def _time(self, found, family: str, flop: float, bytes_moved: float, **extra) -> tuple[float, str, dict | None]:
         if found is not None:
@@ -493,8 +493,7 @@ class CandidateBuilder:
             renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
             candidates = []
             residual = residual_add_of(self.fused, g) if members["out"] == list(op.outputs) else None
-            if residual is not None and self.order.index(residual.consumer) != self.order.index(g.name) + 1:
-                residual = None  # one candidate runs a contiguous run of operators; something between writes what it reads
+            residual = residual if residual is not None and self._follows(g, residual.consumer) else None
             added = []  # with the residual added (``ResidualAdd``), where measured (or nothing was)
             for plan_layouts, timed_as in same_call_layouts(g).items():
                 layouts = dict(zip(("a", "b", "out"), plan_layouts))
@@ -519,12 +518,18 @@ class CandidateBuilder:
             if added:
                 result[g.name + "+residual"] = added
             epilogue = epilogue_of(self.fused, g)
-            if epilogue is not None:
+            if epilogue is not None and self._follows(g, epilogue.consumer):
                 result[g.name + "+epilogue"] = self._epilogue(g, op, epilogue, members, renames)
             gradient = gradient_epilogue_of(self.fused, g)
-            if gradient is not None:
+            if gradient is not None and self._follows(g, gradient.consumer):
                 result[g.name + "+gradient"] = self._gradient(g, op, gradient, members, renames)
         return result
+
+    def _follows(self, g, consumer: str) -> bool:
+        """Whether ``consumer`` runs right after ``g`` in ``execution_order`` (which moves it there
+        where nothing between writes what it reads): a candidate covering both runs a contiguous
+        run of operators (``layouts.select``)."""
+        return self.order.index(consumer) == self.order.index(g.name) + 1
 
     def _residual(self, g, op, res, members, reads, writes, timed_as, measured: bool) -> list[Candidate]:
         """The cuBLAS GEMM adding ``res``'s residual (``D = A B + C``), read and written in the
@@ -809,7 +814,7 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
     for op in fused.operators:
         if op.cls != "contraction":
             runs[op.name] += builder.composed(op, written)
-    order = execution_order(fused)
+    order = builder.order
     candidates = _kept_runs(runs, order, spec_letters)
     missing = [op.name for op in fused.operators if not any(op.name in c.operators for c in candidates)]
     if missing:
