@@ -17,15 +17,21 @@ its longest sequence makes many shapes, each graphed one holding its own static 
 shapes launch plainly.
 """
 import functools
+import math
 import warnings
 
 import torch
 
+from datamove.dataflow.initial_values import MASKED_SCORE, ONE, WEIGHT, CausalMask, initial_values
 from datamove.graphs import LayerGraphs
+from datamove.kernels.interpreter import interpreted
 from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
 from datamove.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
-from datamove.steps import Run
+from datamove.steps import Buffers, Run, stack_groups
+from datamove.torch_program import TorchProgram
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
+
+KERNELS, TORCH = "kernels", "torch"  # what runs a layer's plan: its kernels, or its computation in PyTorch operations
 
 
 PROGRAMS: dict[str, LayerProgram] = {}  # the custom ops find their program by name
@@ -142,14 +148,31 @@ class _Launched(torch.autograd.Function):
         return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
 
 
-# What a causal constant holds where the key comes after the query (as initialised), and at most
-# there for the check to pass: exp underflows to 0 as for -inf.
-MASKED_SCORE = -1e4
-
-
 def _keys_after(shape, device) -> torch.Tensor:
     """(queries, keys) bool: True where the key comes after the query."""
     return torch.ones(shape, dtype=torch.bool, device=device).triu(1)
+
+
+def default_backend(device: torch.device) -> str:
+    """``KERNELS`` on CUDA, ``TORCH`` elsewhere."""
+    return KERNELS if device.type == "cuda" else TORCH
+
+
+def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a backend that cannot compute right on ``device`` in ``dtype``: the kernels off CUDA
+    run only through the Triton interpreter (tests), and there in float32 or float64 only (its
+    bfloat16 and float16 arithmetic differs from a GPU's)."""
+    if backend not in (KERNELS, TORCH):
+        raise ValueError(f"backend {backend!r}: expected {KERNELS!r} (the plan's kernels) or {TORCH!r} "
+                         "(its computation in PyTorch operations)")
+    if backend == TORCH or device.type == "cuda":
+        return
+    if not interpreted():
+        raise ValueError(f"backend {KERNELS!r} on {device}: the plan's Triton kernels run on a CUDA GPU (off one, only "
+                         f"through Triton's interpreter, TRITON_INTERPRET=1, for kernel tests); use backend={TORCH!r}")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"backend {KERNELS!r} on {device} in {dtype}: the Triton interpreter does not compute "
+                         f"{dtype} as a GPU does; use backend={TORCH!r} or float32")
 
 
 class TunedLayer(torch.nn.Module):
@@ -166,14 +189,24 @@ class TunedLayer(torch.nn.Module):
     plan shares); ``plans``: every tuned shape's plan, ``plan`` first (default: ``plan`` alone),
     over ``graph`` at their dims.  On CUDA with ``cuda_graphs`` (the default) calls replay the
     layer's own CUDA graphs (``datamove.graphs``); otherwise, and where a replay is not possible,
-    they launch the kernels (through the custom ops where ``torch.compile`` traces)."""
+    they launch the kernels (through the custom ops where ``torch.compile`` traces).
+
+    ``backend``: ``"kernels"`` (the plan's kernels; the default on CUDA) or ``"torch"`` (its
+    computation in PyTorch operations, ``datamove.torch_program``: the default elsewhere).
+
+    Parameters start as ``dataflow.initial_values`` reads the graph (``reset_parameters``); a
+    constant whose value the graph does not tell (anything but a causal mask) starts as NaN, and
+    the layer refuses to run until it is set (``layer.<name>.copy_(...)``)."""
 
     def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device,
-                 cuda_graphs: bool = True, plans: list[Plan] | None = None):
+                 cuda_graphs: bool = True, plans: list[Plan] | None = None, backend: str | None = None):
         super().__init__()
         self.plan, self.graph, self.operators, self.interface = plan, graph, operators, interface
         self.dtype, self.device_ = dtype, torch.device(device)
-        self.cuda_graphs = cuda_graphs and self.device_.type == "cuda"
+        self.backend = backend or default_backend(self.device_)
+        check_backend(self.backend, self.device_, dtype)
+        self.cuda_graphs = cuda_graphs and self.device_.type == "cuda" and self.backend == KERNELS
+        self.initial = initial_values(graph, interface.parameters, interface.constants)
         self.graphs = LayerGraphs()
         self.plans = list(plans or [plan])
         self.call_dims = call_dims(graph, interface)
@@ -182,13 +215,13 @@ class TunedLayer(torch.nn.Module):
         self._warned: set[tuple] = set()  # untuned shapes warned about, shared by siblings
         self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
-        self._causal_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold the causal mask
+        self._constants_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold what it must
         self._allocate_parameters()
 
     def _allocate_parameters(self) -> None:
         """Parameters and constants in the plan's layouts (stacked groups as one storage), initialised."""
         store: dict = {}
-        buffers = self.program(True).buffers
+        buffers = Buffers(self.graph, stack_groups(self.plan.steps), self.dtype, self.device_)
         for t in self.interface.parameters:
             self.register_parameter(t, torch.nn.Parameter(buffers.allocate(store, t, self.plan.layouts[t])))
         for t in self.interface.constants:
@@ -200,7 +233,7 @@ class TunedLayer(torch.nn.Module):
         twin = TunedLayer.__new__(TunedLayer)
         torch.nn.Module.__init__(twin)
         twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")})
-        twin.graphs, twin._calls, twin._graphed, twin._causal_checked = LayerGraphs(), {}, set(), {}
+        twin.graphs, twin._calls, twin._graphed, twin._constants_checked = LayerGraphs(), {}, set(), {}
         twin._allocate_parameters()
         return twin
 
@@ -223,26 +256,37 @@ class TunedLayer(torch.nn.Module):
                               f"{'; '.join(map(describe, self.tuned_shapes))}): it runs the plan tuned at "
                               f"{describe({d: tuned.dims[d] for d in shape})} at these sizes, compiled now and "
                               f"kept; tune it with optimize-layer --dims", stacklevel=3)
-            self._programs[key] = LayerProgram(plan, graph if training else without_dropout(graph), self.operators,
-                                               self.interface, self.dtype, self.device_)
+            kind = LayerProgram if self.backend == KERNELS else TorchProgram
+            self._programs[key] = kind(plan, graph if training else without_dropout(graph), self.operators,
+                                       self.interface, self.dtype, self.device_)
             register(self._programs[key])
         return self._programs[key]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Weights N(0, 1/fan-in) over their contracted letters' extent is unknown here: every
-        parameter N(0, 0.02^2) (BERT's initialiser), one-letter ones (biases, norm gains/shifts)
-        0 and 1 by name (``gamma``/``gain`` -> 1).  A constant the fused attention's causal mask
-        stands in for (GPT-2's ``causal``, ``_check_causal_constants``) gets that mask: 0 where
-        the key is at or before the query, -1e4 after."""
+        """Parameters and constants as ``dataflow.initial_values`` reads the graph: weights (what an
+        einsum reads) N(0, 0.02^2) (BERT's initialiser), scales (a norm's gain) 1, other parameters
+        (biases, shifts) 0; a causal mask 0 where the key is at or before the query, -1e4 after;
+        any other constant NaN: not set (``forward`` refuses to run until it is)."""
         for name, param in self.named_parameters():
-            if param.dim() > 1:
+            kind = self.initial[name]
+            if kind == WEIGHT:
                 param.normal_(0.0, 0.02)
             else:
-                param.fill_(1.0 if any(s in name for s in ("gamma", "gain")) else 0.0)
-        for name in self.program(True).causal_constants:
-            value = self._buffers[name]
-            value.copy_(torch.where(_keys_after(value.shape, value.device), MASKED_SCORE, 0.0))
+                param.fill_(1.0 if kind == ONE else 0.0)
+        for name in self.interface.constants:
+            value, kind = self._buffers[name], self.initial.get(name)
+            if isinstance(kind, CausalMask):
+                value.copy_(self._causal_mask(name, kind, value.device))
+            else:
+                value.fill_(math.nan)
+
+    def _causal_mask(self, name: str, mask: CausalMask, device) -> torch.Tensor:
+        """The causal mask ``name`` holds, over its letters: 0 where the key is at or before the query, -1e4 after."""
+        letters = self.graph.tensors[name].letters
+        after = _keys_after((self.graph.size(mask.rows), self.graph.size(mask.keys)), device)
+        after = after if letters == mask.rows + mask.keys else after.T
+        return torch.where(after, MASKED_SCORE, 0.0)
 
     @functools.cached_property
     def applies_key_padding(self) -> bool:
@@ -258,24 +302,34 @@ class TunedLayer(torch.nn.Module):
         expected = (program.graph.size(letters["batch"]), program.graph.size(letters["keys"]))
         check(mask, "key_padding_mask", expected, torch.bool, self.device_, letters["batch"] + letters["keys"])
 
-    def _check_causal_constants(self, program: LayerProgram) -> None:
-        """A constant that the plan's fused attention replaces by its causal mask (GPT-2's additive
-        ``causal``, ``candidates.attention_roles``) must hold that mask: 0 where the key is at or
-        before the query, -1e4 or less after (where exp underflows to 0 as for -inf).  Checked when
-        its storage or version changes (one device sync); not while compiling or capturing."""
+    def _check_constants(self, program) -> None:
+        """Every constant must be set: one the graph gives no value (``reset_parameters`` left it
+        NaN) holds no NaN; one that the plan's fused attention replaces by its causal mask (GPT-2's
+        additive ``causal``, ``candidates.attention_roles``) holds that mask: 0 where the key is at
+        or before the query, -1e4 or less after (where exp underflows to 0 as for -inf).  Checked
+        when a constant's storage or version changes (one device sync); not while compiling or
+        capturing."""
         if torch.compiler.is_compiling() or (self.device_.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        for name in program.causal_constants:
-            value = self._buffers[name]  # (queries, keys): the spec adds it over those letters
+        unset = []
+        for name in self.interface.constants:
+            value = self._buffers[name]
             key = (name, value.data_ptr())
-            if self._causal_checked.get(key) == value._version:
+            if self._constants_checked.get(key) == value._version:
                 continue
-            if not bool(torch.where(_keys_after(value.shape, value.device), value <= MASKED_SCORE, value == 0).all()):
-                raise ValueError(f"layer.{name} must hold the causal mask that this plan's fused attention applies in "
-                                 f"its place: 0 where the key is at or before the query, {MASKED_SCORE:g} or less "
-                                 f"after, e.g. layer.{name}.copy_(torch.triu(torch.full({tuple(value.shape)}, "
-                                 f"{MASKED_SCORE:g}), diagonal=1))")
-            self._causal_checked[key] = value._version
+            if name in program.causal_constants:  # (queries, keys): the spec adds it over those letters
+                if not bool(torch.where(_keys_after(value.shape, value.device), value <= MASKED_SCORE, value == 0).all()):
+                    raise ValueError(f"layer.{name} must hold the causal mask that this plan's fused attention applies "
+                                     f"in its place: 0 where the key is at or before the query, {MASKED_SCORE:g} or "
+                                     f"less after, e.g. layer.{name}.copy_(torch.triu(torch.full("
+                                     f"{tuple(value.shape)}, {MASKED_SCORE:g}), diagonal=1))")
+            elif bool(value.isnan().any()):
+                unset.append(f"layer.{name} ({', '.join(self.graph.tensors[name].letters)}: {tuple(value.shape)})")
+                continue
+            self._constants_checked[key] = value._version
+        if unset:
+            raise ValueError(f"constant(s) not set: {'; '.join(unset)}: the spec's structure gives them no value; set "
+                             f"each before calling the layer, e.g. {unset[0].split(' ')[0]}.copy_(values)")
 
     def _graphed_shape(self, shape: dict) -> bool:
         """Whether calls at ``shape`` replay CUDA graphs (the module doc's policy)."""
@@ -318,7 +372,7 @@ class TunedLayer(torch.nn.Module):
         activations = self._bound_inputs(inputs, named_inputs)
         shape = call_shape(self.graph, face, self.call_dims, activations)
         program = self.program(self.training, shape)
-        self._check_causal_constants(program)
+        self._check_constants(program)
         if key_padding_mask is not None:
             self._check_mask(key_padding_mask, program)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check

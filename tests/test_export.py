@@ -44,10 +44,12 @@ def write(tmp_path, spec: str, dims: dict, plan_for=spec_order_plan, device=None
                           device=device or {"name": "cost model: H100", "measured": False}, versions={})
 
 
-def load(path, **kwargs):
+def load(path, backend="kernels", **kwargs):
+    """The artifact's layer on the CPU in float32: its kernels through the Triton interpreter
+    (``backend="torch"``: its computation in PyTorch operations, ``tests/test_cpu_layer.py``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_layer(path, device="cpu", dtype=torch.float32, **kwargs)
+        return load_layer(path, device="cpu", dtype=torch.float32, backend=backend, **kwargs)
 
 
 def error(result, reference, zero_scale: float = 0.0) -> float:
@@ -355,6 +357,29 @@ def test_a_damaged_artifact_file_is_named_with_what_to_do(artifact, tmp_path, ca
         with pytest.raises(error_type) as raised:
             read_manifest(path)
         assert str(raised.value) == message
+
+
+def test_files_of_another_plan_than_the_manifest_are_refused(artifact, tmp_path):
+    """The manifest's ``plan_id`` is a hash of plan.json and graph.json: a plan.json (or graph.json)
+    of another run beside it is refused, naming the folder; a manifest written before plan_ids
+    (none recorded) is not checked."""
+    path = shutil.copytree(artifact, tmp_path / "artifact")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert len(manifest["plan_id"]) == 16 and manifest["options"] == {}
+    assert load(path) is not None
+    for name in ("plan.json", "graph.json"):
+        original = (path / name).read_text()
+        (path / name).write_text(json.dumps(json.loads(original), indent=2))  # the same JSON, another run's text
+        with pytest.raises(ArtifactError) as raised:
+            load(path)
+        message = str(raised.value)
+        assert message.startswith(f"{path}: manifest.json is of another plan ({manifest['plan_id']}) than plan.json "
+                                  "and graph.json") and "\n" not in message, message
+        assert message.endswith("write the artifact again with optimize-layer SPEC --out DIR"), message
+        (path / name).write_text(original)
+    (path / "plan.json").write_text(json.dumps(json.loads((path / "plan.json").read_text()), indent=2))
+    (path / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "plan_id"}))
+    assert load(path) is not None
 
 
 def test_manifest_inputs_are_read_and_checked(artifact, tmp_path):

@@ -1,6 +1,6 @@
 """The exported layer takes its data inputs as arguments (``layer(*inputs)`` or by name) and holds
 its weights: specs from ``tests/specs_plain/`` go through the main job (cost model, CPU), are
-loaded in float32 (Triton through its interpreter) and called with random inputs; the output and
+loaded in float32 (the torch backend, and the kernels through the Triton interpreter) and called with random inputs; the output and
 the gradient of every input and every parameter are compared with the spec written in torch
 (``test_plain_specs.CORPUS``) in float64 on the same values.  No spec here has dropout.
 """
@@ -38,11 +38,12 @@ def exported(tmp_path_factory):
     return get
 
 
-def load(path):
-    """The layer in float32 on CPU (the job tuned it for bf16 under the cost model: run untuned)."""
+def load(path, backend="torch"):
+    """The layer in float32 on CPU (the job tuned it for bf16 under the cost model: run untuned):
+    its computation in PyTorch operations, or (``backend="kernels"``) its kernels through the Triton interpreter."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_layer(path, device="cpu", dtype=torch.float32, allow_mismatch=True)
+        return load_layer(path, device="cpu", dtype=torch.float32, allow_mismatch=True, backend=backend)
 
 
 def error(result: torch.Tensor, reference: torch.Tensor) -> float:
@@ -87,12 +88,13 @@ CASES = {  # case -> (spec, --dims, its data inputs, their shapes, the output's 
 }  # the memory of another length than the queries; the fused attention takes head dims from 16
 
 
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
 @pytest.mark.parametrize("case", CASES)
-def test_the_layer_is_called_with_its_inputs(exported, case):
+def test_the_layer_is_called_with_its_inputs(exported, case, backend):
     name, dims, inputs, shapes, output, fused_attention = CASES[case]
     path = exported(SPECS / f"{name}.py", dims)
     assert read_manifest(path)["inputs"] == list(inputs)
-    layer = load(path)
+    layer = load(path, backend)
     assert ("attention_forward" in {s.kind for s in layer.plan.steps}) == fused_attention
     assert layer.interface.activations == inputs
     assert not set(inputs) & {t for t, _ in layer.named_parameters()}

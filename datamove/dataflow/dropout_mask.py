@@ -88,9 +88,16 @@ def philox_uniform(seed: int, counters: np.ndarray) -> np.ndarray:
 
 def decision_values(seed: int, offset: int, shape: tuple[int, ...]) -> np.ndarray:
     """The convention's 8-bit value (uint8) of every element of a mask of ``shape`` (spec order) at ``offset``."""
-    g = offset + np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)
-    if not g.size:
+    n = int(np.prod(shape, dtype=np.int64))
+    if not n:
         return np.zeros(shape, dtype=np.uint8)
+    if offset % DECISION_GROUP == 0:  # whole groups: the bytes are a fixed permutation of each group's calls
+        groups = -(-n // DECISION_GROUP)
+        calls = offset // DECISION_GROUP * CALLS_PER_GROUP + np.arange(groups * CALLS_PER_GROUP, dtype=np.int64)
+        # call 4 G + t, byte 2 i + e -> element 8 i + 2 t + e of group G
+        call_bytes = philox_words(seed, calls).astype("<u4").view(np.uint8).reshape(groups, CALLS_PER_GROUP, 8, 2)
+        return call_bytes.transpose(0, 2, 1, 3).reshape(-1)[:n].reshape(shape)
+    g = offset + np.arange(n, dtype=np.int64)
     call, byte = call_and_byte(g)
     first = call.min()
     calls = np.arange(first, call.max() + 1, dtype=np.int64)

@@ -1,0 +1,110 @@
+"""What a layer's parameters and constants start as, read from the graph's structure (never from names).
+
+- a parameter an einsum of the forward reads (a weight): ``WEIGHT``, drawn N(0, 0.02^2);
+- any other parameter: ``ONE`` where it scales what its map computes (a norm's gain: set to 0,
+  the map's result no longer depends on its other operands), else ``ZERO`` (a bias, a norm's shift);
+- a constant added to attention scores over (query, key) positions of one length, whose sum a
+  max over the keys reads (a softmax's first step, directly or through maps of that sum alone):
+  a ``CausalMask`` (0 where the key is at or before the query, ``MASKED_SCORE`` after);
+- any other constant: unknown (absent from the result); the layer refuses to run until it is set.
+
+Graphs are duck-typed ``dataflow.graph.PrimitiveGraph``s (live or from ``dataflow.snapshot``).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from datamove.dataflow.executor import FUNCTIONS
+from datamove.dataflow.graph import is_expression
+
+WEIGHT, ONE, ZERO = "weight", "one", "zero"
+MASKED_SCORE = -1e4  # a causal mask's value where the key comes after the query: exp underflows to 0 as for -inf
+PROBES = 3  # random points at which a map is evaluated to tell a scale from a shift
+
+
+@dataclass(frozen=True)
+class CausalMask:
+    """An additive causal mask over the constant's letters: ``rows`` (queries) and ``keys``."""
+
+    rows: str
+    keys: str
+
+
+def initial_values(graph, parameters, constants) -> dict:
+    """{tensor -> ``WEIGHT`` | ``ONE`` | ``ZERO`` | ``CausalMask``} for ``parameters`` and the
+    ``constants`` whose value is known (see the module doc)."""
+    forward = forward_primitives(graph)
+    result = {}
+    for name in parameters:
+        readers = [p for p in forward if any(o.tensor == name for o in p.inputs)]
+        if any(p.kind == "einsum" for p in readers):
+            result[name] = WEIGHT
+        else:
+            result[name] = ONE if any(p.kind == "map" and _scales(graph, p, name) for p in readers) else ZERO
+    for name in constants:
+        mask = _causal_mask(graph, forward, name)
+        if mask is not None:
+            result[name] = mask
+    return result
+
+
+def forward_primitives(graph) -> list:
+    """The primitives before the first one that reads an output's gradient (autodiff appends the backward)."""
+    grads = {f"d_{t}" for t in graph.outputs}
+    primitives = []
+    for prim in graph.primitives:
+        if any(o.tensor in grads for o in prim.inputs):
+            break
+        primitives.append(prim)
+    return primitives
+
+
+def _scales(graph, prim, name: str) -> bool:
+    """Whether map ``prim`` with ``name``'s operand at 0 gives one value whatever its other operands hold."""
+    if len(prim.inputs) < 2:
+        return False
+    namespace = {**graph.scalars(), **FUNCTIONS}
+    rng = random.Random(0)
+    values = set()
+    for _ in range(PROBES):
+        for k, operand in enumerate(prim.inputs):
+            namespace[f"in{k}"] = 0.0 if operand.tensor == name else rng.uniform(0.5, 2.0)
+        try:
+            values.add(round(float(eval(prim.expr, {"__builtins__": {}}, namespace)), 12))  # noqa: S307 - our own expressions
+        except (ArithmeticError, ValueError):
+            return False
+    return len(values) == 1
+
+
+def _causal_mask(graph, forward, name: str) -> CausalMask | None:
+    """The mask ``name`` is (see the module doc), or None."""
+    letters = graph.tensors[name].letters
+    if len(letters) != 2 or graph.letter_dims[letters[0]] != graph.letter_dims[letters[1]]:
+        return None
+    consumers: dict[str, list] = {}
+    for prim in forward:
+        for operand in prim.inputs:
+            consumers.setdefault(operand.tensor, []).append(prim)
+    for add in consumers.get(name, []):
+        if add.kind != "map" or len(add.inputs) != 2 or not is_expression(add.expr, "in0 + in1", "in1 + in0"):
+            continue
+        const = next(o for o in add.inputs if o.tensor == name)
+        if len(set(const.letters)) != 2 or not set(const.letters) <= set(add.output.letters):
+            continue
+        axes = [add.output.letters.index(x) for x in const.letters]  # the sum's axes that are the constant's
+        tensor = add.output.tensor
+        while True:
+            readers = consumers.get(tensor, [])
+            for reader in readers:
+                if reader.kind == "reduce" and reader.expr == "max":
+                    operand = reader.inputs[0]
+                    reduced = [a for a in axes if operand.letters[a] not in reader.output.letters]
+                    if len(reduced) == 1:
+                        keys = letters[axes.index(reduced[0])]
+                        return CausalMask(rows=next(x for x in letters if x != keys), keys=keys)
+            if len(readers) != 1 or readers[0].kind != "map" or len(readers[0].inputs) != 1 \
+                    or readers[0].output.letters != readers[0].inputs[0].letters:
+                break
+            tensor = readers[0].output.tensor
+    return None

@@ -1,0 +1,194 @@
+"""The tuned layer's computation as PyTorch operations: what the layer runs where its kernels cannot.
+
+``TorchProgram`` is a ``datamove.layer.LayerProgram`` in behaviour (the same calls, the same
+results up to rounding) without a kernel: the training graph's primitives (``dataflow.graph``)
+evaluated with torch (``harness.torch_eval``: the reference executor's semantics), the forward
+operators' primitives then the backward's, operator by operator in the fused graph's order.  On a
+machine without a GPU this is the layer (``datamove.module.TunedLayer``'s default backend there);
+the Triton interpreter remains what the kernel tests use.
+
+Precision: every primitive computes in float32 (float64 for a float64 layer); activations, outputs
+and gradients cross the boundary in the layer's dtype.  So a bf16 or fp16 layer on the CPU
+computes as the GPU kernels do (fp32 inside, rounded where it leaves), never through the Triton
+interpreter's bf16 arithmetic.
+
+Dropout: the masks are the kernels' (``dataflow.dropout_mask``: Philox from the call's seed at each
+mask's ``dataflow.executor.dropout_offsets`` offset), so a call reproduces the GPU layer's mask and
+the float64 executor's; the forward returns the masks the backward reads (bool) with the other
+tensors it keeps.  A ``key_padding_mask`` (bool (batch, keys), True = key excluded) sets the
+excluded keys' scores, as the score contraction writes them, to the dtype's lowest value, as the
+fused attention excludes them.
+"""
+from __future__ import annotations
+
+import torch
+
+from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
+from datamove.dataflow.executor import dropout_offsets
+from datamove.harness.torch_eval import reduce_value, map_value
+from datamove.layouts.plan import ATTENTION_FORWARD, Plan
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the primitives compute in for a layer of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class TorchProgram:
+    """A plan's computation for one graph, dtype and device, in PyTorch operations (module doc).
+
+    ``kept``: what the forward returns besides the outputs for the backward (forward tensors it
+    reads, spec order, compute dtype; dropout masks as bool), named as ``LayerProgram.kept``."""
+
+    stacked: list = []  # no stacked gradient buffers: each parameter gets its own gradient
+    causal_constants: list = []  # a causal constant is read as the spec reads it, not replaced
+
+    def __init__(self, plan: Plan, graph, operators, interface, dtype: torch.dtype, device):
+        self.plan, self.graph, self.interface, self.dtype = plan, graph, interface, dtype
+        self.device, self.compute = torch.device(device), compute_dtype(dtype)
+        self.name = ""  # the custom ops' name for it: set by datamove.module.register
+        self.forward_primitives = [p for op in operators if op.phase == "forward" for p in op.primitives]
+        self.backward_primitives = [p for op in operators if op.phase != "forward" for p in op.primitives]
+        self.offsets = dropout_offsets(graph)
+        face = interface
+        given = set(face.activations + face.parameters + face.constants + tuple(face.grad_outputs.values()))
+        written, kept = set(), []
+        for prim in self.backward_primitives:
+            for operand in prim.inputs:
+                t = operand.tensor
+                if t not in written and t not in given and t not in kept:
+                    kept.append(t)
+            written.add(prim.output.tensor)
+        self.kept = kept
+        self.torch_shapes = {t: self.shape(t, order) for t, order in face.torch_order.items()}
+        self._to_spec_axes = {t: [order.index(x) for x in graph.tensors[t].letters] for t, order in face.torch_order.items()}
+        self.scores = self._scores(plan)
+
+    def shape(self, tensor: str, order: str | None = None) -> tuple[int, ...]:
+        """The tensor's shape in ``order`` (default: its spec letter order)."""
+        return tuple(self.graph.size(letter) for letter in (order or self.graph.tensors[tensor].letters))
+
+    def _scores(self, plan: Plan) -> tuple[str, int, int] | None:
+        """(the scores tensor the fused attention's score contraction writes, its batch axis, its
+        keys axis): where a ``key_padding_mask`` applies; None without a fused attention."""
+        step = next((s for s in plan.steps if s.kind == ATTENTION_FORWARD), None)
+        if step is None:
+            return None
+        roles, letters = step.config["roles"], step.config["letters"]
+        for prim in self.forward_primitives:
+            tensors = [o.tensor for o in prim.inputs]
+            if prim.kind != "einsum" or sorted(tensors) != sorted((roles["q"], roles["k"])):
+                continue
+            q, k = (prim.inputs[tensors.index(roles[r])] for r in ("q", "k"))
+            batch = q.letters[self.graph.tensors[q.tensor].letters.index(letters["batch"])]
+            keys = k.letters[self.graph.tensors[k.tensor].letters.index(letters["keys"])]
+            return prim.output.tensor, prim.output.letters.index(batch), prim.output.letters.index(keys)
+        return None
+
+    def _masks(self, seed: int, wanted) -> dict[str, torch.Tensor]:
+        """The keep masks (bool, spec order) of the dropout tensors in ``wanted`` that drop anything."""
+        result = {}
+        for name in wanted:
+            info = self.graph.tensors[name]
+            if info.role == "dropout" and info.p > 0:
+                result[name] = torch.from_numpy(keep_mask(seed, self.offsets[name], self.shape(name), info.p)).to(self.device)
+        return result
+
+    def _multiplier(self, name: str, keep: torch.Tensor | None) -> torch.Tensor:
+        """A dropout tensor's multipliers (0 or ``dropout_scale(p)``; ones where ``p`` is 0)."""
+        if keep is None:
+            return torch.ones((), dtype=self.compute, device=self.device).expand(self.shape(name))
+        return keep.to(self.compute) * dropout_scale(self.graph.tensors[name].p)
+
+    def _run(self, primitives, env: dict, keeps: dict, key_padding_mask: torch.Tensor | None = None) -> dict:
+        """Evaluate ``primitives`` in order on ``env`` (spec-order tensors in the compute dtype)."""
+        for prim in primitives:
+            arrays = []
+            for operand in prim.inputs:
+                t = operand.tensor
+                if t not in env:  # a dropout mask, first read
+                    env[t] = self._multiplier(t, keeps.get(t))
+                arrays.append(env[t])
+            if prim.kind == "einsum":
+                value = torch.einsum(prim.expr, *arrays)
+            elif prim.kind == "reduce":
+                value = reduce_value(prim, arrays[0])
+            else:
+                value = map_value(self.graph, prim, arrays, self.compute)
+            if key_padding_mask is not None and self.scores and prim.output.tensor == self.scores[0]:
+                _, batch, keys = self.scores
+                shape = [1] * value.dim()
+                shape[batch], shape[keys] = key_padding_mask.shape
+                value = value.masked_fill(key_padding_mask.view(shape), torch.finfo(self.compute).min)
+            env[prim.output.tensor] = value.contiguous()
+        return env
+
+    def _inputs(self, inputs: list[torch.Tensor]) -> dict:
+        """The activations (PyTorch order), parameters and constants as spec-order compute-dtype tensors."""
+        face = self.interface
+        names = face.activations + face.parameters + face.constants
+        if len(inputs) != len(names):
+            raise TypeError(f"expected {len(names)} tensors {names}, got {len(inputs)}")
+        return {t: (x.permute(self._to_spec_axes[t]) if t in face.activations else x).to(self.compute)
+                for t, x in zip(names, inputs)}
+
+    def _leaving(self, tensor: str, value: torch.Tensor) -> torch.Tensor:
+        """A spec-order result as PyTorch receives it: ``tensor``'s torch order, the layer's dtype, contiguous."""
+        letters = self.graph.tensors[tensor].letters
+        order = self.interface.torch_order[tensor]
+        return value.permute([letters.index(x) for x in order]).to(self.dtype).contiguous()
+
+    def call_forward(self, inputs: list[torch.Tensor], run) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forward on ``inputs`` (activations, parameters, constants): (the outputs in PyTorch
+        order, the ``kept`` tensors)."""
+        env = self._inputs(inputs)
+        keeps = self._masks(int(run.seed), (t for t, info in self.graph.tensors.items() if info.role == "dropout"))
+        self._run(self.forward_primitives, env, keeps, run.key_padding_mask)
+        outputs = [self._leaving(t, env[t]) for t in self.interface.outputs]
+        kept = [keeps[t] if t in keeps else self._placeholder(t) if self.graph.tensors[t].role == "dropout" else env[t]
+                for t in self.kept]
+        return outputs, kept
+
+    def _placeholder(self, name: str) -> torch.Tensor:
+        """What stands in the kept list for a mask that drops nothing (``p`` 0): an empty bool tensor."""
+        return torch.empty(0, dtype=torch.bool, device=self.device)
+
+    def call_backward(self, inputs: list[torch.Tensor], kept: list[torch.Tensor], grads: list[torch.Tensor],
+                      run) -> list[torch.Tensor]:
+        """The backward from ``call_forward``'s ``kept`` and the outputs' gradients (PyTorch order):
+        the gradients of the activations (PyTorch order) and of the parameters (spec order), in the
+        layer's dtype."""
+        face = self.interface
+        env = self._inputs(inputs)
+        keeps = {}
+        for t, value in zip(self.kept, kept):
+            if self.graph.tensors[t].role == "dropout":
+                if value.numel():
+                    keeps[t] = value
+            else:
+                env[t] = value
+        for t, grad in zip(face.outputs, grads):
+            env[face.grad_outputs[t]] = grad.permute(self._to_spec_axes[t]).to(self.compute)
+        self._run(self.backward_primitives, env, keeps)
+        return [self._leaving(t, env[face.input_grads[t]]) if t in face.activations
+                else env[face.input_grads[t]].to(self.dtype) for t in face.activations + face.parameters]
+
+    def _contiguous(self, shape: tuple, dtype: torch.dtype) -> tuple[tuple, tuple, torch.dtype]:
+        return tuple(shape), tuple(torch.empty(shape, device="meta").stride()), dtype
+
+    def forward_meta(self) -> list[tuple[tuple, tuple, torch.dtype]]:
+        """(shape, strides, dtype) of ``call_forward``'s results: the outputs, then ``kept``."""
+        result = [self._contiguous(self.torch_shapes[t], self.dtype) for t in self.interface.outputs]
+        for t in self.kept:
+            info = self.graph.tensors[t]
+            if info.role == "dropout":
+                result.append(self._contiguous(self.shape(t) if info.p > 0 else (0,), torch.bool))
+            else:
+                result.append(self._contiguous(self.shape(t), self.compute))
+        return result
+
+    def backward_meta(self) -> list[tuple[tuple, tuple, torch.dtype]]:
+        """(shape, strides, dtype) of ``call_backward``'s results."""
+        face = self.interface
+        return [self._contiguous(self.torch_shapes[t] if t in face.activations else self.shape(t), self.dtype)
+                for t in face.activations + face.parameters]
