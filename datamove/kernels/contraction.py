@@ -96,6 +96,14 @@ def layout_of(tensor: torch.Tensor, letters: str) -> str:
     return _dense_order(tuple(tensor.shape), tensor.stride(), letters)
 
 
+def stored_as(tensor: torch.Tensor, letters: str, layout: str) -> bool:
+    """Whether a tensor whose dims are ``letters`` is dense in ``layout`` (the strides of letters of
+    size 1, never used, may be anything)."""
+    sizes = dict(zip(letters, tensor.shape))
+    expected = row_major_strides(layout, sizes)
+    return all(stride == expected[x] for x, stride in zip(letters, tensor.stride()) if sizes[x] > 1)
+
+
 @functools.lru_cache(maxsize=4096)
 def _dense_order(shape: tuple, strides: tuple, letters: str) -> str:
     """``layout_of`` for one (shape, strides): kept, as a layer's GEMM steps check the same few
@@ -303,7 +311,7 @@ def _views(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     dims, or those of them in ``dims`` (a batch dim of extent 1 left out saves indexing it)."""
     (b0, b1), m, n, k = plan.batch, plan.m, plan.n, plan.k
     for name, t, letters, layout in zip(_OPERANDS, (a, b, out), (plan.contraction.a, plan.contraction.b, plan.contraction.out), plan.layouts):
-        if layout_of(t, letters) != layout:
+        if not stored_as(t, letters, layout):
             raise ValueError(f"{name} is stored as {layout_of(t, letters)!r}, the plan has {layout!r}")
     return tuple(t.as_strided([shape[d] for d in dims], [strides[d] for d in dims])
                  for t, shape, strides in ((a, (b0, b1, m, k), plan.a_strides), (b, (b0, b1, k, n), plan.b_strides),
@@ -486,10 +494,35 @@ def gemm_plan(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) ->
     """The ``GemmPlan`` of einsum ``spec`` for the layouts ``a``, ``b`` and ``out`` are stored in (read from
     their strides); raises ValueError with the reason when that combination is not a GEMM."""
     c = parse(spec)
-    result = map_layouts(c, (layout_of(a, c.a), layout_of(b, c.b), layout_of(out, c.out)), _sizes_of(c, a, b))
+    sizes = _sizes_of(c, a, b)
+    layouts = (layout_of(a, c.a), layout_of(b, c.b), layout_of(out, c.out))
+    result = map_layouts(c, layouts, sizes)
     if isinstance(result, NotAGemm):
-        raise ValueError(f"{spec} with layouts {result.layouts}: {result.reason}")
+        mapped = next((m for m in map(lambda each: map_layouts(c, each, sizes), unit_placements(layouts, sizes))
+                       if not isinstance(m, NotAGemm)), None)
+        if mapped is None:
+            raise ValueError(f"{spec} with layouts {result.layouts}: {result.reason}")
+        return mapped
     return result
+
+
+UNIT_PLACEMENTS = 4096  # layouts tried at most where letters of size 1 could sit anywhere
+
+
+def unit_placements(layouts: Sequence[str], sizes: Mapping[str, int]):
+    """The layouts that store tensors as ``layouts`` do, with each letter of size 1 moved elsewhere:
+    such a letter's stride is never used, so strides cannot tell where it sits (``layout_of`` puts it
+    by its stride, which ties with a neighbour's), and one of its places may map to a GEMM where
+    another does not (GPT-2 at B=1: 'thbes' and 'thebs' are one storage)."""
+    choices = []
+    for layout in layouts:
+        units = [x for x in layout if sizes[x] == 1]
+        rest = "".join(x for x in layout if sizes[x] != 1)
+        options = [rest]
+        for unit in units:
+            options = [o[:i] + unit + o[i:] for o in options for i in range(len(o) + 1)]
+        choices.append(options)
+    return itertools.islice(itertools.product(*choices), UNIT_PLACEMENTS)
 
 
 def contract(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, *, out_layout: str | None = None,
