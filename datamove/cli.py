@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 import time
 import warnings
@@ -11,8 +12,40 @@ from pathlib import Path
 
 from datamove.dataflow.spec import SpecError, parse_assignments
 from datamove.harness.tuning_db import TuningDBError
+from datamove.output import OutputError, check_default_parent, check_out
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+HELP = "optimize-layer --help lists the options"
+
+
+class UsageError(Exception):
+    """A bad command line or option value: printed in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage + error (and no SystemExit)
+        raise UsageError(f"{message} ({HELP})")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of GPUs, e.g. --gpus 2; "
+                                         "leave it out for all GPUs")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # also nan
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds >= 0, e.g. --budget-s 600")
+    return value
 
 
 def _dims(text: str | None) -> list[dict[str, int]]:
@@ -26,7 +59,7 @@ def _dims(text: str | None) -> list[dict[str, int]]:
             values = [int(v) for v in value.split("|")]
         except ValueError:
             raise SpecError(f"--dims: {name}={value}: expected an integer or integers separated by '|', "
-                            f"e.g. {name}=128|512") from None
+                            f"e.g. --dims '{name}=128|512' (quoted for the shell)") from None
         if len(set(values)) != len(values):
             raise SpecError(f"--dims: {name}={value}: each value given once")
         choices[name] = values
@@ -37,7 +70,7 @@ def _dims(text: str | None) -> list[dict[str, int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="optimize-layer",
         description="Optimize a transformer layer written as a NumPy spec (after Ivanov et al., 'Data Movement Is "
                     "All You Need'): analysis, fusion, tuning (on a GPU), layout selection, export of the tuned "
@@ -46,13 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="output folder (default: out/<spec>-<dims>-<dtype>-<device>)")
     parser.add_argument("--dims", help="dim values, e.g. B=8,L=512 (default: the spec's); alternatives of the batch "
                                          "and sequence dims tune one plan per combination into one artifact, "
-                                         "e.g. B=8,L=128|256|512")
-    parser.add_argument("--set", dest="options", help="spec options, e.g. activation=gelu")
+                                         "e.g. 'B=8,L=128|256|512' (quoted: the shell reads | as a pipe)")
+    parser.add_argument("--set", dest="options", help="spec options, e.g. activation=gelu (the default output "
+                                                      "folder's name includes them)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="precision of the tuned layer")
-    parser.add_argument("--budget-s", type=float, default=600.0,
+    parser.add_argument("--budget-s", type=_seconds, default=600.0,
                         help="tuning time limit in seconds (GPU only; a rerun resumes from the tuning database)")
     parser.add_argument("--db", type=Path, help="tuning database (default: ~/.cache/datamove/tuning.db)")
-    parser.add_argument("--gpus", type=int, help="GPUs to tune on, one measuring process each (default: all GPUs "
+    parser.add_argument("--gpus", type=_positive_int, help="GPUs to tune on, one measuring process each (default: all GPUs "
                                                  "of the model of GPU 0)")
     parser.add_argument("--retry-failed", action="store_true",
                         help="measure again the variants the tuning database records as failed (crashed, hung, "
@@ -85,22 +119,68 @@ def _analyze(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    warnings.filterwarnings("ignore", module="dace")
+def _file_place(path: Path, flag: str) -> None:
+    """``path`` can be a file: not a folder, no file where a folder above it must be."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: a folder: name a file, e.g. {flag} {path / 'x'}")
+    place = path.absolute().parent
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        raise UsageError(f"{flag} {path}: {place} is a file, not a folder: name a file elsewhere")
+
+
+def check_arguments(args) -> None:
+    """What can be checked before the analysis starts (each a one-line ``UsageError``,
+    ``SpecError`` or ``OutputError``), so that a bad option never waits for the long stages."""
+    from datamove.layouts.cost_model import DEVICES, device_figures
+
+    spec = Path(args.spec)
+    if spec.is_dir():
+        raise SpecError(f"{spec}: a folder, not a spec file: give the spec's .py file, e.g. configs/bert.py")
+    if not spec.exists():
+        raise SpecError(f"{spec}: no such spec file")
     try:
+        device_figures(args.cost_model_device)
+    except KeyError:
+        raise UsageError(f"--cost-model-device {args.cost_model_device}: no cost-model figures for this device; "
+                         f"known: {', '.join(DEVICES)}") from None
+    if args.json is not None and not args.analyze:
+        raise UsageError(f"--json {args.json}: only with --analyze (the main job writes report.json into --out)")
+    if args.json is not None:
+        _file_place(args.json, "--json")
+    if args.db is not None:
+        _file_place(args.db, "--db")
+    if not args.analyze:
+        if args.out is not None:
+            check_out(args.out)
+        else:
+            check_default_parent(Path("out"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; every bad input ends in one line on stderr and exit status 2, Ctrl-C in
+    "optimize-layer: interrupted" and 130 (the output folder as it was: ``datamove.output``)."""
+    try:
+        args = build_parser().parse_args(argv)
+        warnings.filterwarnings("ignore", module="dace")
+        check_arguments(args)
+        dims = _dims(args.dims)
+        options = parse_assignments(args.options or "", "--set")
         if args.analyze:
             return _analyze(args)
         from datamove.job import JobOptions, run_job
 
-        options = JobOptions(spec=Path(args.spec), dims=_dims(args.dims),
-                             options=parse_assignments(args.options or "", "--set"), dtype=DTYPES[args.dtype],
-                             out=args.out, budget_s=args.budget_s, db=args.db, cost_model_device=args.cost_model_device,
-                             gpus=args.gpus, retry_failed=args.retry_failed)
-        return run_job(options)
-    except (SpecError, TuningDBError) as err:
+        return run_job(JobOptions(spec=Path(args.spec), dims=dims, options=options, dtype=DTYPES[args.dtype],
+                                  out=args.out, budget_s=args.budget_s, db=args.db,
+                                  cost_model_device=args.cost_model_device, gpus=args.gpus,
+                                  retry_failed=args.retry_failed))
+    except (SpecError, TuningDBError, UsageError, OutputError) as err:
         print(f"optimize-layer: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("optimize-layer: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

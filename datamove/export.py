@@ -8,7 +8,9 @@ without re-tuning:
 - ``manifest.json``: spec name and hash, dims, dtype, the device the plan was timed on (name,
   compute capability; "cost model: <device>" where nothing was measured), library versions, and
   the layer's PyTorch interface (``inputs``: the data inputs it is called with, in order; the
-  spec's ``TORCH_ORDER``, ``WEIGHTS``);
+  spec's ``TORCH_ORDER``, ``WEIGHTS``), the spec options it was built with (``options``, ``--set``)
+  and the plan's identity (``plan_id``: a hash of the plan files and ``graph.json``; loading refuses
+  a folder whose files disagree with it, or with ``report.json``'s, as of different runs);
 - ``kernels/<step>.py``: the generated Triton source of every generated step, for reading;
 - with several tuned shapes (``optimize-layer --dims B=8,L=128|512``): the first shape's plan is
   ``plan.json``, every other one ``plans/<shape>.json`` (``B8-L512.json``, over ``graph.json`` at its
@@ -50,6 +52,7 @@ from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Plan
 from datamove.layouts.space import Configuration, generated_operators
 
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
+REPORT = "report.json"  # datamove.report's, beside the artifact in optimize-layer's output
 MANIFEST_KEYS = ("dims", "dtype", "device", "torch_order", "weights")  # what loading and the benchmarks read
 REWRITE = "write the artifact again with optimize-layer SPEC --out DIR"
 
@@ -68,14 +71,24 @@ def spec_hash(path) -> str:
 
 def _write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
+
+
+def plan_identity(out_dir, plan_files) -> str:
+    """The identity of an artifact's plan (``plan_id``): a hash of the text of its plan files
+    (``plan_files``, relative to ``out_dir``, ``plan.json`` first) and of ``graph.json``."""
+    digest = hashlib.sha256()
+    for name in [*plan_files, GRAPH]:
+        digest.update(name.encode() + b"\0" + (Path(out_dir) / name).read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spec_digest: str,
                    torch_order: dict, weights: dict, device: dict, versions: dict, other_plans: tuple = (),
-                   inputs: tuple[str, ...] | None = None) -> Path:
+                   inputs: tuple[str, ...] | None = None, options: dict | None = None) -> Path:
     """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
+    ``options``: the spec options it was built with (``--set``), recorded in the manifest;
     ``plan``: the plan at ``graph``'s dims, ``other_plans``: those of the other tuned shapes
     (checked: ``datamove.shapes.check_plans``); ``inputs``: the spec's ``INPUTS`` (None:
     ``dataflow.layer_inputs``' default rule), written as the layer's data inputs (checked with
@@ -99,7 +112,8 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
                 "device": device, "versions": versions, "inputs": list(interface.activations),
                 "torch_order": torch_order,
                 "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()},
-                "shapes": shapes}
+                "shapes": shapes, "options": dict(options or {}),
+                "plan_id": plan_identity(out, [shape["plan"] for shape in shapes])}
     _write(out / MANIFEST, json.dumps(manifest, indent=1))
     return out
 
@@ -155,6 +169,26 @@ def read_manifest(out_dir) -> dict:
     return manifest
 
 
+def _check_identity(out: Path, manifest: dict, plan_files: list[str]) -> None:
+    """The manifest's ``plan_id`` is that of the plan files and ``graph.json`` beside it, and
+    ``report.json``'s (where it records one) too: the folder holds one run's output (``ArtifactError``
+    otherwise).  An artifact written before manifests carried a ``plan_id`` is not checked."""
+    recorded = manifest.get("plan_id")
+    if recorded is None:
+        return
+    found = plan_identity(out, plan_files)
+    if recorded != found:
+        raise ArtifactError(f"{out}: {MANIFEST} is of another plan ({recorded}) than {', '.join(plan_files)} and "
+                            f"{GRAPH} ({found}): the files come from different runs: {REWRITE}")
+    try:
+        report = json.loads((out / REPORT).read_text(encoding="utf-8"))["meta"].get("plan_id")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # no report, or not one this check can read: the layer does not need it
+    if report is not None and report != recorded:
+        raise ArtifactError(f"{out}: {REPORT} is of another plan ({report}) than {MANIFEST} ({recorded}): "
+                            f"the files come from different runs: {REWRITE}")
+
+
 def _current_device(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -177,6 +211,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
                             f"{{dims, plan}}): {REWRITE}")
     plans = [plan] + [_parsed(out / entry["plan"], Plan.from_json) for entry in entries[1:]]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    _check_identity(out, manifest, [entry["plan"] for entry in entries])
     tuned_dtype = getattr(torch, plan.dtype)
     problems = []
     if dtype is not None and dtype != tuned_dtype:

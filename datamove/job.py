@@ -1,13 +1,17 @@
 """The main job of ``optimize-layer SPEC``: analysis -> fusion -> tuning -> selection -> export -> report.
 
-Several shapes (``--dims B=8,L=128|512``): the analysis runs at the first, each other shape is the
+Several shapes (``--dims 'B=8,L=128|512'``): the analysis runs at the first, each other shape is the
 same fused graph at its sizes (``FusedTraining.with_dims``); each shape is tuned (one database, one
 budget) and gets its own plan, the parameters stored as the first plan stores them (so one layer's
 weights serve every plan); the artifact holds them all and the report lists them.
 
-Into ``out`` (default ``out/<spec>-<dims>-<dtype>-<device>``): ``plan.json`` and the rest of the
-artifact (``datamove.export``), and the report (``report.html``, ``report.md``, PNG figures,
-``report.json``).  On a GPU every candidate of the fused training graph goes through the tuning
+Into ``out`` (default ``out/<spec>-<options>-<dims>-<dtype>-<device>``, the ``--set`` options as
+``activation_gelu``): ``plan.json`` and the rest of the artifact (``datamove.export``), and the
+report (``report.html``, ``report.md``, PNG figures, ``report.json``), all written into a temporary
+sibling folder that replaces ``out`` at the end (``datamove.output``: an interrupted run leaves the
+previous output whole; nothing of an earlier run stays beside the new one).  The manifest and
+``report.json`` carry the plan's identity (``plan_id``) and the ``--set`` options.  On a GPU every
+candidate of the fused training graph goes through the tuning
 database (``datamove.tuning``; resumable, within ``budget_s``; a second run reads it back and
 takes seconds); without one, nothing is measured: the selection runs on the cost model with a
 named device's figures and says so, and so does every figure of the report.
@@ -62,12 +66,18 @@ class Stages:
             self._current = None
 
 
-def default_out(spec: str, shapes: list[dict], dtype: str, device: str) -> Path:
-    """``out/<spec>-<dims>-<dtype>-<device>``, a dim of several values as ``L128_512``."""
+def default_out(spec: str, shapes: list[dict], dtype: str, device: str, options: dict | None = None) -> Path:
+    """``out/<spec>-<options>-<dims>-<dtype>-<device>``, each ``--set`` option as ``activation_gelu``
+    (none: left out), a dim of several values as ``L128_512``."""
     short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
     text = "-".join(f"{k}" + "_".join(str(v) for v in dict.fromkeys(shape[k] for shape in shapes)) for k in shapes[0])
     slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
-    return Path("out") / f"{spec}-{text}-{short}-{slug}"
+    chosen = "".join(f"-{_slug(name)}_{_slug(value)}" for name, value in (options or {}).items())
+    return Path("out") / f"{spec}{chosen}-{text}-{short}-{slug}"
+
+
+def _slug(text) -> str:
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in str(text))
 
 
 def fused_training(analysis):
@@ -109,7 +119,8 @@ def attention_setups(fused, dtype_name: str) -> list[dict]:
 def run_job(o: JobOptions) -> int:
     from datamove.dataflow.pipeline import analyse_spec
     from datamove.candidates import NO_TIMINGS, Timings, plan_layer
-    from datamove.export import spec_hash, write_artifact
+    from datamove.export import read_manifest, spec_hash, write_artifact
+    from datamove.output import OutputError, check_out, whole_folder
     from datamove.report import write_report
     from datamove.report_data import report_data
     from datamove.dataflow.spec import SpecError
@@ -136,7 +147,9 @@ def run_job(o: JobOptions) -> int:
         else device_figures(o.cost_model_device)
     device = facts.name if measured else f"cost model: {figures.name}"
     out = o.out or default_out(spec_name, [dict(f.graph.dim_values) for f in shaped.values()], o.dtype,
-                               device if measured else "costmodel")
+                               device if measured else "costmodel", o.options)
+    if o.out is None:
+        check_out(out, "the output folder")
     ceilings = None
     timings = NO_TIMINGS
     tunings = []
@@ -154,9 +167,15 @@ def run_job(o: JobOptions) -> int:
         print(f"measuring on {tuner.gpus} GPU(s), one process each", flush=True)
         dtype = getattr(torch, o.dtype)
     else:
-        reason = facts.reason if not isinstance(facts, DeviceFacts) else "TRITON_INTERPRET=1"
-        print(f"No GPU ({reason}): NOTHING IS MEASURED. The selection runs on the cost model with the figures of "
-              f"{figures.name}, and every time in the plan and the report is a prediction.", flush=True)
+        found = ("No CUDA GPU found" if not isinstance(facts, DeviceFacts)
+                 else f"{facts.name} found, but TRITON_INTERPRET=1 is set")
+        why = f" (CUDA runtime: {facts.reason})" if not isinstance(facts, DeviceFacts) else ""
+        print(f"{found}: NOTHING IS MEASURED. The selection runs on the cost model with the figures of "
+              f"{figures.name}, and every time in the plan and the report is a prediction{why}.", flush=True)
+        unused = [f"{flag} {value}" for flag, value in (("--db", o.db), ("--gpus", o.gpus)) if value is not None]
+        unused += ["--retry-failed"] if o.retry_failed else []
+        if unused:
+            print(f"Not used without a GPU (nothing is measured): {', '.join(unused)}.", flush=True)
     boundary = boundary_layouts(torch_order)
     plans = []
     for label, each in shaped.items():
@@ -185,17 +204,24 @@ def run_job(o: JobOptions) -> int:
         if not plans:  # every later plan stores the parameters and constants as the first one does
             boundary = {**boundary, **{t: plan.layouts[t] for t in interface.parameters + interface.constants}}
         plans.append(plan)
-    stages("export")
-    write_artifact(out, plans[0], fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
-                   torch_order=torch_order, weights=weights, versions=versions(), other_plans=tuple(plans[1:]),
-                   inputs=interface.activations,
-                   device={"name": device, "measured": measured,
-                           "capability": list(facts.compute_capability) if measured else None})
-    stages("report")
-    data = report_data(analysis, fused, plans[0], spec_name, o.dtype, figures, ceilings, timings, measured)
-    data.meta["shapes"] = [{"dims": label, "total_ms": plan.total_ms, "timing": plan.timing}
-                           for label, plan in zip(shaped, plans)]
-    paths = write_report(data, out)
+    try:  # everything into a temporary sibling folder, which replaces out at the end (datamove.output)
+        with whole_folder(out) as folder:
+            stages("export")
+            manifest = write_artifact(
+                folder, plans[0], fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
+                torch_order=torch_order, weights=weights, versions=versions(), other_plans=tuple(plans[1:]),
+                inputs=interface.activations, options=o.options,
+                device={"name": device, "measured": measured,
+                        "capability": list(facts.compute_capability) if measured else None})
+            stages("report")
+            data = report_data(analysis, fused, plans[0], spec_name, o.dtype, figures, ceilings, timings, measured)
+            data.meta["shapes"] = [{"dims": label, "total_ms": plan.total_ms, "timing": plan.timing}
+                                   for label, plan in zip(shaped, plans)]
+            data.meta["options"] = dict(o.options)
+            data.meta["plan_id"] = read_manifest(manifest)["plan_id"]
+            paths = {kind: out / path.name for kind, path in write_report(data, folder).items()}
+    except OSError as err:
+        raise OutputError(f"{out}: writing the output failed ({err}); what was there before is left as it was") from None
     stages.done()
     print(summary(plans, list(shaped), out, paths, tunings, stages))
     return 0

@@ -247,17 +247,55 @@ def write_report(data: ReportData, out_dir) -> dict[str, Path]:
     """Write the report files into ``out_dir``; returns their paths by kind."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    png = roofline_png(data)
+    png = roofline_png(data)  # every page rendered before any file is written
+    pages = {"json": json.dumps(data.to_json(), indent=1), "png": png, "markdown": markdown(data),
+             "html": html_page(data, png)}
     paths = {"json": out / "report.json", "png": out / "roofline.png", "markdown": out / "report.md",
              "html": out / "report.html"}
-    paths["json"].write_text(json.dumps(data.to_json(), indent=1))
-    paths["png"].write_bytes(png)
-    paths["markdown"].write_text(markdown(data))
-    paths["html"].write_text(html_page(data, png))
+    for kind, page in pages.items():
+        if isinstance(page, bytes):
+            paths[kind].write_bytes(page)
+        else:
+            paths[kind].write_text(page, encoding="utf-8")
     return paths
 
 
-if __name__ == "__main__":  # regenerate: python -m datamove.report DIR/report.json
-    source = Path(sys.argv[1])
-    for kind, path in write_report(ReportData.from_json(json.loads(source.read_text())), source.parent).items():
+USAGE = "python -m datamove.report DIR/report.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate the report files beside a ``report.json``; a missing or damaged one is refused in
+    one line (exit status 2)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):
+        print(f"datamove.report: error: usage: {USAGE} (regenerates report.html, report.md and roofline.png "
+              f"beside it)", file=sys.stderr)
+        return 2
+    source = Path(args[0])
+    rewrite = "write it again with optimize-layer SPEC --out DIR"
+    try:
+        if source.is_dir():
+            raise ValueError(f"a folder: give the report.json inside it ({USAGE})")
+        if not source.is_file():
+            raise ValueError(f"no such file: give the report.json optimize-layer wrote ({USAGE})")
+        try:
+            raw = json.loads(source.read_text(encoding="utf-8"))
+        except ValueError as err:  # not UTF-8, or not JSON
+            raise ValueError(f"not valid JSON ({err}): {rewrite}") from None
+        try:  # every page is rendered before any file is written
+            paths = write_report(ReportData.from_json(raw), source.parent)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as err:
+            raise ValueError(f"not a datamove report.json ({type(err).__name__}: {err}): {rewrite}") from None
+    except (ValueError, OSError) as err:
+        print(f"datamove.report: error: {source}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("datamove.report: interrupted", file=sys.stderr)
+        return 130
+    for kind, path in paths.items():
         print(f"{kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":  # regenerate: python -m datamove.report DIR/report.json
+    sys.exit(main())
