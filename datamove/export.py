@@ -196,11 +196,12 @@ def _current_device(device: torch.device) -> str:
 
 
 def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_mismatch: bool = False,
-               cuda_graphs: bool = True) -> TunedLayer:
+               cuda_graphs: bool = True, backend: str | None = None) -> TunedLayer:
     """The tuned layer of an artifact (``write_artifact``), on ``device`` (default: CUDA if
-    available, else CPU, where Triton must run through its interpreter) in the plan's dtype.
-    ``cuda_graphs``: on CUDA, replay the layer's own CUDA graphs (``datamove.graphs``); False
-    launches every kernel on every call."""
+    available, else CPU) in the plan's dtype.  ``backend``: ``"kernels"`` runs the plan's kernels
+    (the default on CUDA), ``"torch"`` its computation in PyTorch operations (the default
+    elsewhere: ``datamove.torch_program``).  ``cuda_graphs``: on CUDA, replay the layer's own CUDA
+    graphs (``datamove.graphs``); False launches every kernel on every call."""
     out = Path(out_dir)
     manifest = read_manifest(out)
     plan = _parsed(out / PLAN, Plan.from_json)
@@ -210,8 +211,8 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
         raise ArtifactError(f"{out / MANIFEST}: not a datamove manifest (its shapes are not a list of "
                             f"{{dims, plan}}): {REWRITE}")
     plans = [plan] + [_parsed(out / entry["plan"], Plan.from_json) for entry in entries[1:]]
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     _check_identity(out, manifest, [entry["plan"] for entry in entries])
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tuned_dtype = getattr(torch, plan.dtype)
     problems = []
     if dtype is not None and dtype != tuned_dtype:
@@ -234,7 +235,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
         check_plans(plans, graph, interface)
     except ValueError as err:
         raise ArtifactError(f"{out}: {err}: {REWRITE}") from None
-    layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs, plans)
+    layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs, plans, backend)
     layer.weights_table = {kind: {t: tuple(v) for t, v in table.items()} for kind, table in manifest["weights"].items()}
     return layer
 
