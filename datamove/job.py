@@ -18,15 +18,11 @@ named device's figures and says so, and so does every figure of the report.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-if not torch.cuda.is_available():  # before triton is imported: no GPU, kernels are only generated
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEFAULT_DB = Path.home() / ".cache" / "datamove" / "tuning.db"
 SELECTION_ROUNDS = 4  # measure what the plan chose untuned (knobs of its layouts, its layout changes), select again: at most this often
