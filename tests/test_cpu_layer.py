@@ -42,6 +42,7 @@ def test_matches_the_executor_with_dropout_and_without(tmp_path, spec, dims, pla
     check_against_executor(layer, {"x": None}, p=0.0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU, as the user's")
 @pytest.mark.parametrize("spec", CASES)
 def test_a_bf16_artifact_runs_as_a_user_runs_it(tmp_path, spec):
     """The main job's default (bf16) artifact, loaded with every default in a process without
