@@ -81,15 +81,18 @@ def graphs():
 
 
 def random_inputs(graph, training, rng):
-    """Fresh random values for every input, the causal mask, and the incoming gradients."""
+    """Fresh random values for every input, the causal mask, and the incoming gradients (a constant
+    the front end made with a known value is left to the executor)."""
     values = {}
     for name, info in graph.tensors.items():
         shape = tensor_shape(graph, name)
         if info.role == "input":
             values[name] = 0.5 * rng.standard_normal(shape)
-        elif info.role == "constant":  # the causal mask [s, t]
-            s, t = np.indices(shape)
+        elif info.role == "constant" and not info.value and len(set(shape)) == 1 and len(shape) == 2:
+            s, t = np.indices(shape)  # the causal mask [s, t]
             values[name] = np.where(t <= s, 0.0, -1e4)
+        elif info.role == "constant" and not info.value:  # another constant (RoPE's cos and sin)
+            values[name] = rng.uniform(-1.0, 1.0, shape)
     for out, seed in training.seeds.items():
         values[seed] = rng.standard_normal(tensor_shape(graph, out))
     return values

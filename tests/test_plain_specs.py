@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 
@@ -118,6 +119,61 @@ def logsoftmax_misc(t, m):
     return torch.minimum(leaky / (1 + w.abs()), w ** 2 - 1) - x.amin(dim=-1)[:, None]
 
 
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_rotate_half(t, m):
+    q, k = (torch.einsum("bsd,dhe->bhse", t["x"], t[w]) for w in ("wq", "wk"))
+    q = q * t["cos"] + _rotate_half(q) * t["sin"]
+    k2 = k * t["cos"] + _rotate_half(k) * t["sin"]
+    return torch.einsum("bhse,bhse->bsh", q, k2 + 2.0 * k)
+
+
+def gqa_repeat(t, m):
+    groups = t["wq"].shape[1] // t["wk"].shape[1]
+    q = torch.einsum("bsd,dhe->bhse", t["x"], t["wq"])
+    k, v = (torch.einsum("btd,dke->bkte", t["x"], t[w]).repeat_interleave(groups, dim=1) for w in ("wk", "wv"))
+    return torch.einsum("bhse,hed->bsd", _softmax_heads(q, k, v), t["wo"])
+
+
+def _causal_heads(t, window=None):
+    q, k, v = (torch.einsum("bsd,dhe->bhse", t["x"], t[w]) for w in ("wq", "wk", "wv"))
+    T = q.shape[2]
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(
+        torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    if window is not None:
+        p = p * (1.0 - torch.ones(T, T, dtype=torch.float64).triu(window))
+    return torch.einsum("bhse,hed->bsd", p @ v, t["wo"])
+
+
+def causal_tril(t, m):
+    return _causal_heads(t)
+
+
+def causal_arange(t, m):
+    return _causal_heads(t, window=3)
+
+
+def silu_forms(t, m):
+    x = t["x"]
+    h = _rms(x, t["g"], 1e-6)
+    return x + (F.silu(h @ t["w1"]) + F.silu(h @ t["w2"]) + F.silu(h @ t["w3"])) @ t["w_out"]
+
+
+def helper_einsum_arg(t, m):
+    q = torch.einsum("bsd,dhe->bhse", t["h"], t["wq"]) * t["cos"] + t["sin"]
+    return torch.einsum("bhse,hed->bsd", torch.tanh(q), t["wo"])
+
+
+def helper_matmul_twice(t, m):
+    x = t["x"]
+    gate, up = F.silu(x @ t["w1"]), F.silu(x @ t["w2"])
+    return (gate * up) @ t["w3"] + (x @ t["w1"]) @ t["w3"]
+
+
 CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of the forward pass), torch layer
     "mlp_softmax": ((3, 1, 5), mlp_softmax),  # bias and ReLU each one map; the softmax one operator
     "layernorm_linear_gelu": ((1, 1, 2), layernorm_linear_gelu),  # LN, Linear, bias, GELU
@@ -133,6 +189,15 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "einsum_implicit": ((2, 0, 2), einsum_implicit),
     "instance_norm": ((0, 1, 0), instance_norm),
     "logsoftmax_misc": ((0, 2, 6), logsoftmax_misc),  # log-softmax and np.min: two normalizations
+    # rotate_half: one einsum with the front end's constant matrix per rotated tensor; the halves put
+    # back in place (np.concatenate((lo, hi))) are k itself
+    "rope_rotate_half": ((5, 0, 8), rope_rotate_half),
+    "gqa_repeat": ((8, 1, 1), gqa_repeat),  # np.repeat of K and V: an einsum each with a 0/1 matrix
+    "causal_tril": ((6, 1, 2), causal_tril),  # np.where(mask == 0, -inf, s): s + an additive constant
+    "causal_arange": ((6, 1, 3), causal_arange),
+    "silu_forms": ((4, 1, 7), silu_forms),  # each SiLU one chain; the RMSNorm's square stays apart
+    "helper_einsum_arg": ((2, 0, 3), helper_einsum_arg),
+    "helper_matmul_twice": ((4, 0, 4), helper_matmul_twice),  # x @ w1 computed once, its uses share it
 }
 
 
@@ -153,10 +218,13 @@ def numpy_forward(spec, values: dict) -> np.ndarray:
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     namespace = dict(vars(module), **spec.dim_values)
+    for name, value in vars(module).items():  # G = H // KV: an expression of dims, here at their sizes
+        if isinstance(value, sympy.Basic) and value.free_symbols:
+            namespace[name] = int(value.subs({s: spec.dim_values[str(s)] for s in value.free_symbols}))
     for name, value in vars(module).items():
         if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
             namespace[name] = types.FunctionType(value.__code__, namespace, name, value.__defaults__)
-    return namespace[spec.name](*(values[arg.name] for arg in spec.arguments))
+    return namespace[spec.name](*(values[arg.name] for arg in spec.arguments if not arg.value))  # the spec's own
 
 
 def test_corpus_covers_every_spec_file():
@@ -181,7 +249,7 @@ def test_plain_spec_matches_numpy_and_torch(analyses, name):
     assert relative_error(result[out], expected) < 1e-12
 
     leaves = {n: torch.tensor(values[n], requires_grad=info.role == "input")
-              for n, info in graph.tensors.items() if info.role in ("input", "constant")}
+              for n, info in graph.tensors.items() if info.role in ("input", "constant") and not info.value}
     y = layer(leaves, {n: torch.tensor(mask) for n, mask in masks.items()})
     assert relative_error(y.detach().numpy(), expected) < 1e-12
     y.backward(torch.tensor(values[training.seeds[out]]))
@@ -193,7 +261,7 @@ def test_plain_spec_matches_numpy_and_torch(analyses, name):
             assert relative_error(env[training.input_grads[leaf]], grad, floor) < 1e-10, leaf
 
 
-DATA_INPUTS = {"mlp_softmax": ("input",), "cross_attention": ("x", "memory")}  # every other spec: ("x",)
+DATA_INPUTS = {"mlp_softmax": ("input",), "cross_attention": ("x", "memory"), "helper_einsum_arg": ("h",)}  # others: ("x",)
 
 
 @pytest.mark.parametrize("name", CORPUS)

@@ -6,6 +6,11 @@
 - a constant added to attention scores over (query, key) positions of one length, whose sum a
   max over the keys reads (a softmax's first step, directly or through maps of that sum alone):
   a ``CausalMask`` (0 where the key is at or before the query, ``MASKED_SCORE`` after);
+- a constant the front end made with a value it knows (``TensorInfo.value``: the matrix of an
+  ``np.concatenate`` or ``np.repeat``, a mask from ``np.tril`` / ``np.arange``): a ``KnownValue``
+  (``.array(graph, name)``: its values at the graph's dims), or the ``CausalMask`` above where it is
+  one by structure and its value is a causal mask (0 at or before the query, ``MASKED_SCORE`` or less
+  after);
 - any other constant: unknown (absent from the result); the layer refuses to run until it is set.
 
 Graphs are duck-typed ``dataflow.graph.PrimitiveGraph``s (live or from ``dataflow.snapshot``).
@@ -15,7 +20,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from datamove.dataflow.executor import FUNCTIONS
+import numpy as np
+
+from datamove.dataflow.executor import FUNCTIONS, known_value
 from datamove.dataflow.graph import is_expression
 
 WEIGHT, ONE, ZERO = "weight", "one", "zero"
@@ -31,9 +38,21 @@ class CausalMask:
     keys: str
 
 
+@dataclass(frozen=True)
+class KnownValue:
+    """A constant the front end made, of known value: ``expr`` over the index variables ``i0, i1, ...``
+    of its axes (its letter order), the dims, ``inf`` and the map functions (``TensorInfo.value``)."""
+
+    expr: str
+
+    def array(self, graph, name: str) -> np.ndarray:
+        """Its float64 values over its letters at ``graph``'s dims."""
+        return known_value(graph, name)
+
+
 def initial_values(graph, parameters, constants) -> dict:
-    """{tensor -> ``WEIGHT`` | ``ONE`` | ``ZERO`` | ``CausalMask``} for ``parameters`` and the
-    ``constants`` whose value is known (see the module doc)."""
+    """{tensor -> ``WEIGHT`` | ``ONE`` | ``ZERO`` | ``CausalMask`` | ``KnownValue``} for ``parameters``
+    and the ``constants`` whose value is known (see the module doc)."""
     forward = forward_primitives(graph)
     result = {}
     for name in parameters:
@@ -44,9 +63,21 @@ def initial_values(graph, parameters, constants) -> dict:
             result[name] = ONE if any(p.kind == "map" and _scales(graph, p, name) for p in readers) else ZERO
     for name in constants:
         mask = _causal_mask(graph, forward, name)
-        if mask is not None:
+        known = getattr(graph.tensors[name], "value", "")
+        if mask is not None and (not known or _is_causal(graph, name, mask)):
             result[name] = mask
+        elif known:
+            result[name] = KnownValue(known)
     return result
+
+
+def _is_causal(graph, name: str, mask: CausalMask) -> bool:
+    """Whether the known value of ``name`` is the causal mask ``mask``: 0 where the key is at or before the
+    query, ``MASKED_SCORE`` or less after."""
+    value = known_value(graph, name)
+    letters = graph.tensors[name].letters
+    rows, keys = np.indices(value.shape)[[letters.index(mask.rows), letters.index(mask.keys)]]
+    return bool(np.where(keys > rows, value <= MASKED_SCORE, value == 0).all())
 
 
 def forward_primitives(graph) -> list:

@@ -274,7 +274,7 @@ def walk_sdfg(spec: LayerSpec, sdfg: dace.SDFG, records: list[EinsumRecord]) -> 
     letter_dims = dict(spec.letter_dims)
     tensors = {arg.name: TensorInfo(arg.name, arg.letters,
                                     "dropout" if arg.kind == "dropout" else ("input" if arg.requires_grad else "constant"),
-                                    arg.p)
+                                    arg.p, getattr(arg, "value", ""))
                for arg in spec.arguments}
 
     def bind(letter: str, dim: str, where: str) -> None:

@@ -33,7 +33,8 @@ def _prim(p) -> dict:
 
 
 def snapshot(graph, operators) -> dict:
-    return {"tensors": {n: [t.letters, t.role, t.p] for n, t in graph.tensors.items()},
+    return {"tensors": {n: [t.letters, t.role, t.p] + ([t.value] if getattr(t, "value", "") else [])
+                        for n, t in graph.tensors.items()},  # a known constant's value: see TensorInfo
             "tensor_order": list(graph.tensors),  # graph order: dropout offsets follow it
             "letter_dims": dict(graph.letter_dims), "dim_values": dict(graph.dim_values),
             "outputs": list(graph.outputs), "primitives": [_prim(p) for p in graph.primitives],

@@ -66,6 +66,7 @@ class Argument:
     kind: str  # "tensor" | "dropout"
     requires_grad: bool
     p: float = 0.0
+    value: str = ""  # a constant the lowering made, with its known value (``dataflow.graph.TensorInfo.value``)
 
 
 @dataclass
