@@ -212,7 +212,14 @@ def attention_roles(fused) -> tuple[AttentionRoles | None, str]:
     feature = next(x for x in a if x in b and x not in c)
     keys_letter = c[graph.tensors[softmax.input].letters.index(softmax.reduced)]
     k_operand, q_operand = score.inputs if keys_letter in a else score.inputs[::-1]
-    rows_letter = next(x for x in q_operand.letters if x in c and x not in k_operand.letters)
+    only_q = [x for x in q_operand.letters if x in c and x not in k_operand.letters]
+    if len(only_q) != 1:  # a query-head group letter besides the position: q[b, k, g, s, e] against k[b, k, t, e]
+        shared = [x for x in c if x in a and x in b]
+        kv_heads = [x for x in shared if x not in batch_letters(graph)] or shared
+        groups = [x for x in only_q if graph.size(x) != graph.size(keys_letter)] or only_q[:-1]
+        return None, (f"the scores carry two head letters, {'/'.join(kv_heads)} and {'/'.join(groups)} "
+                      f"(grouped-query attention: K and V shared by the query heads of a group): not fused yet")
+    rows_letter = only_q[0]
     batch_like = [x for x in c if x in a and x in b]
     batch = next((x for x in batch_like if x in batch_letters(graph)), batch_like[0])
     heads = next(x for x in batch_like if x != batch)

@@ -5,6 +5,7 @@ training graph, run by the reference executor (unfused and fused), against torch
 layer written here with torch's own operators, in float64 at the specs' small odd dims.
 """
 import importlib.util
+import json
 import types
 import warnings
 from collections import Counter
@@ -16,7 +17,9 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from datamove.dataflow.executor import dropout_masks, execute
+from datamove.dataflow import snapshot
+from datamove.dataflow.executor import dropout_masks, execute, known_value
+from datamove.dataflow.initial_values import CausalMask, KnownValue, initial_values
 from datamove.dataflow.layer_inputs import data_inputs
 from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION
 from datamove.dataflow.pipeline import analyse_spec
@@ -149,6 +152,14 @@ def _causal_heads(t, window=None):
     return torch.einsum("bhse,hed->bsd", p @ v, t["wo"])
 
 
+def gqa_groups(t, m):
+    q = torch.einsum("bsd,dkge->bkgse", t["x"], t["wq"])
+    k, v = (torch.einsum("btd,dke->bkte", t["x"], t[w]) for w in ("wk", "wv"))
+    scores = torch.einsum("bkgse,bkte->bkgst", q, k) / q.shape[-1] ** 0.5 + t["causal"]
+    context = torch.einsum("bkgst,bkte->bkgse", torch.softmax(scores, dim=-1), v)
+    return torch.einsum("bkgse,kged->bsd", context, t["wo"])
+
+
 def causal_tril(t, m):
     return _causal_heads(t)
 
@@ -193,6 +204,7 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     # back in place (np.concatenate((lo, hi))) are k itself
     "rope_rotate_half": ((5, 0, 8), rope_rotate_half),
     "gqa_repeat": ((8, 1, 1), gqa_repeat),  # np.repeat of K and V: an einsum each with a 0/1 matrix
+    "gqa_groups": ((6, 1, 2), gqa_groups),  # query heads as (kv head, group): K and V read once
     "causal_tril": ((6, 1, 2), causal_tril),  # np.where(mask == 0, -inf, s): s + an additive constant
     "causal_arange": ((6, 1, 3), causal_arange),
     "silu_forms": ((4, 1, 7), silu_forms),  # each SiLU one chain; the RMSNorm's square stays apart
@@ -290,3 +302,96 @@ def test_analyze_command_on_a_plain_spec(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "contraction" in text and "normalization" in text
     assert '"class": "contraction"' in out.read_text()
+
+
+# --- what the constructs of Llama-style layers lower to ---------------------------------------------
+
+def _rotate_half_np(x):
+    half = x.shape[-1] // 2
+    return np.concatenate((-x[..., half:], x[..., :half]), axis=-1)
+
+
+def test_rotate_half_is_one_einsum_with_a_matrix_the_graph_knows(analyses):
+    """rotate_half (x[..., :half], x[..., half:], np.concatenate((-x2, x1))) is one einsum reading the
+    rotated tensor through a constant argument ``concat_e`` whose value the graph carries, the sign
+    in the matrix (no negation map); that value is NumPy's rotate_half at every head dim, odd ones
+    included (the spec's E = 5, and E = 8 through with_dims); the halves put back in their places
+    (np.concatenate((lo, hi))) are no einsum at all."""
+    graph = analyses("rope_rotate_half").graph
+    info = graph.tensors["concat_e"]
+    assert info.role == "constant" and info.value and info.letters[1] == "e" and graph.letter_dims[info.letters[0]] == "E"
+    readers = [p for p in graph.primitives if any(o.tensor == "concat_e" for o in p.inputs)]
+    assert [p.expr for p in readers] == [f"bhs{info.letters[0]},{info.letters}->bhse"] * 2
+    assert not any(p.kind == "map" and p.expr.startswith("-") for p in graph.primitives)
+    assert [p.kind for p in graph.primitives].count("einsum") == 5  # q, k, two rotations, the output
+    rng = np.random.default_rng(0)
+    for g in (graph, graph.with_dims({**graph.dim_values, "E": 8})):
+        x = rng.standard_normal((3, g.dim_values["E"]))
+        assert np.array_equal(x @ known_value(g, "concat_e"), _rotate_half_np(x))
+
+
+def test_repeat_is_an_einsum_with_the_repetition_matrix(analyses):
+    """np.repeat(k, H // KV, axis=1) (and k.repeat(G, axis=1), G = H // KV) reads K and V over the
+    query heads h through one 0/1 matrix over (k, h): NumPy's np.repeat of the identity."""
+    graph = analyses("gqa_repeat").graph
+    made = [t for t, info in graph.tensors.items() if info.value]
+    assert made == ["repeat_kh"] and graph.tensors["repeat_kh"].letters == "kh"
+    assert [p.expr for p in graph.primitives if any(o.tensor == "repeat_kh" for o in p.inputs)] == ["bkte,kh->bhte"] * 2
+    kv, h = graph.dim_values["KV"], graph.dim_values["H"]
+    assert np.array_equal(known_value(graph, "repeat_kh"), np.repeat(np.eye(kv), h // kv, axis=1))
+
+
+@pytest.mark.parametrize("name, mask", [("causal_tril", "mask"), ("causal_arange", "bias")])
+def test_causal_mask_built_in_the_layer_is_the_causal_mask_the_attention_replaces(analyses, name, mask):
+    """A mask from np.tril(np.ones((T, T))) through np.where(keep == 0, -inf, s), or from
+    np.arange(T)[:, None] >= np.arange(T)[None, :] through np.where(.., 0, -inf) added, is an additive
+    constant over (s, t) added to the scores: initial_values reads it as the CausalMask, the fused
+    attention takes it in the constant's place; a multiplicative window stays a KnownValue."""
+    from datamove.candidates import attention_roles
+    from datamove.job import fused_training
+
+    analysis = analyses(name)
+    graph = analysis.fused.graph
+    constants = [t for t, info in graph.tensors.items() if info.role == "constant"]
+    kinds = initial_values(graph, [], constants)
+    assert kinds[mask] == CausalMask(rows="s", keys="t")
+    value = known_value(graph, mask)
+    s, t = np.indices(value.shape)
+    assert np.array_equal(value, np.where(t <= s, 0.0, -np.inf))
+    roles, why = attention_roles(fused_training(analysis).with_dims({"E": 16}))  # a head dim it takes
+    if name == "causal_arange":  # the window multiplies the probabilities: the softmax reads it too
+        assert isinstance(kinds["recent"], KnownValue)
+        assert np.array_equal(known_value(graph, "recent"), np.where(t - s >= 3, 0.0, 1.0))
+        assert roles is None and "reads ['q_k', 'recent']" in why, why
+    else:
+        assert roles is not None and roles.causal == mask, why
+
+
+def test_group_letter_attention_is_not_fused_for_the_right_reason(analyses):
+    from datamove.candidates import attention_roles
+    from datamove.job import fused_training
+
+    roles, why = attention_roles(fused_training(analyses("gqa_groups")))
+    assert roles is None and why.startswith("the scores carry two head letters, k and g (grouped-query attention"), why
+
+
+def test_known_values_survive_the_snapshot(analyses):
+    """graph.json (``dataflow.snapshot``) keeps a made constant's value; a tensor without one is
+    written as before (BERT's and GPT-2's snapshots unchanged)."""
+    graph = analyses("rope_rotate_half").fused.graph
+    data = json.loads(json.dumps(snapshot.snapshot(graph, [])))
+    assert len(data["tensors"]["concat_e"]) == 4 and len(data["tensors"]["cos"]) == 3
+    loaded, _ = snapshot.load(data)
+    assert loaded.tensors["concat_e"] == graph.tensors["concat_e"]
+    assert np.array_equal(known_value(loaded, "concat_e"), known_value(graph, "concat_e"))
+
+
+def test_helpers_with_contractions_are_inlined(analyses):
+    """Two calls of a helper containing @ get their own einsums (once both results shared one name
+    and the first lost its producer); an einsum passed straight into a helper is named first."""
+    graph = analyses("helper_matmul_twice").graph
+    einsums = [(p.inputs[1].tensor, p.output.tensor) for p in graph.primitives if p.kind == "einsum"]
+    assert [w for w, _ in einsums] == ["w1", "w2", "w3", "w3"] and len({out for _, out in einsums}) == 4
+    graph = analyses("helper_einsum_arg").graph
+    (projection,) = [p for p in graph.primitives if p.kind == "einsum" and p.inputs[1].tensor == "wq"]
+    assert graph.consumers()[projection.output.tensor]

@@ -153,6 +153,34 @@ REFUSED = {
         def layer(x: Tensor("bln")):
             return x * np.random.rand(2, 3, 4)
         ''', "np.random.rand", "Dropout"),
+    "slice with a step": ('''
+        def layer(x: Tensor("bln")):
+            return x[..., ::2] * 2.0
+        ''', "x[..., ::2]", "contiguous parts"),
+    "slice contracted": ('''
+        def layer(x: Tensor("bln"), w: Tensor("mn")):
+            return np.einsum("bln,mn->blm", x[..., :2], w)
+        ''', "x[..., :2]", "put back together with np.concatenate"),
+    "slices of different parts combined": ('''
+        def layer(x: Tensor("bln")):
+            return np.concatenate((x[..., :2] * x[..., 2:], x[..., 2:]), axis=-1)
+        ''', "x[..., :2] * x[..., 2:]", "sliced the same way"),
+    "concatenate growing an axis": ('''
+        def layer(x: Tensor("bln")):
+            return np.concatenate((x, x), axis=-1)
+        ''', "np.concatenate((x, x), axis=-1)", "as rotate_half"),
+    "slice out of range": ('''
+        def layer(x: Tensor("bln")):
+            return np.concatenate((x[..., :N + 1], x[..., N + 1:]), axis=-1)
+        ''', "x[..., :N + 1]", "out of range"),
+    "repeat to no dim": ('''
+        def layer(x: Tensor("bln")):
+            return np.repeat(x, 2, axis=1)
+        ''', "np.repeat(x, 2, axis=1)", "H // KV"),
+    "tril of a computed array": ('''
+        def layer(x: Tensor("bln")):
+            return np.tril(x)
+        ''', "np.tril(x)", "np.tril(np.ones((T, T)))"),
 }
 INTERNAL = re.compile(r"__\w+|\btmp\d|\w+_(plus|times|minus|div)_\w+|einsum_\w+|\bexpr\b")  # DaCe's temporaries
 
