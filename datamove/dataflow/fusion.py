@@ -362,11 +362,22 @@ class StackContractions(Rule):
         return found
 
     def legal(self, state, match):
-        _, members = match
+        kind, members = match
         gids = [gid for gid, _ in members]
         if len(set(gids)) != len(gids):
             return False
-        return all(not (state.descendants(a) & set(gids)) for a in gids)
+        if not all(not (state.descendants(a) & set(gids)) for a in gids):
+            return False
+        # a tensor is stacked in one group only (its members share one buffer): a stack that would
+        # hold v with k where another holds v with k_x (GQA's repeated K and V after their projections)
+        # is left apart
+        einsums = [_single_einsum(state, gid) for gid in gids]
+        terms = len(einsums[0].inputs)
+        shared = {members[0][1]} if kind == "input" else set()
+        stacked = [{e.inputs[j].tensor for e in einsums} for j in range(terms) if j not in shared]
+        stacked.append({e.output.tensor for e in einsums})
+        held = [set(t) for g in state.groups.values() if g.stack is not None for t in g.stack.tensors if len(t) > 1]
+        return not any(s & h and s != h for s in stacked if len(s) > 1 for h in held)
 
     def rewrite(self, state, match):
         kind, members = match

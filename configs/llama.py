@@ -1,0 +1,85 @@
+"""Llama-3 style decoder layer, forward pass, written as its authors write it (HF's
+``LlamaDecoderLayer``), in plain NumPy.
+
+Pre-RMSNorm (``h = x + attn(norm(x))``, ``y = h + mlp(norm(h))``), Q/K/V/O projections without
+biases, rotary position embeddings through ``rotate_half`` (slices and ``np.concatenate``),
+grouped-query attention (H query heads share KV key/value heads: ``np.repeat`` of K and V over the
+query groups, as HF's ``repeat_kv``), causal attention (a mask built with ``np.triu``), SwiGLU MLP
+(``down(silu(gate(h)) * up(h))``), no dropout.  Letters: b batch, s / t query / key position (T),
+d model dim (D), h query heads (H), k key/value heads (KV), e head dim (E), f MLP dim (F).
+
+``cos`` and ``sin`` ([T, E], HF's ``position_embeddings`` for positions 0..T-1) are constants of
+the layer whose value comes from the model (``layer.cos.copy_(...)``); the rotation of
+``rotate_half``, the repetition of ``np.repeat`` and the causal mask are constants the front end
+makes with their values (``datamove.dataflow.numpy_lowering``).
+"""
+import numpy as np
+
+from datamove.dataflow.spec import Tensor, dims
+
+B, T, D, H, KV, E, F = dims(B=2, T=16, D=64, H=4, KV=2, E=16, F=128)
+INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "k": KV, "e": E, "f": F}
+EPS = 1e-5  # RMSNorm's epsilon (config.rms_norm_eps)
+# Where each parameter lives in a HF ``LlamaDecoderLayer`` (``datamove.weights``): nn.Linear weights
+# are stored [out, in], the heads outer in the output dim.
+WEIGHTS = {
+    "transformers.LlamaDecoderLayer": {
+        "attn_norm": ("input_layernorm.weight", "d", None),
+        "wq": ("self_attn.q_proj.weight", "(h e) d", None),
+        "wk": ("self_attn.k_proj.weight", "(k e) d", None),
+        "wv": ("self_attn.v_proj.weight", "(k e) d", None),
+        "wo": ("self_attn.o_proj.weight", "d (h e)", None),
+        "mlp_norm": ("post_attention_layernorm.weight", "d", None),
+        "w_gate": ("mlp.gate_proj.weight", "f d", None),
+        "w_up": ("mlp.up_proj.weight", "f d", None),
+        "w_down": ("mlp.down_proj.weight", "d f", None),
+    },
+}
+
+
+def rms_norm(x, weight):
+    variance = np.mean(x ** 2, axis=-1, keepdims=True)
+    return weight * (x / np.sqrt(variance + EPS))
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return np.concatenate((-x2, x1), axis=-1)
+
+
+def apply_rotary(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x, n_rep):
+    return np.repeat(x, n_rep, axis=1)
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def llama_layer(x: Tensor("bsd"), attn_norm: Tensor("d"),
+                wq: Tensor("dhe"), wk: Tensor("dke"), wv: Tensor("dke"), wo: Tensor("hed"),
+                mlp_norm: Tensor("d"), w_gate: Tensor("df"), w_up: Tensor("df"), w_down: Tensor("fd"),
+                cos: Tensor("se", requires_grad=False), sin: Tensor("se", requires_grad=False)):
+    # self-attention
+    h = rms_norm(x, attn_norm)
+    q = apply_rotary(np.einsum("bsd,dhe->bhse", h, wq), cos, sin)
+    k = apply_rotary(np.einsum("bsd,dke->bkse", h, wk), cos, sin)
+    v = np.einsum("bsd,dke->bkse", h, wv)
+    k = repeat_kv(k, H // KV)
+    v = repeat_kv(v, H // KV)
+    scores = q @ k.transpose(0, 1, 3, 2) * E ** -0.5
+    causal = np.triu(np.full((T, T), -np.inf), k=1)
+    scores = scores + causal
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = probs / probs.sum(axis=-1, keepdims=True)
+    context = probs @ v
+    x = x + np.einsum("bhse,hed->bsd", context, wo)
+    # SwiGLU MLP
+    h = rms_norm(x, mlp_norm)
+    gate = h @ w_gate
+    y = x + (gate * sigmoid(gate) * (h @ w_up)) @ w_down
+    return y
