@@ -395,3 +395,36 @@ def test_helpers_with_contractions_are_inlined(analyses):
     graph = analyses("helper_einsum_arg").graph
     (projection,) = [p for p in graph.primitives if p.kind == "einsum" and p.inputs[1].tensor == "wq"]
     assert graph.consumers()[projection.output.tensor]
+
+
+MASK_HEADER = '''
+import numpy as np
+from datamove.dataflow.spec import Tensor, dims
+B, T, E = dims(B=2, T=5, E=4)
+INDEX = {"b": B, "s": T, "t": T, "e": E}
+
+
+def layer(q: Tensor("bse"), k: Tensor("bte"), v: Tensor("bte")):
+    s = q @ np.swapaxes(k, 1, 2)
+'''
+
+
+@pytest.mark.parametrize("masking", [
+    "s = s + np.triu(np.full((T, T), float('-inf')), 1)",
+    "s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, np.finfo(np.float32).min)",
+    "s = np.where(np.arange(T)[None, :] > np.arange(T)[:, None], -np.inf, s)",
+    "s = s + np.triu(np.ones((T, T)), k=1) * -1e9",
+    "s = s + np.where(np.tril(np.ones((T, T))).astype(bool), 0.0, -np.inf)",
+])
+def test_causal_mask_spellings(tmp_path, masking):
+    """The ways a causal mask is written in NumPy each become one additive constant over (s, t) of
+    known value, which initial_values reads as the causal mask."""
+    from datamove.dataflow.pipeline import forward_graph
+
+    path = tmp_path / "masked.py"
+    path.write_text(MASK_HEADER + f"    {masking}\n    p = np.exp(s - s.max(-1, keepdims=True))\n"
+                    "    return (p / p.sum(-1, keepdims=True)) @ v\n")
+    _, graph = forward_graph(path)
+    (mask,) = [t for t, info in graph.tensors.items() if info.value]
+    assert graph.tensors[mask].letters == "st"
+    assert initial_values(graph, [], [mask]) == {mask: CausalMask(rows="s", keys="t")}

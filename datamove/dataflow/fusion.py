@@ -324,8 +324,9 @@ def _is_accumulation(prim: Primitive) -> bool:
 class StackContractions(Rule):
     """Pattern: single-einsum contractions of one phase that (a) share an input tensor, read the
     same way, or (b) whose outputs are only summed by one accumulation map; with the same letter
-    pattern up to renaming (same dims).  Legal: mutually independent (no path between them).
-    Rewrite: one stacked contraction; for (b) the accumulation is split so that the sum of the
+    pattern up to renaming (same dims).  Legal: mutually independent (no path between them), and
+    none of the tensors it would stack stacked in another group with other members (a stacked
+    tensor has one buffer).  Rewrite: one stacked contraction; for (b) the accumulation is split so that the sum of the
     stacked outputs (a sum over the stack letter) belongs to the stacked contraction."""
 
     name = "stack-contractions"

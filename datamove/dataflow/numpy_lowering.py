@@ -93,7 +93,7 @@ _HINTS = {  # refused NumPy functions and methods -> what to write instead
     "reshape": "name every axis with its own letter instead, e.g. a per-head weight as Tensor(\"hde\") and "
                "x[:, None] @ w for its batch of heads",
     "stack": "declare the pieces as separate Tensor arguments",
-    "split": "declare the pieces as separate Tensor arguments",
+    "split": "slice the axis into its parts instead: x[..., :h], x[..., h:]",
     "astype": "drop it: the spec computes in its own dtype",
     "softmax": "write the softmax out with np.max, np.exp and np.sum",
     "erf": "write GELU in its tanh form: 0.5 * x * (1 + np.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))",
@@ -874,6 +874,10 @@ class _Function:
         name = self.m.callee(node)
         if name in ("np.pi", "np.e", "math.pi", "math.e", "np.inf", "math.inf"):
             return Num(_float32(ast.Constant(getattr(math, node.attr))), getattr(math, node.attr))
+        if isinstance(node.value, ast.Call) and self.m.callee(node.value.func) == "np.finfo" \
+                and node.attr in ("min", "max", "eps", "tiny"):  # np.finfo(np.float32).min: HF's masked score
+            number = float(getattr(numpy.finfo(numpy.float32), node.attr))
+            return Num(_float32(ast.Constant(number)), number)
         if name is not None:
             raise self.m.error(node, f"{name} is not supported here", "write it with " + SUPPORTED)
         if node.attr == "T":
@@ -899,6 +903,12 @@ class _Function:
                 value = self.expr(node.args[0])
                 if node.func.id == "abs":
                     return self.unary(node, "abs", value)
+                if node.func.id == "float" and isinstance(value, Static) and isinstance(value.value, str):
+                    try:
+                        number = float(value.value)  # float("-inf")
+                    except ValueError:
+                        raise m.error(node, f"float({value.value!r}) is not a number") from None
+                    return Num(_float32(ast.Constant(number)), number)
                 return value
             raise m.error(node, f"call of {node.func.id} is not supported",
                           "call NumPy functions or helper functions defined in the spec")

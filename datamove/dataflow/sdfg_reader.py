@@ -226,6 +226,8 @@ def _origin(spec: LayerSpec, sdfg, array: str) -> str:
                 if info is None or not info.start_line:
                     continue
                 path, line = spec_line(info.filename, info.start_line) or (info.filename, info.start_line)
+                if str(path) != str(spec.path):  # a line of DaCe's own source: not the user's to read
+                    continue
                 text = linecache.getline(str(path), line).strip()
                 return f"{path}:{line}: {text}" if text else f"{path}:{line}"
     return str(spec.path)
