@@ -184,7 +184,7 @@ def breakdown(layer) -> list[dict]:
         moved = tensor_bytes(program.graph, [*step.reads, *step.writes], program.dtype.itemsize)
         row = {"step": step.name, "phase": step.phase, "kind": step.kind, "ms": timing.median_ms,
                "graphed": timing.cuda_graph, "plan_ms": step.time_ms, "plan_source": step.source,
-               "bytes": moved, "reads": step.reads, "writes": step.writes, "config": step.config}
+               "bytes": moved, "reads": step.reads, "writes": step.writes, "config": step.config.to_json()}
         if step.kind == GENERATED:
             if moved not in copies:
                 copies[moved] = same_size_copy_ms(moved, program.device)

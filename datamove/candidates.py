@@ -50,6 +50,8 @@ from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
 from datamove.layouts.select import Candidate, best_sum, select, to_plan
+from datamove.layouts.step_config import (AttentionConfig, ContractionConfig, EpilogueConfig, GeneratedConfig,
+                                          GradientEpilogueConfig, Residual)
 from datamove.layouts.space import (column_sum_joins, configurations, default_configuration, join_members, masks_grouped,
                                     parts, representatives)
 
@@ -399,7 +401,7 @@ class CandidateBuilder:
             reads = {t: config.layouts[t] for t in op.inputs if t not in masks}
             writes = {t: config.layouts[t] for t in op.outputs}
             result.append(Candidate(op.name, op.phase, GENERATED, (op.name,), reads, writes,
-                                    {"knobs": config.knobs, "masks": {t: config.layouts[t] for t in masks}}, ms, source))
+                                    GeneratedConfig(config.knobs, {t: config.layouts[t] for t in masks}), ms, source))
         return result
 
     def composed(self, op, written: dict[str, set]) -> list[Candidate]:
@@ -476,8 +478,7 @@ class CandidateBuilder:
             reads = {t: layouts[t] for t in op.inputs if t not in masks}
             writes = {t: layouts[t] for t in op.outputs}
             result.append(Candidate(op.name, op.phase, GENERATED, (op.name,), reads, writes,
-                                    {"knobs": knobs, "masks": {t: layouts[t] for t in masks}, "composed": warps}, ms,
-                                    source))
+                                    GeneratedConfig(knobs, {t: layouts[t] for t in masks}, tuple(warps)), ms, source))
         return result
 
     def gemms(self) -> dict[str, list[Candidate]]:
@@ -515,10 +516,9 @@ class CandidateBuilder:
                     math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out)))
                 backend = (knobs or {}).get("backend", "cublas")
                 gemm_config = gemm_config_of(knobs) if backend == "triton" else None
-                algorithm = {"algorithm": knobs["algorithm"]} if backend == "cublas" and (knobs or {}).get("algorithm") else {}
+                algorithm = (knobs or {}).get("algorithm", 0) if backend == "cublas" else 0
                 candidates.append(Candidate(g.name, op.phase, GEMM, (g.name,), reads, writes,
-                                            {"einsum": g.spec, "backend": backend, "gemm": gemm_config,
-                                             "operands": members, **algorithm}, ms, source))
+                                            ContractionConfig(g.spec, backend, members, gemm_config, algorithm), ms, source))
                 if residual is not None:
                     added += self._residual(g, op, residual, members, reads, writes, timed_as, measured=found is not None)
             result[g.name] = candidates
@@ -550,9 +550,8 @@ class CandidateBuilder:
         moved = self.itemsize * sum(math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out, c.out))
         ms, source, knobs = self._time(found, "gemm", g.flop, moved)
         layout = writes[res.produced]
-        algorithm = {"algorithm": knobs["algorithm"]} if (knobs or {}).get("algorithm") else {}
-        config = {"einsum": g.spec, "backend": "cublas", "gemm": None, "operands": members,
-                  "residual": {"consumer": res.consumer, "tensor": res.residual, "output": res.output}, **algorithm}
+        config = ContractionConfig(g.spec, "cublas", members, None, (knobs or {}).get("algorithm", 0),
+                                   Residual(res.consumer, res.residual, res.output))
         return [Candidate(f"{g.name}+{res.consumer}", op.phase, GEMM, (g.name, res.consumer),
                           {**reads, res.residual: layout}, {res.output: layout}, config, ms, source)]
 
@@ -580,12 +579,10 @@ class CandidateBuilder:
             writes = {ep.output: graph.tensors[ep.output].letters, ep.summed: graph.tensors[ep.summed].letters,
                       **{t: own[t] for t in (rest.outputs if rest else ())}}
             ms, source, knobs = self._time(found, "gemm", g.flop, moved)
-            config = {"einsum": g.spec, "backend": "triton", "operands": members,
-                      "gemm": gemm_config_of(knobs) if knobs else None,
-                      "epilogue": {
-                          "consumer": ep.consumer, "gradient": ep.gradient, "factor": ep.factor, "produced": ep.produced,
-                          "output": ep.output, "summed": ep.summed, "sum_letters": ep.sum_letters,
-                          "primitives": list(ep.primitives), "rest": list(ep.rest), "rest_layouts": own}}
+            config = ContractionConfig(g.spec, "triton", members, gemm_config_of(knobs) if knobs else None,
+                                       epilogue=GradientEpilogueConfig(
+                                           ep.consumer, ep.gradient, ep.factor, ep.produced, ep.output, ep.summed,
+                                           ep.sum_letters, tuple(ep.primitives), tuple(ep.rest), own))
             result.append(Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer),
                                     reads, writes, config, ms, source))
         return result
@@ -602,10 +599,8 @@ class CandidateBuilder:
         outputs = 2 if ep.save else 1
         moved = self.itemsize * (sum(math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b)) + outputs * elements)
         writes = {ep.output: out_layout, **({ep.saved: out_layout} if ep.saved else {})}
-        config = {"einsum": g.spec, "backend": "triton", "operands": members, "epilogue": {
-            "consumer": ep.consumer, "bias": ep.bias, "bias_letters": ep.bias_letters,
-            "activation": ep.activation, "mask": ep.mask, "p": ep.p, "save": ep.save,
-            "produced": ep.produced, "output": ep.output, "saved": ep.saved}}
+        epilogue = EpilogueConfig(ep.consumer, ep.bias, ep.bias_letters, ep.activation, ep.mask, ep.p, ep.save,
+                                  ep.produced, ep.output, ep.saved)
         pairs = {layouts[:2]: timed_as for layouts, timed_as in same_call_layouts(g).items()
                  if layouts[2] == c.out and timed_as[2] == c.out}
         fused_op = epilogue_op(g, ep)
@@ -619,9 +614,10 @@ class CandidateBuilder:
             reads = {t: "".join(renames[t][x] for x in layout) for k, layout in (("a", a_layout), ("b", b_layout))
                      for t in members[k]}
             reads[ep.bias] = self.graph.tensors[ep.bias].letters
-            gemm = gemm_config_of(knobs) if knobs else None
+            config = ContractionConfig(g.spec, "triton", members, gemm_config_of(knobs) if knobs else None,
+                                       epilogue=epilogue)
             result.append(Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer), reads,
-                                    writes, {**config, "gemm": gemm}, ms, source))
+                                    writes, config, ms, source))
         return result
 
     def attention(self, roles: AttentionRoles, q_layouts: set[str], bias: dict | None = None) -> list[Candidate]:
@@ -679,10 +675,9 @@ class CandidateBuilder:
                         writes = {t["dq"]: like["q"], t["dk"]: like["k"], t["dv"]: like["v"]}
                         knob = {k: v for k, v in ((knobs or {}).get("backward") or {}).items() if k != "dropout_mask"}
                         operators, name = members, "attention_backward"
-                    config = {"knobs": knob, "roles": {**t, "lse": lse}, "letters": letters, "scale": roles.scale,
-                              "causal": roles.causal is not None,
-                              **({"causal_constant": roles.causal} if roles.causal else {}),
-                              **({"bias": {r: list(folded[r]) for r in ("q", "k", "v")}} if folded else {})}
+                    config = AttentionConfig(knob, {**t, "lse": lse}, letters, roles.scale, roles.causal is not None,
+                                             roles.causal,
+                                             {r: list(folded[r]) for r in ("q", "k", "v")} if folded else None)
                     result.append(Candidate(name, graph_phase(direction), kind, operators, reads, writes, config, ms,
                                             source))
         return result
@@ -724,7 +719,7 @@ def _ranked(candidates: list[Candidate], spec_letters: dict) -> list[Candidate]:
     """``_keep``'s order: measured ones only where any was measured, fastest first, then closest to spec order."""
     def distance(c: Candidate) -> int:
         return sum(layout != spec_letters.get(t, layout) for t, layout in {**c.reads, **c.writes}.items())
-    measured = [c for c in candidates if c.source == MEASURED or c.config.get("composed")]
+    measured = [c for c in candidates if c.source == MEASURED or (c.kind == GENERATED and c.config.composed)]
     return sorted(measured or candidates, key=lambda c: (round(c.time_ms, 6), distance(c)))
 
 
@@ -813,7 +808,7 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
         if bias:  # the folded forward reads what the bias operator reads: its producers' layouts too
             q_layouts |= {c.writes[bias["q"][0]] for cs in runs.values() for c in _keep(cs, spec_letters) if bias["q"][0] in c.writes}
         for c in builder.attention(roles, q_layouts, bias):
-            runs.setdefault(c.name + ("+bias" if "bias" in c.config else ""), []).append(c)
+            runs.setdefault(c.name + ("+bias" if c.config.bias else ""), []).append(c)
     written: dict[str, set] = {}
     for c in (c for cs in runs.values() for c in cs):
         for t, layout in c.writes.items():

@@ -49,6 +49,7 @@ from datamove.weights import from_spec, to_spec
 from datamove.steps import epilogue_rest
 from datamove.kernels.codegen import compile_operator
 from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Plan
+from datamove.layouts.step_config import GradientEpilogueConfig
 from datamove.layouts.space import Configuration, generated_operators
 
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
@@ -125,11 +126,11 @@ def _write_kernels(folder: Path, plan: Plan, graph, operators) -> None:
     ops = generated_operators(graph, operators)
     for step in plan.steps:
         if step.kind == GENERATED:
-            config = Configuration({**step.reads, **step.writes, **step.config.get("masks", {})}, step.config["knobs"])
+            config = Configuration({**step.reads, **step.writes, **step.config.masks}, step.config.knobs)
             source = compile_operator(graph, ops[step.name], config).source
             _write(folder / f"{_file_name(step.name)}.py", source)
-        epilogue = step.config.get("epilogue") or {}
-        if step.kind == GEMM_EPILOGUE and epilogue.get("rest"):
+        epilogue = step.config.epilogue if step.kind == GEMM_EPILOGUE else None
+        if isinstance(epilogue, GradientEpilogueConfig) and epilogue.rest:
             rest, config = epilogue_rest(graph, ops, epilogue)
             source = compile_operator(graph, rest, config).source
             _write(folder / f"{_file_name(rest.name)}.py", source)

@@ -252,7 +252,7 @@ def refine_plan(plan, choose, measure_chosen, measure_changes, stopped, rounds: 
 
     for _ in range(rounds):
         tuned = measure_chosen(plan)
-        wanted = {(s.config["tensor"], s.config["from"], s.config["to"]) for s in plan.steps
+        wanted = {(s.config.tensor, s.config.source, s.config.target) for s in plan.steps
                   if s.kind == LAYOUT_CHANGE and s.source != MEASURED}
         if wanted and not stopped():
             measure_changes(wanted)

@@ -97,7 +97,7 @@ class LayerProgram:
         self.plan, self.graph, self.interface, self.dtype, self.device = plan, graph, interface, dtype, torch.device(device)
         ops = generated_operators(graph, operators)
         self.buffers = Buffers(graph, stack_groups(plan.steps), dtype, self.device)
-        self.saves_mask = any(s.kind == ATTENTION_BACKWARD and s.config["knobs"].get("dropout_mask") == "saved"
+        self.saves_mask = any(s.kind == ATTENTION_BACKWARD and s.config.knobs.get("dropout_mask") == "saved"
                               for s in plan.steps)
         launchers = [(s.phase, build_launcher(s, graph, ops, self.buffers, self.saves_mask)) for s in plan.steps]
         self.forward_steps = [launcher for phase, launcher in launchers if phase == "forward"]
@@ -106,8 +106,8 @@ class LayerProgram:
         self.layouts = plan.layouts
         self.name = ""  # the custom ops' name for it: set by datamove.module.register
         leaving = set(interface.outputs) | set(interface.input_grads.values())
-        self.leaving = {s.config["tensor"]: copy_name(s.config["tensor"], s.config["to"]) for s in plan.steps
-                        if s.kind == LAYOUT_CHANGE and s.config["tensor"] in leaving}  # outputs changed to PyTorch's order
+        self.leaving = {s.config.tensor: copy_name(s.config.tensor, s.config.target) for s in plan.steps
+                        if s.kind == LAYOUT_CHANGE and s.config.tensor in leaving}  # outputs changed to PyTorch's order
         self.torch_shapes = {t: self.shape(t, interface.torch_order[t]) for t in interface.torch_order}
         self._to_spec_axes = {t: [order.index(x) for x in graph.tensors[t].letters]
                               for t, order in interface.torch_order.items()}
@@ -115,8 +115,8 @@ class LayerProgram:
                                 for t in interface.torch_order}
         self.kept = self._kept_tensors()
         # constants the fused attention replaces by its causal mask (``datamove.module`` checks they hold it)
-        self.causal_constants = [launcher.step.config["causal_constant"] for launcher in self.forward_steps
-                                 if launcher.step.kind == ATTENTION_FORWARD and "causal_constant" in launcher.step.config]
+        self.causal_constants = [launcher.step.config.causal_constant for launcher in self.forward_steps
+                                 if launcher.step.kind == ATTENTION_FORWARD and launcher.step.config.causal_constant]
         self.stacked = self.stacked_gradients()
         self._signatures: dict[str, tuple] = {}  # phase -> what its steps' recordings assume
 
@@ -129,7 +129,7 @@ class LayerProgram:
         for launcher in self.backward_steps:
             step = launcher.step
             names = [copy_name(t, layout) if layout != self.layouts.get(t, layout) else t for t, layout in step.reads.items()]
-            roles = step.config.get("roles", {})
+            roles = step.config.roles if step.kind in (ATTENTION_FORWARD, ATTENTION_BACKWARD) else {}
             if roles.get("lse"):
                 names += [roles["lse"]] + ([saved_mask_name(roles["lse"])] if self.saves_mask else [])
             for t in names:  # the attention backward names its statistics twice (a read and a role)
@@ -175,7 +175,7 @@ class LayerProgram:
         """(shape, strides, dtype) of what the store holds under ``name`` (``kept`` entries)."""
         for launcher in self.forward_steps:
             if launcher.step.kind == ATTENTION_FORWARD and name in (launcher.lse, saved_mask_name(launcher.lse)):
-                letters = launcher.step.config["letters"]
+                letters = launcher.step.config.letters
                 rows = tuple(self.graph.size(letters[r]) for r in ("batch", "heads", "rows"))
                 if name == launcher.lse:
                     return rows, tuple(torch.empty(rows, device="meta").stride()), torch.float32

@@ -298,7 +298,7 @@ class TunedLayer(torch.nn.Module):
         attention = next((s for s in program.plan.steps if s.kind == ATTENTION_FORWARD), None)
         if attention is None:
             raise ValueError("key_padding_mask: this plan runs no fused attention to apply it")
-        letters = attention.config["letters"]
+        letters = attention.config.letters
         expected = (program.graph.size(letters["batch"]), program.graph.size(letters["keys"]))
         check(mask, "key_padding_mask", expected, torch.bool, self.device_, letters["batch"] + letters["keys"])
 

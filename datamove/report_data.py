@@ -17,6 +17,7 @@ from datamove.kernels.device import versions
 from datamove.harness.sweep_variants import op_signature
 from datamove.layouts.cost_model import predict_ms
 from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE, MEASURED, PREDICTED
+from datamove.layouts.step_config import GradientEpilogueConfig
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -24,18 +25,18 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 def _kernel_text(step) -> str:
     config = step.config
     if step.kind == GENERATED:
-        knobs = config["knobs"]
-        return "generated Triton, " + ", ".join(f"{k}={v}" for k, v in knobs.items() if k not in ("parts",))
+        return "generated Triton, " + ", ".join(f"{k}={v}" for k, v in config.knobs.items() if k not in ("parts",))
     if step.kind in (GEMM, GEMM_EPILOGUE):
-        backend = "cuBLAS" if config["backend"] == "cublas" else "Triton GEMM"
+        backend = "cuBLAS" if config.backend == "cublas" else "Triton GEMM"
         tail = ""
-        if step.kind == GEMM_EPILOGUE:
-            tail = " + gradient epilogue" if "gradient" in config["epilogue"] else " + fused epilogue"
-            tail += " + generated rest" if config["epilogue"].get("rest") else ""
-        return f"{backend} {config['einsum']}{tail}"
+        if isinstance(config.epilogue, GradientEpilogueConfig):
+            tail = " + gradient epilogue" + (" + generated rest" if config.epilogue.rest else "")
+        elif config.epilogue is not None:
+            tail = " + fused epilogue"
+        return f"{backend} {config.einsum}{tail}"
     if step.kind == LAYOUT_CHANGE:
-        return f"copy {config['from']} -> {config['to']}"
-    return "fused attention, " + (", ".join(f"{k}={v}" for k, v in config["knobs"].items()) or "default knobs")
+        return f"copy {config.source} -> {config.target}"
+    return "fused attention, " + (", ".join(f"{k}={v}" for k, v in config.knobs.items()) or "default knobs")
 
 
 def _class(step, rows_by_op) -> str:
@@ -58,7 +59,7 @@ def report_data(analysis, fused, plan, spec: str, dtype: str, figures, ceilings,
     chosen = []
     for step in plan.steps:
         if step.kind == LAYOUT_CHANGE:
-            moved = elements([step.config["tensor"]])
+            moved = elements([step.config.tensor])
             chosen.append(KernelRow(step.name, "layout change", step.phase, 0, moved, moved, 0, 2 * moved * itemsize,
                                     step.time_ms, step.source, _kernel_text(step)))
             continue

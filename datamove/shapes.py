@@ -35,6 +35,7 @@ from datamove.kernels.attention import dropout_grouped, dropout_strides_for
 from datamove.kernels.contraction import row_major_strides
 from datamove.layouts.plan import ATTENTION_BACKWARD, GEMM, GEMM_EPILOGUE, GENERATED, Plan, Step
 from datamove.layouts.space import MAX_TILE, generated_operators, operator_letters, parts, tile_axes
+from datamove.layouts.step_config import AttentionConfig
 
 LOOP_CHUNKS = {True: (16, 64), False: (256, 1024, 4096)}  # mode "loop" chunks (reduction along rows?) as in knob_choices
 
@@ -112,23 +113,23 @@ def fit_plan(plan: Plan, graph, operators, itemsize: int) -> Plan:
 def _fitted(step: Step, plan: Plan, graph, ops: dict, itemsize: int) -> Step:
     config = step.config
     if step.kind == GENERATED:
-        op, knobs = ops[step.name], config["knobs"]
+        op, knobs = ops[step.name], config.knobs
         if "parts" in knobs:
             fitted = [_row_fitted(graph, part, own) for part, own in zip(parts(op), knobs["parts"])]
             knobs = {**knobs, "parts": type(knobs["parts"])(fitted)}
         else:
             knobs = _row_fitted(graph, op, knobs)
-        return replace(step, config={**config, "knobs": knobs})
-    if step.kind == ATTENTION_BACKWARD and config["knobs"].get("dropout_mask") == "saved" \
+        return replace(step, config=replace(config, knobs=knobs))
+    if step.kind == ATTENTION_BACKWARD and config.knobs.get("dropout_mask") == "saved" \
             and not _attention_grouped(graph, config):
-        return replace(step, config={**config, "knobs": {**config["knobs"], "dropout_mask": "regenerate"}})
-    if step.kind == GEMM and config.get("algorithm") and dict(graph.dim_values) != dict(plan.dims):
-        return replace(step, config={k: v for k, v in config.items() if k != "algorithm"})
-    if step.kind in (GEMM, GEMM_EPILOGUE) and (config.get("gemm") or {}).get("tma"):
-        operands = [config["operands"]["a"], config["operands"]["b"]]
+        return replace(step, config=replace(config, knobs={**config.knobs, "dropout_mask": "regenerate"}))
+    if step.kind == GEMM and config.algorithm and dict(graph.dim_values) != dict(plan.dims):
+        return replace(step, config=replace(config, algorithm=0))
+    if step.kind in (GEMM, GEMM_EPILOGUE) and (config.gemm or {}).get("tma"):
+        operands = [config.operands["a"], config.operands["b"]]
         if not all(_descriptor_strides(graph, members, step.reads.get(t) or plan.layouts[t], itemsize)
                    for members in operands for t in members):
-            return replace(step, config={**config, "gemm": {**config["gemm"], "tma": False}})
+            return replace(step, config=replace(config, gemm={**config.gemm, "tma": False}))
     return step
 
 
@@ -155,12 +156,12 @@ def _row_fitted(graph, op, knobs: dict) -> dict:
     return {**knobs, "mode": "loop", reduced: chunk}
 
 
-def _attention_grouped(graph, config: dict) -> bool:
+def _attention_grouped(graph, config: AttentionConfig) -> bool:
     """Whether the attention's dropout mask is drawn in whole Philox groups at ``graph``'s dims."""
-    mask = config["roles"].get("mask")
+    mask = config.roles.get("mask")
     if not mask:
         return True
-    letters = config["letters"]
+    letters = config.letters
     rename = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["keys"]: "k"}
     order = "".join(rename[x] for x in graph.tensors[mask].letters)
     sizes = [graph.size(letters[role]) for role in ("batch", "heads", "rows", "keys")]

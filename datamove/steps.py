@@ -35,6 +35,8 @@ from datamove.kernels.layout_change import permute_copy
 from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
                           Step)
 from datamove.layouts.space import Configuration, rest_configuration, rest_part
+from datamove.layouts.step_config import (AttentionConfig, ContractionConfig, EpilogueConfig, GeneratedConfig,
+                                          GradientEpilogueConfig, LayoutChangeConfig)
 from datamove.replay import StepReplay
 
 
@@ -192,7 +194,7 @@ class GeneratedLauncher(Launcher):
 
     def __init__(self, step: Step, graph, buffers: Buffers, op):
         super().__init__(step, graph, buffers)
-        config = Configuration({**step.reads, **step.writes, **step.config.get("masks", {})}, step.config["knobs"])
+        config = Configuration({**step.reads, **step.writes, **step.config.masks}, step.config.knobs)
         self.compiled = compile_operator(graph, op, config)
         offsets = dropout_offsets(graph)
         self.masks = {t: offsets[t] for t in op.inputs if graph.tensors[t].role == "dropout"}
@@ -287,12 +289,12 @@ class _KeptViews:
         return result
 
 
-def epilogue_rest(graph, ops: dict, epilogue: dict) -> tuple:
+def epilogue_rest(graph, ops: dict, epilogue: GradientEpilogueConfig) -> tuple:
     """(operator, configuration) of the generated kernel a gradient epilogue's step runs after its
-    GEMM (``epilogue``: the step's config, ``layouts.plan``; ``ops``: the fused graph's operators
+    GEMM (``epilogue``: the step's, ``layouts.step_config``; ``ops``: the fused graph's operators
     by name)."""
-    rest = rest_part(ops[epilogue["consumer"]], epilogue["primitives"])
-    return rest, rest_configuration(graph, rest, epilogue["rest_layouts"])
+    rest = rest_part(ops[epilogue.consumer], list(epilogue.primitives))
+    return rest, rest_configuration(graph, rest, epilogue.rest_layouts)
 
 
 class GemmLauncher(Launcher):
@@ -303,34 +305,35 @@ class GemmLauncher(Launcher):
 
     def __init__(self, step: Step, graph, buffers: Buffers, ops: dict):
         super().__init__(step, graph, buffers)
-        config = step.config
-        self.einsum, self.backend = config["einsum"], config["backend"]
-        self.algorithm = config.get("algorithm", 0)  # cuBLAS: the heuristic's algorithm the tuning chose
-        self.gemm_config = GemmConfig(**config["gemm"]) if config.get("gemm") else None
-        operands = config["operands"]
+        config: ContractionConfig = step.config
+        self.einsum, self.backend = config.einsum, config.backend
+        self.algorithm = config.algorithm  # cuBLAS: the heuristic's algorithm the tuning chose
+        self.gemm_config = GemmConfig(**config.gemm) if config.gemm else None
+        operands = config.operands
         self.a, self.b, self.out = list(operands["a"]), list(operands["b"]), list(operands["out"])
-        self.residual = config.get("residual")  # cuBLAS adding a tensor (D = A B + C): writes its consumer's output
+        self.residual = config.residual  # cuBLAS adding a tensor (D = A B + C): writes its consumer's output
         if self.residual:
-            self.out = [self.residual["output"]]
-        self.epilogue = config.get("epilogue")
-        mask = self.epilogue.get("mask") if self.epilogue else None
+            self.out = [self.residual.output]
+        self.epilogue = config.epilogue
+        mask = self.epilogue.mask if isinstance(self.epilogue, EpilogueConfig) else None
         self.offset = dropout_offsets(graph)[mask] if mask else 0
         self.dropout_p = graph.tensors[mask].p if mask else 0.0  # the graph's: 0 in evaluation mode
         self.rest, self.gradient = None, None
-        if self.epilogue and "gradient" in self.epilogue:  # (kind, scale) at the graph's scalars: 1 in evaluation mode
-            product = next(p for p in ops[self.epilogue["consumer"]].primitives if p.name == self.epilogue["primitives"][0])
-            self.gradient = derivative(product.expr, int(product.inputs[0].tensor != self.epilogue["produced"]),
-                                       graph.scalars())
-            if self.gradient is None or self.gradient[0] != self.epilogue["gradient"]:
-                raise ValueError(f"{step.name}: {product.expr!r} is not the {self.epilogue['gradient']} derivative "
+        if isinstance(self.epilogue, GradientEpilogueConfig):  # (kind, scale) at the graph's scalars: 1 in evaluation mode
+            ep = self.epilogue
+            product = next(p for p in ops[ep.consumer].primitives if p.name == ep.primitives[0])
+            self.gradient = derivative(product.expr, int(product.inputs[0].tensor != ep.produced), graph.scalars())
+            if self.gradient is None or self.gradient[0] != ep.gradient:
+                raise ValueError(f"{step.name}: {product.expr!r} is not the {ep.gradient} derivative "
                                  f"the plan's epilogue computes")
-        if self.epilogue and self.epilogue.get("rest"):
-            rest, config = epilogue_rest(graph, ops, self.epilogue)
-            masks = {t: config.layouts[t] for t in rest.inputs if graph.tensors[t].role == "dropout"}
-            self.rest = GeneratedLauncher(
-                Step(rest.name, step.phase, GENERATED, (), {t: config.layouts[t] for t in rest.inputs if t not in masks},
-                     {t: config.layouts[t] for t in rest.outputs}, {"knobs": config.knobs, "masks": masks}, 0.0,
-                     step.source), graph, buffers, rest)
+            if ep.rest:
+                rest, rest_config = epilogue_rest(graph, ops, ep)
+                masks = {t: rest_config.layouts[t] for t in rest.inputs if graph.tensors[t].role == "dropout"}
+                self.rest = GeneratedLauncher(
+                    Step(rest.name, step.phase, GENERATED, (),
+                         {t: rest_config.layouts[t] for t in rest.inputs if t not in masks},
+                         {t: rest_config.layouts[t] for t in rest.outputs}, GeneratedConfig(rest_config.knobs, masks),
+                         0.0, step.source), graph, buffers, rest)
         self.gemm_plan = None
         self.kept_views: _KeptViews | None = None  # a cuBLAS step of one call: its views, derived once
         self.direct: LtMatmul | None = None  # and its cuBLASLt call on pointers, where one can be made
@@ -343,9 +346,9 @@ class GemmLauncher(Launcher):
         """The residual this step adds (config ``residual``), stored as its output (checked), or None."""
         if not self.residual:
             return None
-        added, out = _read(self.step, store, self.residual["tensor"]), store[self.out[0]]
+        added, out = _read(self.step, store, self.residual.tensor), store[self.out[0]]
         if added.shape != out.shape or added.stride() != out.stride():
-            raise RuntimeError(f"{self.step.name}: the residual {self.residual['tensor']} is stored "
+            raise RuntimeError(f"{self.step.name}: the residual {self.residual.tensor} is stored "
                                f"{tuple(added.stride())}, its output {tuple(out.stride())}")
         return added
 
@@ -401,23 +404,23 @@ class GemmLauncher(Launcher):
                 run_triton(self.gemm_plan, a, b, out, Epilogue(), self.gemm_config)
             return
         ep = self.epilogue
-        out = self.output(store, ep["output"])
-        if "gradient" in ep:
-            sums = self.output(store, ep["summed"])
-            epilogue = Epilogue(gradient=self.gradient[0], factor=_read(self.step, store, ep["factor"]),
-                                factor_scale=self.gradient[1], sums=sums, sum_letters=ep["sum_letters"])
+        out = self.output(store, ep.output)
+        if isinstance(ep, GradientEpilogueConfig):
+            sums = self.output(store, ep.summed)
+            epilogue = Epilogue(gradient=self.gradient[0], factor=_read(self.step, store, ep.factor),
+                                factor_scale=self.gradient[1], sums=sums, sum_letters=ep.sum_letters)
             contract(self.einsum, a, b, out, backend="triton", epilogue=epilogue, config=self.gemm_config)
-            store[ep["output"]], store[ep["summed"]] = out, sums
+            store[ep.output], store[ep.summed] = out, sums
             if self.rest is not None:
                 self.rest(store, run)
             return
-        epilogue = Epilogue(bias=_read(self.step, store, ep["bias"]), bias_letters=ep["bias_letters"],
-                            activation=ep["activation"], dropout_p=self.dropout_p,
-                            seed=run.seed, offset=self.offset, save=ep.get("save"))
+        epilogue = Epilogue(bias=_read(self.step, store, ep.bias), bias_letters=ep.bias_letters,
+                            activation=ep.activation, dropout_p=self.dropout_p,
+                            seed=run.seed, offset=self.offset, save=ep.save)
         result = contract(self.einsum, a, b, out, backend="triton", epilogue=epilogue, config=self.gemm_config)
-        store[ep["output"]] = out
-        if ep.get("save"):
-            store[ep["saved"]] = result[1]
+        store[ep.output] = out
+        if ep.save:
+            store[ep.saved] = result[1]
 
 
 class _AttentionLauncher(Launcher):
@@ -431,10 +434,10 @@ class _AttentionLauncher(Launcher):
 
     def __init__(self, step: Step, graph, buffers: Buffers):
         super().__init__(step, graph, buffers)
-        config = step.config
-        self.roles, letters = config["roles"], config["letters"]
-        self.scale, self.causal = float(config["scale"]), bool(config.get("causal", False))
-        self.knobs = dict(config["knobs"])
+        config: AttentionConfig = step.config
+        self.roles, letters = config.roles, config.letters
+        self.scale, self.causal = config.scale, config.causal
+        self.knobs = dict(config.knobs)
         self.axes = {}  # role -> permutation of the tensor's spec-order dims into (b, h, rows, p)
         key_role = {"q": "rows", "k": "keys", "v": "keys", "o": "rows"}
         feature_role = {"q": "features", "k": "features", "v": "value_features", "o": "value_features"}
@@ -442,7 +445,7 @@ class _AttentionLauncher(Launcher):
             own = graph.tensors[self.roles[role]].letters
             wanted = [letters["batch"], letters["heads"], letters[key_role[role]], letters[feature_role[role]]]
             self.axes[role] = [own.index(x) for x in wanted]
-        self.bias = config.get("bias")
+        self.bias = config.bias
         self.bias_axes = {role: [graph.tensors[bias].letters.index(x) for x in (letters["heads"], letters[feature_role[role]])]
                           for role, (_, bias) in (self.bias or {}).items()}
         self.mask = self.roles.get("mask")
@@ -520,10 +523,10 @@ class LayoutChangeLauncher(Launcher):
     replayable = True
 
     def launch(self, store: dict, run: Run) -> None:
-        c = self.step.config
-        copy = allocate(self.graph, c["tensor"], c["to"], self.buffers.dtype, self.buffers.device)
-        permute_copy(store[c["tensor"]], copy)
-        store[copy_name(c["tensor"], c["to"])] = copy
+        c: LayoutChangeConfig = self.step.config
+        copy = allocate(self.graph, c.tensor, c.target, self.buffers.dtype, self.buffers.device)
+        permute_copy(store[c.tensor], copy)
+        store[copy_name(c.tensor, c.target)] = copy
 
 
 def stack_groups(steps: list[Step]) -> list[list[str]]:
@@ -536,7 +539,8 @@ def stack_groups(steps: list[Step]) -> list[list[str]]:
     over two groups then reads both in one member order and stacks them as views
     (``stacked_view``), not copies.  (The weights' group, first met in the forward, orders the
     gradients' group that the backward meets first beside an unstacked operand.)"""
-    links = [[list(m) for m in (step.config.get("operands") or {}).values() if len(m) > 1] for step in steps]
+    links = [[list(m) for m in step.config.operands.values() if len(m) > 1] for step in steps
+             if isinstance(step.config, ContractionConfig)]
     pairs: dict[frozenset, list[tuple[list[str], list[str]]]] = {}  # members -> (as listed, a list paired with it)
     for lists in links:
         for members in lists:

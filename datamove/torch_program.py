@@ -74,7 +74,7 @@ class TorchProgram:
         step = next((s for s in plan.steps if s.kind == ATTENTION_FORWARD), None)
         if step is None:
             return None
-        roles, letters = step.config["roles"], step.config["letters"]
+        roles, letters = step.config.roles, step.config.letters
         for prim in self.forward_primitives:
             tensors = [o.tensor for o in prim.inputs]
             if prim.kind != "einsum" or sorted(tensors) != sorted((roles["q"], roles["k"])):

@@ -178,10 +178,10 @@ def chosen_patterns(spaces: list, plan) -> list:
                 for v in group]
     by_op = {space.op.name: space for space in spaces}
     for s in plan.steps:
-        if s.kind == GENERATED and s.config.get("composed") and s.name in by_op:
+        if s.kind == GENERATED and s.config.composed and s.name in by_op:
             space = by_op[s.name]
             variants += [space.variant(c) for c in composed_neighbours(space.ws.graph, space.op,
-                                                                       _configuration(s), s.config["composed"])]
+                                                                       _configuration(s), s.config.composed)]
     return variants
 
 
@@ -207,7 +207,7 @@ def composed_neighbours(graph, op, config: Configuration, warps) -> list[Configu
 
 
 def _configuration(step) -> Configuration:
-    return Configuration({**step.reads, **step.writes, **step.config["masks"]}, step.config["knobs"])
+    return Configuration({**step.reads, **step.writes, **step.config.masks}, step.config.knobs)
 
 
 def fused_spaces(fused, spec: str, dtype) -> list:

@@ -6,6 +6,7 @@ import importlib.util
 from datamove.harness.contraction_variants import _stacked
 from datamove.layouts.plan import GEMM, GENERATED, Plan, Step
 from datamove.layouts.space import default_configuration
+from datamove.layouts.step_config import ContractionConfig, GeneratedConfig
 
 
 def spec_order_plan(fused, spec: str, dtype="float32"):
@@ -20,7 +21,7 @@ def spec_order_plan(fused, spec: str, dtype="float32"):
             masks = {t: config.layouts[t] for t in op.inputs if graph.tensors[t].role == "dropout"}
             reads = {t: layout for t, layout in reads.items() if t not in masks}
             steps.append(Step(op.name, op.phase, GENERATED, (op.name,), reads, writes,
-                              {"knobs": config.knobs, "masks": masks}, 0.0, "predicted"))
+                              GeneratedConfig(config.knobs, masks), 0.0, "predicted"))
             continue
         einsums = [p for p in op.primitives if p.kind == "einsum"]
         if len(einsums) == 1:
@@ -38,7 +39,7 @@ def spec_order_plan(fused, spec: str, dtype="float32"):
         reads = {t: layouts[t] for t in op.inputs}
         writes = {t: layouts[t] for t in op.outputs}
         steps.append(Step(op.name, op.phase, GEMM, (op.name,), reads, writes,
-                          {"einsum": einsum, "backend": "cublas", "gemm": None, "operands": operands}, 0.0, "predicted"))
+                          ContractionConfig(einsum, "cublas", operands), 0.0, "predicted"))
     fwd_written = {t for s in steps if s.phase == "forward" for t in s.writes}
     saved = sorted({t for s in steps if s.phase == "backward" for t in s.reads if t in fwd_written})
     return Plan(spec, dict(graph.dim_values), dtype, "none", "predicted", layouts, steps, saved, 0.0, 0.0)

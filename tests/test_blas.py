@@ -129,9 +129,11 @@ def test_kept_views_give_the_pointers_of_their_views():
     base included (a stacked operand's lowest member), and a stacked operand whose members no
     longer keep their distances is refused by both."""
     from datamove.layouts.plan import GEMM, Step
+    from datamove.layouts.step_config import ContractionConfig
     from datamove.steps import _KeptViews
 
-    step = Step("s", "forward", GEMM, (), {"a": "xy", "w0": "xy", "w1": "xy"}, {"c": "xy"}, {}, 0.0, "predicted")
+    step = Step("s", "forward", GEMM, (), {"a": "xy", "w0": "xy", "w1": "xy"}, {"c": "xy"},
+                ContractionConfig("xy,yz->xz", "cublas", {"a": ["a"], "b": ["w0", "w1"], "out": ["c"]}), 0.0, "predicted")
     stacked = torch.randn(2, 6, 5, dtype=torch.bfloat16)
     store = {"a": torch.randn(7, 6, dtype=torch.bfloat16), "w0": stacked[1], "w1": stacked[0],
              "c": torch.empty(9, 7, dtype=torch.bfloat16)}

@@ -21,6 +21,7 @@ from datamove.dataflow.snapshot import stored_fused
 from datamove.export import (ArtifactError, ArtifactMismatch, load_layer, load_weights, read_manifest, state_dict_for,
                              write_artifact)
 from datamove.weights import from_spec
+from datamove.layouts.step_config import GradientEpilogueConfig
 from bias_join import with_joined_bias_gradients
 from plans import selected_plan, spec_module, spec_order_plan
 
@@ -99,9 +100,9 @@ def test_bert_matches_the_executor_with_dropout(tmp_path, plan_for):
     layer = load(write(tmp_path, "bert", BERT_DIMS, plan_for))
     kinds = {s.kind for s in layer.plan.steps}
     assert plan_for is spec_order_plan or {"attention_forward", "attention_backward", "gemm_epilogue"} <= kinds
-    folded = [s for s in layer.plan.steps if "bias" in s.config]  # Q/K/V's bias add inside the attention
+    folded = [s for s in layer.plan.steps if getattr(s.config, "bias", None)]  # Q/K/V's bias add inside the attention
     assert plan_for is spec_order_plan or [s.name for s in folded] == ["stack(q,k,v)+attention_forward", "attention_backward"]
-    added = [s.name for s in layer.plan.steps if s.config.get("residual")]  # d_x = d_resid1 + the GEMM's, in the GEMM
+    added = [s.name for s in layer.plan.steps if getattr(s.config, "residual", None)]  # d_x = d_resid1 + the GEMM's, in the GEMM
     assert plan_for is spec_order_plan or added == ["stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)+d_x"]
     randomize(layer, 1)
     check_against_executor(layer, {"x": None})
@@ -111,8 +112,8 @@ def test_bert_gradient_epilogue_with_a_rest_matches_the_executor(tmp_path):
     """BERT with its FFN bias gradients as one operator (``tests/bias_join.py``): the gradient
     epilogue's consumer has another part, which the layer runs after the GEMM (its rest kernel)."""
     layer = load(write(tmp_path, "bert", BERT_DIMS, selected_plan, fused_as=with_joined_bias_gradients))
-    (step,) = [s for s in layer.plan.steps if s.kind == "gemm_epilogue" and "gradient" in s.config["epilogue"]]
-    assert step.name == "d_hidden+d_b1" and step.config["epilogue"]["rest"]
+    (step,) = [s for s in layer.plan.steps if s.kind == "gemm_epilogue" and isinstance(s.config.epilogue, GradientEpilogueConfig)]
+    assert step.name == "d_hidden+d_b1" and step.config.epilogue.rest
     assert (tmp_path / "bert" / "kernels" / "d_b1_rest.py").exists()
     randomize(layer, 2)
     check_against_executor(layer, {"x": None})
@@ -140,7 +141,7 @@ def test_gpt2_refuses_a_causal_constant_its_fused_attention_does_not_apply(tmp_p
     """The fused attention applies its causal mask in place of GPT-2's additive ``causal``
     constant, so the layer checks the constant holds that mask (again after it changes)."""
     layer = load(write(tmp_path, "gpt2", GPT2_DIMS, selected_plan))
-    assert {s.config.get("causal_constant") for s in layer.plan.steps if "attention" in s.kind} == {"causal"}
+    assert {s.config.causal_constant for s in layer.plan.steps if "attention" in s.kind} == {"causal"}
     randomize(layer, 4)
     d = GPT2_DIMS
     x = torch.randn(d["B"], d["T"], d["D"], dtype=layer.dtype)
@@ -494,9 +495,11 @@ def test_stack_groups_follow_their_partners_through_the_plan():
     later GEMM pairs the two: both are then read as views of their buffers, no copy per call."""
     from datamove.steps import stack_groups
     from datamove.layouts.plan import GEMM, Step
+    from datamove.layouts.step_config import ContractionConfig
 
     def gemm(name, a, b, out):
-        return Step(name, "forward", GEMM, (name,), {}, {}, {"operands": {"a": a, "b": b, "out": out}}, 0.0, "predicted")
+        return Step(name, "forward", GEMM, (name,), {}, {}, ContractionConfig("", "cublas", {"a": a, "b": b, "out": out}),
+                    0.0, "predicted")
 
     steps = [gemm("qkv", ["wq", "wk", "wv"], ["x"], ["q", "k", "v"]),
              gemm("d_w", ["d_v", "d_k", "d_q"], ["x"], ["d_wv", "d_wk", "d_wq"]),

@@ -262,7 +262,7 @@ def test_gpt2_causal_attention_in_low_precision(tmp_path):
     fused = stored_fused()["gpt2"].with_dims(dims)
     module = spec_module("gpt2")
     plan = selected_plan(fused, "gpt2", "bfloat16")
-    assert {s.config.get("causal_constant") for s in plan.steps if s.kind.startswith("attention")} == {"causal"}
+    assert {s.config.causal_constant for s in plan.steps if s.kind.startswith("attention")} == {"causal"}
     path = write_artifact(tmp_path / "gpt2", plan, fused.graph, fused.operators, spec_name="gpt2", spec_digest="test",
                           torch_order=getattr(module, "TORCH_ORDER", {}), weights=getattr(module, "WEIGHTS", {}),
                           device={"name": "cost model: H100", "measured": False}, versions={})

@@ -19,6 +19,7 @@ from datamove.harness.eager import EagerRun, eager_plan
 from datamove.harness.torch_eval import evaluate, graph_inputs, keep_mask_torch
 from datamove.harness.tuning_db import TuningDB
 from datamove.layouts.space import Configuration, access_pattern, configurations, default_configuration
+from datamove.layouts.step_config import GeneratedConfig
 from datamove.dataflow import snapshot
 
 SMALL = {"bert": dict(B=2, L=5, N=12, H=3, P=4, U=7), "gpt2": dict(B=2, T=5, D=12, H=3, E=4, F=7)}
@@ -238,11 +239,11 @@ def test_the_main_job_tunes_the_layouts_its_plan_chose():
     assert {v.op_obj.name for v in variants} == set(steps)
     for space in (s for s in spaces if s.op.name in steps):  # the others run in the attention or a GEMM epilogue
         step = steps[space.op.name]
-        layouts = {**step.reads, **step.writes, **step.config["masks"]}
+        layouts = {**step.reads, **step.writes, **step.config.masks}
         mine = [v for v in variants if v.op_obj is space.op]
         assert len({access_pattern(v.config) for v in mine}) == 1
         assert mine == space.patterns[access_pattern(mine[0].config)]
-        assert any(v.config.layouts == layouts and v.config.knobs == step.config["knobs"] for v in mine)
+        assert any(v.config.layouts == layouts and v.config.knobs == step.config.knobs for v in mine)
     assert len(variants) > len(steps)  # whole patterns, not the chosen settings alone
 
 
@@ -271,7 +272,7 @@ def test_an_operator_of_parts_measures_its_defaults_first_and_a_composed_choice_
     assert not any(access_pattern(config) in s.patterns for s in spaces)
     step = Step(space.op.name, "backward", GENERATED, (space.op.name,),
                 {t: config.layouts[t] for t in space.op.inputs}, {t: config.layouts[t] for t in space.op.outputs},
-                {"knobs": config.knobs, "masks": {}, "composed": [2, 4]}, 0.01, "predicted")
+                GeneratedConfig(config.knobs, {}, (2, 4)), 0.01, "predicted")
     variants = [v for v in chosen_patterns(spaces, SimpleNamespace(steps=[step])) if v.op_obj is space.op]
     assert [(v.config.layouts, v.config.knobs) for v in variants[:2]] == \
         [(config.layouts, {**config.knobs, "num_warps": w}) for w in (2, 4)]

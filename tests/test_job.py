@@ -112,10 +112,11 @@ def test_selection_rounds_measure_what_the_plan_chose_until_nothing_is_new(capsy
     from types import SimpleNamespace
 
     from datamove.job import SELECTION_ROUNDS, refine_plan
+    from datamove.layouts.step_config import LayoutChangeConfig
 
     def plan(*changes):
         return SimpleNamespace(steps=[SimpleNamespace(kind="layout_change", source=source,
-                                                      config={"tensor": t, "from": "ab", "to": "ba"})
+                                                      config=LayoutChangeConfig(t, "ab", "ba"))
                                       for t, source in changes])
 
     plans = iter([plan(("v", "measured")), plan()])

@@ -20,6 +20,7 @@ from datamove.kernels.layout_change import KERNEL_ID as LAYOUT_CHANGE_ID
 from datamove.layouts.cost_model import device_figures
 from datamove.layouts.plan import LAYOUT_CHANGE
 from datamove.layouts.select import Candidate, NoPlan, select
+from datamove.layouts.step_config import GeneratedConfig
 
 CHANGE_MS = 1.0
 
@@ -29,7 +30,7 @@ def change_cost(tensor, source, target):
 
 
 def cand(name, ops, reads, writes, ms, phase="forward"):
-    return Candidate(name, phase, "generated", tuple(ops), dict(reads), dict(writes), {}, ms, "predicted")
+    return Candidate(name, phase, "generated", tuple(ops), dict(reads), dict(writes), GeneratedConfig({}), ms, "predicted")
 
 
 def brute_force(order, candidates, produced, boundary, outputs=()):
@@ -142,7 +143,7 @@ def _consistent(plan, graph):
     copies = set()
     for step in plan.steps:
         if step.kind == LAYOUT_CHANGE:
-            copies.add((step.config["tensor"], step.config["to"]))
+            copies.add((step.config.tensor, step.config.target))
             continue
         for t, layout in step.reads.items():
             assert layout == plan.layouts[t] or (t, layout) in copies, (step.name, t, layout, plan.layouts[t])
@@ -164,9 +165,9 @@ def test_both_specs_select_a_complete_plan_with_the_cost_model(spec):
     assert plan.best_sum_ms <= plan.total_ms
     kinds = {s.kind for s in plan.steps}
     assert {"attention_forward", "attention_backward"} <= kinds  # GPT-2's: causal, for its additive mask
-    assert {s.config["causal"] for s in plan.steps if s.kind.startswith("attention")} == {spec == "gpt2"}
+    assert {s.config.causal for s in plan.steps if s.kind.startswith("attention")} == {spec == "gpt2"}
     for step in plan.steps:  # stacked operands: every member stored in the same order of its axes
-        for members in [m for m in (step.config.get("operands") or {}).values() if len(m) > 1]:
+        for members in [m for m in (getattr(step.config, "operands", None) or {}).values() if len(m) > 1]:
             orders = {tuple(fused.graph.tensors[t].letters.index(x) for x in plan.layouts[t]) for t in members}
             assert len(orders) == 1, (step.name, members)
 
@@ -318,7 +319,7 @@ def test_a_kernel_that_never_ran_is_not_offered_and_a_folded_one_is_not_cheaper(
     assert timings.broken(replace(case, bias=True).op("backward"), case.dims, layout)
     assert not timings.broken(case.op("backward"), case.dims, layout)
     builder = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H200"), timings)
-    found = {(c.name, "bias" in c.config): c for c in builder.attention(roles, {"phbj"}, bias)}
+    found = {(c.name, c.config.bias is not None): c for c in builder.attention(roles, {"phbj"}, bias)}
     assert set(found) == {("attention_forward", False), ("attention_backward", False),
                           (f"{bias['op']}+attention_forward", True)}
     assert found[("attention_forward", False)].time_ms == plain["forward"]
@@ -363,19 +364,19 @@ def test_an_operator_of_parts_is_offered_each_part_at_its_best():
 
     composite = offered()[tuple(sorted(wanted.items()))]
     assert composite.source == "predicted" and composite.time_ms == pytest.approx(0.050 - 3 * 0.002)
-    assert composite.config["knobs"]["parts"] == tuple(varied[k].knobs["parts"][k] for k in range(3))
-    assert set(composite.config["composed"]) >= {composite.config["knobs"]["num_warps"]}
+    assert composite.config.knobs["parts"] == tuple(varied[k].knobs["parts"][k] for k in range(3))
+    assert set(composite.config.composed) >= {composite.config.knobs["num_warps"]}
     assert composite in _keep([composite] + [replace(composite, source="measured", time_ms=0.047, config={})], {})
     from datamove.layouts.space import Configuration
-    layouts = {**composite.reads, **composite.writes, **composite.config["masks"]}
-    run = Configuration(layouts, {**composite.config["knobs"], "num_warps": 8})
+    layouts = {**composite.reads, **composite.writes, **composite.config.masks}
+    run = Configuration(layouts, {**composite.config.knobs, "num_warps": 8})
     measured = offered([record(run, 0.009)])[tuple(sorted(wanted.items()))]
-    assert (measured.source, measured.time_ms, measured.config["knobs"]["num_warps"]) == ("measured", 0.009, 8)
-    assert measured.config["composed"]  # the main job tunes its parts together next
+    assert (measured.source, measured.time_ms, measured.config.knobs["num_warps"]) == ("measured", 0.009, 8)
+    assert measured.config.composed  # the main job tunes its parts together next
     retuned = Configuration(layouts, {**run.knobs, "num_warps": 2, "parts": ({**run.knobs["parts"][0], "block_row": 2},
                                                                           *run.knobs["parts"][1:])})
     best = offered([record(run, 0.009), record(retuned, 0.007)])[tuple(sorted(wanted.items()))]
-    assert (best.time_ms, best.config["knobs"]) == (0.007, retuned.knobs)  # the fastest setting of these layouts
+    assert (best.time_ms, best.config.knobs) == (0.007, retuned.knobs)  # the fastest setting of these layouts
     assert tuple(sorted(wanted.items())) not in offered([record(run, None, "failed")])
     assert CandidateBuilder(fused, "gpt2", "bfloat16", device_figures("H100"),
                             Timings(records[1:], device, "bfloat16")).composed(op, written) == []  # no base measured
@@ -405,7 +406,7 @@ def test_fused_epilogue_candidates_read_the_layouts_it_was_timed_in():
     found = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), timings).gemms()["w1_x1+epilogue"]
     assert {(c.reads["w1"], c.reads["x1"], c.time_ms, c.source) for c in found} == {
         ("ui", "ibj", 0.063, "measured"), ("ui", "bji", 0.062, "measured")}
-    assert all(c.writes == {"hidden": "ubj"} and c.config["gemm"]["store_tma"] and "template" not in c.config["gemm"]
+    assert all(c.writes == {"hidden": "ubj"} and c.config.gemm["store_tma"] and "template" not in c.config.gemm
                for c in found)
     model = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), Timings([], device, "bfloat16"))
     assert [(c.reads["x1"], c.source) for c in model.gemms()["w1_x1+epilogue"]] == [("ibj", "predicted")]
@@ -427,5 +428,5 @@ def test_a_gemm_takes_the_cublas_algorithm_measured_fastest(fastest):
                           cublas_knobs(n)), "ok", 0.040 if n == fastest else 0.045 + n / 1000) for n in range(5)]
     builder = CandidateBuilder(fused, "bert", "bfloat16", device_figures("H100"), Timings(records, device, "bfloat16"))
     timed = [c for c in builder.gemms()["w2_hidden"] if c.source == "measured"]
-    assert timed and all(c.time_ms == 0.040 and c.config["backend"] == "cublas" for c in timed)
-    assert all(c.config.get("algorithm") == (fastest or None) for c in timed)
+    assert timed and all(c.time_ms == 0.040 and c.config.backend == "cublas" for c in timed)
+    assert all(c.config.algorithm == (fastest or 0) for c in timed)

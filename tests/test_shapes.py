@@ -109,7 +109,7 @@ def test_spec_order_plan_at_a_longer_sequence(tmp_path):
         compare_with_hf(layer, reference, 2, 45)
     program = layer.program(False, {"B": 2, "L": 45})
     tuned = {s.name: s for s in layer.plan.steps}
-    grown = [s.name for s in program.plan.steps if s.kind == "generated" and s.config["knobs"] != tuned[s.name].config["knobs"]]
+    grown = [s.name for s in program.plan.steps if s.kind == "generated" and s.config.knobs != tuned[s.name].config.knobs]
     assert grown, "no knob was fitted to the longer rows"
 
 
@@ -119,13 +119,13 @@ def test_row_mode_too_long_for_one_tile_becomes_loop():
     plan = spec_order_plan(fused, "bert")
     long = fused.graph.with_dims({**fused.graph.dim_values, "B": 3, "L": 5000})
     fitted = {s.name: s for s in fit_plan(plan, long, fused.operators, 4).steps}
-    rows = [s for s in plan.steps if s.kind == "generated" and "parts" not in s.config["knobs"]
-            and s.config["knobs"]["mode"] == "row"]
+    rows = [s for s in plan.steps if s.kind == "generated" and "parts" not in s.config.knobs
+            and s.config.knobs["mode"] == "row"]
     assert rows
     for step in rows:
-        knobs = fitted[step.name].config["knobs"]
+        knobs = fitted[step.name].config.knobs
         assert knobs["mode"] == "loop" or knobs["block_row"] * knobs["block_col"] <= 16384, (step.name, knobs)
-    assert any(fitted[s.name].config["knobs"]["mode"] == "loop" for s in rows)
+    assert any(fitted[s.name].config.knobs["mode"] == "loop" for s in rows)
     assert fit_plan(plan, fused.graph, fused.operators, 4).steps == plan.steps  # at its own sizes: as chosen
 
 
@@ -136,10 +136,10 @@ def test_a_cublas_algorithm_holds_at_its_sizes_only():
 
     fused = stored_fused()["bert"].with_dims(BERT_DIMS)
     plan = spec_order_plan(fused, "bert")
-    plan = replace(plan, steps=[replace(s, config={**s.config, "algorithm": 3}) if s.kind == "gemm" else s
+    plan = replace(plan, steps=[replace(s, config=replace(s.config, algorithm=3)) if s.kind == "gemm" else s
                                 for s in plan.steps])
     longer = fused.graph.with_dims({**fused.graph.dim_values, "L": 40})
-    assert all("algorithm" not in s.config for s in fit_plan(plan, longer, fused.operators, 4).steps)
+    assert all(not getattr(s.config, "algorithm", 0) for s in fit_plan(plan, longer, fused.operators, 4).steps)
     assert fit_plan(plan, fused.graph, fused.operators, 4).steps == plan.steps
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from datamove.layouts.plan import LAYOUT_CHANGE, MEASURED, PREDICTED, Plan, Step
+from datamove.layouts.step_config import LayoutChangeConfig, StepConfig
 
 STATES_PER_POSITION = 512  # layout states kept per position of the execution order: bounds the search
 
@@ -56,7 +57,7 @@ class Candidate:
     operators: tuple[str, ...]
     reads: dict
     writes: dict
-    config: dict
+    config: StepConfig
     time_ms: float
     source: str
 
@@ -245,4 +246,4 @@ def to_plan(steps: list, facts: dict, *, spec: str, dims: dict, dtype: str, devi
 
 def _change_step(tensor: str, source_layout: str, target: str, ms: float, source: str, phase: str, n: int) -> Step:
     return Step(f"layout({tensor}:{source_layout}->{target})#{n}", phase, LAYOUT_CHANGE, (), {tensor: source_layout},
-                {}, {"tensor": tensor, "from": source_layout, "to": target}, ms, source)
+                {}, LayoutChangeConfig(tensor, source_layout, target), ms, source)
