@@ -1,4 +1,4 @@
-"""Drop the tuned layer into Hugging Face BERT models, as Liger-Kernel's ``apply_liger_kernel_to_*`` do.
+"""Drop the tuned layer into Hugging Face BERT and Llama models, as Liger-Kernel's ``apply_liger_kernel_to_*`` do.
 
 ``replace_bert_layers(model, out_dir)`` swaps every ``BertLayer`` of a HF model (``BertModel``,
 ``BertForMaskedLM``, ...) for a ``BertLayerReplacement`` around a tuned layer loaded from the
@@ -11,6 +11,15 @@ for the GPU (HF's SDPA path asks whether the mask excludes anything, and a 4-D m
 be one per key: each a host-device sync, after which the GPU idles while the host launches the
 next layers).  A 4-D mask (the user's, or from an older transformers) is converted once per model
 call, and checked.
+
+``replace_llama_layers(model, out_dir)`` does the same for every ``LlamaDecoderLayer`` of a HF
+``LlamaModel`` / ``LlamaForCausalLM`` with a tuned layer of a Llama spec (``configs/llama.py``): the
+layer applies the causal mask itself, and the model runs under ``CAUSAL_KEY_PADDING``, which hands
+the layers the (batch, keys) padding mask of the model's ``attention_mask``; the rotary tables the
+model passes every layer (``position_embeddings``: cos and sin, [1 or batch, sequence, head dim])
+are copied into the layer's ``cos`` and ``sin`` constants where they changed.  Training only: the
+layers fill no key-value cache (the model's ``config.use_cache`` is set False), and a call with
+cached tokens (generation) is refused.
 """
 from __future__ import annotations
 
@@ -68,6 +77,7 @@ class _LastMask:
 
 _last_mask = _LastMask()
 KEY_PADDING = "datamove_key_padding"  # the attention implementation of a model whose BERT layers are replaced
+CAUSAL_KEY_PADDING = "datamove_causal_key_padding"  # ... whose Llama layers are replaced
 
 
 def _key_padding_masks(*, mask_function=None, attention_mask=None, **kwargs):
@@ -82,6 +92,18 @@ def _key_padding_masks(*, mask_function=None, attention_mask=None, **kwargs):
     return attention_mask
 
 
+def _causal_key_padding_masks(*, mask_function=None, attention_mask=None, **kwargs):
+    """HF's mask interface under ``CAUSAL_KEY_PADDING``: as ``_key_padding_masks``, for a model that
+    asks for a plain causal mask, which the replaced layers apply themselves; any other mask (a
+    bidirectional one, packed sequences, a sliding window) is refused."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is not causal_mask_function:
+        raise ValueError("datamove: the replaced Llama layers apply a causal mask and a key-padding mask; this model "
+                         "asks for another attention mask (bidirectional, packed sequences or a sliding window)")
+    return attention_mask
+
+
 def _no_attention(module, *args, **kwargs):
     """HF's attention interface under ``KEY_PADDING``: no HF attention runs in a replaced model."""
     raise RuntimeError(f"datamove: {type(module).__name__} asked for HF attention under {KEY_PADDING!r}, the "
@@ -89,17 +111,18 @@ def _no_attention(module, *args, **kwargs):
                        "model.set_attn_implementation(...) to run HF attention modules")
 
 
-def _route_key_padding_masks(model: torch.nn.Module) -> None:
-    """Run ``model`` under ``KEY_PADDING`` where transformers has mask interfaces."""
+def _route_key_padding_masks(model: torch.nn.Module, name: str = KEY_PADDING, masks=_key_padding_masks) -> None:
+    """Run ``model`` under the attention implementation ``name`` whose mask interface is ``masks``,
+    where transformers has mask interfaces."""
     try:
         from transformers.masking_utils import AttentionMaskInterface
         from transformers.modeling_utils import AttentionInterface
     except ImportError:  # an older transformers: its 4-D masks are converted and checked per model call
         return
     if hasattr(model, "set_attn_implementation"):
-        AttentionInterface.register(KEY_PADDING, _no_attention)
-        AttentionMaskInterface.register(KEY_PADDING, _key_padding_masks)
-        model.set_attn_implementation(KEY_PADDING)
+        AttentionInterface.register(name, _no_attention)
+        AttentionMaskInterface.register(name, masks)
+        model.set_attn_implementation(name)
 
 
 class BertLayerReplacement(torch.nn.Module):
@@ -128,22 +151,93 @@ class BertLayerReplacement(torch.nn.Module):
         return self._layer(hidden_states, mask)
 
 
-def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
-    """Replace every ``BertLayer`` in ``model`` in place (and route its attention mask to them as a
-    key-padding mask, ``KEY_PADDING``); returns how many were replaced."""
+class LlamaLayerReplacement(BertLayerReplacement):
+    """A HF ``LlamaDecoderLayer``'s call signature around a tuned layer of a Llama spec:
+    ``forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+    position_embeddings=None, ...)`` -> hidden states [batch, sequence, feature]; ``attention_mask``:
+    the (batch, keys) padding mask ``CAUSAL_KEY_PADDING`` hands the layers (or a 4-D mask that is one
+    per key), the causal mask being the layer's own; ``position_embeddings``: HF's rotary (cos, sin)."""
+
+    def __init__(self, layer: TunedLayer):
+        super().__init__(layer)
+        missing = [t for t in ("cos", "sin") if t not in layer.interface.constants]
+        if missing:
+            raise ValueError(f"datamove: the tuned layer has no constant(s) {', '.join(missing)} for HF's rotary tables "
+                             "(position_embeddings): not a Llama spec's layer (configs/llama.py)")
+        self._tables: tuple | None = None  # the (cos, sin) tensors last copied in, and their versions
+
+    def _copy_tables(self, position_embeddings) -> None:
+        if position_embeddings is None:
+            raise ValueError("datamove: a replaced Llama layer needs the model's position_embeddings (cos, sin)")
+        cos, sin = position_embeddings
+        key = (cos, cos._version, sin, sin._version)
+        if self._tables is not None and all(a is b for a, b in zip(key[::2], self._tables[::2])) \
+                and key[1::2] == self._tables[1::2]:
+            return
+        with torch.no_grad():
+            for name, table in (("cos", cos), ("sin", sin)):
+                target = getattr(self.layer, name)
+                if table.dim() == 3 and table.shape[0] > 1 and not torch.compiler.is_compiling():
+                    if not bool((table == table[:1]).all()):
+                        raise ValueError("datamove: position_embeddings differ between the sequences of the batch "
+                                         "(position_ids per sequence): the tuned layer holds one table for all")
+                table = table[0] if table.dim() == 3 else table
+                if tuple(table.shape) != tuple(target.shape):
+                    raise ValueError(f"datamove: position_embeddings' {name} is {tuple(table.shape)} (sequence, head "
+                                     f"dim); the tuned layer's is {tuple(target.shape)}: call the model at the "
+                                     "sequence length the layer was tuned for")
+                target.copy_(table)
+        self._tables = key
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
+                position_embeddings: tuple | None = None, **kwargs):
+        cache = cache if cache is not None else kwargs.get("past_key_values")
+        if cache is not None and cache.get_seq_length() > 0:
+            raise ValueError("datamove: the replaced Llama layers train; generation with a key-value cache is not "
+                             "part of the tuned layer")
+        self._copy_tables(position_embeddings)
+        mask = _last_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(self._layer, hidden_states, mask)
+        return self._layer(hidden_states, mask)
+
+
+def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwargs: dict) -> int:
+    """Replace every module of class ``kind`` in ``model`` by ``replacement`` around a tuned layer
+    carrying its weights (one compiled program for all: ``TunedLayer.sibling``)."""
     first: TunedLayer | None = None
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child).__name__ != "BertLayer":
+            if type(child).__name__ != kind:
                 continue
             if first is None:
                 layer = first = load_layer(out_dir, **{"device": next(child.parameters()).device, **load_kwargs})
             else:
                 layer = first.sibling()
             load_weights(layer, child)
-            setattr(parent, name, BertLayerReplacement(layer).train(child.training))
+            setattr(parent, name, replacement(layer).train(child.training))
             replaced += 1
+    return replaced
+
+
+def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
+    """Replace every ``BertLayer`` in ``model`` in place (and route its attention mask to them as a
+    key-padding mask, ``KEY_PADDING``); returns how many were replaced."""
+    replaced = _replace(model, out_dir, "BertLayer", BertLayerReplacement, load_kwargs)
     if replaced:
         _route_key_padding_masks(model)
+    return replaced
+
+
+def replace_llama_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
+    """Replace every ``LlamaDecoderLayer`` in ``model`` (a HF ``LlamaModel`` or ``LlamaForCausalLM``)
+    in place by a tuned layer of a Llama spec (``configs/llama.py``) carrying its weights, and route
+    the model's padding mask to them (``CAUSAL_KEY_PADDING``); returns how many were replaced."""
+    replaced = _replace(model, out_dir, "LlamaDecoderLayer", LlamaLayerReplacement, load_kwargs)
+    if replaced:
+        _route_key_padding_masks(model, CAUSAL_KEY_PADDING, _causal_key_padding_masks)
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False  # the layers fill no key-value cache: a model making one would keep it empty
     return replaced

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from datamove.dataflow.initial_values import MASKED_SCORE, ONE, WEIGHT, CausalMask, initial_values
+from datamove.dataflow.initial_values import MASKED_SCORE, ONE, WEIGHT, CausalMask, KnownValue, initial_values
 from datamove.graphs import LayerGraphs
 from datamove.kernels.interpreter import interpreted
 from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
@@ -266,8 +266,9 @@ class TunedLayer(torch.nn.Module):
     def reset_parameters(self) -> None:
         """Parameters and constants as ``dataflow.initial_values`` reads the graph: weights (what an
         einsum reads) N(0, 0.02^2) (BERT's initialiser), scales (a norm's gain) 1, other parameters
-        (biases, shifts) 0; a causal mask 0 where the key is at or before the query, -1e4 after;
-        any other constant NaN: not set (``forward`` refuses to run until it is)."""
+        (biases, shifts) 0; a causal mask 0 where the key is at or before the query, -1e4 after; a
+        constant the front end made (a concatenation's or a repeat's matrix) its known value; any
+        other constant NaN: not set (``forward`` refuses to run until it is)."""
         for name, param in self.named_parameters():
             kind = self.initial[name]
             if kind == WEIGHT:
@@ -278,6 +279,8 @@ class TunedLayer(torch.nn.Module):
             value, kind = self._buffers[name], self.initial.get(name)
             if isinstance(kind, CausalMask):
                 value.copy_(self._causal_mask(name, kind, value.device))
+            elif isinstance(kind, KnownValue):
+                value.copy_(torch.from_numpy(kind.array(self.graph, name)))
             else:
                 value.fill_(math.nan)
 

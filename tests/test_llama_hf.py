@@ -1,0 +1,97 @@
+"""``replace_llama_layers``: a HF ``LlamaModel``'s decoder layers replaced by the tuned layer of
+``configs/llama.py`` (the main job's artifact at the spec's dims), on the CPU (the torch backend),
+against the model untouched in float32: the output at every unpadded position and the gradient of
+every parameter (the layers' through ``WEIGHTS``), without padding and with left padding (keys
+before the sequence excluded); the rotary tables reach the layers from the model; what the layer
+cannot do is refused in one line."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from datamove.cli import main
+from datamove.hf import replace_llama_layers
+from datamove.weights import from_spec
+
+transformers = pytest.importorskip("transformers")
+TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama") / "out"
+    assert main(["configs/llama.py", "--out", str(out)]) == 0
+    return out
+
+
+def models(artifact):
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=16, intermediate_size=128, num_hidden_layers=2, rms_norm_eps=1e-5,
+                                      max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference = transformers.LlamaModel(config)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0.0, 0.1)
+    ours = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cost model's plan: nothing measured
+        assert replace_llama_layers(ours, artifact, dtype=torch.float32, allow_mismatch=True) == 2
+    return reference, ours
+
+
+def layer_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under HF's names; a replaced layer's through its spec's ``WEIGHTS``."""
+    grads = {}
+    for name, module in model.named_modules():
+        layer = getattr(module, "layer", None)
+        if layer is not None and hasattr(layer, "weights_table"):
+            (table,) = layer.weights_table.values()
+            sizes = {x: layer.graph.size(x) for x in layer.graph.letter_dims}
+            for t, (key, pattern, index) in table.items():
+                grads[f"{name}.{key}"] = from_spec(getattr(layer, t).grad, pattern, index,
+                                                   layer.graph.tensors[t].letters, sizes)
+    for name, p in model.named_parameters():
+        if not name.split(".")[-1] in ("cos", "sin") and ".layer." not in name:
+            grads[name] = p.grad
+    return grads
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_a_replaced_llama_model_trains_as_hf(artifact, padded):
+    reference, ours = models(artifact)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    if padded:
+        mask[1, :5] = 0
+    keep = mask.bool()
+    results = []
+    for model in (reference, ours):
+        y = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        y[keep].square().sum().backward()
+        results.append((y.detach(), layer_grads(model)))
+    (expected, expected_grads), (y, grads) = results
+    scale = float(expected[keep].abs().max())
+    assert float((y - expected)[keep].abs().max()) < TOLERANCE * scale
+    for name in expected_grads:
+        wanted = dict(reference.named_parameters())[name].grad if name in dict(reference.named_parameters()) else None
+        assert wanted is not None and grads[name] is not None, name
+        assert float((grads[name] - wanted).abs().max()) < TOLERANCE * float(wanted.abs().max()), name
+    assert set(grads) == set(expected_grads)
+
+
+def test_what_the_layer_cannot_do_is_refused(artifact):
+    _, ours = models(artifact)
+    layer = ours.layers[0]
+    x = torch.randn(2, 16, 64)
+    cos, sin = ours.rotary_emb(x, torch.arange(16)[None])
+    with pytest.raises(ValueError, match="needs the model's position_embeddings"):
+        layer(x)
+    with pytest.raises(ValueError, match=r"the tuned layer's is \(16, 16\): call the model at the sequence length"):
+        layer(x[:, :8], position_embeddings=(cos[:, :8], sin[:, :8]))
+    shifted = ours.rotary_emb(x, torch.stack([torch.arange(16), torch.arange(16) + 3]))
+    with pytest.raises(ValueError, match="differ between the sequences of the batch"):
+        layer(x, position_embeddings=shifted)
+    assert ours.config.use_cache is False  # the layers fill no key-value cache
