@@ -11,7 +11,11 @@ shape and dtype with the same weights:
 - ``compile-default`` / ``compile-max-autotune``: ``torch.compile`` of HF ``BertLayer`` with SDPA
   (``mode=None`` / ``"max-autotune-no-cudagraphs"``).
 A GPT-2 artifact (``configs/gpt2.py``) is compared with HF's ``GPT2Block`` with SDPA (causal) and
-both compiles of it.
+both compiles of it; a Llama artifact (``configs/llama.py``) with HF's ``LlamaDecoderLayer`` with
+SDPA (causal, the rotary tables of HF's ``LlamaRotaryEmbedding`` passed in, as the model does),
+``torch.compile`` of it (default and max-autotune; ``--no-max-autotune`` leaves that out), and the same with
+Liger-Kernel's RMSNorm, SwiGLU and RoPE (``apply_liger_kernel_to_llama``, applied after the others
+are measured: it patches HF's module) alone and compiled.
 All in training mode (dropout 0.1 as in the spec), inputs N(0, 1), gradients of a fixed N(0, 1)
 upstream gradient taken with ``torch.autograd.grad`` (nothing accumulates between calls).
 
@@ -52,14 +56,17 @@ from datamove.kernels.device import query_device, versions
 
 REPS = 20
 ROUNDS = 5  # odd: the kernel table is the median round's
-KERNEL_TABLE_LAYERS = ("datamove", "compile-default", "compile-max-autotune")
+KERNEL_TABLE_LAYERS = ("datamove", "compile-default", "compile-max-autotune", "liger")
 
 
-def _baselines(manifest: dict, dtype: torch.dtype, device) -> dict:
-    """The PyTorch layers of the artifact's shape and spec (BERT's layer, GPT-2's block), same
-    weights as each other."""
+def _baselines(manifest: dict, dtype: torch.dtype, device, max_autotune: bool = True) -> dict:
+    """The PyTorch layers of the artifact's shape and spec (BERT's layer, GPT-2's block, Llama's
+    decoder layer), same weights as each other; a value may be a function making the layer when
+    it is measured (Liger's, which patches HF's module)."""
     if manifest["spec"] == "gpt2":
         return _gpt2_baselines(manifest, dtype, device)
+    if manifest["spec"] == "llama":
+        return _llama_baselines(manifest, dtype, device, max_autotune)
     import transformers
     from transformers.models.bert.modeling_bert import BertLayer
 
@@ -95,6 +102,59 @@ def _gpt2_baselines(manifest: dict, dtype: torch.dtype, device) -> dict:
     block = GPT2Block(config, layer_idx=0).to(device, dtype).train()
     return {"hf-sdpa": block, "compile-default": torch.compile(block),
             "compile-max-autotune": torch.compile(block, mode="max-autotune-no-cudagraphs")}
+
+
+class _WithRotary(torch.nn.Module):
+    """A HF ``LlamaDecoderLayer`` called as the model calls it: with the rotary tables (cos, sin)."""
+
+    def __init__(self, layer: torch.nn.Module, tables: tuple):
+        super().__init__()
+        self.layer, self.tables = layer, tables
+
+    def forward(self, x):
+        return self.layer(x, position_embeddings=self.tables)
+
+
+def llama_config(manifest: dict):
+    import transformers
+
+    d = manifest["dims"]
+    return transformers.LlamaConfig(hidden_size=d["D"], num_attention_heads=d["H"], num_key_value_heads=d["KV"],
+                                    head_dim=d["E"], intermediate_size=d["F"], rms_norm_eps=1e-5,
+                                    max_position_embeddings=max(d["T"], 2048), attn_implementation="sdpa")
+
+
+def llama_tables(manifest: dict, dtype: torch.dtype, device) -> tuple:
+    """HF's rotary (cos, sin) for positions 0..T-1, [1, T, E]."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config, T = llama_config(manifest), manifest["dims"]["T"]
+    x = torch.empty(1, T, config.hidden_size, device=device, dtype=dtype)
+    return LlamaRotaryEmbedding(config).to(device)(x, torch.arange(T, device=device)[None])
+
+
+def _llama_baselines(manifest: dict, dtype: torch.dtype, device, max_autotune: bool) -> dict:
+    from transformers.models.llama import modeling_llama
+
+    config, tables = llama_config(manifest), llama_tables(manifest, dtype, device)
+    hf = _WithRotary(modeling_llama.LlamaDecoderLayer(config, layer_idx=0).to(device, dtype).train(), tables)
+    layers = {"hf-sdpa": hf, "compile-default": torch.compile(hf)}
+    if max_autotune:
+        layers["compile-max-autotune"] = torch.compile(hf, mode="max-autotune-no-cudagraphs")
+
+    def liger():
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+        layer = modeling_llama.LlamaDecoderLayer(config, layer_idx=0).to(device, dtype).train()
+        layer.load_state_dict(hf.layer.state_dict())
+        return _WithRotary(layer, tables)
+
+    made = {}
+    layers["liger"] = lambda: made.setdefault("liger", liger())
+    layers["liger-compile"] = lambda: torch.compile(made.setdefault("liger", liger()))
+    return layers
 
 
 def _call(layer, x, dy, backward: bool):
@@ -201,7 +261,7 @@ def same_size_copy_ms(moved: int, device) -> float:
     return time_cuda(lambda: dst.copy_(src), cuda_graph=True).median_ms
 
 
-def run_case(artifact: Path) -> dict:
+def run_case(artifact: Path, max_autotune: bool = True) -> dict:
     manifest = read_manifest(artifact)
     device = torch.device("cuda")
     with warnings.catch_warnings():
@@ -209,9 +269,17 @@ def run_case(artifact: Path) -> dict:
         layer = load_layer(artifact, device=device, allow_mismatch=True).train()
         plain = load_layer(artifact, device=device, allow_mismatch=True, cuda_graphs=False).train()
     dtype = layer.dtype
-    baselines = _baselines(manifest, dtype, device)
-    load_weights(layer, baselines["hf-sdpa"])
-    load_weights(plain, baselines["hf-sdpa"])
+    baselines = _baselines(manifest, dtype, device, max_autotune)
+    source = baselines["hf-sdpa"]
+    if manifest["spec"] == "llama":
+        source = source.layer
+        cos, sin = llama_tables(manifest, dtype, device)
+        with torch.no_grad():
+            for each in (layer, plain):
+                each.cos.copy_(cos[0])
+                each.sin.copy_(sin[0])
+    load_weights(layer, source)
+    load_weights(plain, source)
     d = manifest["dims"]
     program = layer.program(True)
     x = torch.randn(program.torch_shapes[program.interface.activations[0]], device=device, dtype=dtype,
@@ -219,6 +287,8 @@ def run_case(artifact: Path) -> dict:
     dy = torch.randn_like(x)
     rows = {}
     for name, module in {"datamove": layer, "datamove-plain": plain, **baselines}.items():
+        if not isinstance(module, torch.nn.Module):
+            module = module()  # made now: after the layers it would change are measured
         for direction, backward in (("forward", False), ("fwd+bwd", True)):
             print(f"{artifact.name}: {name} {direction}", file=sys.stderr)
             try:
@@ -237,7 +307,9 @@ def markdown(report: dict) -> str:
              "from one CUDA graph the caller captured. Medians; ratio = time / tuned layer's.", ""]
     for case in report["cases"]:
         d = case["dims"]
-        sizes = f"B={d['B']} L={d['L']}" if "L" in d else f"GPT-2 block B={d['B']} T={d['T']}"
+        sizes = (f"B={d['B']} L={d['L']}" if "L" in d else
+                 f"Llama layer B={d['B']} T={d['T']} D={d['D']} H={d['H']} KV={d['KV']} E={d['E']} F={d['F']}"
+                 if "KV" in d else f"GPT-2 block B={d['B']} T={d['T']}")
         lines += [f"## {sizes} {case['dtype']} (plan timed on: {case['plan_device']['name']}; "
                   f"measured {case.get('date', report['date'])})", "",
                   "| layer | direction | kernel ms | wall ms | graphed ms | kernel ratio |", "|---|---|---|---|---|---|"]
@@ -291,6 +363,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, nargs="+", required=True, help="optimize-layer output folders")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default="layer", help="results file name (OUT/NAME.md, .json)")
+    parser.add_argument("--no-max-autotune", dest="max_autotune", action="store_false",
+                        help="leave out torch.compile's max-autotune (minutes of autotuning per layer)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/layer.py needs a CUDA GPU: nothing measured", file=sys.stderr)
@@ -299,9 +374,9 @@ def main() -> int:
               "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(), "versions": versions(),
               "cases": []}
     for artifact in args.artifact:  # the results rewritten after each case: what was measured stays
-        report["cases"].append(run_case(artifact))
+        report["cases"].append(run_case(artifact, args.max_autotune))
         text = markdown(report)
-        write_results(args.out, "layer", report, text)
+        write_results(args.out, args.name, report, text)
     print(text)
     return 0
 
