@@ -219,8 +219,10 @@ def test_equals_the_pytorch_layer_it_replaces(tmp_path, spec, make):
         assert torch.equal(given_back[key].double(), value.float().double()), key
 
 
-def test_torch_compile_fullgraph_matches_eager(tmp_path):
-    layer = load(write(tmp_path, "bert", BERT_DIMS))
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_torch_compile_fullgraph_matches_eager(tmp_path, backend):
+    """Both backends run behind the same custom ops: traced without graph breaks."""
+    layer = load(write(tmp_path, "bert", BERT_DIMS), backend)
     randomize(layer, 3)
     d = BERT_DIMS
     x = torch.randn(d["B"], d["L"], d["N"], requires_grad=True)
