@@ -2,6 +2,7 @@
 ``test_attention.test_kernels_compile_for_hopper``:
 
     python3 tests/compile_attention.py '{"BLOCK_K": 64, "GROUPED": true, "MASK_IO": 1, "HAS_BIAS": true}'
+    python3 tests/compile_attention.py '{"BLOCK_K": 64, "GROUPED": true, "MASK_IO": 1, "GROUPS": 4, "CAUSAL": true}'
 
 prints each kernel's name once its PTX is built; a kernel that does not compile raises."""
 import json
@@ -22,7 +23,8 @@ KERNELS = (attention._attn_fwd_kernel, attention._attn_bwd_preprocess_kernel, at
 
 def compile_all(chosen: dict) -> None:
     flags = dict(P=64, BLOCK_J=64, CAUSAL=False, HAS_KPM=True, HAS_DROPOUT=True, INDEX_64=False, EVEN_K=True,
-                 EVEN=True, DQ_ATOMIC=True, ZERO_DQ=True, **chosen)
+                 EVEN=True, DQ_ATOMIC=True, ZERO_DQ=True, GROUPS=1)
+    flags.update(chosen)
     for kernel in KERNELS:
         names = kernel.arg_names
         constants = {name: flags[name] for name in names if name in flags}

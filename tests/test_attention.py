@@ -5,8 +5,11 @@ call per element), and key counts that are multiples of 8 where the mask is draw
 eight keys (``test_dropout_paths``, ``test_config_space_runs``, a low-precision case); every test
 checks O and all three gradients, with the backward regenerating the mask (the default) and, in
 ``test_dropout_paths`` and the configuration space, reading the mask the forward saved (one byte
-per eight keys, compared bit for bit with NumPy's). GPU (``gpu`` marker): BERT-large sizes in bf16
-with dropout 0.1, both mask options.
+per eight keys, compared bit for bit with NumPy's). Grouped-query attention (``test_gqa_*``): 6 query
+heads over 2 or 3 K/V heads (4 over 2 with a padding mask and a saved mask, 8 over 2 in bf16), K/V
+and dK/dV over the K/V heads, against float64 with K/V repeated first. GPU (``gpu`` marker):
+BERT-large sizes in bf16 with dropout 0.1, both mask options; Llama sizes (32 query heads over 8
+K/V heads, head dims 64 and 128) for grouped-query attention.
 """
 import functools
 import json
@@ -52,9 +55,13 @@ def saved_bits(keep):
 
 
 def eager_attention(q, k, v, *, scale, dropout_p, seed, offset, causal=False, key_padding_mask=None, order="bhjk"):
-    """The unfused chain at the inputs' precision, with the kernel's dropout mask."""
+    """The unfused chain at the inputs' precision, with the kernel's dropout mask; k and v over
+    fewer heads than q (grouped-query attention) repeated over the query heads first, as HF's
+    ``repeat_kv`` does (their gradients then sum over each group)."""
     B, H, Lq, _ = q.shape
     Lk = k.shape[2]
+    if k.shape[1] != H:
+        k, v = (t.repeat_interleave(H // k.shape[1], dim=1) for t in (k, v))
     s = torch.einsum("bhjp,bhkp->bhjk", q, k) * scale
     if causal:
         s = s.masked_fill(torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
@@ -67,10 +74,12 @@ def eager_attention(q, k, v, *, scale, dropout_p, seed, offset, causal=False, ke
     return torch.einsum("bhjk,bhkp->bhjp", a, v)
 
 
-def make_inputs(B, H, Lq, Lk, P, dtype, layout="bhjp", seed=0):
+def make_inputs(B, H, Lq, Lk, P, dtype, layout="bhjp", seed=0, KV=None):
+    """Float64 q, k, v (k and v over ``KV`` heads, default H) and do; the kernel's q, k, v in
+    ``dtype`` stored in ``layout``."""
     gen = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(B, H, Lq, P, generator=gen, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(B, H, Lk, P, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, KV or H, Lk, P, generator=gen, dtype=torch.float64) for _ in range(2))
     kernel_inputs = [stored_as(t.to(DEVICE, dtype), layout).requires_grad_() for t in (q, k, v)]
     return (q, k, v), kernel_inputs, do
 
@@ -382,6 +391,79 @@ def test_rejects_bad_arguments():
         attention_backward(q, q, q, q, o, lse, **args, dropout_mask="nibbles")
 
 
+@pytest.mark.parametrize("KV", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_gqa_matches_float64(KV, causal, dropout_p):
+    """Grouped-query attention: 6 query heads over KV = 2 or 3 K/V heads (3 or 2 per group), K/V read
+    in place of their repetition: O and dQ, dK, dV (dK, dV over the K/V heads, each its group's
+    sum) against float64 with k and v repeated first, causal or not, with and without dropout (the
+    mask over the query heads, regenerated), both dQ modes; q in (b, j, h, p), K/V in (b, h, j, p)."""
+    B, H, Lq, Lk, P = 2, 6, 37, 37, 16
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, "bjhp", seed=30 + KV, KV=KV)
+    kernel_inputs[1:] = [stored_as(t.detach(), "bhjp").requires_grad_() for t in kernel_inputs[1:]]
+    for dq_mode in ("atomic", "split"):
+        for t in kernel_inputs:
+            t.grad = None
+        got, reference, _ = run_both(ref_inputs, kernel_inputs, do, scale=0.3, dropout_p=dropout_p, seed=4321,
+                                     offset=7, causal=causal, backward_config=dict(dq_mode=dq_mode))
+        assert got[2].shape == (B, KV, Lk, P) and got[3].shape == (B, KV, Lk, P)
+        for name, g, r in zip(NAMES, got, reference):
+            assert g.shape == r.shape
+            assert relative_error(g, r) < FP32_TOL, f"{dq_mode} {name}: {relative_error(g, r):.2e}"
+
+
+@pytest.mark.parametrize("dq_mode,option", [("atomic", "regenerate"), ("split", "saved"), ("atomic", "saved")])
+def test_gqa_padding_and_saved_mask(dq_mode, option):
+    """Grouped-query attention with a key padding mask and dropout drawn one Philox call per sixteen
+    keys (Lk = 64): the backward regenerating the mask or reading the one the forward saved over
+    the query heads (bit for bit NumPy's), and ``groups`` given explicitly."""
+    B, H, KV, Lq, Lk, P = 2, 4, 2, 23, 64, 16
+    kpm = padding_mask(B, Lk, seed=3)
+    args = dict(scale=0.3, dropout_p=0.3, seed=99, offset=64, key_padding_mask=kpm.to(DEVICE))
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, Lq, Lk, P, torch.float32, "bjhp", seed=41, KV=KV)
+    got, reference, _ = run_both(ref_inputs, kernel_inputs, do, **args)
+    for name, g, r in zip(NAMES, got, reference):
+        assert relative_error(g, r) < FP32_TOL, f"{name}: {relative_error(g, r):.2e}"
+    q, k, v = (t.detach() for t in kernel_inputs)
+    saved = new_saved_mask(q, k, dropout_p=0.3, offset=64) if option == "saved" else None
+    o, lse = attention_forward(q, k, v, **args, saved_mask=saved, groups=2)
+    assert torch.equal(o, got[0].detach())
+    if saved is not None:
+        assert saved.shape == (B, H, Lq, Lk // 16)
+        assert torch.equal(saved.cpu(), saved_bits(probability_keep(99, 64, 0.3, B, H, Lq, Lk)))
+    grads = attention_backward(do.to(DEVICE, torch.float32), q, k, v, o, lse, **args, saved_mask=saved, groups=2,
+                               dq_mode=dq_mode, dropout_mask=option)
+    for name, g, r in zip(NAMES[1:], grads, reference[1:]):
+        assert relative_error(g, r) < FP32_TOL, f"{dq_mode} {option} {name}: {relative_error(g, r):.2e}"
+
+
+def test_gqa_low_precision_acceptance():
+    """bf16, 8 query heads over 2 K/V heads, causal, dropout: no farther from float64 than PyTorch's
+    eager chain at bf16 repeating K/V (``harness.accuracy``)."""
+    B, H, KV, L, P = 2, 8, 2, 29, 32
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, L, L, P, torch.bfloat16, "bhjp", seed=42, KV=KV)
+    got, reference, baseline = run_both(ref_inputs, kernel_inputs, do, baseline_dtype=torch.bfloat16, scale=P**-0.5,
+                                        dropout_p=0.1, seed=5, offset=3, causal=True)
+    for name, g, r, base in zip(NAMES, got, reference, baseline):
+        assert g.dtype == torch.bfloat16
+        assert_closer(g, base, r, what=name)
+
+
+def test_gqa_rejects_bad_arguments():
+    q, k = torch.randn(1, 6, 5, 16), torch.randn(1, 4, 5, 16)
+    with pytest.raises(ValueError, match="whole number of groups"):
+        attention_forward(q, k, k, scale=1.0)
+    k = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="groups=2: q has 6 heads and k, v 2, so 3"):
+        attention_forward(q, k, k, scale=1.0, groups=2)
+    with pytest.raises(ValueError, match="whole number of groups"):
+        attention_forward(q, k, torch.randn(1, 3, 5, 16), scale=1.0)
+    bias = torch.zeros(6, 16)
+    with pytest.raises(ValueError, match="not taken with grouped K/V heads"):
+        attention_forward(q, k, k, scale=1.0, bias=(bias, bias), q_biased=torch.empty_like(q))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,P,causal,backward", [
     (16, 64, False, dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="atomic")),
@@ -434,9 +516,33 @@ def test_bert_large_padded_tails_gpu(backward, dropout_mask):
         assert all(not grad[b, :, n:].any() for b, n in enumerate(kept.tolist()))
 
 
-@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,KV,P,L,backward", [
+    (32, 8, 64, 2048, dict(block_j=64, block_k=64, num_warps=4, num_stages=3, dq_mode="atomic")),
+    (32, 8, 64, 2048, dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="split")),
+    (32, 8, 128, 1024, dict(block_j=64, block_k=64, num_warps=4, num_stages=2, dq_mode="split")),
+    (32, 8, 128, 1024, dict(block_j=64, block_k=128, num_warps=8, num_stages=3, dq_mode="atomic"))])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_gqa_llama_gpu(H, KV, P, L, backward, dropout_p):
+    """Llama sizes, bf16, causal: Llama-3.2-1B's attention (32 query heads over 8 K/V heads, head
+    dim 64, T=2048) and Llama-3-8B's (head dim 128), Q in HF's (b, j, h, p) projection layout, K
+    and V read in place over the K/V heads: O and every gradient as close to float64 as PyTorch's
+    bf16 chain repeating K/V first, with dropout 0 and 0.1 (the mask regenerated)."""
+    B = 2
+    backward = dict(backward, dropout_mask="regenerate")
+    assert backward in attention_configs(P, "backward")
+    ref_inputs, kernel_inputs, do = make_inputs(B, H, L, L, P, torch.bfloat16, "bjhp", seed=13, KV=KV)
+    args = dict(scale=P**-0.5, dropout_p=dropout_p, seed=0x5EED, offset=0, causal=True)
+    got, reference, baseline = run_both(ref_inputs, kernel_inputs, do, baseline_dtype=torch.bfloat16, **args,
+                                        backward_config=backward)
+    assert got[2].shape == (B, KV, L, P)
+    for name, g, r, base in zip(NAMES, got, reference, baseline):
+        assert_closer(g, base, r, what=name)
+
+
+@pytest.mark.parametrize("has_bias,groups", [(False, 1), (True, 1), (False, 4)])
 @pytest.mark.parametrize("block_k,grouped,mask_io", [(64, True, 1), (128, False, 0)])
-def test_kernels_compile_for_hopper(has_bias, block_k, grouped, mask_io):
+def test_kernels_compile_for_hopper(has_bias, groups, block_k, grouped, mask_io):
     """Every attention kernel goes through Triton's compiler to sm_90 PTX (``compile_attention.py``,
     in a process without the interpreter, which runs the kernels as Python and misses what only the
     compiler checks: the first kernels with biases ran here and failed to compile on the H200, a
@@ -450,7 +556,7 @@ def test_kernels_compile_for_hopper(has_bias, block_k, grouped, mask_io):
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    flags = dict(BLOCK_K=block_k, GROUPED=grouped, MASK_IO=mask_io, HAS_BIAS=has_bias)
+    flags = dict(BLOCK_K=block_k, GROUPED=grouped, MASK_IO=mask_io, HAS_BIAS=has_bias, GROUPS=groups)
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_attention.py")), json.dumps(flags)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

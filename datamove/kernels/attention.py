@@ -19,6 +19,21 @@ dQ ("split"). Every kernel computes score tiles (j, k), rows j: the
 dropout decisions of a Philox call then lie in the accumulator columns of the thread that draws
 it (module doc below); the dK/dV kernel feeds P~ and dS to its MMAs transposed.
 
+Grouped-query attention (GQA, Llama's K/V heads shared by G query heads each): K and V (and dK,
+dV) are over H / G heads, query head h reading K/V head h // G (the kernels' ``GROUPS``; the
+launchers take it from the shapes, k and v (b, h / G, k, p), and check ``groups`` where given);
+the K/V tensors are read in place, never repeated over the query heads.  O, lse, dO, dQ, delta and
+the dropout mask stay over the query heads (b, h, j, k), indexed as without groups.  Backward:
+one dK/dV program per block of one K/V head's keys (grid: key blocks x b * H / G) runs its
+group's G query heads in turn, in head order, through its loop over query blocks, summing into
+one fp32 dK and dV accumulator (deterministic, no atomics, no per-query-head dK/dV buffer to sum
+afterwards: FlashAttention-2 writes dK/dV per query head and sums them in a second pass; here
+the group's sum never leaves the registers, and K and V are loaded once per group); with dQ
+"atomic" each query head's dQ is written by the last key block to finish that head (its arrival
+counter), as without groups; the dQ kernel ("split") runs per query head, reading K/V head h // G.
+The forward and the dQ kernel are unchanged but for the K/V head's index; with G = 1 every kernel
+compiles to the code it compiled to before groups existed.  Biases (below) are refused with G > 1.
+
 Layouts: every tensor is addressed through one stride per named dim, so any permuted storage
 (``(b,h,j,p)``, BERT's ``(b,j,h,p)`` = ``[B, L, H*P]`` view, the paper's ``(p,h,b,j)``) works
 without copies. The launchers take torch tensors whose ``.shape`` is the logical order
@@ -228,8 +243,8 @@ def _visible(valid, b, offs_j, offs_k, kpm_ptr, stride_mb, stride_mk, Lk, CAUSAL
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr,  # (b, h, j, p) any strides
-    k_ptr,  # (b, h, k, p) any strides
-    v_ptr,  # (b, h, k, p) any strides
+    k_ptr,  # (b, h // GROUPS, k, p) any strides: K/V head h // GROUPS serves query head h
+    v_ptr,  # (b, h // GROUPS, k, p) any strides
     o_ptr,  # (b, h, j, p) any strides
     lse_ptr,  # (b, h, j) float32, contiguous
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
@@ -250,14 +265,15 @@ def _attn_fwd_kernel(
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUPS: tl.constexpr,  # query heads per K/V head (grouped-query attention; 1: one K/V head each)
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P, 1 if CAUSAL else 0)
     if HAS_BIAS:
         q = _biased(q, _head_bias(bq_ptr, h, stride_bqh, stride_bqp, offs_p))
         _store_rows(qb_ptr, stride_qbb, stride_qbh, stride_qbj, stride_qbp, b, h, offs_j, offs_p, row_ok, q)
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_vb + h * stride_vh
+    k_base = k_ptr + b * stride_kb + (h // GROUPS) * stride_kh
+    v_base = v_ptr + b * stride_vb + (h // GROUPS) * stride_vh
     if HAS_DROPOUT:
         drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, pid_bh.to(tl.int64) * Lq, offset, drop_sb, drop_sh,
                                             drop_sj, INDEX_64, GROUPED)
@@ -336,16 +352,16 @@ def _attn_bwd_preprocess_kernel(
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr,  # (b, h, j, p) any strides
-    k_ptr,  # (b, h, k, p) any strides
-    v_ptr,  # (b, h, k, p) any strides
+    k_ptr,  # (b, h // GROUPS, k, p) any strides
+    v_ptr,  # (b, h // GROUPS, k, p) any strides
     do_ptr,  # (b, h, j, p) any strides
     lse_ptr,  # (b, h, j) float32, contiguous
     delta_ptr,  # (b, h, j) float32, contiguous
     dq_acc_ptr,  # (b, h, j, p) float32, contiguous, zeroed: dQ accumulated atomically (unused unless DQ_ATOMIC)
     arrivals_ptr,  # (b, h) int32, contiguous, zeroed: key blocks done with the head (unused unless DQ_ATOMIC)
     dq_ptr,  # (b, h, j, p) any strides: dQ, written by the head's last key block (unused unless DQ_ATOMIC)
-    dk_ptr,  # (b, h, k, p) any strides
-    dv_ptr,  # (b, h, k, p) any strides
+    dk_ptr,  # (b, h // GROUPS, k, p) any strides
+    dv_ptr,  # (b, h // GROUPS, k, p) any strides
     kpm_ptr,  # (b, k) uint8, nonzero = padded key (unused unless HAS_KPM)
     mask_ptr,  # (b, h, j, k // 16) int16 contiguous: the saved mask, read if MASK_IO == 2
     bv_ptr,  # (h, p) any strides: v's bias (unused unless HAS_BIAS; q is the forward's q + bq: module doc)
@@ -366,20 +382,19 @@ def _attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GROUPS: tl.constexpr,  # query heads per K/V head: a program runs the GROUPS query heads of its K/V head in turn
 ):
-    pid_k, pid_bh, b, h, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
-                                                                H, Lk, BLOCK_K, P, -1 if CAUSAL else 0)
+    # grid: key blocks x b * (H // GROUPS): one program per block of one K/V head's keys
+    pid_k, pid_bkv, b, kv, offs_k, offs_p, col_ok, k = _head_rows(k_ptr, stride_kb, stride_kh, stride_kk, stride_kp,
+                                                                  H // GROUPS, Lk, BLOCK_K, P, -1 if CAUSAL else 0)
     key_ok = col_ok
     if HAS_KPM:
         pad = tl.load(kpm_ptr + b * stride_mb + offs_k * stride_mk, mask=col_ok, other=1)
         key_ok = key_ok & (pad == 0)
-    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp,
+    v = tl.load(v_ptr + b * stride_vb + kv * stride_vh + offs_k[:, None] * stride_vk + offs_p[None, :] * stride_vp,
                 mask=col_ok[:, None], other=0.0)
-    if HAS_BIAS:
-        v = _biased(v, _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p))
-    q_base = q_ptr + b * stride_qb + h * stride_qh
-    do_base = do_ptr + b * stride_dob + h * stride_doh
-    stat_base = pid_bh.to(tl.int64) * Lq
+    if HAS_BIAS:  # GROUPS == 1 (the launcher refuses biases with grouped heads)
+        v = _biased(v, _head_bias(bv_ptr, kv, stride_bvh, stride_bvp, offs_p))
     dk = tl.zeros([BLOCK_K, P], tl.float32)
     dv = tl.zeros([BLOCK_K, P], tl.float32)
     j_start = 0
@@ -388,50 +403,72 @@ def _attn_bwd_dkdv_kernel(
     j_end = Lq
     if HAS_KPM:  # a block of keys the padding mask drops for every query: dK = dV = 0
         j_end = tl.where(pid_k * BLOCK_K < _keys_kept(kpm_ptr, b, stride_mb, stride_mk, Lk), Lq, j_start)
-    for start_j in range(j_start, j_end, BLOCK_J):
-        offs_j = start_j + tl.arange(0, BLOCK_J)
-        row_ok = offs_j < Lq
-        q = tl.load(q_base + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp, mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_base + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop, mask=row_ok[:, None], other=0.0)
-        lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
-        # (j, k) tiles, as the forward's: the dropout groups lie along the accumulator's columns
-        s_jk = tl.dot(q, tl.trans(k))
-        dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
-        if HAS_DROPOUT:
-            drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
-                                                INDEX_64, GROUPED)
-            keep = _keep_block(seed, drop_threshold, drop_row, pid_k * BLOCK_K, drop_sk, mask_ptr, mask_rows, Lk,
-                               BLOCK_K, GROUPED, MASK_IO)
-        p = tl.math.exp2(s_jk * qk_scale - lse2[:, None])
-        if CAUSAL or HAS_KPM or not EVEN:
-            valid = key_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                valid = valid & (offs_k[None, :] <= offs_j[:, None])
-            p = tl.where(valid, p, 0.0)
-        if HAS_DROPOUT:
-            dv += tl.dot(tl.trans(tl.where(keep, p, 0.0).to(do.dtype)), do)
-            dp = tl.where(keep, dp * dropout_scale, 0.0)
-        else:
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        ds = (p * (dp - delta[:, None])).to(q.dtype)  # dL/dS (j, k), without the scale
-        dk += tl.dot(tl.trans(ds), q)
-        if DQ_ATOMIC:
-            dq = tl.dot(ds, k) * scale
-            tl.atomic_add(_dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P), dq, mask=row_ok[:, None], sem="relaxed")
+    # dK, dV sum over the group's query heads in a fixed order (deterministic, no atomics): each
+    # query head's rows in turn, into the same fp32 accumulators
+    for g in range(GROUPS):
+        h = kv * GROUPS + g
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_dob + h * stride_doh
+        stat_base = (b * H + h) * Lq
+        for start_j in range(j_start, j_end, BLOCK_J):
+            offs_j = start_j + tl.arange(0, BLOCK_J)
+            row_ok = offs_j < Lq
+            q = tl.load(q_base + offs_j[:, None] * stride_qj + offs_p[None, :] * stride_qp, mask=row_ok[:, None],
+                        other=0.0)
+            do = tl.load(do_base + offs_j[:, None] * stride_doj + offs_p[None, :] * stride_dop, mask=row_ok[:, None],
+                         other=0.0)
+            lse2 = tl.load(lse_ptr + stat_base + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_ptr + stat_base + offs_j, mask=row_ok, other=0.0)
+            # (j, k) tiles, as the forward's: the dropout groups lie along the accumulator's columns
+            s_jk = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))  # dL/dP~ (j, k)
+            if HAS_DROPOUT:
+                drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, stat_base, offset, drop_sb, drop_sh, drop_sj,
+                                                    INDEX_64, GROUPED)
+                keep = _keep_block(seed, drop_threshold, drop_row, pid_k * BLOCK_K, drop_sk, mask_ptr, mask_rows, Lk,
+                                   BLOCK_K, GROUPED, MASK_IO)
+            p = tl.math.exp2(s_jk * qk_scale - lse2[:, None])
+            if CAUSAL or HAS_KPM or not EVEN:
+                valid = key_ok[None, :] & row_ok[:, None]
+                if CAUSAL:
+                    valid = valid & (offs_k[None, :] <= offs_j[:, None])
+                p = tl.where(valid, p, 0.0)
+            if HAS_DROPOUT:
+                dv += tl.dot(tl.trans(tl.where(keep, p, 0.0).to(do.dtype)), do)
+                dp = tl.where(keep, dp * dropout_scale, 0.0)
+            else:
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            ds = (p * (dp - delta[:, None])).to(q.dtype)  # dL/dS (j, k), without the scale
+            dk += tl.dot(tl.trans(ds), q)
+            if DQ_ATOMIC:
+                dq = tl.dot(ds, k) * scale
+                tl.atomic_add(_dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P), dq, mask=row_ok[:, None],
+                              sem="relaxed")
+        if DQ_ATOMIC and GROUPS > 1:  # done with query head h (GROUPS == 1: after dK and dV are stored, below)
+            _dq_arrive(dq_acc_ptr, arrivals_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqj, stride_dqp, b, h, stat_base,
+                       offs_p, H, Lq, P, BLOCK_J)
 
-    _store_rows(dk_ptr, stride_dkb, stride_dkh, stride_dkk, stride_dkp, b, h, offs_k, offs_p, col_ok, dk * scale)
-    _store_rows(dv_ptr, stride_dvb, stride_dvh, stride_dvk, stride_dvp, b, h, offs_k, offs_p, col_ok, dv * dropout_scale)
-    if DQ_ATOMIC:  # the head's last key block to finish writes its dQ
-        tl.debug_barrier()  # every thread's adds precede the release below
-        arrived = tl.atomic_add(arrivals_ptr + pid_bh, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            for start_j in range(0, Lq, BLOCK_J):
-                offs_j = start_j + tl.arange(0, BLOCK_J)
-                row_ok = offs_j < Lq
-                dq = tl.load(_dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P), mask=row_ok[:, None], other=0.0,
-                             cache_modifier=".cg")
-                _store_rows(dq_ptr, stride_dqb, stride_dqh, stride_dqj, stride_dqp, b, h, offs_j, offs_p, row_ok, dq)
+    _store_rows(dk_ptr, stride_dkb, stride_dkh, stride_dkk, stride_dkp, b, kv, offs_k, offs_p, col_ok, dk * scale)
+    _store_rows(dv_ptr, stride_dvb, stride_dvh, stride_dvk, stride_dvp, b, kv, offs_k, offs_p, col_ok, dv * dropout_scale)
+    if DQ_ATOMIC and GROUPS == 1:
+        _dq_arrive(dq_acc_ptr, arrivals_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqj, stride_dqp, b, kv,
+                   (b * H + kv) * Lq, offs_p, H, Lq, P, BLOCK_J)
+
+
+@triton.jit
+def _dq_arrive(dq_acc_ptr, arrivals_ptr, dq_ptr, stride_dqb, stride_dqh, stride_dqj, stride_dqp, b, h, stat_base, offs_p,
+               H, Lq, P: tl.constexpr, BLOCK_J: tl.constexpr):
+    """A dK/dV program is done adding to query head h's dQ accumulator (rows from ``stat_base`` =
+    (b * H + h) * Lq): the head's last key block to arrive writes the head's dQ."""
+    tl.debug_barrier()  # every thread's adds precede the release below
+    arrived = tl.atomic_add(arrivals_ptr + b * H + h, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        for start_j in range(0, Lq, BLOCK_J):
+            offs_j = start_j + tl.arange(0, BLOCK_J)
+            row_ok = offs_j < Lq
+            dq = tl.load(_dq_acc_rows(dq_acc_ptr, stat_base, offs_j, offs_p, P), mask=row_ok[:, None], other=0.0,
+                         cache_modifier=".cg")
+            _store_rows(dq_ptr, stride_dqb, stride_dqh, stride_dqj, stride_dqp, b, h, offs_j, offs_p, row_ok, dq)
 
 
 @triton.jit
@@ -460,6 +497,7 @@ def _attn_bwd_dq_kernel(
     P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, INDEX_64: tl.constexpr,
     GROUPED: tl.constexpr, MASK_IO: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUPS: tl.constexpr,  # query heads per K/V head
 ):
     pid_j, pid_bh, b, h, offs_j, offs_p, row_ok, q = _head_rows(q_ptr, stride_qb, stride_qh, stride_qj, stride_qp,
                                                                  H, Lq, BLOCK_J, P, 1 if CAUSAL else 0)
@@ -469,8 +507,8 @@ def _attn_bwd_dq_kernel(
         do_bv = tl.sum(do.to(tl.float32) * _head_bias(bv_ptr, h, stride_bvh, stride_bvp, offs_p)[None, :], 1)
     lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_j, mask=row_ok, other=0.0)
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_vb + h * stride_vh
+    k_base = k_ptr + b * stride_kb + (h // GROUPS) * stride_kh
+    v_base = v_ptr + b * stride_vb + (h // GROUPS) * stride_vh
     if HAS_DROPOUT:
         drop_row, mask_rows = _dropout_rows(b, h, offs_j, row_ok, pid_bh.to(tl.int64) * Lq, offset, drop_sb, drop_sh,
                                             drop_sj, INDEX_64, GROUPED)
@@ -659,11 +697,14 @@ def new_saved_mask(q, k, *, dropout_p: float, offset: int = 0, dropout_strides=N
     return torch.empty((B, H, Lq, Lk // 16), device=q.device, dtype=torch.int16)
 
 
-def _bias_args(biases: tuple, q, what: str) -> tuple:
+def _bias_args(biases: tuple, q, what: str, groups: int = 1) -> tuple:
     """Kernel arguments of ``biases``: logical (h, p) views of any strides in q's dtype and device
-    (module doc: biases), or (None, ...) for none (placeholders, never read)."""
+    (module doc: biases), or (None, ...) for none (placeholders, never read).  Not with grouped
+    K/V heads (``groups`` > 1)."""
     if biases[0] is None:
         return (q,) * len(biases), (0,) * (2 * len(biases))
+    if groups != 1:
+        raise ValueError(f"{what}: biases are not taken with grouped K/V heads ({groups} query heads per K/V head)")
     H, P = q.shape[1], q.shape[3]
     if any(b is None or b.shape != (H, P) or b.dtype != q.dtype or b.device != q.device for b in biases):
         raise ValueError(f"{what} must be {'(h, p)' if len(biases) == 1 else 'each (h, p)'}: ({H}, {P}) in {q.dtype} "
@@ -671,13 +712,16 @@ def _bias_args(biases: tuple, q, what: str) -> tuple:
     return tuple(biases), tuple(x for b in biases for x in b.stride())
 
 
-def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, saved_mask):
+def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, saved_mask, groups):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D logical (b, h, j|k, p) views")
     B, H, Lq, P = q.shape
-    Lk = k.shape[2]
-    if k.shape != (B, H, Lk, P) or v.shape != (B, H, Lk, P) or Lq == 0 or Lk == 0:
-        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    KV, Lk = k.shape[1], k.shape[2]
+    if k.shape != (B, KV, Lk, P) or v.shape != (B, KV, Lk, P) or Lq == 0 or Lk == 0 or KV == 0 or H % KV:
+        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match (k and v: "
+                         f"(b, h / groups, k, p) for a whole number of groups)")
+    if groups is not None and groups != H // KV:
+        raise ValueError(f"groups={groups}: q has {H} heads and k, v {KV}, so {H // KV} query heads share each K/V head")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError("q, k, v must share one dtype out of float16, bfloat16, float32")
     _check_head_dim(P)
@@ -696,13 +740,16 @@ def _prepare(q, k, v, dropout_p, offset, key_padding_mask, dropout_strides, save
                                    or saved_mask.dtype != torch.int16 or not saved_mask.is_contiguous()):
         raise ValueError("saved_mask must come from new_saved_mask with the same arguments")
     last = offset + sum((n - 1) * s for n, s in zip((B, H, Lq, Lk), drop))
-    return B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, last >= 2**31
+    return B, H, Lq, Lk, P, H // KV, kpm, kpm_strides, drop, grouped, last >= 2**31
 
 
 def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
                       causal: bool = False, key_padding_mask=None, dropout_strides=None, o=None, saved_mask=None,
-                      bias=None, q_biased=None, block_j=None, block_k=None, num_warps=None, num_stages=None):
-    """Forward pass. ``q``: (b, h, j, p), ``k``, ``v``: (b, h, k, p) logical views of any strides.
+                      bias=None, q_biased=None, groups=None, block_j=None, block_k=None, num_warps=None,
+                      num_stages=None):
+    """Forward pass. ``q``: (b, h, j, p), ``k``, ``v``: (b, h / G, k, p) logical views of any strides:
+    with G > 1 (grouped-query attention), query head h attends over K/V head h // G; ``groups``
+    (optional) states G, checked against the shapes.
 
     ``key_padding_mask``: bool (b, k), True = key excluded. ``dropout_strides``: logical strides
     (sb, sh, sj, sk) of the probabilities' dropout index (default: (b, h, j, k) row-major).
@@ -714,8 +761,9 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     ``q_biased`` ((b, h, j, p) of any strides, required with ``bias``), the backward's q.
     Returns ``(o, lse)``, lse float32 (b, h, j) contiguous, natural log.
     """
-    B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
-                                                                        dropout_strides, saved_mask)
+    B, H, Lq, Lk, P, G, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset,
+                                                                           key_padding_mask, dropout_strides,
+                                                                           saved_mask, groups)
     config = default_config(P, "forward")
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
     o = torch.empty_like(q) if o is None else o
@@ -723,7 +771,7 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     grid = (ceil_div(Lq, block_j), B * H)
     if bias is not None and (len(bias) != 2 or q_biased is None or q_biased.shape != q.shape):
         raise ValueError(f"bias must be (bq, bv) with q_biased, the {tuple(q.shape)} output q + bq is written to")
-    biases, bias_strides = _bias_args(tuple(bias or (None, None)), q, "bias (bq, bv)")
+    biases, bias_strides = _bias_args(tuple(bias or (None, None)), q, "bias (bq, bv)", G)
     q_biased = q if q_biased is None else q_biased  # a placeholder without bias, never written
     launch(_attn_fwd_kernel, grid, [
         q, k, v, o, lse, kpm, lse if saved_mask is None else saved_mask, *biases, q_biased,
@@ -733,16 +781,19 @@ def attention_forward(q, k, v, *, scale: float, dropout_p: float = 0.0, seed: in
     ], dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k,
             CAUSAL=causal, HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64,
             GROUPED=_block_grouped(grouped, block_k, saved_mask), MASK_IO=0 if saved_mask is None else 1,
-            EVEN_K=Lk % block_k == 0, HAS_BIAS=bias is not None,
+            EVEN_K=Lk % block_k == 0, HAS_BIAS=bias is not None, GROUPS=G,
             num_warps=num_warps or config["num_warps"], num_stages=num_stages or config["num_stages"]))
     return o, lse
 
 
 def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 0.0, seed: int = 0,
                        offset: int = 0, causal: bool = False, key_padding_mask=None, dropout_strides=None,
-                       saved_mask=None, dq=None, dk=None, dv=None, v_bias=None, block_j=None, block_k=None,
-                       num_warps=None, num_stages=None, dq_mode=None, dropout_mask=None):
-    """Backward pass: ``(dq, dk, dv)`` for upstream ``do`` (b, h, j, p) of any strides.
+                       saved_mask=None, dq=None, dk=None, dv=None, v_bias=None, groups=None, block_j=None,
+                       block_k=None, num_warps=None, num_stages=None, dq_mode=None, dropout_mask=None):
+    """Backward pass: ``(dq, dk, dv)`` for upstream ``do`` (b, h, j, p) of any strides; with
+    grouped K/V heads (k, v: (b, h / G, k, p), ``attention_forward``) dk and dv are over the K/V
+    heads, each the sum over its G query heads (one program per block of a K/V head's keys runs
+    the group's query heads in turn into one accumulator: a fixed order, no atomics).
 
     ``o``, ``lse`` (and ``saved_mask``) come from ``attention_forward`` with the same arguments.
     ``dq``/``dk``/``dv``: optional outputs of any strides, else allocated like ``q``/``k``/``v``.
@@ -755,8 +806,9 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
     forward with ``bias=(bq, bv)``: ``q`` is its ``q_biased``, ``k`` and ``v`` as given to it, and
     ``v_bias`` its bv (the gradients are those of the biased q, k, v, which are those of q, k, v).
     """
-    B, H, Lq, Lk, P, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset, key_padding_mask,
-                                                                        dropout_strides, saved_mask)
+    B, H, Lq, Lk, P, G, kpm, kpm_strides, drop, grouped, index_64 = _prepare(q, k, v, dropout_p, offset,
+                                                                           key_padding_mask, dropout_strides,
+                                                                           saved_mask, groups)
     config = default_config(P, "backward")
     block_j, block_k = block_j or config["block_j"], block_k or config["block_k"]
     num_warps, num_stages = num_warps or config["num_warps"], num_stages or config["num_stages"]
@@ -783,11 +835,11 @@ def attention_backward(do, q, k, v, o, lse, *, scale: float, dropout_p: float = 
            dict(P=P, BLOCK_J=block_j, ZERO_DQ=atomic, num_warps=4))
     flags = dict(P=P, BLOCK_J=block_j, BLOCK_K=block_k, CAUSAL=causal, HAS_KPM=key_padding_mask is not None,
                  HAS_DROPOUT=dropout_p > 0.0, INDEX_64=index_64, GROUPED=_block_grouped(grouped, block_k, saved_mask),
-                 MASK_IO=mask_io, HAS_BIAS=v_bias is not None,
+                 MASK_IO=mask_io, HAS_BIAS=v_bias is not None, GROUPS=G,
                  EVEN=Lq % block_j == 0 and Lk % block_k == 0, num_warps=num_warps, num_stages=num_stages)
-    biases, bias_strides = _bias_args((v_bias,), q, "v_bias")
+    biases, bias_strides = _bias_args((v_bias,), q, "v_bias", G)
     scalars = (H, Lq, Lk, scale, scale * LOG2E, keep_threshold(dropout_p), dropout_scale(dropout_p), seed, offset)
-    launch(_attn_bwd_dkdv_kernel, (ceil_div(Lk, block_k), B * H), [
+    launch(_attn_bwd_dkdv_kernel, (ceil_div(Lk, block_k), B * (H // G)), [
         q, k, v, do, lse, delta, dq_acc, arrivals, dq, dk, dv, kpm, mask, *biases,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dq.stride(), *kpm_strides,
         *bias_strides, *drop, *scalars], dict(DQ_ATOMIC=atomic, **flags))
