@@ -227,7 +227,7 @@ def breakdown(layer) -> list[dict]:
     for t in face.activations:
         store[t] = program.to_spec(t, torch.randn(program.shape(t, face.torch_order[t]), generator=gen,
                                                   device=program.device, dtype=program.dtype), t)
-    store.update({t: getattr(layer, t).detach() for t in face.parameters + face.constants})
+    store.update({t: layer.spec_view(t).detach() for t in face.parameters + face.constants})
     for t, grad in face.grad_outputs.items():
         store[grad] = program.to_spec(t, torch.randn(program.shape(t, face.torch_order[t]), generator=gen,
                                                      device=program.device, dtype=program.dtype), grad)
@@ -276,8 +276,8 @@ def run_case(artifact: Path, max_autotune: bool = True) -> dict:
         cos, sin = llama_tables(manifest, dtype, device)
         with torch.no_grad():
             for each in (layer, plain):
-                each.cos.copy_(cos[0])
-                each.sin.copy_(sin[0])
+                each.spec_view("cos").copy_(cos[0])
+                each.spec_view("sin").copy_(sin[0])
     load_weights(layer, source)
     load_weights(plain, source)
     d = manifest["dims"]

@@ -267,7 +267,7 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     """Copy ``module``'s weights into ``layer`` (kinds in the spec's ``WEIGHTS``)."""
     table, state, sizes = _table(layer, module_kind(layer, module)), module.state_dict(), _sizes(layer)
     for name, (key, pattern, index) in table.items():
-        target = getattr(layer, name)
+        target = layer.spec_view(name)
         target.copy_(to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes))
     return layer
 
@@ -278,6 +278,6 @@ def state_dict_for(layer: TunedLayer, kind: str) -> dict[str, torch.Tensor]:
     result: dict[str, torch.Tensor] = {}
     sizes = _sizes(layer)
     for name, (key, pattern, index) in _table(layer, kind).items():
-        value = getattr(layer, name).detach()
+        value = layer.spec_view(name).detach()
         result[key] = from_spec(value, pattern, index, layer.graph.tensors[name].letters, sizes, result.get(key))
     return result

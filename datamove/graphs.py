@@ -56,6 +56,7 @@ from datamove.layer import SEED_RANGE, LayerProgram
 from datamove.steps import Run
 from datamove.kernels.codegen import allocate
 
+MOVES_TO_STOP = 3  # calls in a row with the parameters moved after which the layer stops graphing
 REPLAYERS = 2  # static buffer sets per layer instance and kind of call: a second for a forward before the first's backward
 GRADIENT_SETS = 2  # gradient buffers per replayer: a second while autograd keeps the first as .grad (accumulation)
 _POOLS: dict[torch.device, torch.cuda.CUDAGraph] = {}  # device -> the first graph captured there, kept: its pool serves all
@@ -270,7 +271,8 @@ class LayerGraphs:
     def __init__(self):
         self.replayers: dict[tuple, list[Replayer]] = {}
         self.pointers: list[int] = []  # the parameters' and constants' storage the graphs read
-        self.failed = ""  # why capturing failed: the layer then launches plainly
+        self.moves = 0  # calls in a row whose parameters were elsewhere than the last call's
+        self.failed = ""  # why capturing failed or stopped: the layer then launches plainly
 
     def usable(self) -> bool:
         """Whether this call may replay: not while torch.compile traces, nor inside a capture of the caller's."""
@@ -283,7 +285,15 @@ class LayerGraphs:
         pointers = list(map(torch.Tensor.data_ptr, tensors))
         if pointers != self.pointers:
             self.replayers.clear()  # parameters moved: the graphs read the old storage
+            self.moves = self.moves + 1 if self.pointers else 0
             self.pointers = pointers
+            if self.moves >= MOVES_TO_STOP:
+                self.failed = "its parameters are in new memory on every call (FSDP gathers them so)"
+                warnings.warn(f"datamove: {self.failed}: the layer launches its kernels plainly instead of "
+                              "capturing its CUDA graphs again each time", stacklevel=3)
+                return None
+        else:
+            self.moves = 0
         key = (program.name, None if mask is None else tuple(mask.shape))
         replayers = self.replayers.setdefault(key, [])
         return _choose(replayers, reads_in_place(program, program.interface.activations, activations), REPLAYERS,

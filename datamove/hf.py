@@ -176,7 +176,7 @@ class LlamaLayerReplacement(BertLayerReplacement):
             return
         with torch.no_grad():
             for name, table in (("cos", cos), ("sin", sin)):
-                target = getattr(self.layer, name)
+                target = self.layer.spec_view(name)
                 if table.dim() == 3 and table.shape[0] > 1 and not torch.compiler.is_compiling():
                     if not bool((table == table[:1]).all()):
                         raise ValueError("datamove: position_embeddings differ between the sequences of the batch "

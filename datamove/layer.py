@@ -9,8 +9,8 @@ Tensors at the boundary (``TensorInterface``): activations (the data inputs the 
 with: the spec's ``INPUTS``, else ``dataflow.layer_inputs.data_inputs``, e.g. BERT's x, a
 cross-attention's x and memory) and outputs are exchanged with PyTorch in ``torch_order`` (e.g.
 "bji" = [batch, sequence, feature] for a tensor over letters "ibj"; spec letter order where the
-spec's ``TORCH_ORDER`` gives none); parameters and constants keep their spec letter order as their
-shape, stored in the plan's layouts.  Dropout: each call
+spec's ``TORCH_ORDER`` gives none); parameters and constants come in their spec letter order,
+stored in the plan's layouts (``TunedLayer.spec_view``).  Dropout: each call
 draws one Philox key with ``torch.randint`` on the layer's device (``torch.manual_seed``
 reproduces a run; inside a captured CUDA graph every replay draws a new one, as PyTorch's dropout
 does); the kernels read it from device memory, and every mask is regenerated from it at its

@@ -4,9 +4,10 @@ Two PyTorch custom ops run a ``datamove.layer.LayerProgram``: ``datamove::layer_
 forward steps; returns the outputs and the tensors the backward reads) and
 ``datamove::layer_backward`` (its backward steps), tied by ``torch.library.register_autograd``:
 one autograd node per layer call, opaque to ``torch.compile`` (which traces the layer with
-``fullgraph=True``: fake implementations give every output's shape and strides).  The module holds the parameters (shape:
-spec letter order; storage: the plan's layouts; a stacked group such as Q/K/V's weights is one
-storage, so the stacked GEMM reads it without a copy) and the constants (buffers), and keeps two
+``fullgraph=True``: fake implementations give every output's shape and strides).  The module holds the parameters (each
+a contiguous tensor over its letters in the plan's layout, ``spec_view`` giving the spec's letter
+order, which the program reads; a stacked group such as Q/K/V's weights is one storage, so the
+stacked GEMM reads it without a copy) and the constants (buffers, alike), and keeps two
 programs per shape it is called at: training (the spec's dropout) and evaluation (dropout off),
 compiled on first use.  Shapes (``datamove.shapes``): a call at a tuned shape runs that shape's
 plan, any other the nearest tuned plan fitted to its sizes (one warning per layer and shape).  On
@@ -148,6 +149,23 @@ class _Launched(torch.autograd.Function):
         return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
 
 
+def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Load-state-dict pre-hook of ``TunedLayer``: each tensor of ``state_dict`` permuted from the
+    layout it was saved in (its extra state's; a state dict without one: the spec's letter order, as
+    layers stored before parameters were contiguous) into this layer's."""
+    saved = (state_dict.get(prefix + "_extra_state") or {}).get("layouts", {})
+    for name, axes in layer._spec_axes.items():
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        own, letters = layer.plan.layouts[name], layer.graph.tensors[name].letters
+        theirs = saved.get(name, letters)
+        if theirs != own:
+            state_dict[key] = state_dict[key].permute([theirs.index(x) for x in own]).contiguous()
+    if prefix + "_extra_state" not in state_dict:
+        state_dict[prefix + "_extra_state"] = layer.get_extra_state()
+
+
 def _keys_after(shape, device) -> torch.Tensor:
     """(queries, keys) bool: True where the key comes after the query."""
     return torch.ones(shape, dtype=torch.bool, device=device).triu(1)
@@ -219,14 +237,52 @@ class TunedLayer(torch.nn.Module):
         self._allocate_parameters()
 
     def _allocate_parameters(self) -> None:
-        """Parameters and constants in the plan's layouts (stacked groups as one storage), initialised."""
+        """Parameters and constants, each a contiguous tensor over its letters in the plan's layout
+        (stacked groups as slices of one storage), initialised; ``spec_view`` gives the spec's order."""
         store: dict = {}
         buffers = Buffers(self.graph, stack_groups(self.plan.steps), self.dtype, self.device_)
-        for t in self.interface.parameters:
-            self.register_parameter(t, torch.nn.Parameter(buffers.allocate(store, t, self.plan.layouts[t])))
-        for t in self.interface.constants:
-            self.register_buffer(t, buffers.allocate(store, t, self.plan.layouts[t]))
+        self._spec_axes: dict[str, tuple[int, ...]] = {}  # stored (layout order) -> spec letter order
+        self._views: dict[str, tuple] = {}  # name -> (what it was made of, its spec-order view): ``_spec_tensors``
+        for t in self.interface.parameters + self.interface.constants:
+            layout, letters = self.plan.layouts[t], self.graph.tensors[t].letters
+            stored = buffers.allocate(store, t, layout).permute([letters.index(x) for x in layout])
+            self._spec_axes[t] = tuple(layout.index(x) for x in letters)
+            if t in self.interface.parameters:
+                self.register_parameter(t, torch.nn.Parameter(stored))
+            else:
+                self.register_buffer(t, stored)
+        self.register_load_state_dict_pre_hook(_stored_as_planned)
         self.reset_parameters()
+
+    def spec_view(self, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameter or constant ``name`` (or ``value`` stored as it is, e.g. its ``.grad``) as a view
+        over its spec letters in their order (``layer.wq`` itself is over the plan's layout)."""
+        return (getattr(self, name) if value is None else value).permute(self._spec_axes[name])
+
+    def _spec_tensors(self) -> list[torch.Tensor]:
+        """The parameters and constants as the program reads them, in spec letter order: views made
+        once and kept while the tensor, its storage and whether autograd records stay the same (16
+        views a call cost host time on every call of a stack of layers)."""
+        names = self.interface.parameters + self.interface.constants
+        if torch.compiler.is_compiling():
+            return [self.spec_view(t) for t in names]
+        recording = torch.is_grad_enabled()
+        result = []
+        for t in names:
+            value = self._parameters[t] if t in self._parameters else self._buffers[t]
+            made_of = (id(value), value.data_ptr(), recording and value.requires_grad)
+            kept = self._views.get(t)
+            if kept is None or kept[0] != made_of:
+                kept = self._views[t] = (made_of, value.permute(self._spec_axes[t]))
+            result.append(kept[1])
+        return result
+
+    def get_extra_state(self) -> dict:
+        """Saved with the state dict: the layout each parameter and constant is stored in."""
+        return {"layouts": {t: self.plan.layouts[t] for t in self._spec_axes}}
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to set: ``_stored_as_planned`` put the loaded tensors in this layer's layouts."""
 
     def sibling(self) -> "TunedLayer":
         """Another layer of the same plan (its own parameters and graphs), sharing this one's compiled programs."""
@@ -234,6 +290,7 @@ class TunedLayer(torch.nn.Module):
         torch.nn.Module.__init__(twin)
         twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")})
         twin.graphs, twin._calls, twin._graphed, twin._constants_checked = LayerGraphs(), {}, set(), {}
+        twin._load_state_dict_pre_hooks = type(self._load_state_dict_pre_hooks)()  # its own, registered next
         twin._allocate_parameters()
         return twin
 
@@ -276,7 +333,7 @@ class TunedLayer(torch.nn.Module):
             else:
                 param.fill_(1.0 if kind == ONE else 0.0)
         for name in self.interface.constants:
-            value, kind = self._buffers[name], self.initial.get(name)
+            value, kind = self.spec_view(name), self.initial.get(name)
             if isinstance(kind, CausalMask):
                 value.copy_(self._causal_mask(name, kind, value.device))
             elif isinstance(kind, KnownValue):
@@ -316,7 +373,7 @@ class TunedLayer(torch.nn.Module):
             return
         unset = []
         for name in self.interface.constants:
-            value = self._buffers[name]
+            value = self.spec_view(name)
             key = (name, value.data_ptr())
             if self._constants_checked.get(key) == value._version:
                 continue
@@ -380,7 +437,7 @@ class TunedLayer(torch.nn.Module):
             self._check_mask(key_padding_mask, program)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t])
-        tensors = [*map(self._parameters.__getitem__, face.parameters), *map(self._buffers.__getitem__, face.constants)]
+        tensors = self._spec_tensors()
         if self.cuda_graphs and self.graphs.usable() and self._graphed_shape(shape):
             replayer = self.graphs.replayer(program, tensors, key_padding_mask, activations)
             if replayer is not None:

@@ -82,7 +82,7 @@ def main_(spec: str, dims_text: str, out: str) -> dict:
     sizes = {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
     grads = {}
     for name, (key, pattern, index) in layer.weights_table[kind].items():
-        grads[key] = from_spec(getattr(layer, name).grad.double(), pattern, index, layer.graph.tensors[name].letters,
+        grads[key] = from_spec(layer.spec_view(name, getattr(layer, name).grad).double(), pattern, index, layer.graph.tensors[name].letters,
                                sizes, grads.get(key))
     low_grads = dict(low.named_parameters())
     largest = max(float(p.grad.norm()) for p in reference.parameters())

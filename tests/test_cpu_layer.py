@@ -135,5 +135,5 @@ def test_gpt2_causal_mask_is_set_whatever_runs_it(tmp_path):
     for plan_for in (spec_order_plan, selected_plan):
         layer = load(write(tmp_path / plan_for.__name__, "gpt2", GPT2_DIMS, plan_for), backend="torch")
         T = GPT2_DIMS["T"]
-        assert torch.equal(layer.causal, torch.triu(torch.full((T, T), -1e4), diagonal=1))
+        assert torch.equal(layer.spec_view("causal"), torch.triu(torch.full((T, T), -1e4), diagonal=1))
 

@@ -81,8 +81,8 @@ def check_against_executor(layer, activations: dict, constants: dict | None = No
     grad = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(6))
     outputs.backward(grad)
     spec = lambda t, x: x.detach().double().permute([face.torch_order[t].index(l) for l in graph.tensors[t].letters]).numpy()  # noqa: E731
-    values = {t: p.detach().double().numpy() for t, p in layer.named_parameters()}
-    values.update({t: b.double().numpy() for t, b in layer.named_buffers()})
+    values = {t: layer.spec_view(t).detach().double().numpy() for t, _ in layer.named_parameters()}
+    values.update({t: layer.spec_view(t).double().numpy() for t, _ in layer.named_buffers()})
     values.update({t: spec(t, x) for t, x in inputs.items()})
     (out,) = face.outputs
     values[face.grad_outputs[out]] = spec(out, grad)
@@ -92,7 +92,8 @@ def check_against_executor(layer, activations: dict, constants: dict | None = No
         assert error(spec(t, x.grad), env[face.input_grads[t]]) < FLOAT32_TOLERANCE, f"gradient of {t}"
     largest = max(np.linalg.norm(env[g]) for g in face.input_grads.values())
     for t, p in layer.named_parameters():
-        assert error(p.grad.double().numpy(), env[face.input_grads[t]], largest) < FLOAT32_TOLERANCE, f"gradient of {t}"
+        assert error(layer.spec_view(t, p.grad).double().numpy(), env[face.input_grads[t]], largest) < FLOAT32_TOLERANCE, \
+            f"gradient of {t}"
 
 
 @pytest.mark.parametrize("plan_for", [spec_order_plan, selected_plan], ids=["spec-order", "selected"])
@@ -133,7 +134,7 @@ def test_gpt2_matches_the_executor_with_dropout(tmp_path):
     randomize(layer, 2)
     T = GPT2_DIMS["T"]
     with torch.no_grad():  # the spec's causal mask: 0 where t <= s, else -1e4
-        layer.causal.copy_(torch.triu(torch.full((T, T), -1e4), diagonal=1))
+        layer.spec_view("causal").copy_(torch.triu(torch.full((T, T), -1e4), diagonal=1))
     check_against_executor(layer, {"x": None})
 
 
@@ -145,10 +146,10 @@ def test_gpt2_refuses_a_causal_constant_its_fused_attention_does_not_apply(tmp_p
     randomize(layer, 4)
     d = GPT2_DIMS
     x = torch.randn(d["B"], d["T"], d["D"], dtype=layer.dtype)
-    assert torch.equal(layer.causal, torch.triu(torch.full((d["T"], d["T"]), -1e4), diagonal=1))  # as initialised
+    assert torch.equal(layer.spec_view("causal"), torch.triu(torch.full((d["T"], d["T"]), -1e4), diagonal=1))  # as set
     layer(x)
     with torch.no_grad():
-        layer.causal[0, 3] = -10.0  # a key after the query only weakened: not the causal mask
+        layer.spec_view("causal")[0, 3] = -10.0  # a key after the query only weakened: not the causal mask
     with pytest.raises(ValueError, match="layer.causal must hold the causal mask"):
         layer(x)
 
@@ -209,7 +210,7 @@ def test_equals_the_pytorch_layer_it_replaces(tmp_path, spec, make):
     sizes = {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
     reference_grads = {}
     for name, (key, pattern, index) in layer.weights_table[kind].items():
-        reference_grads[key] = from_spec(getattr(layer, name).grad, pattern, index, layer.graph.tensors[name].letters,
+        reference_grads[key] = from_spec(layer.spec_view(name, getattr(layer, name).grad), pattern, index, layer.graph.tensors[name].letters,
                                          sizes, reference_grads.get(key))
     largest = max(float(p.grad.norm()) for p in reference.parameters())
     for key, p in reference.named_parameters():

@@ -62,7 +62,7 @@ def _grads(layer, kind: str) -> dict:
     sizes = {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
     result = {}
     for name, (key, pattern, index) in layer.weights_table[kind].items():
-        result[key] = from_spec(getattr(layer, name).grad, pattern, index, layer.graph.tensors[name].letters, sizes,
+        result[key] = from_spec(layer.spec_view(name, getattr(layer, name).grad), pattern, index, layer.graph.tensors[name].letters, sizes,
                                 result.get(key))
     return result
 
@@ -273,7 +273,7 @@ def test_gpt2_causal_attention_in_low_precision(tmp_path):
         for name, p in layer.named_parameters():
             scale, shift = (0.02, 0.0) if p.dim() > 1 else (0.1, 1.0 if "gain" in name else 0.0)
             p.copy_(torch.randn(p.shape, generator=gen) * scale + shift)
-        layer.causal.copy_(torch.triu(torch.full((T, T), -1e4), diagonal=1))
+        layer.spec_view("causal").copy_(torch.triu(torch.full((T, T), -1e4), diagonal=1))
     x = torch.randn(dims["B"], T, dims["D"], generator=gen).cuda()
     dy = torch.randn(dims["B"], T, dims["D"], generator=gen).cuda()
     torch.manual_seed(11)
@@ -282,12 +282,12 @@ def test_gpt2_causal_attention_in_low_precision(tmp_path):
     ours_x = x.to(torch.bfloat16).requires_grad_()
     y = layer(ours_x)
     y.backward(dy.to(torch.bfloat16))
-    ours = {"y": y.detach(), "x": ours_x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    ours = {"y": y.detach(), "x": ours_x.grad, **{n: layer.spec_view(n, p.grad) for n, p in layer.named_parameters()}}
     masks = {n: torch.from_numpy(m).cuda() for n, m in dropout_masks(layer.graph, seed).items()}
     results = {}
     for dtype in (torch.float64, torch.bfloat16):
-        t = {n: p.detach().to(dtype).clone().requires_grad_() for n, p in layer.named_parameters()}
-        t["causal"] = layer.causal.to(dtype)
+        t = {n: layer.spec_view(n).detach().to(dtype).clone().requires_grad_() for n, _ in layer.named_parameters()}
+        t["causal"] = layer.spec_view("causal").to(dtype)
         t["x"] = x.to(dtype).requires_grad_()
         y = gpt2_torch(t, {n: m.to(dtype) for n, m in masks.items()})
         y.backward(dy.to(dtype))

@@ -64,7 +64,7 @@ def check_against_torch(layer, reference, inputs: dict[str, torch.Tensor], call)
     layer.zero_grad(set_to_none=True)
     with torch.no_grad():
         for t, value in params.items():
-            getattr(layer, t).copy_(value)
+            layer.spec_view(t).copy_(value)
     given = {t: x.clone().requires_grad_() for t, x in inputs.items()}
     y = call(layer, given)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
@@ -77,7 +77,7 @@ def check_against_torch(layer, reference, inputs: dict[str, torch.Tensor], call)
     for t, x in given.items():
         assert error(x.grad, leaves[t].grad) < FLOAT32_TOLERANCE, f"gradient of input {t}"
     for t in params:
-        assert error(getattr(layer, t).grad, leaves[t].grad) < FLOAT32_TOLERANCE, f"gradient of parameter {t}"
+        assert error(layer.spec_view(t, getattr(layer, t).grad), leaves[t].grad) < FLOAT32_TOLERANCE, f"gradient of parameter {t}"
 
 
 CASES = {  # case -> (spec, --dims, its data inputs, their shapes, the output's shape, whether the attention is fused)

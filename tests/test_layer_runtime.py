@@ -38,7 +38,7 @@ def test_custom_ops_match_the_eager_launch(bert):
         torch.manual_seed(3)
         if through_ops:
             seed = torch.randint(0, SEED_RANGE, (1,))
-            y = layer_forward(program.name, seed, [x, *params], None)[0]
+            y = layer_forward(program.name, seed, [x, *map(layer.spec_view, layer.interface.parameters)], None)[0]
         else:
             y = layer(x)
         grads = torch.autograd.grad(y, [x, *params], dy)

@@ -51,7 +51,7 @@ def layer_grads(model) -> dict[str, torch.Tensor]:
             (table,) = layer.weights_table.values()
             sizes = {x: layer.graph.size(x) for x in layer.graph.letter_dims}
             for t, (key, pattern, index) in table.items():
-                grads[f"{name}.{key}"] = from_spec(getattr(layer, t).grad, pattern, index,
+                grads[f"{name}.{key}"] = from_spec(layer.spec_view(t, getattr(layer, t).grad), pattern, index,
                                                    layer.graph.tensors[t].letters, sizes)
     for name, p in model.named_parameters():
         if not name.split(".")[-1] in ("cos", "sin") and ".layer." not in name:

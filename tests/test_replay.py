@@ -86,7 +86,7 @@ def test_replayed_calls_launch_what_the_checked_path_launches(bert, logged):
     program = layer.program(True)
     face = layer.interface
     x = torch.randn(program.torch_shapes[face.activations[0]])
-    inputs = [x, *(getattr(layer, t) for t in face.parameters), *(getattr(layer, t) for t in face.constants)]
+    inputs = [x, *(layer.spec_view(t) for t in face.parameters + face.constants)]
     seed = torch.randint(0, SEED_RANGE, (1,))
     dy = torch.randn(program.torch_shapes[face.outputs[0]])
     launchers = program.forward_steps + program.backward_steps
@@ -116,7 +116,7 @@ def test_inputs_of_another_alignment_are_not_replayed(bert, logged):
     face = layer.interface
     shape = program.torch_shapes[face.activations[0]]
     x = torch.randn(shape)
-    rest = [*(getattr(layer, t) for t in face.parameters), *(getattr(layer, t) for t in face.constants)]
+    rest = [layer.spec_view(t) for t in face.parameters + face.constants]
     seed = torch.randint(0, SEED_RANGE, (1,))
     for _ in range(3):
         program.call_forward([x, *rest], Run(seed))

@@ -71,7 +71,7 @@ def compare_with_hf(layer, reference, batch: int, length: int, padded: list[int]
     sizes = {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
     ours = {}
     for name, (key, pattern, index) in layer.weights_table[kind].items():
-        ours[key] = from_spec(getattr(layer, name).grad, pattern, index, layer.graph.tensors[name].letters, sizes,
+        ours[key] = from_spec(layer.spec_view(name, getattr(layer, name).grad), pattern, index, layer.graph.tensors[name].letters, sizes,
                               ours.get(key))
     largest = max(float(p.grad.norm()) for p in reference.parameters())
     for key, p in reference.named_parameters():

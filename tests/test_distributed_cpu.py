@@ -1,0 +1,124 @@
+"""The tuned layer's parameters as PyTorch's wrappers need them, on the CPU (the torch backend):
+contiguous tensors in the plan's layouts (``spec_view`` gives the spec's letter order), a state dict
+that loads across layouts and from before, the spec-order views reused across training steps, and
+two processes over gloo under DDP and FSDP2 (``fully_shard``) giving one process's gradients."""
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from datamove.export import load_layer
+from plans import selected_plan, spec_order_plan
+from test_export import BERT_DIMS, load, randomize, write
+
+
+def weights_reversed(fused, spec: str):
+    """The selected plan with every weight of several letters stored in reversed letter order (the
+    torch backend runs any layouts; the kernels would need steps reading them so)."""
+    plan = selected_plan(fused, spec)
+    graph = fused.graph
+    moved = {t: info.letters[::-1] for t, info in graph.tensors.items() if info.role == "input" and len(info.letters) > 1
+             and t != "x"}
+    return replace(plan, layouts={**plan.layouts, **moved})
+
+
+def test_parameters_are_contiguous_in_the_plans_layouts(tmp_path):
+    layer = load(write(tmp_path, "bert", BERT_DIMS, weights_reversed), backend="torch")
+    moved = [t for t in layer.interface.parameters if layer.plan.layouts[t] != layer.graph.tensors[t].letters]
+    assert moved  # the selected plan stores some weights out of spec order
+    for t, p in layer.named_parameters():
+        assert p.is_contiguous(), t
+        letters = layer.graph.tensors[t].letters
+        assert tuple(layer.spec_view(t).shape) == tuple(layer.graph.size(x) for x in letters)
+        assert tuple(p.shape) == tuple(layer.graph.size(x) for x in layer.plan.layouts[t])
+
+
+def test_a_state_dict_loads_across_layouts_and_from_spec_order(tmp_path):
+    """A state dict saved by a layer of another plan (other layouts), or without its layouts (spec
+    order, as layers saved before), loads into the same weights."""
+    ours = load(write(tmp_path / "a", "bert", BERT_DIMS, weights_reversed), backend="torch").eval()
+    randomize(ours, 3)
+    other = load(write(tmp_path / "b", "bert", BERT_DIMS, spec_order_plan), backend="torch").eval()
+    other.load_state_dict(ours.state_dict())
+    legacy = load(write(tmp_path / "c", "bert", BERT_DIMS, weights_reversed), backend="torch").eval()
+    legacy.load_state_dict({t: ours.spec_view(t).contiguous() for t, _ in ours.named_parameters()}, strict=False)
+    x = torch.randn(BERT_DIMS["B"], BERT_DIMS["L"], BERT_DIMS["N"])
+    for loaded in (other, legacy):
+        for t, _ in ours.named_parameters():
+            assert torch.equal(loaded.spec_view(t), ours.spec_view(t)), t
+        torch.testing.assert_close(loaded(x), ours(x), rtol=1e-5, atol=1e-5)
+
+
+def test_training_steps_reuse_the_spec_views(tmp_path):
+    """The spec-order views a layer keeps across calls carry the gradients of every step after the
+    optimizer changed the weights: the same weights as views made anew each step."""
+    path = write(tmp_path, "bert", BERT_DIMS, weights_reversed)
+    kept, fresh = (load(path, backend="torch").eval() for _ in range(2))
+    randomize(kept, 5)
+    fresh.load_state_dict(kept.state_dict())
+    optimizers = [torch.optim.SGD(layer.parameters(), lr=0.1) for layer in (kept, fresh)]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(BERT_DIMS["B"], BERT_DIMS["L"], BERT_DIMS["N"], generator=gen)
+        for layer, optimizer in zip((kept, fresh), optimizers):
+            if layer is fresh:
+                layer._views.clear()
+            optimizer.zero_grad()
+            layer(x).square().sum().backward()
+            optimizer.step()
+    for (t, a), b in zip(kept.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), t
+
+
+def _run(rank: int, world: int, init: str, path: str, wrapper: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            layer = load_layer(path, device="cpu", dtype=torch.float32, allow_mismatch=True).eval()
+        randomize(layer, 7)
+        x = torch.randn(BERT_DIMS["B"], BERT_DIMS["L"], BERT_DIMS["N"], generator=torch.Generator().manual_seed(rank))
+        if wrapper == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(layer)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            model = fully_shard(layer)
+        model(x).square().sum().backward()
+        grads = {}
+        for t, p in layer.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[t] = grad.detach().clone()
+        if rank == 0:
+            results.update(grads)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_two_processes_train_as_one(tmp_path, wrapper):
+    """Two gloo processes, each on its own half of the batch, under DDP and FSDP2: each parameter's
+    gradient is the mean of the halves' (what one process computes for them)."""
+    path = str(write(tmp_path, "bert", BERT_DIMS, weights_reversed))
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_run, args=(2, f"file://{tmp_path / 'init'}", path, wrapper, results), nprocs=2, join=True)
+        got = dict(results)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(path, device="cpu", dtype=torch.float32, allow_mismatch=True).eval()
+    randomize(layer, 7)
+    expected = {t: torch.zeros_like(p) for t, p in layer.named_parameters()}
+    for rank in range(2):
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(BERT_DIMS["B"], BERT_DIMS["L"], BERT_DIMS["N"], generator=torch.Generator().manual_seed(rank))
+        layer(x).square().sum().backward()
+        for t, p in layer.named_parameters():
+            expected[t] += p.grad / 2
+    assert set(got) == set(expected)
+    for t in expected:
+        torch.testing.assert_close(got[t], expected[t], rtol=1e-4, atol=1e-5, msg=t)
