@@ -22,6 +22,9 @@
   its inputs can write, in place of the score contraction, softmax and output contraction (and
   their backward operators); with its causal mask where the softmax reads the scores plus a
   constant over (query, key) positions (GPT-2's additive mask, which ``datamove.module`` checks);
+  with grouped-query attention (``attention_repeats``: K and V repeated over the query heads by
+  np.repeat's matrix, Llama's) also grouped, reading K and V before the repeat and writing their
+  gradients, in place of the repeats and their backward too;
 
 times from ``Timings`` (the tuning database's records of one device and dtype) or the cost model
 (``layouts.cost_model``, marked predicted); then ``layouts.select`` chooses.  Layout changes are
@@ -33,6 +36,8 @@ import itertools
 import json
 import math
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from datamove.dataflow.graph import is_expression
 from datamove.dataflow.layer_inputs import batch_letters
@@ -341,6 +346,124 @@ def attention_bias(fused, roles: AttentionRoles) -> dict | None:
     return found
 
 
+@dataclass(frozen=True)
+class AttentionRepeats:
+    """Grouped-query attention in the graph (``attention_repeats``): the attention's k and v each the
+    repeat over the query heads of a tensor over fewer (K/V) heads, ``size`` query heads per K/V head.
+
+    ``tensors``: "k", "v" -> the K/V tensors before the repeat; "dk", "dv" -> what the repeat's
+    backward writes from the attention's dk / dv (their sums over each group: the K/V tensors'
+    gradients, or their share of them).  ``letter``: the K/V heads' letter in those tensors' naming
+    (every other letter is the attention's).  ``forward`` / ``backward``: the repeat's operators and
+    its backward's, which the grouped attention's forward / backward cover; ``constants``: the
+    repeat matrices they read (the kernels need none: the grouped forward names them among its
+    reads, unloaded, as it does a causal mask, so that the layer keeps them as its constants)."""
+
+    letter: str
+    size: int
+    tensors: dict
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+    constants: tuple[str, ...] = ()
+
+
+def _group_matrix(graph, prim) -> tuple | None:
+    """(the operand, its letter the constant maps, the output letter it maps to, G) where ``prim``
+    is an einsum ``X, C -> Y`` whose constant C (made by the front end, ``TensorInfo.value``) maps
+    one letter of X to one of Y as np.repeat's matrix does, in either direction: a repeat (X over
+    KV heads, Y over H = G KV, Y[.., h, ..] = X[.., h // G, ..]) or its transpose, the sum over each
+    group of G (X over H, Y over KV); every other letter of X kept in Y, in the same place.  None
+    otherwise."""
+    from datamove.dataflow.executor import known_value
+
+    if prim.kind != "einsum" or len(prim.inputs) != 2:
+        return None
+    constants = [o for o in prim.inputs if graph.tensors[o.tensor].role == "constant" and graph.tensors[o.tensor].value]
+    if len(constants) != 1 or len(constants[0].letters) != 2:
+        return None
+    constant = constants[0]
+    x = next(o for o in prim.inputs if o is not constant)
+    out = prim.output.letters
+    inner = [c for c in constant.letters if c in x.letters and c not in out]
+    outer = [c for c in constant.letters if c in out and c not in x.letters]
+    if len(inner) != 1 or len(outer) != 1 or out != x.letters.replace(inner[0], outer[0]):
+        return None
+    value = known_value(graph, constant.tensor)
+    if constant.letters.index(inner[0]) != 0:
+        value = value.T  # [inner, outer]
+    n_in, n_out = value.shape
+    narrow, wide = min(n_in, n_out), max(n_in, n_out)
+    if narrow == wide or wide % narrow:
+        return None
+    groups = wide // narrow
+    repeat = (np.arange(wide)[None, :] // groups == np.arange(narrow)[:, None]).astype(np.float64)  # [kv, h]
+    if not np.array_equal(value, repeat if n_in == narrow else repeat.T):
+        return None
+    return x, inner[0], outer[0], groups
+
+
+def attention_repeats(fused, roles: AttentionRoles) -> AttentionRepeats | None:
+    """Grouped-query attention: where the attention's k and v are each written by an einsum from a
+    tensor over K/V heads with a 0/1 constant the front end made that is np.repeat's matrix over
+    the heads (``configs/llama.py``'s ``np.repeat(k, H // KV, axis=1)``, lowered by
+    ``dataflow.numpy_lowering`` to ``"bkse,kh->bhse"``: query head h takes K/V head h // G), and
+    their backward is the transposed einsum (dk, dv summed over each group), the grouped attention
+    reads the K/V tensors in place and writes their gradients (``kernels.attention``'s grouped-query
+    attention): ``AttentionRepeats``.  None where anything differs: the repeat's operators must do
+    nothing else, only the attention may read its outputs and only the group sums the attention's
+    dk / dv, K and V must share the K/V heads' letter and G, the K/V gradients must be over the K/V
+    tensors' letters, and the repeats and their backward must run right before the attention's
+    forward and right after its backward in the execution order."""
+    graph, t, letters = fused.graph, roles.tensors, roles.letters
+    ops = {op.name: op for op in fused.operators}
+    writer = {p.output.tensor: (op, p) for op in fused.operators for p in op.primitives}
+    readers: dict[str, list] = {}
+    for op in fused.operators:
+        for x in op.inputs:
+            readers.setdefault(x, []).append(op.name)
+    inside = set(roles.members) | set(roles.backward)
+    found, forward, backward, kv, constants = {}, [], [], set(), set()
+    for role in ("k", "v"):
+        op, prim = writer.get(t[role], (None, None))
+        matched = _group_matrix(graph, prim) if prim is not None and op.cls == "contraction" else None
+        if matched is None:
+            return None
+        x, inner, outer, groups = matched
+        own_out, own_in = _rename(prim.output, graph), _rename(x, graph)
+        if own_out[outer] != letters["heads"] or any(own_out[c] != own_in[c] for c in prim.output.letters if c != outer) \
+                or not set(readers.get(t[role], [])) <= inside or not set(op.outputs) <= {t["k"], t["v"]}:
+            return None
+        sums = readers.get(t["d" + role], [])
+        if len(sums) != 1 or ops[sums[0]].cls != "contraction" or len(ops[sums[0]].primitives) != 1:
+            return None
+        back = ops[sums[0]].primitives[0]
+        matched_back = _group_matrix(graph, back)
+        if matched_back is None or matched_back[0].tensor != t["d" + role] or matched_back[3] != groups:
+            return None
+        grad = back.output.tensor
+        back_out, back_in = _rename(back.output, graph), _rename(matched_back[0], graph)
+        if graph.tensors[grad].letters != graph.tensors[x.tensor].letters or back_out[matched_back[2]] != own_in[inner] \
+                or any(back_out[c] != back_in[c] for c in back.output.letters if c != matched_back[2]):
+            return None
+        kv.add((own_in[inner], groups))
+        constants.update(o.tensor for p in (prim, back) for o in p.inputs if o is not x and o is not matched_back[0])
+        found[role], found["d" + role] = x.tensor, grad
+        forward.append(op.name)
+        backward.append(sums[0])
+    if len(kv) != 1:
+        return None
+    (letter, groups), = kv
+    order = execution_order(fused)
+    position = {name: n for n, name in enumerate(order)}
+    forward = sorted(set(forward), key=position.get)
+    backward = sorted(set(backward), key=position.get)
+    for run in (forward + list(roles.members), list(roles.backward) + backward):
+        at = sorted(position[name] for name in run)
+        if at != list(range(at[0], at[0] + len(at))):
+            return None
+    return AttentionRepeats(letter, groups, found, tuple(forward), tuple(backward), tuple(sorted(constants)))
+
+
 def _feeds(op, wanted: set, ops: dict, reach: set) -> bool:
     """Whether ``op``'s outputs lead (within ``reach``) to a tensor in ``wanted``."""
     frontier, seen = list(op.outputs), set()
@@ -620,11 +743,17 @@ class CandidateBuilder:
                                     writes, config, ms, source))
         return result
 
-    def attention(self, roles: AttentionRoles, q_layouts: set[str], bias: dict | None = None) -> list[Candidate]:
+    def attention(self, roles: AttentionRoles, q_layouts: set[str], bias: dict | None = None,
+                  repeats: AttentionRepeats | None = None) -> list[Candidate]:
         """The fused attention's forward and backward in each storage order of ``q_layouts``; with
         ``bias`` (``attention_bias``) also with that bias add folded in: a forward covering the bias
         operator too and a backward, both reading the tensors before the add and the biases; one of
-        those not measured is priced no faster than the measured one without the bias add."""
+        those not measured is priced no faster than the measured one without the bias add.  With
+        ``repeats`` (``attention_repeats``: grouped-query attention) also the grouped attention: a
+        forward covering the repeat of K and V too, reading the K/V tensors before it, and a
+        backward covering the repeat's backward (the sums of dK, dV over each group), reading those
+        and writing their gradients (K/V in q's storage order, their heads letter for q's); one not
+        measured is priced no faster than the measured one without groups."""
         graph, letters, t = self.graph, roles.letters, roles.tensors
         kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
         size = {role: graph.size(letters[role]) for role in letters}
@@ -643,10 +772,20 @@ class CandidateBuilder:
             layout_key = {**{r: order.replace("j", "k") if r in ("k", "v") else order for r in ("q", "k", "v", "o")},
                           "do": order}
             plain_ms: dict[str, float] = {}  # direction -> the measured time without the bias add folded in
-            for folded in (None, bias) if bias else (None,):
+            variants = [(None, None)] + ([(bias, None)] if bias else []) + ([(None, repeats)] if repeats else [])
+            for folded, grouped in variants:
                 timed = replace(case, bias=True) if folded else case
                 inputs = {r: folded[r][0] if folded else t[r] for r in ("q", "k", "v")}
                 bias_of = {r: {folded[r][1]: graph.tensors[folded[r][1]].letters} if folded else {} for r in ("q", "k", "v")}
+                kv_like, grads, groups = like, {r: t[r] for r in ("dq", "dk", "dv")}, None
+                if grouped:  # K, V (and dK, dV) over the K/V heads, in their tensors' naming
+                    timed = replace(case, KV=graph.size(grouped.letter))
+                    inputs.update(k=grouped.tensors["k"], v=grouped.tensors["v"])
+                    kv_like = {**like, **{r: "".join(grouped.letter if x == letters["heads"] else x for x in like[r])
+                                          for r in ("k", "v")}}
+                    grads.update(dk=grouped.tensors["dk"], dv=grouped.tensors["dv"])
+                    groups = {"letter": grouped.letter, "size": grouped.size,
+                              "repeated": {r: t[r] for r in ("k", "v", "dk", "dv")}}
                 for direction, kind, members in (("forward", ATTENTION_FORWARD, roles.members),
                                                  ("backward", ATTENTION_BACKWARD, roles.backward)):
                     found = self.timings.lookup(timed.op(direction), timed.dims, layout_key,
@@ -655,29 +794,37 @@ class CandidateBuilder:
                     if found is None and self.timings.broken(timed.op(direction), timed.dims, layout_key):
                         continue
                     ms, source, knobs = self._time(found, "attention", timed.flop(direction), timed.bytes(direction))
-                    if folded and source == PREDICTED and plain_ms.get(direction) is not None:
+                    if (folded or grouped) and source == PREDICTED and plain_ms.get(direction) is not None:
                         ms = max(ms, plain_ms[direction])  # the same kernel plus bias loads: not faster than measured without
-                    if not folded and source == MEASURED:
+                    if not (folded or grouped) and source == MEASURED:
                         plain_ms[direction] = ms
                     if direction == "forward":  # with the bias add: its operands (bk too: a parameter the kernels
                         # need not load), and the biased q out for the backward (``kernels.attention``: biases)
-                        reads = {**{inputs[r]: like[r] for r in ("q", "k", "v")}, **bias_of["q"], **bias_of["k"],
+                        reads = {**{inputs[r]: kv_like[r] for r in ("q", "k", "v")}, **bias_of["q"], **bias_of["k"],
                                  **bias_of["v"]}
                         if roles.causal:  # not loaded: the causal mask stands in for it (``datamove.module`` checks)
                             reads[roles.causal] = graph.tensors[roles.causal].letters
+                        for constant in grouped.constants if grouped else ():  # not loaded either: the kernels' groups
+                            reads[constant] = graph.tensors[constant].letters
                         writes = {t["o"]: like["o"], lse: lse_layout, **({t["q"]: like["q"]} if folded else {})}
                         knob = (knobs or {}).get("forward") or {}
                         operators, name = ((folded["op"], *members), f"{folded['op']}+attention_forward") if folded \
                             else (members, "attention_forward")
+                        if grouped:  # the repeats of K and V run right before (``attention_repeats``)
+                            operators, name = (*grouped.forward, *members), "+".join(grouped.forward) + "+attention_forward"
                     else:
-                        reads = {t["q"]: like["q"], inputs["k"]: like["k"], inputs["v"]: like["v"], **bias_of["v"],
+                        reads = {t["q"]: like["q"], inputs["k"]: kv_like["k"], inputs["v"]: kv_like["v"], **bias_of["v"],
                                  t["o"]: like["o"], t["do"]: like["o"], lse: lse_layout}
-                        writes = {t["dq"]: like["q"], t["dk"]: like["k"], t["dv"]: like["v"]}
+                        writes = {grads["dq"]: like["q"], grads["dk"]: kv_like["k"], grads["dv"]: kv_like["v"]}
                         knob = {k: v for k, v in ((knobs or {}).get("backward") or {}).items() if k != "dropout_mask"}
                         operators, name = members, "attention_backward"
-                    config = AttentionConfig(knob, {**t, "lse": lse}, letters, roles.scale, roles.causal is not None,
-                                             roles.causal,
-                                             {r: list(folded[r]) for r in ("q", "k", "v")} if folded else None)
+                        if grouped:  # the group sums of dK and dV run right after
+                            operators, name = (*members, *grouped.backward), "+".join(("attention_backward",
+                                                                                       *grouped.backward))
+                    config = AttentionConfig(knob, {**t, **({**inputs, **grads} if grouped else {}), "lse": lse},
+                                             letters, roles.scale,
+                                             roles.causal is not None, roles.causal,
+                                             {r: list(folded[r]) for r in ("q", "k", "v")} if folded else None, groups)
                     result.append(Candidate(name, graph_phase(direction), kind, operators, reads, writes, config, ms,
                                             source))
         return result
@@ -801,13 +948,15 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
         runs[join.name] = [replace(c, operators=members) for c in builder.generated(join)]
     runs.update(builder.gemms())
     roles, why = attention_roles(fused)
+    repeats = None
     if roles is not None:
         producers = [c for cs in runs.values() for c in cs if roles.tensors["q"] in c.writes]
         bias = attention_bias(fused, roles)
+        repeats = attention_repeats(fused, roles)
         q_layouts = {c.writes[roles.tensors["q"]] for c in _keep(producers, spec_letters)}
         if bias:  # the folded forward reads what the bias operator reads: its producers' layouts too
             q_layouts |= {c.writes[bias["q"][0]] for cs in runs.values() for c in _keep(cs, spec_letters) if bias["q"][0] in c.writes}
-        for c in builder.attention(roles, q_layouts, bias):
+        for c in builder.attention(roles, q_layouts, bias, repeats):
             runs.setdefault(c.name + ("+bias" if c.config.bias else ""), []).append(c)
     written: dict[str, set] = {}
     for c in (c for cs in runs.values() for c in cs):
@@ -827,6 +976,9 @@ def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings:
     steps, facts = select(order, candidates, produced=produced, boundary=boundary, change_cost=builder.layout_change,
                           outputs=outputs)
     facts["attention"] = "fused candidate" if roles is not None else f"none: {why}"
+    if repeats is not None:
+        facts["attention"] += (f" (and grouped-query: K/V over {repeats.letter}, {repeats.size} query heads each, "
+                               f"read in place of {roles.tensors['k']} / {roles.tensors['v']})")
     return to_plan(steps, facts, spec=spec, dims=dict(graph.dim_values), dtype=dtype,
                    device=device or f"cost model: {figures.name}", layouts_of_inputs=boundary,
                    total_best=best_sum(order, candidates))

@@ -428,7 +428,9 @@ class _AttentionLauncher(Launcher):
     with a bias add folded in (config "bias": role -> (tensor before the add, bias); ``kernels.attention``:
     biases), the forward reads q, k, v before the add and q's and v's biases as logical (h, p)
     views, and writes the biased q (role q) for the backward, which reads it, k and v before the
-    add, and v's bias."""
+    add, and v's bias.  With grouped-query attention (config "groups") k, v, dk and dv are over the
+    K/V heads (their letter ``AttentionConfig.kv_heads``), G = ``group_size`` query heads each,
+    passed to the kernels as ``groups``."""
 
     replayable = True
 
@@ -443,8 +445,10 @@ class _AttentionLauncher(Launcher):
         feature_role = {"q": "features", "k": "features", "v": "value_features", "o": "value_features"}
         for role in ("q", "k", "v", "o"):
             own = graph.tensors[self.roles[role]].letters
-            wanted = [letters["batch"], letters["heads"], letters[key_role[role]], letters[feature_role[role]]]
+            heads = config.kv_heads if role in ("k", "v") else letters["heads"]
+            wanted = [letters["batch"], heads, letters[key_role[role]], letters[feature_role[role]]]
             self.axes[role] = [own.index(x) for x in wanted]
+        self.groups = config.group_size
         self.bias = config.bias
         self.bias_axes = {role: [graph.tensors[bias].letters.index(x) for x in (letters["heads"], letters[feature_role[role]])]
                           for role, (_, bias) in (self.bias or {}).items()}
@@ -472,7 +476,7 @@ class _AttentionLauncher(Launcher):
 
     def common(self, run: Run) -> dict:
         return dict(scale=self.scale, dropout_p=self.dropout_p, seed=run.seed, offset=self.offset, causal=self.causal,
-                    key_padding_mask=run.key_padding_mask, dropout_strides=self.dropout_strides)
+                    key_padding_mask=run.key_padding_mask, dropout_strides=self.dropout_strides, groups=self.groups)
 
 
 class AttentionForwardLauncher(_AttentionLauncher):

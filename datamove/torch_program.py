@@ -75,11 +75,13 @@ class TorchProgram:
         if step is None:
             return None
         roles, letters = step.config.roles, step.config.letters
+        # with grouped-query attention the scores read k repeated over the query heads, not the role's K
+        names = {"q": roles["q"], "k": ((step.config.groups or {}).get("repeated") or {}).get("k", roles["k"])}
         for prim in self.forward_primitives:
             tensors = [o.tensor for o in prim.inputs]
-            if prim.kind != "einsum" or sorted(tensors) != sorted((roles["q"], roles["k"])):
+            if prim.kind != "einsum" or sorted(tensors) != sorted(names.values()):
                 continue
-            q, k = (prim.inputs[tensors.index(roles[r])] for r in ("q", "k"))
+            q, k = (prim.inputs[tensors.index(names[r])] for r in ("q", "k"))
             batch = q.letters[self.graph.tensors[q.tensor].letters.index(letters["batch"])]
             keys = k.letters[self.graph.tensors[k.tensor].letters.index(letters["keys"])]
             return prim.output.tensor, prim.output.letters.index(batch), prim.output.letters.index(keys)

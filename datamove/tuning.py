@@ -125,8 +125,8 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
     the selection has said which it wants.
 
-    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout, causal) to
-    measure (``datamove.job.attention_setups``), each with ``bias``: whether the bias add before
+    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout, causal; KV where K/V
+    are grouped) to measure (``datamove.job.attention_setups``), each with ``bias``: whether the bias add before
     it folds in (``datamove.candidates.attention_bias``)."""
     tuner.measure([v for s in spaces for v in s.first_stage()])
 

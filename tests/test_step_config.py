@@ -5,8 +5,8 @@ import json
 import pytest
 
 from datamove.dataflow.snapshot import stored_fused
-from datamove.layouts.plan import GEMM, LAYOUT_CHANGE, Plan, Step
-from datamove.layouts.step_config import GeneratedConfig, LayoutChangeConfig, config_from_json
+from datamove.layouts.plan import ATTENTION_FORWARD, GEMM, LAYOUT_CHANGE, Plan, Step
+from datamove.layouts.step_config import AttentionConfig, GeneratedConfig, LayoutChangeConfig, config_from_json
 from plans import selected_plan
 
 
@@ -30,6 +30,21 @@ def test_the_json_form_is_the_one_artifacts_hold():
     cublas = config_from_json(GEMM, {"einsum": "ab,bc->ac", "backend": "cublas", "gemm": None,
                                      "operands": {"a": ["x"], "b": ["w"], "out": ["y"]}})
     assert cublas.algorithm == 0 and cublas.residual is None and "algorithm" not in cublas.to_json()
+
+
+def test_an_attention_config_with_and_without_groups():
+    """A plan written before grouped-query attention (no "groups") loads with none; one with groups
+    writes and reads them back."""
+    old = {"knobs": {}, "roles": {"q": "q", "k": "k", "v": "v", "o": "o", "mask": None, "lse": "lse(p)"},
+           "letters": {"batch": "b", "heads": "h", "rows": "s", "keys": "t", "features": "e", "value_features": "e"},
+           "scale": 0.125, "causal": True}
+    plain = config_from_json(ATTENTION_FORWARD, old)
+    assert plain.groups is None and plain.kv_heads == "h" and plain.group_size == 1 and plain.to_json() == old
+    groups = {"letter": "k", "size": 4, "repeated": {"k": "k_2", "v": "v_2", "dk": "d_k_2", "dv": "d_v_2"}}
+    grouped = AttentionConfig({}, old["roles"], old["letters"], 0.125, True, groups=groups)
+    assert grouped.to_json() == {**old, "groups": groups}
+    again = config_from_json(ATTENTION_FORWARD, json.loads(json.dumps(grouped.to_json())))
+    assert again == grouped and again.kv_heads == "k" and again.group_size == 4
 
 
 def test_a_config_of_another_kind_is_refused():

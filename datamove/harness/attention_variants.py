@@ -2,7 +2,10 @@
 
 One ``AttentionCase``: dims b, h, j (queries), k (keys, = j), p (head dim), dropout probability,
 dtype and the storage order of Q, K, V, O, dO and the gradients (``layout``, over (b, h, j, p);
-e.g. BERT's ``"bjhp"`` = ``[B, L, H*P]``).  Implementations:
+e.g. BERT's ``"bjhp"`` = ``[B, L, H*P]``); with ``KV`` < H, grouped-query attention: K, V (and
+dK, dV) over KV heads, H / KV query heads sharing each (the fused kernels read them in place; the
+references, the eager chain and the checks repeat them over the query heads first, as HF's
+``repeat_kv``; SDPA gets ``enable_gqa``).  Implementations:
 
 - ``FusedVariant``: ``kernels.attention`` with one knob configuration (``attention_configs``) per
   pass: direction "forward" (``attention_forward`` as training runs it with the backward
@@ -25,14 +28,15 @@ uses ``dropout_p``), and on a GPU the verdict names the attention kernels the ti
 
 Keys: ``op`` = ``"attention:<direction>:dropout=<p>"`` (``":bias"`` appended where biases (h, p) are
 added to q, k, v, the bias add folded into the fused kernels: ``kernels.attention``'s biases,
-``AttentionCase.bias``, forward and backward only), ``dims`` = {b, h, j, k, p}, ``layout`` =
+``AttentionCase.bias``, forward and backward only), ``dims`` = {b, h, j, k, p} (and ``kv``, the
+K/V heads, with grouped-query attention), ``layout`` =
 {tensor: storage order}, ``knobs`` = {"impl": "fused", "kernel": ``kernels.attention.KERNEL_ID``,
 "forward": {...}, "backward": {...}} (direction "forward": {"impl": "fused", "kernel": ..., "forward":
 {...}, "dropout_mask": ...}) /
 {"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
 (how the benchmark times it: ``Sweep(cuda_graph=True/False)``).  ``flop``: forward 4 BHLLP,
 backward 10 BHLLP (five products), both 14 BHLLP; ``bytes``: Q, K, V, O (forward) and dO, dQ, dK,
-dV (backward) x the item size (lse and masks not counted).
+dV (backward) x the item size, K, V, dK, dV over the K/V heads (lse and masks not counted).
 """
 from __future__ import annotations
 
@@ -68,10 +72,23 @@ class AttentionCase:
     dtype: torch.dtype = DTYPE
     bias: bool = False  # biases (h, p) added to q, k, v, folded into the kernels (fused variants only)
     causal: bool = False  # query j attends to keys k <= j only
+    KV: int | None = None  # K/V heads (grouped-query attention: H / KV query heads share each); None: H
+
+    @property
+    def kv_heads(self) -> int:
+        return self.H if self.KV is None else self.KV
+
+    @property
+    def grouped(self) -> bool:
+        """Whether K and V have fewer heads than Q (grouped-query attention, read in place)."""
+        return self.kv_heads != self.H
 
     @property
     def dims(self) -> dict:
-        return dict(b=self.B, h=self.H, j=self.L, k=self.L, p=self.P)
+        """{b, h, j, k, p}, and with grouped-query attention "kv" (K/V heads): the key of an
+        ungrouped case is the one it always had."""
+        dims = dict(b=self.B, h=self.H, j=self.L, k=self.L, p=self.P)
+        return dict(dims, kv=self.kv_heads) if self.grouped else dims
 
     @property
     def scale(self) -> float:
@@ -90,8 +107,9 @@ class AttentionCase:
         return {"forward": 4, "backward": 10, "fwd+bwd": 14}[direction] * self.B * self.H * pairs * self.P
 
     def bytes(self, direction: str) -> int:
-        tensors = 4 if direction == "forward" else 8
-        return tensors * self.B * self.H * self.L * self.P * self.dtype.itemsize
+        """Q, O (and dO, dQ) over the query heads, K, V (and dK, dV) over the K/V heads."""
+        tensors = 2 if direction == "forward" else 4  # per head set: forward Q, O / K, V; else also dO, dQ / dK, dV
+        return tensors * (self.H + self.kv_heads) * self.B * self.L * self.P * self.dtype.itemsize
 
     def args(self, dropout_p: float | None = None) -> dict:
         p = self.dropout_p if dropout_p is None else dropout_p
@@ -111,6 +129,14 @@ def _chain(q, k, v, scale, keep, keep_scale, causal: bool = False):
     if keep is not None:
         a = a * keep.to(a.dtype) * keep_scale
     return torch.einsum("bhjk,bhkp->bhjp", a, v)
+
+
+def _repeated(case: AttentionCase, k, v) -> tuple:
+    """K and V over the query heads: with grouped-query attention each K/V head repeated over its
+    group (HF's ``repeat_kv``), else as they are."""
+    if not case.grouped:
+        return k, v
+    return tuple(t.repeat_interleave(case.H // case.kv_heads, dim=1) for t in (k, v))
 
 
 def _masked(scores: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -138,7 +164,7 @@ class Workspace:
         through ``dtype`` so every implementation reads the same values."""
         c = self.case
         gen = torch.Generator().manual_seed(self.seed)
-        shapes = {n: (c.B, c.H, c.L, c.P) for n in ("q", "k", "v", "do")}
+        shapes = {n: (c.B, c.kv_heads if n in ("k", "v") else c.H, c.L, c.P) for n in ("q", "k", "v", "do")}
         shapes.update({n: (c.H, c.P) for n in (BIASES if c.bias else ())})
         return {n: torch.randn(shape, generator=gen, dtype=torch.float64).to(c.dtype).to(self.device, torch.float64)
                 for n, shape in shapes.items()}
@@ -158,6 +184,7 @@ class Workspace:
     def _run_chain(self, dtype, keep, keep_scale) -> dict:
         x = {n: t.to(dtype, copy=True).requires_grad_(n in ("q", "k", "v")) for n, t in self.exact.items()}
         q, k, v = (x[n] + x[b][None, :, None, :] if self.case.bias else x[n] for n, b in zip("qkv", BIASES))
+        k, v = _repeated(self.case, k, v)
         o = _chain(q, k, v, self.case.scale, keep, keep_scale, self.case.causal)
         o.backward(x["do"])
         return dict(o=o.detach(), dq=x["q"].grad, dk=x["k"].grad, dv=x["v"].grad)
@@ -236,6 +263,8 @@ class FusedVariant(_Base):
         P = ws.case.P
         if ws.case.bias and direction == "fwd+bwd":
             raise ValueError("biased cases run the forward and the backward kernels, not fused_attention")
+        if ws.case.bias and ws.case.grouped:
+            raise ValueError("the kernels take no biases with grouped K/V heads")
         backward = dict(default_config(P, "backward"), **(backward or {}))
         self.forward = dict(forward or default_config(P, "forward")) if direction != "backward" else None
         self.backward = backward if direction != "forward" else None
@@ -315,9 +344,11 @@ class SdpaVariant(_Base):
 
     def _forward(self):
         x = self.x
+        grouped = dict(enable_gqa=True) if self.ws.case.grouped else {}  # K/V over fewer heads (torch >= 2.5)
         with _sdpa_context(self.backend):
             return torch.nn.functional.scaled_dot_product_attention(x["q"], x["k"], x["v"], dropout_p=self.dropout_p,
-                                                                    scale=self.ws.case.scale, is_causal=self.ws.case.causal)
+                                                                    scale=self.ws.case.scale, is_causal=self.ws.case.causal,
+                                                                    **grouped)
 
     def check(self) -> NotedVerdict:
         self.dropout_p = 0.0
@@ -343,9 +374,10 @@ class EagerVariant(_Base):
 
     def _forward(self):
         x, case = self.x, self.ws.case
-        a = torch.softmax(_masked(torch.einsum("bhjp,bhkp->bhjk", x["q"], x["k"]) * case.scale, case.causal), dim=-1)
+        k, v = _repeated(case, x["k"], x["v"])
+        a = torch.softmax(_masked(torch.einsum("bhjp,bhkp->bhjk", x["q"], k) * case.scale, case.causal), dim=-1)
         dropped, self.mask = torch.native_dropout(a, case.dropout_p, True)
-        return torch.einsum("bhjk,bhkp->bhjp", dropped, x["v"])
+        return torch.einsum("bhjk,bhkp->bhjp", dropped, v)
 
     def check(self) -> NotedVerdict:
         results = self.run()

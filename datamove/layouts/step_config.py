@@ -137,7 +137,14 @@ class AttentionConfig:
     "rows", "keys", "features", "value_features"} in q's naming; ``scale`` of the scores; ``causal``:
     the kernels apply a causal mask, in place of the constant ``causal_constant`` the spec adds
     (None: no such constant); ``bias`` {"q", "k", "v" -> [GEMM result, bias]}: the bias add before
-    the attention folded in; ``knobs``: the kernels' launch knobs (``kernels.attention``)."""
+    the attention folded in; ``knobs``: the kernels' launch knobs (``kernels.attention``).
+
+    ``groups``: grouped-query attention (``candidates.attention_repeats``), None without: {"letter":
+    the K/V heads' letter in the K/V tensors' naming (which is q's but for it), "size": G, the query
+    heads per K/V head, "repeated": {"k", "v" (, "dk", "dv") -> the tensor over the query heads that
+    the repeat of K/V wrote (and its gradient)}}: the roles k and v are the K/V tensors before the
+    repeat, dk and dv their gradients (the repeat's backward, the sum over each group, folded in),
+    the repeat's operators covered by the step."""
 
     knobs: dict
     roles: dict
@@ -146,6 +153,7 @@ class AttentionConfig:
     causal: bool = False
     causal_constant: str | None = None
     bias: dict | None = None
+    groups: dict | None = None
 
     def to_json(self) -> dict:
         data = {"knobs": self.knobs, "roles": self.roles, "letters": self.letters, "scale": self.scale,
@@ -154,12 +162,25 @@ class AttentionConfig:
             data["causal_constant"] = self.causal_constant
         if self.bias is not None:
             data["bias"] = self.bias
+        if self.groups is not None:
+            data["groups"] = self.groups
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> "AttentionConfig":
         return cls(data["knobs"], data["roles"], data["letters"], float(data["scale"]), bool(data.get("causal", False)),
-                   data.get("causal_constant"), data.get("bias"))
+                   data.get("causal_constant"), data.get("bias"), data.get("groups"))
+
+    @property
+    def kv_heads(self) -> str:
+        """The letter of K and V's heads (and dK, dV's), in their tensors' naming: q's heads letter
+        but with grouped-query attention."""
+        return self.groups["letter"] if self.groups else self.letters["heads"]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per K/V head (1 without grouped-query attention)."""
+        return int(self.groups["size"]) if self.groups else 1
 
 
 @dataclass(frozen=True)
