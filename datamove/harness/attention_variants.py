@@ -265,7 +265,7 @@ class FusedVariant(_Base):
             raise ValueError("biased cases run the forward and the backward kernels, not fused_attention")
         if ws.case.bias and ws.case.grouped:
             raise ValueError("the kernels take no biases with grouped K/V heads")
-        backward = dict(default_config(P, "backward"), **(backward or {}))
+        backward = dict(default_config(P, "backward", groups=ws.case.H // ws.case.kv_heads), **(backward or {}))
         self.forward = dict(forward or default_config(P, "forward")) if direction != "backward" else None
         self.backward = backward if direction != "forward" else None
         self.dropout_mask = backward["dropout_mask"]
