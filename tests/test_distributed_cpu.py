@@ -95,6 +95,7 @@ def _run(rank: int, world: int, init: str, path: str, wrapper: str, results: dic
             grads[t] = grad.detach().clone()
         if rank == 0:
             results.update(grads)
+        dist.barrier()  # neither process leaves the group while the other still uses it
     finally:
         dist.destroy_process_group()
 

@@ -296,25 +296,18 @@ def test_hf_model_with_gradient_checkpointing(path):
         close(ckpt_grads[name], grad)
 
 
-def test_fsdp2_trains_as_plain_launches_and_stops_graphing(path, tmp_path):
-    """``fully_shard`` (one process, NCCL) takes the layer's contiguous parameters; its gathered
-    parameters live in new memory on every call, so after a few calls the layer stops capturing
-    graphs (one warning) and launches plainly; outputs and gradients as the plain layer's."""
+def test_fsdp2_over_the_kernels_is_refused(path, tmp_path):
+    """``fully_shard`` takes the layer's contiguous parameters, but over the kernels the gradients
+    came out wrong (one process, NCCL, an H200: most ~0.5 off relative to the unwrapped layer, with
+    and without CUDA graphs), so a call is refused, naming what to do instead."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        graphed, plain = pair(path)
+        graphed, _ = pair(path)
         sharded = fully_shard(graphed)
-        xs = inputs(5)
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            ours = run_steps(sharded, xs)
-        expected = run_steps(plain, xs)
-        for a, b in zip(ours[0] + ours[1], expected[0] + expected[1]):
-            close(a, b)
-        for name, grad in ours[2].items():
-            close(grad.full_tensor() if hasattr(grad, "full_tensor") else grad, expected[2][name])
+        with pytest.raises(RuntimeError, match="FSDP2 .* is refused for now; train it under DDP"):
+            sharded(inputs(1)[0])
     finally:
         dist.destroy_process_group()
