@@ -53,14 +53,14 @@ from datamove.harness.gradient_epilogue import moved_bytes as gradient_bytes
 from datamove.harness.sweep_variants import moved_bytes, op_signature
 from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
-from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, MEASURED, PREDICTED, Plan
+from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, ITEMSIZE, MEASURED,
+                                   PREDICTED, Plan)
 from datamove.layouts.select import Candidate, best_sum, select, to_plan
 from datamove.layouts.step_config import (AttentionConfig, ContractionConfig, EpilogueConfig, GeneratedConfig,
                                           GradientEpilogueConfig, Residual)
 from datamove.layouts.space import (column_sum_joins, configurations, default_configuration, join_members, masks_grouped,
                                     parts, representatives)
 
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 # candidates kept per operator run (fastest; ties: spec order first): bounds the search.  48: with
 # cuBLASLt's other algorithms timed, BERT-large's 1024-wide GEMMs have 8 layouts within 0.3 us of each
 # other, and at 16 the H100 plan lost the layouts shared by the three GEMMs reading the attention's

@@ -16,10 +16,8 @@ from datamove.harness.contraction_variants import training_gemms
 from datamove.kernels.device import versions
 from datamove.harness.sweep_variants import op_signature
 from datamove.layouts.cost_model import predict_ms
-from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE, MEASURED, PREDICTED
+from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, ITEMSIZE, LAYOUT_CHANGE, MEASURED, PREDICTED
 from datamove.layouts.step_config import GradientEpilogueConfig
-
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _kernel_text(step) -> str:

@@ -28,6 +28,7 @@ from datamove.layouts.step_config import (ATTENTION_BACKWARD, ATTENTION_FORWARD,
 
 KINDS = tuple(CONFIGS)
 MEASURED, PREDICTED = "measured", "predicted"
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of a plan's dtype (``Plan.dtype``)
 
 
 @dataclass(frozen=True)
