@@ -142,13 +142,18 @@ class BertLayerReplacement(torch.nn.Module):
             mask = None  # excludes nothing, and a plan without the fused attention takes none (asking waits for the GPU)
         return self.layer(hidden_states, key_padding_mask=mask)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
-        if args and args[0] is not None or kwargs.get("encoder_hidden_states") is not None:
-            raise ValueError("cross-attention (encoder_hidden_states) is not part of the tuned layer")
+    def _masked(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer on ``hidden_states`` with HF's ``attention_mask`` as its key-padding mask, under
+        HF's activation checkpointing where it is on."""
         mask = _last_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             return self._gradient_checkpointing_func(self._layer, hidden_states, mask)
         return self._layer(hidden_states, mask)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
+        if args and args[0] is not None or kwargs.get("encoder_hidden_states") is not None:
+            raise ValueError("cross-attention (encoder_hidden_states) is not part of the tuned layer")
+        return self._masked(hidden_states, attention_mask)
 
 
 class LlamaLayerReplacement(BertLayerReplacement):
@@ -197,10 +202,7 @@ class LlamaLayerReplacement(BertLayerReplacement):
             raise ValueError("datamove: the replaced Llama layers train; generation with a key-value cache is not "
                              "part of the tuned layer")
         self._copy_tables(position_embeddings)
-        mask = _last_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return self._gradient_checkpointing_func(self._layer, hidden_states, mask)
-        return self._layer(hidden_states, mask)
+        return self._masked(hidden_states, attention_mask)
 
 
 def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwargs: dict) -> int:

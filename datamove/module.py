@@ -23,6 +23,11 @@ import warnings
 
 import torch
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # a torch without FSDP2
+    FSDPModule = None
+
 from datamove.dataflow.initial_values import MASKED_SCORE, ONE, WEIGHT, CausalMask, KnownValue, initial_values
 from datamove.graphs import LayerGraphs
 from datamove.kernels.interpreter import interpreted
@@ -151,11 +156,7 @@ class _Launched(torch.autograd.Function):
 
 def _is_fsdp2(module: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` made ``module`` an FSDP2 module."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(module, FSDPModule)
+    return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
 def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -163,7 +164,7 @@ def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missin
     layout it was saved in (its extra state's; a state dict without one: the spec's letter order, as
     layers stored before parameters were contiguous) into this layer's."""
     saved = (state_dict.get(prefix + "_extra_state") or {}).get("layouts", {})
-    for name, axes in layer._spec_axes.items():
+    for name in layer._spec_axes:
         key = prefix + name
         if key not in state_dict:
             continue
@@ -343,19 +344,10 @@ class TunedLayer(torch.nn.Module):
                 param.fill_(1.0 if kind == ONE else 0.0)
         for name in self.interface.constants:
             value, kind = self.spec_view(name), self.initial.get(name)
-            if isinstance(kind, CausalMask):
-                value.copy_(self._causal_mask(name, kind, value.device))
-            elif isinstance(kind, KnownValue):
+            if isinstance(kind, (CausalMask, KnownValue)):
                 value.copy_(torch.from_numpy(kind.array(self.graph, name)))
             else:
                 value.fill_(math.nan)
-
-    def _causal_mask(self, name: str, mask: CausalMask, device) -> torch.Tensor:
-        """The causal mask ``name`` holds, over its letters: 0 where the key is at or before the query, -1e4 after."""
-        letters = self.graph.tensors[name].letters
-        after = _keys_after((self.graph.size(mask.rows), self.graph.size(mask.keys)), device)
-        after = after if letters == mask.rows + mask.keys else after.T
-        return torch.where(after, MASKED_SCORE, 0.0)
 
     @functools.cached_property
     def applies_key_padding(self) -> bool:
@@ -382,10 +374,11 @@ class TunedLayer(torch.nn.Module):
             return
         unset = []
         for name in self.interface.constants:
-            value = self.spec_view(name)
-            key = (name, value.data_ptr())
-            if self._constants_checked.get(key) == value._version:
+            stored = self._buffers[name]
+            key = (name, stored.data_ptr())
+            if self._constants_checked.get(key) == stored._version:
                 continue
+            value = self.spec_view(name)
             if name in program.causal_constants:  # (queries, keys): the spec adds it over those letters
                 if not bool(torch.where(_keys_after(value.shape, value.device), value <= MASKED_SCORE, value == 0).all()):
                     raise ValueError(f"layer.{name} must hold the causal mask that this plan's fused attention applies "

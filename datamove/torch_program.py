@@ -25,7 +25,7 @@ import torch
 
 from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
 from datamove.dataflow.executor import dropout_offsets
-from datamove.harness.torch_eval import reduce_value, map_value
+from datamove.harness.torch_eval import run_primitive
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 
 
@@ -87,14 +87,10 @@ class TorchProgram:
             return prim.output.tensor, prim.output.letters.index(batch), prim.output.letters.index(keys)
         return None
 
-    def _masks(self, seed: int, wanted) -> dict[str, torch.Tensor]:
-        """The keep masks (bool, spec order) of the dropout tensors in ``wanted`` that drop anything."""
-        result = {}
-        for name in wanted:
-            info = self.graph.tensors[name]
-            if info.role == "dropout" and info.p > 0:
-                result[name] = torch.from_numpy(keep_mask(seed, self.offsets[name], self.shape(name), info.p)).to(self.device)
-        return result
+    def _masks(self, seed: int) -> dict[str, torch.Tensor]:
+        """The keep masks (bool, spec order) of the dropout tensors that drop anything."""
+        return {name: torch.from_numpy(keep_mask(seed, offset, self.shape(name), self.graph.tensors[name].p)).to(self.device)
+                for name, offset in self.offsets.items() if self.graph.tensors[name].p > 0}
 
     def _multiplier(self, name: str, keep: torch.Tensor | None) -> torch.Tensor:
         """A dropout tensor's multipliers (0 or ``dropout_scale(p)``; ones where ``p`` is 0)."""
@@ -105,18 +101,10 @@ class TorchProgram:
     def _run(self, primitives, env: dict, keeps: dict, key_padding_mask: torch.Tensor | None = None) -> dict:
         """Evaluate ``primitives`` in order on ``env`` (spec-order tensors in the compute dtype)."""
         for prim in primitives:
-            arrays = []
             for operand in prim.inputs:
-                t = operand.tensor
-                if t not in env:  # a dropout mask, first read
-                    env[t] = self._multiplier(t, keeps.get(t))
-                arrays.append(env[t])
-            if prim.kind == "einsum":
-                value = torch.einsum(prim.expr, *arrays)
-            elif prim.kind == "reduce":
-                value = reduce_value(prim, arrays[0])
-            else:
-                value = map_value(self.graph, prim, arrays, self.compute)
+                if operand.tensor not in env:  # a dropout mask, first read
+                    env[operand.tensor] = self._multiplier(operand.tensor, keeps.get(operand.tensor))
+            value = run_primitive(self.graph, prim, env, self.compute)
             if key_padding_mask is not None and self.scores and prim.output.tensor == self.scores[0]:
                 _, batch, keys = self.scores
                 shape = [1] * value.dim()
@@ -144,16 +132,13 @@ class TorchProgram:
         """The forward on ``inputs`` (activations, parameters, constants): (the outputs in PyTorch
         order, the ``kept`` tensors)."""
         env = self._inputs(inputs)
-        keeps = self._masks(int(run.seed), (t for t, info in self.graph.tensors.items() if info.role == "dropout"))
+        keeps = self._masks(int(run.seed))
         self._run(self.forward_primitives, env, keeps, run.key_padding_mask)
         outputs = [self._leaving(t, env[t]) for t in self.interface.outputs]
-        kept = [keeps[t] if t in keeps else self._placeholder(t) if self.graph.tensors[t].role == "dropout" else env[t]
+        nothing_dropped = torch.empty(0, dtype=torch.bool, device=self.device)  # a kept mask of probability 0
+        kept = [keeps[t] if t in keeps else nothing_dropped if self.graph.tensors[t].role == "dropout" else env[t]
                 for t in self.kept]
         return outputs, kept
-
-    def _placeholder(self, name: str) -> torch.Tensor:
-        """What stands in the kept list for a mask that drops nothing (``p`` 0): an empty bool tensor."""
-        return torch.empty(0, dtype=torch.bool, device=self.device)
 
     def call_backward(self, inputs: list[torch.Tensor], kept: list[torch.Tensor], grads: list[torch.Tensor],
                       run) -> list[torch.Tensor]:

@@ -37,6 +37,13 @@ class CausalMask:
     rows: str
     keys: str
 
+    def array(self, graph, name: str) -> np.ndarray:
+        """Its float64 values over the letters of ``name``: 0 where the key is at or before the query,
+        ``MASKED_SCORE`` after."""
+        letters = graph.tensors[name].letters
+        rows, keys = np.indices([graph.size(x) for x in letters])[[letters.index(self.rows), letters.index(self.keys)]]
+        return np.where(keys > rows, MASKED_SCORE, 0.0)
+
 
 @dataclass(frozen=True)
 class KnownValue:
@@ -74,10 +81,9 @@ def initial_values(graph, parameters, constants) -> dict:
 def _is_causal(graph, name: str, mask: CausalMask) -> bool:
     """Whether the known value of ``name`` is the causal mask ``mask``: 0 where the key is at or before the
     query, ``MASKED_SCORE`` or less after."""
+    after = mask.array(graph, name) < 0
     value = known_value(graph, name)
-    letters = graph.tensors[name].letters
-    rows, keys = np.indices(value.shape)[[letters.index(mask.rows), letters.index(mask.keys)]]
-    return bool(np.where(keys > rows, value <= MASKED_SCORE, value == 0).all())
+    return bool(np.where(after, value <= MASKED_SCORE, value == 0).all())
 
 
 def forward_primitives(graph) -> list:
