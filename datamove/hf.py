@@ -179,19 +179,18 @@ class LlamaLayerReplacement(BertLayerReplacement):
         if self._tables is not None and all(a is b for a, b in zip(key[::2], self._tables[::2])) \
                 and key[1::2] == self._tables[1::2]:
             return
-        with torch.no_grad():
-            for name, table in (("cos", cos), ("sin", sin)):
-                target = self.layer.spec_view(name)
-                if table.dim() == 3 and table.shape[0] > 1 and not torch.compiler.is_compiling():
-                    if not bool((table == table[:1]).all()):
-                        raise ValueError("datamove: position_embeddings differ between the sequences of the batch "
-                                         "(position_ids per sequence): the tuned layer holds one table for all")
-                table = table[0] if table.dim() == 3 else table
-                if tuple(table.shape) != tuple(target.shape):
-                    raise ValueError(f"datamove: position_embeddings' {name} is {tuple(table.shape)} (sequence, head "
-                                     f"dim); the tuned layer's is {tuple(target.shape)}: call the model at the "
-                                     "sequence length the layer was tuned for")
-                target.copy_(table)
+        for name, table in (("cos", cos), ("sin", sin)):
+            wanted = tuple(self.layer.spec_view(name).shape)
+            if table.dim() == 3 and table.shape[0] > 1 and not torch.compiler.is_compiling():
+                if not bool((table == table[:1]).all()):
+                    raise ValueError("datamove: position_embeddings differ between the sequences of the batch "
+                                     "(position_ids per sequence): the tuned layer holds one table for all")
+            table = table[0] if table.dim() == 3 else table
+            if tuple(table.shape) != wanted:
+                raise ValueError(f"datamove: position_embeddings' {name} is {tuple(table.shape)} (sequence, head "
+                                 f"dim); the tuned layer's is {wanted}: call the model at the sequence length the "
+                                 "layer was tuned for")
+            self.layer.set_constant(name, table)
         self._tables = key
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -393,6 +393,18 @@ class TunedLayer(torch.nn.Module):
             raise ValueError(f"constant(s) not set: {'; '.join(unset)}: the spec's structure gives them no value; set "
                              f"each before calling the layer, e.g. {unset[0].split(' ')[0]}.copy_(values)")
 
+    @torch.no_grad()
+    def set_constant(self, name: str, value: torch.Tensor) -> None:
+        """Copy ``value`` (over ``name``'s spec letters) into a constant the graph gives no value
+        (RoPE's tables), taken as set: the next call does not look for NaN in it again, which on a
+        GPU waits for the device (``replace_llama_layers`` sets the model's tables on every call)."""
+        if name not in self.interface.constants or name in self.initial:
+            raise ValueError(f"{name}: not a constant of the layer that the caller sets (constants without a value of "
+                             f"their own: {[t for t in self.interface.constants if t not in self.initial]})")
+        self.spec_view(name).copy_(value)
+        stored = self._buffers[name]
+        self._constants_checked[(name, stored.data_ptr())] = stored._version
+
     def _graphed_shape(self, shape: dict) -> bool:
         """Whether calls at ``shape`` replay CUDA graphs (the module doc's policy)."""
         key = shape_key(shape)

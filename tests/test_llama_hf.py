@@ -95,3 +95,21 @@ def test_what_the_layer_cannot_do_is_refused(artifact):
     with pytest.raises(ValueError, match="differ between the sequences of the batch"):
         layer(x, position_embeddings=shifted)
     assert ours.config.use_cache is False  # the layers fill no key-value cache
+
+
+def test_the_models_tables_are_set_without_a_check_per_call(artifact, monkeypatch):
+    """The rotary tables copied in on every model call are taken as set (the NaN check of a
+    constant the caller sets waits for a GPU), and only constants without a value of their own
+    may be set so."""
+    _, ours = models(artifact)
+    layer = ours.layers[0].layer
+    looked = []
+    real = torch.Tensor.isnan
+    monkeypatch.setattr(torch.Tensor, "isnan", lambda self: looked.append(tuple(self.shape)) or real(self))
+    ours(input_ids=torch.randint(0, 50, (2, 16)))  # the first call checks each constant once
+    assert looked
+    looked.clear()
+    ours(input_ids=torch.randint(0, 50, (2, 16)))  # new tables from the model, copied in: nothing checked again
+    assert looked == []
+    with pytest.raises(ValueError, match="causal: not a constant of the layer that the caller sets"):
+        layer.set_constant("causal", torch.zeros(16, 16))
