@@ -34,7 +34,7 @@ class TensorInfo:
     role: "input" (layer argument with a gradient), "constant" (argument without one), "dropout"
     (a dropout mask argument, drop probability ``p``), "intermediate", "output".
 
-    ``value``: for a constant the front end made itself (``dataflow.numpy_lowering``: the matrix of an
+    ``value``: for a constant the front end made itself (``dataflow.lowering``: the matrix of an
     ``np.concatenate`` or ``np.repeat``, a mask from ``np.tril`` / ``np.arange``), its value as an
     expression over the index variables ``i0, i1, ...`` of its axes (in its letter order), the dim
     names, ``inf`` and the map functions (``dataflow.executor.known_value`` evaluates it); "" for

@@ -9,10 +9,10 @@ from datamove.dataflow.analysis import (OperatorRow, analyse, format_fused_table
 from datamove.dataflow.autodiff import TrainingGraph, build_training_graph
 from datamove.dataflow.fusion import AttentionCandidate, FusedGraph, attention_candidates, fuse
 from datamove.dataflow.graph import PrimitiveGraph
+from datamove.dataflow.lowering.lowered_module import lower_spec
 from datamove.dataflow.operators import Operator, group_operators
 from datamove.dataflow.sdfg import build_sdfg
 from datamove.dataflow.sdfg_reader import walk_sdfg
-from datamove.dataflow.numpy_lowering import lower_spec
 from datamove.dataflow.spec import LayerSpec, load_spec
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import dace
 import dace.frontend.common.einsum as dace_einsum
 
-from datamove.dataflow.numpy_lowering import SUPPORTED
+from datamove.dataflow.lowering.support import SUPPORTED
 from datamove.dataflow.spec import LayerSpec, SpecError
 
 

@@ -6,7 +6,7 @@ Every map becomes a ``Primitive`` of kind ``"map"`` (its tasklet as an expressio
 views, loop nests) are skipped.  Letters flow from the spec's annotations through einsum strings
 and map memlets to every tensor.
 
-Two forms that ``dataflow.numpy_lowering`` emits are read specially: ``np.where(a > b, x, y)`` (a
+Two forms that ``dataflow.lowering`` emits are read specially: ``np.where(a > b, x, y)`` (a
 DaCe library node) becomes one map ``where(in0 > in1, in2, in3)``, the comparison inlined; a
 one-operand einsum that only permutes letters (``np.einsum("ts->st", k)``, a transpose) is no
 primitive: its readers read its operand with permuted letters, so nothing is moved.
@@ -22,7 +22,8 @@ import dace
 from dace.sdfg import nodes
 
 from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
-from datamove.dataflow.numpy_lowering import SUPPORTED, spec_line
+from datamove.dataflow.lowering.lowered_module import spec_line
+from datamove.dataflow.lowering.support import SUPPORTED
 from datamove.dataflow.sdfg import EinsumRecord
 from datamove.dataflow.spec import LayerSpec, SpecError
 

@@ -96,7 +96,7 @@ class LayerSpec:
 
 
 # NumPy constructs refused anywhere in a spec module, with the supported form (what the layer
-# function itself may use is checked, and lowered, by ``dataflow.numpy_lowering``).
+# function itself may use is checked, and lowered, by ``dataflow.lowering``).
 UNSUPPORTED_CALLS = {
     "random": "declare a Dropout(letters, p) argument and multiply by it",
     "softmax": "write the softmax out with np.max, np.exp, np.sum",
@@ -247,7 +247,7 @@ def _return_names(path: Path, tree: ast.Module, function: types.FunctionType) ->
 
 def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
               options: dict[str, str] | None = None) -> LayerSpec:
-    """Load a spec file as written (``dataflow.numpy_lowering.lower_spec`` then lowers its plain NumPy);
+    """Load a spec file as written (``dataflow.lowering.lowered_module.lower_spec`` then lowers its plain NumPy);
     ``dim_overrides`` replace its dim defaults, ``options`` its module constants."""
     path = Path(path)
     if path.is_dir():
