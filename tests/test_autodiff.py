@@ -7,7 +7,8 @@ import warnings
 import numpy as np
 import pytest
 
-from datamove.dataflow.autodiff import BACKWARD, FORWARD, build_training_graph, derivative
+from datamove.dataflow.autodiff import BACKWARD, FORWARD, build_training_graph
+from datamove.dataflow.derivatives import derivative
 from datamove.dataflow.executor import execute, run_primitive, tensor_shape
 from datamove.dataflow.fusion import fuse
 from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, primitive_flop

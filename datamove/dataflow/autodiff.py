@@ -6,29 +6,22 @@ names:
 - einsum ``"A,B->C"``: the gradient of each operand is the einsum with that operand's term
   replaced by the output's (``"phi,ibj->phbj"`` gives dW ``"phbj,ibj->phi"`` and dX
   ``"phi,phbj->ibj"``);
-- map: the chain rule on the expression's AST (symbolic derivative of +, -, *, /, **, exp, log,
-  sqrt, tanh, abs, maximum/minimum (a mask, ReLU's ``in0 > 0``), where); an operand broadcast over
-  letters of the output gets its gradient summed over them (bias gradients become reductions);
-  a dropout is a multiplication by its mask tensor, so its backward multiplies by the same mask;
+- map: the chain rule on the expression's AST (``dataflow.derivatives``: symbolic derivative of
+  +, -, *, /, **, exp, log, sqrt, tanh, abs, maximum/minimum (a mask, ReLU's ``in0 > 0``), where);
+  an operand broadcast over letters of the output gets its gradient summed over them (bias
+  gradients become reductions); a dropout is a multiplication by its mask tensor, so its backward
+  multiplies by the same mask;
 - reduce: sum broadcasts the gradient back, max routes it to the maxima;
 - an element-wise operator of several maps (GELU written out) is inlined into one expression
-  first, so its backward is one map reading the operator's inputs, not its inner tensors.
+  first (``dataflow.derivatives.elementwise_chains``), so its backward is one map reading the
+  operator's inputs, not its inner tensors;
+- a softmax or layernorm recognised inside a forward normalization operator
+  (``dataflow.closed_forms``) is differentiated in closed form.
 
 The derived graph is then rewritten so that ReLU's backward reads what the forward saves anyway
 (``relu_masks_from_outputs``): ``d_x = d_y * (x > 0)`` for ``y = maximum(x, 0)`` becomes
 ``d_x = d_y * (y > 0)``, and through a dropout ``h = y * mask``, ``d_x = d_h * (h > 0) * scale``;
 the forward then need not save x, and the backward need not regenerate the mask.
-
-Normalizations are recognised structurally inside the forward normalization operators
-(``dataflow.operators``): the maps between the reductions are composed into one symbolic
-expression per tensor (sympy) and compared with the defining formula of
-
-- softmax over R: ``y = exp(x - max_R x) / sum_R exp(x - max_R x)`` (max optional), whose backward
-  is emitted in closed form ``dx = y * (dy - sum_R(dy * y))``;
-- layernorm over R: ``xhat = (x - mean_R x) / sqrt(mean_R (x - mean)^2 + eps)`` (or times the
-  inverse square root), backward ``dx = (g - (sum_R g + xhat * sum_R(g * xhat)) / |R|) / std``;
-  the per-feature affine tail (gamma, beta) goes through the generic rules, which gives
-  dgamma and dbeta as reductions.
 
 A tensor read by several primitives (residual connections, Q/K/V sharing x) receives one
 gradient contribution per reader; they are summed by one n-ary map ``in0 + in1 + ...``.
@@ -41,31 +34,11 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-import sympy
-
+from datamove.dataflow.closed_forms import ClosedForm, recognise_normalizations
+from datamove.dataflow.derivatives import (Rename, add, derivative, elementwise_chains, is_constant, multiply, number,
+                                          operand_names)
 from datamove.dataflow.graph import SCALE_PREFIX, Operand, Primitive, PrimitiveGraph, TensorInfo, is_expression
-from datamove.dataflow.operators import NORMALIZATION, Operator, group_operators, make_operator
-
-FORWARD, BACKWARD = "forward", "backward"
-
-
-@dataclass(frozen=True)
-class ClosedForm:
-    """A normalization recognised in the forward graph, differentiated in closed form.
-
-    ``kind``: "softmax" or "layernorm"; ``members``: the forward primitives from ``input`` to
-    ``output`` that the closed form replaces; ``reduced``: the normalised letters R (in the
-    members' naming); ``scale``: layernorm's tensor over the letters outside R holding
-    sqrt(var + eps) (``inverted``: it holds 1 / sqrt(var + eps) instead).
-    """
-
-    kind: str
-    members: tuple[str, ...]
-    input: str
-    output: str
-    reduced: str
-    scale: str | None = None
-    inverted: bool = False
+from datamove.dataflow.operators import BACKWARD, FORWARD, Operator, group_operators, make_operator
 
 
 @dataclass
@@ -120,333 +93,6 @@ def build_training_graph(graph: PrimitiveGraph, closed_forms: bool = True, relu_
     """
     training = _Backward(graph, recognise_normalizations(graph) if closed_forms else [], elementwise_chains(graph)).run()
     return relu_masks_from_outputs(training) if relu_masks else training
-
-
-# --- symbolic derivatives of map expressions ----------------------------------------------------
-
-def _const(node: ast.expr, value: float) -> bool:
-    return isinstance(node, ast.Constant) and not isinstance(node.value, bool) and node.value == value
-
-
-def _num(value: float) -> ast.expr:
-    return ast.Constant(value)
-
-
-def _add(a: ast.expr, b: ast.expr) -> ast.expr:
-    if _const(a, 0):
-        return b
-    if _const(b, 0):
-        return a
-    return ast.BinOp(a, ast.Add(), b)
-
-
-def _neg(a: ast.expr) -> ast.expr:
-    if _const(a, 0):
-        return a
-    if isinstance(a, ast.UnaryOp) and isinstance(a.op, ast.USub):
-        return a.operand
-    return ast.UnaryOp(ast.USub(), a)
-
-
-def _sub(a: ast.expr, b: ast.expr) -> ast.expr:
-    if _const(b, 0):
-        return a
-    if _const(a, 0):
-        return _neg(b)
-    return ast.BinOp(a, ast.Sub(), b)
-
-
-def _mul(a: ast.expr, b: ast.expr) -> ast.expr:
-    if _const(a, 0) or _const(b, 0):
-        return _num(0)
-    if _const(a, 1):
-        return b
-    if _const(b, 1):
-        return a
-    if _const(b, -1):
-        return _neg(a)
-    if isinstance(b, ast.BinOp) and isinstance(b.op, ast.Div) and _const(b.left, 1):
-        return ast.BinOp(a, ast.Div(), b.right)
-    return ast.BinOp(a, ast.Mult(), b)
-
-
-def _div(a: ast.expr, b: ast.expr) -> ast.expr:
-    if _const(a, 0):
-        return a
-    if _const(b, 1):
-        return a
-    return ast.BinOp(a, ast.Div(), b)
-
-
-def _call(name: str, *args: ast.expr) -> ast.expr:
-    return ast.Call(ast.Name(name, ast.Load()), list(args), [])
-
-
-def _compare(a: ast.expr, op: ast.cmpop, b: ast.expr) -> ast.expr:
-    return ast.Compare(a, [op], [b])
-
-
-def derivative(node: ast.expr, var: str) -> ast.expr:
-    """d(node)/d(var) as a simplified AST; ``var`` is an operand name such as ``"in0"``.
-
-    maximum(a, b) sends the gradient to a where a > b and to b elsewhere (so ReLU, maximum(x, 0),
-    gives ``x > 0``, as torch.relu); minimum(a, b) to a where a < b.
-    """
-    d = lambda n: derivative(n, var)  # noqa: E731
-    if isinstance(node, ast.Name):
-        return _num(1) if node.id == var else _num(0)
-    if isinstance(node, (ast.Constant, ast.Compare)):
-        return _num(0)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        inner = d(node.operand)
-        return _neg(inner) if isinstance(node.op, ast.USub) else inner
-    if isinstance(node, ast.BinOp):
-        a, b = node.left, node.right
-        if isinstance(node.op, ast.Add):
-            return _add(d(a), d(b))
-        if isinstance(node.op, ast.Sub):
-            return _sub(d(a), d(b))
-        if isinstance(node.op, ast.Mult):
-            return _add(_mul(d(a), b), _mul(a, d(b)))
-        if isinstance(node.op, ast.Div):
-            return _sub(_div(d(a), b), _div(_mul(a, d(b)), ast.BinOp(b, ast.Mult(), b)))
-        if isinstance(node.op, ast.Pow):
-            da, db = d(a), d(b)
-            power = _mul(_mul(b, ast.BinOp(a, ast.Pow(), _sub(b, _num(1)))), da)
-            if _const(db, 0):
-                return power
-            return _add(power, _mul(_mul(node, _call("log", a)), db))
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-        name, args = node.func.id, node.args
-        if name == "exp":
-            return _mul(node, d(args[0]))
-        if name == "log":
-            return _div(d(args[0]), args[0])
-        if name == "sqrt":
-            return _div(d(args[0]), _mul(_num(2), node))
-        if name == "tanh":
-            return _mul(_sub(_num(1), ast.BinOp(node, ast.Pow(), _num(2))), d(args[0]))
-        if name == "abs":
-            return _mul(_call("sign", args[0]), d(args[0]))
-        if name in ("maximum", "minimum"):
-            a, b = args
-            first = _compare(a, ast.Gt() if name == "maximum" else ast.Lt(), b)
-            second = _compare(a, ast.LtE() if name == "maximum" else ast.GtE(), b)
-            return _add(_mul(d(a), first), _mul(d(b), second))
-        if name == "where":
-            cond, a, b = args
-            da, db = d(a), d(b)
-            if _const(da, 0) and _const(db, 0):
-                return _num(0)
-            return _call("where", cond, da, db)
-    raise ValueError(f"cannot differentiate {ast.unparse(node)!r}: unsupported construct")
-
-
-class _Rename(ast.NodeTransformer):
-    def __init__(self, names: dict[str, str]):
-        self.names = names
-
-    def visit_Name(self, node: ast.Name):
-        return ast.Name(self.names.get(node.id, node.id), ast.Load())
-
-
-def _operand_names(node: ast.expr) -> list[str]:
-    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id.startswith("in") and n.id[2:].isdigit()}
-    return sorted(names, key=lambda n: int(n[2:]))
-
-
-# --- recognising normalizations -----------------------------------------------------------------
-
-_SYMPY_FUNCTIONS = {"exp": sympy.exp, "log": sympy.log, "sqrt": sympy.sqrt, "tanh": sympy.tanh,
-                    "maximum": sympy.Max, "minimum": sympy.Min, "abs": sympy.Abs}
-
-
-@dataclass
-class _Composed:
-    """Symbolic values of an operator's tensors: leaves are outside tensors and reductions."""
-
-    values: dict[str, sympy.Expr]
-    reductions: dict[str, tuple[str, sympy.Expr, Primitive]]  # output -> (sum|max, body, primitive)
-    leaves: dict[sympy.Symbol, str]
-
-
-def _compose(graph: PrimitiveGraph, prims: list[Primitive]) -> _Composed | None:
-    """Inline the maps of ``prims`` into one expression per tensor; None if letters are not used
-    consistently (a tensor read under other letters than it has)."""
-    letters = {p.output.tensor: p.output.letters for p in prims}
-    values: dict[str, sympy.Expr] = {}
-    reductions, leaves = {}, {}
-
-    def value(operand: Operand):
-        name = operand.tensor
-        if letters.setdefault(name, operand.letters) != operand.letters:
-            return None
-        if name not in values:
-            symbol = sympy.Symbol(f"t_{name}")
-            values[name], leaves[symbol] = symbol, name
-        return values[name]
-
-    dims = {dim: sympy.Symbol(dim, positive=True) for dim in set(graph.letter_dims.values())}
-    for prim in prims:
-        operands = [value(op) for op in prim.inputs]
-        if any(v is None for v in operands):
-            return None
-        if prim.kind == "reduce":
-            symbol = sympy.Symbol(f"r_{prim.output.tensor}")
-            reductions[prim.output.tensor] = (prim.expr, operands[0], prim)
-            values[prim.output.tensor] = symbol
-        elif prim.kind == "map":
-            names = {f"in{k}": v for k, v in enumerate(operands)}
-            values[prim.output.tensor] = sympy.sympify(prim.expr, locals={**_SYMPY_FUNCTIONS, **dims, **names})
-        else:
-            return None
-    return _Composed(values, reductions, leaves)
-
-
-def _same(a: sympy.Expr, b: sympy.Expr) -> bool:
-    return a == b or sympy.simplify(a - b) == 0
-
-
-def _closed_form_members(prims: list[Primitive], output: str) -> list[Primitive]:
-    """The primitives of ``prims`` that ``output`` depends on."""
-    producer = {p.output.tensor: p for p in prims}
-    needed, stack = set(), [output]
-    while stack:
-        tensor = stack.pop()
-        prim = producer.get(tensor)
-        if prim is not None and prim.name not in needed:
-            needed.add(prim.name)
-            stack.extend(op.tensor for op in prim.inputs)
-    return [p for p in prims if p.name in needed]
-
-
-def _match(graph: PrimitiveGraph, prims: list[Primitive], x_name: str) -> ClosedForm | None:
-    """A softmax or layernorm of tensor ``x_name`` computed by ``prims`` (which do not make it)."""
-    composed = _compose(graph, prims)
-    if composed is None:
-        return None
-    x = next((symbol for symbol, name in composed.leaves.items() if name == x_name), None)
-    if x is None:
-        return None
-    dims = {dim: sympy.Symbol(dim, positive=True) for dim in set(graph.letter_dims.values())}
-    sums = [(name, body, prim) for name, (kind, body, prim) in composed.reductions.items() if kind == "sum"]
-    maxes = [(name, prim) for name, (kind, body, prim) in composed.reductions.items() if kind == "max" and body == x]
-    candidates = [p for p in prims if p.kind == "map"]
-
-    def found(kind: str, target: Primitive, reduced: str, **extra) -> ClosedForm | None:
-        members = _closed_form_members(prims, target.output.tensor)
-        inside = {p.name for p in members}
-        consumers = graph.consumers()
-        for prim in members:  # the core's intermediates must not be read outside it
-            if prim is not target and any(c.name not in inside for c in consumers[prim.output.tensor]):
-                return None
-        return ClosedForm(kind, tuple(p.name for p in members), x_name, target.output.tensor, reduced, **extra)
-
-    for z_name, z_body, z_prim in sums:  # softmax: exp(x - max x) / sum exp(x - max x), max optional
-        reduced = z_prim.reduced
-        for m_name in [None] + [m for m, m_prim in maxes if m_prim.reduced == reduced]:
-            shifted = sympy.exp(x - composed.values[m_name]) if m_name else sympy.exp(x)
-            if not _same(z_body, shifted):
-                continue
-            for target in candidates:
-                if set(target.output.letters) == set(z_prim.inputs[0].letters) and \
-                        _same(composed.values[target.output.tensor], shifted / composed.values[z_name]):
-                    return found("softmax", target, reduced)
-    for a_name, a_body, a_prim in sums:  # layernorm: (x - mean x) / sqrt(mean (x - mean x)^2 + eps)
-        if a_body != x:
-            continue
-        reduced = a_prim.reduced
-        count = sympy.Mul(*[dims[graph.letter_dims[letter]] for letter in reduced])
-        centred = x - composed.values[a_name] / count
-        for b_name, b_body, b_prim in sums:
-            if b_prim.reduced != reduced or not _same(b_body, centred ** 2):
-                continue
-            variance = composed.values[b_name] / count
-            for target in candidates:
-                value = composed.values[target.output.tensor]
-                if set(target.output.letters) != set(a_prim.inputs[0].letters) or not value.has(x):
-                    continue
-                eps = sympy.simplify((centred / value) ** 2 - variance)
-                if not (eps.is_number and eps >= 0):
-                    continue
-                std = sympy.sqrt(variance + eps)
-                for scale in candidates:
-                    if set(scale.output.letters) != set(a_prim.output.letters):
-                        continue
-                    s = composed.values[scale.output.tensor]
-                    if _same(s, std) or _same(s * std, 1):
-                        return found("layernorm", target, reduced, scale=scale.output.tensor,
-                                     inverted=not _same(s, std))
-    return None
-
-
-def recognise_normalizations(graph: PrimitiveGraph) -> list[ClosedForm]:
-    """Softmax and layernorm cores in the forward normalization operators of ``graph``.
-
-    Every tensor read inside an operator is tried as the core's input x (an operator may chain
-    several normalizations over the same letters); cores do not overlap."""
-    result = []
-    for op in group_operators(graph, FORWARD):
-        if op.cls != NORMALIZATION:
-            continue
-        prims, taken = list(op.primitives), set()
-        for x_name in dict.fromkeys(o.tensor for p in prims for o in p.inputs):
-            upstream = {p.name for p in _closed_form_members(prims, x_name)}
-            match = _match(graph, [p for p in prims if p.name not in upstream], x_name)
-            if match is not None and not taken & set(match.members):
-                result.append(match)
-                taken |= set(match.members)
-    return result
-
-
-def _composed_map(prims: list[Primitive]) -> Primitive | None:
-    """Maps ``prims`` (in order) inlined into one map named after the last; None when an inner
-    tensor is read under other letters than it was written with."""
-    exprs: dict[str, tuple[ast.expr, str]] = {}
-    operands: list[Operand] = []
-    for prim in prims:
-        names = {}
-        for k, op in enumerate(prim.inputs):
-            if op.tensor in exprs:
-                expr, letters = exprs[op.tensor]
-                if letters != op.letters:
-                    return None
-                names[f"in{k}"] = expr
-            else:
-                if op not in operands:
-                    operands.append(op)
-                names[f"in{k}"] = ast.Name(f"in{operands.index(op)}", ast.Load())
-        exprs[prim.output.tensor] = (_Inline(names).visit(ast.parse(prim.expr, mode="eval").body), prim.output.letters)
-    last = prims[-1]
-    return Primitive(last.name, "map", tuple(operands), last.output, ast.unparse(exprs[last.output.tensor][0]))
-
-
-class _Inline(ast.NodeTransformer):
-    def __init__(self, names: dict[str, ast.expr]):
-        self.names = names
-
-    def visit_Name(self, node: ast.Name):
-        return self.names.get(node.id, node)
-
-
-def elementwise_chains(graph: PrimitiveGraph) -> list[tuple[tuple[str, ...], Primitive]]:
-    """Forward element-wise operators of several maps (e.g. GELU written out) whose inner tensors
-    nobody else reads: (member names, the maps inlined into one).  Differentiating the inlined map
-    gives one backward map reading only the operator's inputs, not its inner tensors."""
-    consumers = graph.consumers()
-    result = []
-    for op in group_operators(graph, FORWARD):
-        prims = list(op.primitives)
-        if op.cls == NORMALIZATION or len(prims) < 2 or any(p.kind != "map" for p in prims):
-            continue
-        inside = {p.name for p in prims}
-        if any(c.name not in inside for p in prims[:-1] for c in consumers[p.output.tensor]) \
-                or any(p.output.tensor in graph.outputs for p in prims[:-1]):
-            continue
-        composed = _composed_map(prims)
-        if composed is not None:
-            result.append((tuple(p.name for p in prims), composed))
-    return result
 
 
 # --- the backward pass --------------------------------------------------------------------------
@@ -574,23 +220,23 @@ class _Backward:
         out_letters = prim.output.letters
         for operand in self._grad_operands(prim):
             positions = [k for k, op in enumerate(prim.inputs) if op == operand]
-            deriv = _num(0)
+            deriv = number(0)
             for k in positions:
-                deriv = _add(deriv, derivative(body, f"in{k}"))
-            if _const(deriv, 0):
+                deriv = add(deriv, derivative(body, f"in{k}"))
+            if is_constant(deriv, 0):
                 continue
-            if _const(deriv, 1) and operand.letters == out_letters:
+            if is_constant(deriv, 1) and operand.letters == out_letters:
                 self._contribute(operand.tensor, d_out)  # identity: alias the incoming gradient
                 continue
             name = self._contribution_name(operand.tensor, prim.output.tensor)
-            if _const(deriv, 1) and set(operand.letters) == set(out_letters):  # a transposition
+            if is_constant(deriv, 1) and set(operand.letters) == set(out_letters):  # a transposition
                 self._emit("map", [Operand(d_out, out_letters)], Operand(name, operand.letters), "in0")
-            elif _const(deriv, 1):
+            elif is_constant(deriv, 1):
                 self._emit("reduce", [Operand(d_out, out_letters)], Operand(name, operand.letters), "sum")
             else:
-                used = _operand_names(deriv)
+                used = operand_names(deriv)
                 rename = {"__d": "in0", **{old: f"in{j + 1}" for j, old in enumerate(used)}}
-                expr = ast.unparse(_Rename(rename).visit(_mul(ast.Name("__d", ast.Load()), deriv)))
+                expr = ast.unparse(Rename(rename).visit(multiply(ast.Name("__d", ast.Load()), deriv)))
                 inputs = [Operand(d_out, out_letters)] + [prim.inputs[int(old[2:])] for old in used]
                 if set(operand.letters) == set(out_letters):
                     self._emit("map", inputs, Operand(name, operand.letters), expr)

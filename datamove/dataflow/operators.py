@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datamove.dataflow.graph import Primitive, PrimitiveGraph
 
 CONTRACTION, NORMALIZATION, ELEMENTWISE = "contraction", "normalization", "elementwise"
+FORWARD, BACKWARD = "forward", "backward"  # the phases of a training graph (``dataflow.autodiff``)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _group_elementwise_chains(graph: PrimitiveGraph, groups: _Groups, taken: set
                 groups.union(prim.name, name)
 
 
-def group_operators(graph: PrimitiveGraph, phase: str = "forward") -> list[Operator]:
+def group_operators(graph: PrimitiveGraph, phase: str = FORWARD) -> list[Operator]:
     """Group the primitives of ``graph`` into classified operators, in topological order."""
     order = [p.name for p in graph.primitives]
     groups = _Groups(order)
