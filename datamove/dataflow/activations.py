@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from datamove.dataflow.executor import FUNCTIONS
+from datamove.dataflow.expression import Expression, parse
 
 PROBE = np.linspace(-6.0, 6.0, 121)  # where a map is compared with each activation and derivative
 _C = math.sqrt(2.0 / math.pi)
@@ -24,11 +24,14 @@ GELU_DERIVATIVE = 0.5 * (1 + _T) + 0.5 * PROBE * (1 - _T ** 2) * _C * (1 + 3 * 0
 RELATIVE = 1e-9  # how close to an activation's or a derivative's values a map must come
 
 
-def evaluate(expr: str, arguments: dict, namespace: dict) -> np.ndarray:
-    """``expr`` (a map's expression over ``in0``, ``in1``, ..) on ``arguments`` (arrays over the
-    probe), with the graph's scalars ``namespace``; broadcast to the probe's shape."""
+def evaluate(expr: str | Expression, arguments: dict, namespace: dict) -> np.ndarray:
+    """``expr`` (a map's expression over ``in0``, ``in1``, ..: its text or its tree,
+    ``Primitive.expression``) on ``arguments`` (``"in<k>"`` -> an array over the probe), with the
+    graph's scalars ``namespace``, in NumPy; broadcast to the probe's shape."""
+    tree = parse(expr) if isinstance(expr, str) else expr
+    inputs = {int(name[2:]): value for name, value in arguments.items()}
     with np.errstate(all="ignore"):
-        value = eval(expr, {"__builtins__": {}}, {**namespace, **FUNCTIONS, **arguments})  # noqa: S307
+        value = tree.evaluate(inputs, namespace)
     return np.broadcast_to(np.asarray(value), PROBE.shape)
 
 
@@ -41,7 +44,7 @@ def activation(value: np.ndarray) -> str | None:
     return next((name for name, exact in ACTIVATIONS.items() if _close(value, exact)), None)
 
 
-def derivative(expr: str, position: int, namespace: dict) -> tuple[str, float] | None:
+def derivative(expr: str | Expression, position: int, namespace: dict) -> tuple[str, float] | None:
     """("relu", scale) or ("gelu", 1.0) when the map ``expr`` of two inputs is ``in<position>``
     times a function of the other that equals, at every point of ``PROBE`` (float64), ReLU's
     derivative times a positive constant (0 at 0) or tanh-GELU's (``RELATIVE``); else None."""

@@ -5,9 +5,10 @@ primitives is running the graph; with ``schedule`` (a fused graph's operators) t
 run operator by operator in that order, which also checks that the schedule is a valid order.
 
 - einsum: ``np.einsum`` on the operands' letters;
-- map: ``expr`` evaluated with ``in0, in1, ...`` transposed to the output's letter order and
-  broadcast over the letters they lack; dim names (``N``, ``P``) are their sizes, ``scale_<mask>``
-  the keep factor of dropout tensor ``<mask>`` (``graph.scalars()``, at the overriding ``p`` if any);
+- map: its expression tree (``Primitive.expression``) evaluated with ``in0, in1, ...`` transposed
+  to the output's letter order and broadcast over the letters they lack; dim names (``N``, ``P``)
+  are their sizes, ``scale_<mask>`` the keep factor of dropout tensor ``<mask>``
+  (``graph.scalars()``, at the overriding ``p`` if any);
 - reduce: sum or max over the input letters absent from the output.
 
 Constants the front end made with a known value (``TensorInfo.value``: an ``np.concatenate`` or
@@ -28,11 +29,8 @@ from typing import Iterable
 import numpy as np
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP, dropout_scale, dropout_scale_mask
+from datamove.dataflow.expression import FUNCTIONS  # the functions a map expression may call, as NumPy
 from datamove.dataflow.graph import SCALE_PREFIX
-
-# The functions a map expression may call, as NumPy.
-FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "maximum": np.maximum,
-             "minimum": np.minimum, "abs": np.abs, "where": np.where, "sign": np.sign}
 
 
 def tensor_shape(graph, name: str) -> tuple[int, ...]:
@@ -106,11 +104,8 @@ def run_primitive(graph, prim, values: dict[str, np.ndarray], scalars: dict[str,
         kept = "".join(letter for letter in letters if letter in out)
         result = np.transpose(reduced, [kept.index(letter) for letter in out])
     elif prim.kind == "map":
-        namespace = dict(graph.scalars() if scalars is None else scalars)
-        namespace.update(FUNCTIONS)
-        for k, (operand, array) in enumerate(zip(prim.inputs, arrays)):
-            namespace[f"in{k}"] = _aligned(array, operand.letters, out)
-        result = eval(prim.expr, {"__builtins__": {}}, namespace)  # noqa: S307 - our own expressions
+        aligned = [_aligned(array, operand.letters, out) for operand, array in zip(prim.inputs, arrays)]
+        result = prim.expression.evaluate(aligned, graph.scalars() if scalars is None else scalars, FUNCTIONS)
     else:
         raise ValueError(f"{prim.name}: unknown primitive kind {prim.kind!r}")
     return np.array(np.broadcast_to(np.asarray(result, dtype=np.float64), shape))

@@ -30,7 +30,6 @@ flash-attention-style operator, listed beside the fused plan for the layout sear
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass, field
 
 from datamove.dataflow.autodiff import FORWARD, TrainingGraph
@@ -316,8 +315,7 @@ def _single_einsum(state: FusionState, gid: int) -> Primitive | None:
 
 def _is_accumulation(prim: Primitive) -> bool:
     """An n-ary gradient sum ``in0 + in1 + ...`` over operands with the output's letters."""
-    return (prim.kind == "map" and len(prim.inputs) >= 2
-            and prim.expr == " + ".join(f"in{k}" for k in range(len(prim.inputs)))
+    return (prim.kind == "map" and len(prim.inputs) >= 2 and prim.expression.is_sum_of_inputs(len(prim.inputs))
             and all(op.letters == prim.output.letters for op in prim.inputs))
 
 
@@ -570,18 +568,7 @@ class JoinReductionAcrossContraction(Rule):
 
 def _is_scaling(prim: Primitive) -> bool:
     """``in0 * c``, ``c * in0`` or ``in0 / c`` with ``c`` free of tensors."""
-    if prim.kind != "map" or len(prim.inputs) != 1:
-        return False
-    node = ast.parse(prim.expr, mode="eval").body
-    if not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div))):
-        return False
-    sides = [node.left, node.right]
-    tensor = [s for s in sides if isinstance(s, ast.Name) and s.id == "in0"]
-    other = [s for s in sides if not (isinstance(s, ast.Name) and s.id == "in0")]
-    reads = lambda n: any(isinstance(x, ast.Name) and x.id.startswith("in") and x.id[2:].isdigit()  # noqa: E731
-                          for x in ast.walk(n))
-    return len(tensor) == 1 and len(other) == 1 and not reads(other[0]) and \
-        (isinstance(node.op, ast.Mult) or sides[0] is tensor[0])
+    return prim.kind == "map" and len(prim.inputs) == 1 and prim.expression.scale_of(0) is not None
 
 
 class ScaleIntoContraction(Rule):

@@ -8,23 +8,19 @@ the paper's operators is ``dataflow.operators``' job.  Plain Python: no DaCe nee
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from datamove.dataflow.dropout_mask import dropout_scale
+from datamove.dataflow.expression import Expression, parse
 
 SCALE_PREFIX = "scale_"  # ``scale_<mask>`` in a map expression: the keep factor of dropout tensor <mask>
 
 
 def is_expression(expr: str, *forms: str) -> bool:
-    """``expr`` is one of ``forms`` up to spacing and the spelling of constants (``0`` / ``0.0``)."""
-    def canonical(text: str) -> str:
-        tree = ast.parse(text, mode="eval")
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-                node.value = float(node.value)
-        return ast.dump(tree)
-    return canonical(expr) in {canonical(form) for form in forms}
+    """``expr`` is one of ``forms`` up to spacing and the spelling of constants (``0`` / ``0.0``):
+    ``parse(expr).matches(*forms)`` (a primitive's own tree: ``Primitive.expression.matches``)."""
+    return parse(expr).matches(*forms)
 
 
 @dataclass(frozen=True)
@@ -64,7 +60,8 @@ class Primitive:
     kind "map": ``expr`` is an element-wise Python expression over ``in0, in1, ...`` (the inputs),
     dim names (e.g. ``N``), ``scale_<mask>`` (the factor ``dataflow.dropout_mask.dropout_scale(p)``
     of a kept element of dropout tensor ``<mask>``, at the graph's current ``p``: see
-    ``PrimitiveGraph.scalars``) and the functions exp, log, sqrt, tanh, maximum, minimum, where.
+    ``PrimitiveGraph.scalars``) and the functions exp, log, sqrt, tanh, abs, sign, maximum,
+    minimum, where; ``expression`` is its tree (``dataflow.expression``), parsed once.
     kind "reduce": ``expr`` is "sum" or "max", over the input letters missing from the output.
     """
 
@@ -73,6 +70,13 @@ class Primitive:
     inputs: tuple[Operand, ...]
     output: Operand
     expr: str
+
+    @cached_property
+    def expression(self) -> Expression:
+        """A map's ``expr`` as a tree (``dataflow.expression.parse``), parsed on first use."""
+        if self.kind != "map":
+            raise ValueError(f"{self.name}: a {self.kind} primitive has no map expression")
+        return parse(self.expr)
 
     @property
     def letters(self) -> str:

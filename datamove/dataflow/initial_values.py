@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from datamove.dataflow.executor import FUNCTIONS, known_value
-from datamove.dataflow.graph import is_expression
+from datamove.dataflow.executor import known_value
 
 WEIGHT, ONE, ZERO = "weight", "one", "zero"
 MASKED_SCORE = -1e4  # a causal mask's value where the key comes after the query: exp underflows to 0 as for -inf
@@ -101,14 +100,13 @@ def _scales(graph, prim, name: str) -> bool:
     """Whether map ``prim`` with ``name``'s operand at 0 gives one value whatever its other operands hold."""
     if len(prim.inputs) < 2:
         return False
-    namespace = {**graph.scalars(), **FUNCTIONS}
+    scalars = graph.scalars()
     rng = random.Random(0)
     values = set()
     for _ in range(PROBES):
-        for k, operand in enumerate(prim.inputs):
-            namespace[f"in{k}"] = 0.0 if operand.tensor == name else rng.uniform(0.5, 2.0)
+        point = [0.0 if operand.tensor == name else rng.uniform(0.5, 2.0) for operand in prim.inputs]
         try:
-            values.add(round(float(eval(prim.expr, {"__builtins__": {}}, namespace)), 12))  # noqa: S307 - our own expressions
+            values.add(round(float(prim.expression.evaluate(point, scalars)), 12))
         except (ArithmeticError, ValueError):
             return False
     return len(values) == 1
@@ -124,7 +122,7 @@ def _causal_mask(graph, forward, name: str) -> CausalMask | None:
         for operand in prim.inputs:
             consumers.setdefault(operand.tensor, []).append(prim)
     for add in consumers.get(name, []):
-        if add.kind != "map" or len(add.inputs) != 2 or not is_expression(add.expr, "in0 + in1", "in1 + in0"):
+        if add.kind != "map" or len(add.inputs) != 2 or not add.expression.matches("in0 + in1", "in1 + in0"):
             continue
         const = next(o for o in add.inputs if o.tensor == name)
         if len(set(const.letters)) != 2 or not set(const.letters) <= set(add.output.letters):

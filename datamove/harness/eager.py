@@ -25,7 +25,6 @@ softmax / layernorm normalise over innermost (features last), the others in spec
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +50,11 @@ class Step:
 
 
 def _is_product(prim) -> bool:
-    return prim.kind == "map" and ast.dump(ast.parse(prim.expr, mode="eval").body) in (
-        ast.dump(ast.parse("in0 * in1", mode="eval").body), ast.dump(ast.parse("in1 * in0", mode="eval").body))
+    return prim.kind == "map" and prim.expression.matches("in0 * in1", "in1 * in0")
 
 
 def _is_sum(prim) -> bool:
-    return prim.kind == "map" and prim.expr.replace(" ", "") in ("in0+in1", "in1+in0")
+    return prim.kind == "map" and prim.expression.matches("in0 + in1", "in1 + in0")
 
 
 def _over(operand, reference, reduced_positions) -> bool:
@@ -259,7 +257,7 @@ class EagerRun:
                     value = reduce_value(prim, arrays[0])
                 elif prim.kind == "map":
                     value = map_value(graph, prim, arrays, self.dtype)
-                    if prim.expr.strip() in {f"in{k}" for k in range(len(arrays))}:
+                    if prim.expression.input_index is not None:
                         value = value.clone()  # a copy (transposition), not an alias
                 else:
                     raise ValueError(f"{prim.name}: contraction inside an element-wise operator")

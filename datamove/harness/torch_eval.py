@@ -7,8 +7,9 @@ primitive's operations in bf16, as eager PyTorch would run them; the ``harness.a
 are computed on the device.  Semantics, as in the executor:
 
 - einsum: ``torch.einsum`` on the operands' letters;
-- map: ``expr`` evaluated with ``in0, in1, ...`` permuted to the output's letter order and
-  unsqueezed over the letters they lack; dim names (``N``, ``P``) are their sizes (floats);
+- map: its expression tree (``Primitive.expression``) evaluated with ``in0, in1, ...`` permuted
+  to the output's letter order and unsqueezed over the letters they lack; dim names (``N``, ``P``)
+  are their sizes (floats);
 - reduce: sum or max over the input letters absent from the output.
 
 Tensors are held in their spec (letter) order, any strides.  Dropout masks follow
@@ -19,7 +20,6 @@ Graphs are duck-typed (``dataflow.graph`` objects, live or from ``dataflow.snaps
 """
 from __future__ import annotations
 
-import ast
 import math
 
 import numpy as np
@@ -96,11 +96,8 @@ def _aligned(value: torch.Tensor, letters: str, target: str) -> torch.Tensor:
 def map_value(graph, prim, arrays: list, dtype) -> torch.Tensor:
     """Evaluate map ``prim`` on ``arrays`` (its operands, spec order): a tensor over its output letters."""
     out = prim.output.letters
-    namespace = graph.scalars()
-    namespace.update(FUNCTIONS)
-    for k, (operand, array) in enumerate(zip(prim.inputs, arrays)):
-        namespace[f"in{k}"] = _aligned(array, operand.letters, out)
-    result = eval(compile(ast.parse(prim.expr, mode="eval"), prim.name, "eval"), {"__builtins__": {}}, namespace)  # noqa: S307
+    aligned = [_aligned(array, operand.letters, out) for operand, array in zip(prim.inputs, arrays)]
+    result = prim.expression.evaluate(aligned, graph.scalars(), FUNCTIONS)
     shape = [graph.dim_values[graph.letter_dims[l]] for l in out]
     device = arrays[0].device if arrays else "cpu"
     if not isinstance(result, torch.Tensor):
