@@ -39,9 +39,8 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
 
 from datamove.dataflow import snapshot  # noqa: E402
 from datamove.harness.bench import CPU_DEVICE, Sweep, measure_ceilings, utc_stamp, write_results  # noqa: E402
-from datamove.harness.contraction_variants import (DTYPE, Operands, consumer_configurations, epilogue_of, epilogue_variants,
-                                          gemm_variants,  # noqa: E402
-                                          pick_layouts, training_gemms)
+from datamove.families.forward_epilogue import consumer_configurations, epilogue_of, epilogue_variants  # noqa: E402
+from datamove.harness.contraction_variants import DTYPE, Operands, gemm_variants, pick_layouts, training_gemms  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
 from datamove.kernels.gemm import valid_configs  # noqa: E402
 from datamove.harness.tuning_db import TuningDB  # noqa: E402

@@ -33,6 +33,7 @@ import torch
 import datamove.kernels.codegen as codegen
 import datamove.kernels.gemm as gemm
 from datamove.dataflow import snapshot
+from datamove.families import forward_epilogue as fe
 from datamove.harness import contraction_variants as cv
 from datamove.harness.bench import time_cuda, utc_stamp, write_results
 from datamove.kernels.contraction import dropout_digits, map_layouts
@@ -112,13 +113,13 @@ def gemm_rows(args) -> list[dict]:
     operands = cv.Operands(linear1, "cuda")
     rows = []
     for save in ("pre_activation", None):
-        epilogue = dataclasses.replace(cv.epilogue_of(training, linear1), save=save)
+        epilogue = dataclasses.replace(fe.epilogue_of(training, linear1), save=save)
         print(f"linear1 epilogue save={save}: cuBLAS + eager", flush=True)
-        eager, _ = measure(cv.EpilogueVariant(operands, epilogue), args, "baseline")
+        eager, _ = measure(fe.EpilogueVariant(operands, epilogue), args, "baseline")
         for config in GEMM_CONFIGS:
             print(f"linear1 save={save} {config}", flush=True)
-            grouped, out_o = measure(cv.EpilogueVariant(operands, epilogue, config), args, "grouped")
-            single, out_s = measure(cv.EpilogueVariant(operands, epilogue, config), args, "per element")
+            grouped, out_o = measure(fe.EpilogueVariant(operands, epilogue, config), args, "grouped")
+            single, out_s = measure(fe.EpilogueVariant(operands, epilogue, config), args, "per element")
             digits = dropout_digits(map_layouts(linear1.spec, (operands.c.a, operands.c.b, operands.c.out),
                                                 linear1.sizes), linear1.sizes)
             tile = (config.block_m, config.block_n // gemm._epilogue_split(config, True))

@@ -9,12 +9,8 @@
   operand keeps its stack letter outermost: its members are views of one buffer), cuBLAS or the
   fastest measured Triton configuration, timed as the ``harness.contraction_variants.pick_layouts``
   plan that makes the same BLAS call (``same_call_layouts``: the same sizes and strides);
-- a GEMM and the element-wise consumer its Triton template fuses (``epilogue_of``), in spec order;
-- a cuBLAS GEMM adding the tensor its consumer adds to its output (``residual_add_of``: BERT's
-  input gradient), ``D = A B + C`` in each layout it was timed in (cost model: every layout where
-  nothing of that GEMM was measured);
-- a GEMM and the backward of an activation with a bias gradient after it, in its epilogue
-  (``harness.gradient_epilogue``), the consumer's other parts by their generated kernel;
+- a GEMM with each kernel family of ``datamove.families.GEMM_FAMILIES`` whose pattern it has
+  (the residual add, the forward epilogue, the gradient epilogue): the family's candidates;
 - a layernorm backward joined with the column sums beside it (``layouts.space.column_sum_joins``:
   its parameter gradients, a bias gradient of what it writes): one generated kernel, its
   candidates as a generated operator's, in place of the members';
@@ -46,18 +42,16 @@ from datamove.harness.attention_variants import AttentionCase
 from datamove.kernels.contraction import parse
 from datamove.kernels.gemm import TEMPLATE_ID
 from datamove.kernels.layout_change import KERNEL_ID as LAYOUT_CHANGE_ID
-from datamove.harness.contraction_variants import (STACK_LETTERS, epilogue_inputs, epilogue_of, epilogue_op, residual_add_of,
-                                                   residual_op, same_call_layouts, training_gemms)
-from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_op, rest_layouts, rest_operator
-from datamove.harness.gradient_epilogue import moved_bytes as gradient_bytes
+from datamove.families import GEMM_FAMILIES
+from datamove.families.base import GemmSite, PlainLayout, gemm_config_of
+from datamove.harness.contraction_variants import STACK_LETTERS, same_call_layouts, training_gemms
 from datamove.harness.sweep_variants import moved_bytes, op_signature
 from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
-from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, ITEMSIZE, MEASURED,
+from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GENERATED, ITEMSIZE, MEASURED,
                                    PREDICTED, Plan)
 from datamove.layouts.select import Candidate, best_sum, select, to_plan
-from datamove.layouts.step_config import (AttentionConfig, ContractionConfig, EpilogueConfig, GeneratedConfig,
-                                          GradientEpilogueConfig, Residual)
+from datamove.layouts.step_config import AttentionConfig, ContractionConfig, GeneratedConfig
 from datamove.layouts.space import (column_sum_joins, configurations, default_configuration, join_members, masks_grouped,
                                     parts, representatives)
 
@@ -478,12 +472,6 @@ def _feeds(op, wanted: set, ops: dict, reach: set) -> bool:
     return False
 
 
-def gemm_config_of(knobs: dict) -> dict:
-    """The ``kernels.gemm.GemmConfig`` fields of a Triton configuration's tuning-DB knobs (not its
-    backend, template hash or a gradient epilogue's rest configuration)."""
-    return {k: v for k, v in knobs.items() if k not in ("backend", "template", "rest")}
-
-
 class CandidateBuilder:
     """Candidates of one fused graph for one dtype, timed by ``timings`` or ``figures``."""
 
@@ -493,11 +481,6 @@ class CandidateBuilder:
         self.itemsize = ITEMSIZE[dtype]
         self._changes: dict[tuple, tuple[float, str]] = {}
         self.order = execution_order(fused)  # the operators as the plan runs them
-
-    def _time(self, found, family: str, flop: float, bytes_moved: float, **extra) -> tuple[float, str, dict | None]:
-        if found is not None:
-            return found[0], MEASURED, found[1]
-        return predict_ms(self.figures, family, flop=flop, bytes_moved=bytes_moved, dtype=self.dtype, **extra), PREDICTED, None
 
     def generated(self, op) -> list[Candidate]:
         graph = self.graph
@@ -518,7 +501,7 @@ class CandidateBuilder:
                     found = (hit, config)
             if found is None and self.timings.broken(op_signature(self.spec, op), dict(graph.dim_values), default.layouts):
                 continue
-            ms, source, _ = self._time(found[0] if found else None, "generated", flop,
+            ms, source, _ = self.time(found[0] if found else None, "generated", flop,
                                        moved_bytes(graph, op, self.itemsize))
             config = found[1] if found else default
             reads = {t: config.layouts[t] for t in op.inputs if t not in masks}
@@ -580,7 +563,7 @@ class CandidateBuilder:
             chosen.append([(None, base_ms, base)] + [(layouts, *options[k][layouts]) for layouts in sorted(keep)
                                                     if layouts != default])
         flop = sum(graph.size(p.output.letters) for p in op.primitives if p.kind != "einsum")
-        floor, _, _ = self._time(None, "generated", flop, moved_bytes(graph, op, self.itemsize))
+        floor, _, _ = self.time(None, "generated", flop, moved_bytes(graph, op, self.itemsize))
         result = []
         for combination in itertools.product(*chosen):
             if sum(layouts is not None for layouts, _, _ in combination) < 2:
@@ -604,7 +587,16 @@ class CandidateBuilder:
                                     GeneratedConfig(knobs, {t: layouts[t] for t in masks}, tuple(warps)), ms, source))
         return result
 
+    def time(self, found, family: str, flop: float, bytes_moved: float, **extra) -> tuple[float, str, dict | None]:
+        """(ms, source, knobs): ``found``'s (a tuning-database hit), else the cost model's prediction."""
+        if found is not None:
+            return found[0], MEASURED, found[1]
+        return predict_ms(self.figures, family, flop=flop, bytes_moved=bytes_moved, dtype=self.dtype, **extra), PREDICTED, None
+
     def gemms(self) -> dict[str, list[Candidate]]:
+        """Per training GEMM, its plain candidates (run ``<gemm>``) and those of each family of
+        ``GEMM_FAMILIES`` whose pattern it has, where the pattern's consumer runs right after it
+        (run ``<gemm>+<family>``)."""
         graph, ops = self.graph, {op.name: op for op in self.fused.operators}
         result: dict[str, list[Candidate]] = {}
         for g in training_gemms(self.fused):
@@ -622,10 +614,7 @@ class CandidateBuilder:
             # first's axes; the summed output, the first einsum's output's)
             first = {"a": einsums[0].inputs[0].letters, "b": einsums[0].inputs[1].letters, "out": einsums[0].output.letters}
             renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
-            candidates = []
-            residual = residual_add_of(self.fused, g) if members["out"] == list(op.outputs) else None
-            residual = residual if residual is not None and self._follows(g, residual.consumer) else None
-            added = []  # with the residual added (``ResidualAdd``), where measured (or nothing was)
+            candidates, plain = [], []
             for plan_layouts, timed_as in same_call_layouts(g).items():
                 layouts = dict(zip(("a", "b", "out"), plan_layouts))
                 if any(len(members[k]) > 1 and layouts[k][0] != stack for k in layouts):
@@ -635,24 +624,22 @@ class CandidateBuilder:
                 found = self.timings.lookup(g.op, g.sizes, dict(zip(("a", "b", "out"), timed_as)))
                 if found is None and self.timings.broken(g.op, g.sizes, dict(zip(("a", "b", "out"), timed_as))):
                     continue
-                ms, source, knobs = self._time(found, "gemm", g.flop, self.itemsize * sum(
+                ms, source, knobs = self.time(found, "gemm", g.flop, self.itemsize * sum(
                     math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out)))
                 backend = (knobs or {}).get("backend", "cublas")
                 gemm_config = gemm_config_of(knobs) if backend == "triton" else None
                 algorithm = (knobs or {}).get("algorithm", 0) if backend == "cublas" else 0
                 candidates.append(Candidate(g.name, op.phase, GEMM, (g.name,), reads, writes,
                                             ContractionConfig(g.spec, backend, members, gemm_config, algorithm), ms, source))
-                if residual is not None:
-                    added += self._residual(g, op, residual, members, reads, writes, timed_as, measured=found is not None)
+                plain.append(PlainLayout(reads, writes, timed_as, found is not None))
             result[g.name] = candidates
-            if added:
-                result[g.name + "+residual"] = added
-            epilogue = epilogue_of(self.fused, g)
-            if epilogue is not None and self._follows(g, epilogue.consumer):
-                result[g.name + "+epilogue"] = self._epilogue(g, op, epilogue, members, renames)
-            gradient = gradient_epilogue_of(self.fused, g)
-            if gradient is not None and self._follows(g, gradient.consumer):
-                result[g.name + "+gradient"] = self._gradient(g, op, gradient, members, renames)
+            site = GemmSite(g, op, members, renames, plain)
+            for family in GEMM_FAMILIES:
+                pattern = family.match(self.fused, g)
+                if pattern is not None and self._follows(g, family.consumer(pattern)):
+                    found = family.candidates(self, site, pattern)
+                    if found:
+                        result[f"{g.name}+{family.name}"] = found
         return result
 
     def _follows(self, g, consumer: str) -> bool:
@@ -660,88 +647,6 @@ class CandidateBuilder:
         where nothing between writes what it reads): a candidate covering both runs a contiguous
         run of operators (``layouts.select``)."""
         return self.order.index(consumer) == self.order.index(g.name) + 1
-
-    def _residual(self, g, op, res, members, reads, writes, timed_as, measured: bool) -> list[Candidate]:
-        """The cuBLAS GEMM adding ``res``'s residual (``D = A B + C``), read and written in the
-        layout the plain GEMM writes (``writes``); measured, else priced by the cost model only
-        where the plain GEMM was not measured either (a prediction must not beat measurements)."""
-        key = dict(zip(("a", "b", "out"), timed_as))
-        found = self.timings.lookup(residual_op(g), g.sizes, key)
-        if found is None and (measured or self.timings.broken(residual_op(g), g.sizes, key)):
-            return []
-        c = parse(g.spec)
-        moved = self.itemsize * sum(math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b, c.out, c.out))
-        ms, source, knobs = self._time(found, "gemm", g.flop, moved)
-        layout = writes[res.produced]
-        config = ContractionConfig(g.spec, "cublas", members, None, (knobs or {}).get("algorithm", 0),
-                                   Residual(res.consumer, res.residual, res.output))
-        return [Candidate(f"{g.name}+{res.consumer}", op.phase, GEMM, (g.name, res.consumer),
-                          {**reads, res.residual: layout}, {res.output: layout}, config, ms, source)]
-
-    def _gradient(self, g, op, ep, members, renames) -> list[Candidate]:
-        """The GEMM with the backward of an activation and a bias gradient in its epilogue
-        (``harness.gradient_epilogue``), then the consumer's other parts by their generated kernel:
-        the output and factor in spec order, A and B in each layout pair it was timed with
-        (``epilogue_inputs``), the rest reading what it shares with them alike (``rest_layouts``);
-        without timings, spec order only, priced by the cost model."""
-        c, graph = parse(g.spec), self.graph
-        rest = rest_operator(self.fused, ep)
-        moved = gradient_bytes(self.fused, g, ep, self.itemsize)
-        fused_op = gradient_op(self.spec, self.fused, g, ep)
-        result = []
-        for layouts in epilogue_inputs(g):
-            key = dict(zip(("a", "b", "out"), (*layouts, c.out)))
-            found = self.timings.lookup(fused_op, g.sizes, key)
-            if found is None and (layouts != (c.a, c.b) or self.timings.broken(fused_op, g.sizes, key)):
-                continue  # measured where the template ran; the cost model prices spec order alone
-            own = rest_layouts(self.fused, g, ep, layouts)
-            reads = {t: "".join(renames[t][x] for x in layout) for k, layout in zip(("a", "b"), layouts)
-                     for t in members[k]}
-            reads |= {ep.factor: graph.tensors[ep.factor].letters, **{t: own[t] for t in (rest.inputs if rest else ())
-                                                                     if t in own}}
-            writes = {ep.output: graph.tensors[ep.output].letters, ep.summed: graph.tensors[ep.summed].letters,
-                      **{t: own[t] for t in (rest.outputs if rest else ())}}
-            ms, source, knobs = self._time(found, "gemm", g.flop, moved)
-            config = ContractionConfig(g.spec, "triton", members, gemm_config_of(knobs) if knobs else None,
-                                       epilogue=GradientEpilogueConfig(
-                                           ep.consumer, ep.gradient, ep.factor, ep.produced, ep.output, ep.summed,
-                                           ep.sum_letters, tuple(ep.primitives), tuple(ep.rest), own))
-            result.append(Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer),
-                                    reads, writes, config, ms, source))
-        return result
-
-    def _epilogue(self, g, op, ep, members, renames) -> list[Candidate]:
-        """The GEMM with ``ep`` fused, its output in spec order (the consumer's), reading A and B in
-        each layout pair the template was timed with (``epilogue_inputs``; other pairs of the same
-        call take that pair's time); without timings, spec order only, priced by the cost model."""
-        c = parse(g.spec)
-        if any(self.graph.tensors[t].letters != self.graph.tensors[ep.produced].letters for t in (ep.output, ep.saved) if t):
-            return []
-        out_layout = "".join(renames[ep.produced][x] for x in c.out)
-        elements = math.prod(g.sizes[x] for x in c.out)
-        outputs = 2 if ep.save else 1
-        moved = self.itemsize * (sum(math.prod(g.sizes[x] for x in letters) for letters in (c.a, c.b)) + outputs * elements)
-        writes = {ep.output: out_layout, **({ep.saved: out_layout} if ep.saved else {})}
-        epilogue = EpilogueConfig(ep.consumer, ep.bias, ep.bias_letters, ep.activation, ep.mask, ep.p, ep.save,
-                                  ep.produced, ep.output, ep.saved)
-        pairs = {layouts[:2]: timed_as for layouts, timed_as in same_call_layouts(g).items()
-                 if layouts[2] == c.out and timed_as[2] == c.out}
-        fused_op = epilogue_op(g, ep)
-        result = []
-        for (a_layout, b_layout), timed_as in pairs.items():
-            key = dict(zip(("a", "b", "out"), timed_as))
-            found = self.timings.lookup(fused_op, g.sizes, key, lambda knobs: knobs.get("backend") == "triton")
-            if found is None and ((a_layout, b_layout) != (c.a, c.b) or self.timings.broken(fused_op, g.sizes, key)):
-                continue  # measured where the template ran; the cost model prices spec order alone
-            ms, source, knobs = self._time(found, "gemm", g.flop, moved)
-            reads = {t: "".join(renames[t][x] for x in layout) for k, layout in (("a", a_layout), ("b", b_layout))
-                     for t in members[k]}
-            reads[ep.bias] = self.graph.tensors[ep.bias].letters
-            config = ContractionConfig(g.spec, "triton", members, gemm_config_of(knobs) if knobs else None,
-                                       epilogue=epilogue)
-            result.append(Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer), reads,
-                                    writes, config, ms, source))
-        return result
 
     def attention(self, roles: AttentionRoles, q_layouts: set[str], bias: dict | None = None,
                   repeats: AttentionRepeats | None = None) -> list[Candidate]:
@@ -793,7 +698,7 @@ class CandidateBuilder:
                                                 and (k.get("backward") or {}).get("dropout_mask", "regenerate") == "regenerate")
                     if found is None and self.timings.broken(timed.op(direction), timed.dims, layout_key):
                         continue
-                    ms, source, knobs = self._time(found, "attention", timed.flop(direction), timed.bytes(direction))
+                    ms, source, knobs = self.time(found, "attention", timed.flop(direction), timed.bytes(direction))
                     if (folded or grouped) and source == PREDICTED and plain_ms.get(direction) is not None:
                         ms = max(ms, plain_ms[direction])  # the same kernel plus bias loads: not faster than measured without
                     if not (folded or grouped) and source == MEASURED:
@@ -845,7 +750,7 @@ class CandidateBuilder:
         elements = self.graph.size(letters)
         found = self.timings.lookup(f"layout:{letters}", {x: self.graph.size(x) for x in letters},
                                     {"from": source, "to": target})
-        ms, source_kind, _ = self._time(found, "copy", 0.0, 2 * elements * self.itemsize)
+        ms, source_kind, _ = self.time(found, "copy", 0.0, 2 * elements * self.itemsize)
         measured = self.timings.changes_by_size.get(elements) if found is None else None
         if measured:
             ms = max(ms, measured[len(measured) // 2])
@@ -915,19 +820,20 @@ def _add_matches(kept: list[Candidate], ranked: list[Candidate], others: list[Ca
 
 
 def execution_order(fused) -> list[str]:
-    """The fused graph's operators in order, but the consumer of a gradient epilogue
-    (``harness.gradient_epilogue``) or of a residual add (``ResidualAdd``) right after its GEMM
+    """The fused graph's operators in order, but the consumer of a GEMM family that moves it
+    (``GemmFamily.moves_consumer``: the gradient epilogue, the residual add) right after its GEMM
     where no operator between writes what it reads (GPT-2's ``d_bfc`` after ``d_gelu``, before
     ``d_wout``), so that one candidate can run both (the selection takes contiguous runs)."""
     order = [op.name for op in fused.operators]
     ops = {op.name: op for op in fused.operators}
     for g in training_gemms(fused):
-        found = gradient_epilogue_of(fused, g) or residual_add_of(fused, g)
+        found = next((f.consumer(p) for f in GEMM_FAMILIES if f.moves_consumer for p in (f.match(fused, g),)
+                      if p is not None), None)
         if found is None:
             continue
-        start, at = order.index(g.name), order.index(found.consumer)
+        start, at = order.index(g.name), order.index(found)
         between = {t for name in order[start + 1:at] for t in ops[name].outputs}
-        if at > start + 1 and not between & set(ops[found.consumer].inputs):
+        if at > start + 1 and not between & set(ops[found].inputs):
             order.insert(start + 1, order.pop(at))
     return order
 

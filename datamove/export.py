@@ -46,7 +46,7 @@ from datamove.layer import tensor_interface
 from datamove.module import TunedLayer
 from datamove.shapes import call_dims, check_plans, file_stem
 from datamove.weights import from_spec, to_spec
-from datamove.steps import epilogue_rest
+from datamove.families.gradient_epilogue import epilogue_rest
 from datamove.kernels.codegen import compile_operator
 from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Plan
 from datamove.layouts.step_config import GradientEpilogueConfig

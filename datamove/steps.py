@@ -22,21 +22,20 @@ from typing import NamedTuple
 
 import torch
 
-from datamove.dataflow.activations import derivative
 from datamove.dataflow.executor import dropout_offsets
+from datamove.families import epilogue_launch
 from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
 from datamove.kernels.blas import LtMatmul
 from datamove.kernels.codegen import allocate, compile_operator
-from datamove.kernels.contraction import (Epilogue, contract, cublas_call, cublas_views, gemm_plan, run_cublas,
+from datamove.kernels.contraction import (Epilogue, cublas_call, cublas_views, gemm_plan, run_cublas,
                                          run_triton)
 from datamove.kernels.gemm import GemmConfig
 from datamove.kernels.launch import hooked, recording
 from datamove.kernels.layout_change import permute_copy
 from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
                           Step)
-from datamove.layouts.space import Configuration, rest_configuration, rest_part
-from datamove.layouts.step_config import (AttentionConfig, ContractionConfig, EpilogueConfig, GeneratedConfig,
-                                          GradientEpilogueConfig, LayoutChangeConfig)
+from datamove.layouts.space import Configuration
+from datamove.layouts.step_config import AttentionConfig, ContractionConfig, LayoutChangeConfig
 from datamove.replay import StepReplay
 
 
@@ -289,19 +288,12 @@ class _KeptViews:
         return result
 
 
-def epilogue_rest(graph, ops: dict, epilogue: GradientEpilogueConfig) -> tuple:
-    """(operator, configuration) of the generated kernel a gradient epilogue's step runs after its
-    GEMM (``epilogue``: the step's, ``layouts.step_config``; ``ops``: the fused graph's operators
-    by name)."""
-    rest = rest_part(ops[epilogue.consumer], list(epilogue.primitives))
-    return rest, rest_configuration(graph, rest, epilogue.rest_layouts)
-
-
 class GemmLauncher(Launcher):
-    """A contraction (stacked or not) as one GEMM, cuBLAS or the Triton template, optionally with
-    its element-wise consumer fused as the epilogue (``GEMM_EPILOGUE``; a gradient epilogue then
-    runs the consumer's other parts by their generated kernel, ``rest``).  ``ops``: the fused
-    graph's operators by name."""
+    """A contraction (stacked or not) as one GEMM, cuBLAS or the Triton template, optionally adding
+    a residual (cuBLAS, beta 1) or with its element-wise consumer fused as the epilogue
+    (``GEMM_EPILOGUE``: the launch of the epilogue's family, ``datamove.families.epilogue_launch``,
+    then its generated kernel after it, ``rest``, where it has one).  ``ops``: the fused graph's
+    operators by name."""
 
     def __init__(self, step: Step, graph, buffers: Buffers, ops: dict):
         super().__init__(step, graph, buffers)
@@ -314,26 +306,11 @@ class GemmLauncher(Launcher):
         self.residual = config.residual  # cuBLAS adding a tensor (D = A B + C): writes its consumer's output
         if self.residual:
             self.out = [self.residual.output]
-        self.epilogue = config.epilogue
-        mask = self.epilogue.mask if isinstance(self.epilogue, EpilogueConfig) else None
-        self.offset = dropout_offsets(graph)[mask] if mask else 0
-        self.dropout_p = graph.tensors[mask].p if mask else 0.0  # the graph's: 0 in evaluation mode
-        self.rest, self.gradient = None, None
-        if isinstance(self.epilogue, GradientEpilogueConfig):  # (kind, scale) at the graph's scalars: 1 in evaluation mode
-            ep = self.epilogue
-            product = next(p for p in ops[ep.consumer].primitives if p.name == ep.primitives[0])
-            self.gradient = derivative(product.expr, int(product.inputs[0].tensor != ep.produced), graph.scalars())
-            if self.gradient is None or self.gradient[0] != ep.gradient:
-                raise ValueError(f"{step.name}: {product.expr!r} is not the {ep.gradient} derivative "
-                                 f"the plan's epilogue computes")
-            if ep.rest:
-                rest, rest_config = epilogue_rest(graph, ops, ep)
-                masks = {t: rest_config.layouts[t] for t in rest.inputs if graph.tensors[t].role == "dropout"}
-                self.rest = GeneratedLauncher(
-                    Step(rest.name, step.phase, GENERATED, (),
-                         {t: rest_config.layouts[t] for t in rest.inputs if t not in masks},
-                         {t: rest_config.layouts[t] for t in rest.outputs}, GeneratedConfig(rest_config.knobs, masks),
-                         0.0, step.source), graph, buffers, rest)
+        self.epilogue = config.epilogue and epilogue_launch(step, graph, ops)  # its family's (``datamove.families``)
+        self.rest = None
+        if self.epilogue and self.epilogue.after is not None:  # a generated kernel after the epilogue's GEMM
+            rest_step, rest = self.epilogue.after
+            self.rest = GeneratedLauncher(rest_step, graph, buffers, rest)
         self.gemm_plan = None
         self.kept_views: _KeptViews | None = None  # a cuBLAS step of one call: its views, derived once
         self.direct: LtMatmul | None = None  # and its cuBLASLt call on pointers, where one can be made
@@ -403,24 +380,9 @@ class GemmLauncher(Launcher):
             else:
                 run_triton(self.gemm_plan, a, b, out, Epilogue(), self.gemm_config)
             return
-        ep = self.epilogue
-        out = self.output(store, ep.output)
-        if isinstance(ep, GradientEpilogueConfig):
-            sums = self.output(store, ep.summed)
-            epilogue = Epilogue(gradient=self.gradient[0], factor=_read(self.step, store, ep.factor),
-                                factor_scale=self.gradient[1], sums=sums, sum_letters=ep.sum_letters)
-            contract(self.einsum, a, b, out, backend="triton", epilogue=epilogue, config=self.gemm_config)
-            store[ep.output], store[ep.summed] = out, sums
-            if self.rest is not None:
-                self.rest(store, run)
-            return
-        epilogue = Epilogue(bias=_read(self.step, store, ep.bias), bias_letters=ep.bias_letters,
-                            activation=ep.activation, dropout_p=self.dropout_p,
-                            seed=run.seed, offset=self.offset, save=ep.save)
-        result = contract(self.einsum, a, b, out, backend="triton", epilogue=epilogue, config=self.gemm_config)
-        store[ep.output] = out
-        if ep.save:
-            store[ep.saved] = result[1]
+        store.update(self.epilogue(a, b, lambda t: _read(self.step, store, t), lambda t: self.output(store, t), run))
+        if self.rest is not None:
+            self.rest(store, run)
 
 
 class _AttentionLauncher(Launcher):

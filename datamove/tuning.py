@@ -13,23 +13,19 @@ swept) the selection prices with the cost model.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import dataclass, field
 
 from datamove.harness.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
 from datamove.harness.bench import Sweep
-from datamove.harness.contraction_variants import (Operands, consumer_configurations, epilogue_inputs, epilogue_of,
-                                          epilogue_variants, gemm_variants, residual_add_of,
-                                          residual_variants, training_gemms)
-from datamove.harness.gradient_epilogue import gradient_epilogue_of, gradient_variants
-from datamove.kernels.gemm import fitted, valid_configs
+from datamove.families import GEMM_FAMILIES
+from datamove.families.base import Tuning
+from datamove.harness.contraction_variants import gemm_variants, training_gemms
+from datamove.kernels.gemm import valid_configs
 from datamove.harness.layout_change_variants import LayoutChangeVariant
 from datamove.harness.sweep_variants import sweep_variants
 from datamove.layouts.plan import GENERATED
 from datamove.layouts.space import Configuration, access_pattern, configurations, parts
 
-EPILOGUE_CONFIGS = 3  # the GEMM's fastest Triton configurations a fused epilogue is timed with (epilogue_configs)
 BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurations measured again with Q/K/V biases
 # Triton GEMM configurations every GEMM tries first (and the fused epilogues take the fastest of):
 # the ones fastest at BERT-large sizes on Hopper (benchmarks/results/contractions.md), TMA tiles
@@ -92,24 +88,6 @@ def first_gemm_configs(dtype, count: int) -> list:
     return (preferred + [c for c in configs if c not in preferred])[:count]
 
 
-def epilogue_configs(ranked: list, slices: bool, saves: bool = False, dtype=torch.bfloat16) -> list:
-    """The configurations a fused epilogue is timed with: each of the ``EPILOGUE_CONFIGS`` fastest of
-    ``ranked`` (its GEMM's Triton configurations, fastest first) with the epilogue split as
-    ``kernels.gemm`` chooses (column slices in turn where dropout would hold many elements a thread),
-    then, with ``slices`` (an epilogue holding many values a thread: dropout's draws, a gradient
-    epilogue's factor; without dropout the split chosen is already 1), on the whole tile and in two
-    halves (``epilogue_split`` 1: one pass, more registers, each Philox call drawn once in the
-    accumulator's layout; on the H200 BERT-large's FFN GEMM with bias + ReLU + dropout took 0.071 ms
-    so against 0.101 in four slices, ``benchmarks/results/README.md``; persistent and stored by TMA
-    on an H100, two halves 62.0 us, the whole tile 66.1).  With ``saves`` (the epilogue also writes
-    the value before its activation or dropout), each with as many pipeline stages as fit beside
-    that store's shared memory (``kernels.gemm.fitted``)."""
-    configs = list(ranked[:EPILOGUE_CONFIGS])
-    configs += [replace(c, epilogue_split=split) for c in configs for split in (1, 2)
-                if slices and c.epilogue_split not in (1, 2)]
-    return list(dict.fromkeys(f for f in (fitted(c, dtype, saves) for c in configs) if f is not None))
-
-
 def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list, top: int = 1, layouts: int | None = None,
          first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``; ``spaces``: its fused
@@ -117,9 +95,9 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
     of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations
     (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
-    ``pick_layouts``; None: one per transposition pattern; cuBLASLt's other algorithms, and a GEMM adding
-    a residual, ``residual_variants``), and the fused epilogues (forward, and
-    the gradient epilogues of ``harness.gradient_epilogue``; ``spec``: the spec's name); the attention's
+    ``pick_layouts``; None: one per transposition pattern; cuBLASLt's other algorithms), and the
+    variants of each kernel family of ``datamove.families.GEMM_FAMILIES`` its pattern matches
+    (grouped by the family's timing keywords; ``spec``: the spec's name); the attention's
     configurations (where the spec's Q/K/V bias add can fold into it, ``attention``'s ``bias``, the
     fastest again with the biases); last, every knob setting of each fused operator's ``top`` fastest patterns.
     The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
@@ -134,27 +112,19 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     gemms = training_gemms(fused)
     first = {g.name: gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs) for g in gemms}
     tuner.measure([v for vs in first.values() for v in vs])
-    later, gradients = [], []
+    later: dict[tuple, list] = {(): []}  # Tuner.measure's keywords -> the variants measured so
     for g in gemms:
         ranked = [v.config for v in tuner.ranker.ranked(first[g.name]) if v.config is not None]
-        later += gemm_variants(g, "cuda", dtype=dtype, layouts=layouts, first_configs=configs,
-                               other_configs=[])[len(first[g.name]):]
-        if residual_add_of(fused, g) is not None:
-            later += residual_variants(g, "cuda", dtype=dtype, layouts=layouts)
-        fusable = epilogue_of(fused, g)
-        if fusable is not None:
-            later += epilogue_variants(Operands(g, "cuda", dtype=dtype, seed=1), fusable,
-                                       epilogue_configs(ranked, fusable.mask is not None, fusable.save is not None, dtype),
-                                       consumer_configurations(fused, fusable), epilogue_inputs(g))
-        gradient = gradient_epilogue_of(fused, g)
-        if gradient is not None:
-            # the factor's tile takes shared memory for its layout change, as a saved value's store does
-            gradients += gradient_variants(spec, fused, g, gradient, epilogue_configs(ranked, True, True, dtype), "cuda",
-                                           dtype)
-    tuner.measure(later)
-    # three launches with host work between them (descriptors, the partial sums' buffer, the rest's
-    # kernel): timed replayed from a CUDA graph, or the host's time counts (H100: 0.3-0.4 ms against 0.085)
-    tuner.measure(gradients, cuda_graph=True)
+        later[()] += gemm_variants(g, "cuda", dtype=dtype, layouts=layouts, first_configs=configs,
+                                   other_configs=[])[len(first[g.name]):]
+        tuning = Tuning(spec, dtype, "cuda", ranked, layouts)
+        for family in GEMM_FAMILIES:
+            pattern = family.match(fused, g)
+            if pattern is not None:
+                later.setdefault(tuple(sorted(family.timing.items())), []).extend(
+                    family.variants(fused, g, pattern, tuning))
+    for timing, variants in later.items():
+        tuner.measure(variants, **dict(timing))
 
     for setup in attention:
         setup = dict(setup)

@@ -2,7 +2,7 @@
 ``JoinReductionAcrossContraction`` made it before the FFN output's (``d_b2``) stayed beside the
 layernorm backward that writes ``d_ffn`` (``dataflow.fusion._sums_columns_of``): the subject of the
 tests of operators of several parts that read a dropout mask, and of a gradient epilogue whose
-consumer has another part (run after the GEMM: ``harness.gradient_epilogue``'s rest)."""
+consumer has another part (run after the GEMM: ``families.gradient_epilogue``'s rest)."""
 from dataclasses import replace
 
 from datamove.dataflow.operators import NORMALIZATION, make_operator

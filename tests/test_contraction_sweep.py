@@ -10,6 +10,7 @@ import torch
 
 from datamove.dataflow import snapshot
 from datamove.harness import attention_variants as av
+from datamove.families import forward_epilogue as fe, residual_add as ra
 from datamove.harness import contraction_variants as cv
 from datamove.harness.bench import Sweep
 from datamove.kernels.gemm import GemmConfig, valid_configs
@@ -31,12 +32,12 @@ def test_gemms_come_from_the_training_graph():
     assert gemms["stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)"].spec == "swhi,swhbk->ibk"
     linear1 = gemms["w1_x1"]
     assert linear1.spec == "ui,ibj->ubj" and linear1.flop == 2 * 4096 * 1024 * 8 * 512
-    epilogue = cv.epilogue_of(snapshot.stored_fused()["bert"], linear1)
+    epilogue = fe.epilogue_of(snapshot.stored_fused()["bert"], linear1)
     assert (epilogue.bias, epilogue.bias_letters, epilogue.activation, epilogue.mask, epilogue.save) == \
         ("b1", "u", "relu", "drop_act", None)  # the backward reads hidden, not the pre-activation
-    assert [g.name for g in gemms.values() if cv.epilogue_of(snapshot.stored_fused()["bert"], g)] == ["w1_x1"]
-    residual = {g.name: cv.residual_add_of(snapshot.stored_fused()["bert"], g) for g in gemms.values()}
-    assert {name: r for name, r in residual.items() if r} == {"stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)": cv.ResidualAdd(
+    assert [g.name for g in gemms.values() if fe.epilogue_of(snapshot.stored_fused()["bert"], g)] == ["w1_x1"]
+    residual = {g.name: ra.residual_add_of(snapshot.stored_fused()["bert"], g) for g in gemms.values()}
+    assert {name: r for name, r in residual.items() if r} == {"stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)": ra.ResidualAdd(
         "d_x", "d_x_stacked", "d_resid1", "d_x")}  # the input gradient: the residual branch's plus the GEMM's
 
 
@@ -50,14 +51,14 @@ def test_sweep_records_checked_failed_and_resumes(tmp_path):
         variants += cv.gemm_variants(gemms[name], DEVICE, layouts=2, first_configs=configs, other_configs=configs[:1])
     variants += cv.gemm_variants(gemms["d_w1"], DEVICE, layouts=1, first_configs=[broken])
     # D = A B + C through cuBLASLt (CUDA only): checked against float64 with the residual added
-    added = cv.residual_variants(gemms["stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)"], DEVICE, layouts=1)
+    added = ra.residual_variants(gemms["stack(d_x_via_wv_x,d_x_via_wk_x,d_x_via_wq_x)"], DEVICE, layouts=1)
     assert bool(added) == (DEVICE == "cuda")
     variants += added
     linear1 = gemms["w1_x1"]
-    epilogue = cv.epilogue_of(training, linear1)
-    consumers = cv.consumer_configurations(training, epilogue)
+    epilogue = fe.epilogue_of(training, linear1)
+    consumers = fe.consumer_configurations(training, epilogue)
     assert consumers and all(c.layouts[t] == training.graph.tensors[t].letters for _, _, c in consumers for t in c.layouts)
-    variants += cv.epilogue_variants(cv.Operands(linear1, DEVICE), epilogue, configs[:1], consumers[:2])
+    variants += fe.epilogue_variants(cv.Operands(linear1, DEVICE), epilogue, configs[:1], consumers[:2])
     ws = av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32), DEVICE)
     variants += av.config_variants(ws)[:1] + [av.FusedVariant(ws, "backward"), av.FusedVariant(ws, "fwd+bwd", launch="python")]
     variants += av.baseline_variants(ws, directions=("fwd+bwd",), launches=("python",), backends=("default", "math"))
@@ -118,7 +119,7 @@ def test_attention_with_biases_is_checked_against_biased_inputs(tmp_path):
 
 
 def test_fused_epilogues_with_dropout_are_also_timed_on_the_whole_tile_and_in_halves():
-    from datamove.tuning import EPILOGUE_CONFIGS, epilogue_configs
+    from datamove.families.base import EPILOGUE_CONFIGS, epilogue_configs
 
     ranked = [GemmConfig(128, 256, 64, 8, 3, 8, tma=True), GemmConfig(128, 128, 64, 8, 4, 4),
               GemmConfig(64, 64, 64, 8, 4, 4, epilogue_split=1), GemmConfig(256, 128, 64, 8, 3, 8)]
@@ -137,10 +138,10 @@ def test_fused_epilogue_is_timed_reading_each_input_layout(tmp_path):
     spec order (BERT's x1 as its LayerNorm writes it, bji, among them), each checked against float64."""
     training = _training()
     linear1 = next(g for g in cv.training_gemms(training) if g.name == "w1_x1")
-    epilogue = cv.epilogue_of(training, linear1)
+    epilogue = fe.epilogue_of(training, linear1)
     inputs = cv.epilogue_inputs(linear1)
     assert inputs[0] == ("ui", "ibj") and ("ui", "bji") in inputs and len(set(inputs)) == len(inputs) == 4
-    variants = cv.epilogue_variants(cv.Operands(linear1, DEVICE), epilogue, valid_configs()[:1], inputs=inputs)
+    variants = fe.epilogue_variants(cv.Operands(linear1, DEVICE), epilogue, valid_configs()[:1], inputs=inputs)
     with TuningDB(tmp_path / "tuning.db") as db:
         report = Sweep(db, variants, progress=False).run()
         assert report.counts["wrong"] == 0 and report.counts["failed"] == 0
@@ -158,11 +159,11 @@ def test_gelu_epilogue_found_in_the_spec_and_checked(tmp_path):
 
     training = snapshot.stored_fused()["gpt2"].with_dims(dict(B=2, T=5, D=8, H=2, E=4, F=12))
     wfc = next(g for g in cv.training_gemms(training) if g.name == "h2_wfc")
-    epilogue = cv.epilogue_of(training, wfc)
+    epilogue = fe.epilogue_of(training, wfc)
     assert (epilogue.consumer, epilogue.bias, epilogue.activation, epilogue.mask, epilogue.save, epilogue.saved) == \
         ("gelu", "bfc", "gelu", None, "pre_activation", "up")
-    variants = cv.epilogue_variants(cv.Operands(wfc, DEVICE), epilogue, valid_configs()[:1],
-                                    cv.consumer_configurations(training, epilogue)[:1])
+    variants = fe.epilogue_variants(cv.Operands(wfc, DEVICE), epilogue, valid_configs()[:1],
+                                    fe.consumer_configurations(training, epilogue)[:1])
     with TuningDB(tmp_path / "tuning.db") as db:
         report = Sweep(db, variants, progress=False).run()
         assert report.counts["wrong"] == 0 and report.counts["failed"] == 0 and len(variants) == 3
@@ -175,17 +176,17 @@ def test_gelu_epilogue_found_in_the_spec_and_checked(tmp_path):
         return prims
 
     gelu = "0.5 * in0 * (1 + tanh(0.7978845608028654 * (in0 + 0.044715 * in0 * in0 * in0)))"
-    assert cv._activation(chain("in0 + 0", gelu), 0, "x", {}) == ("gelu", 1)
-    assert cv._activation(chain(gelu.replace("0.044715", "0.045")), 0, "x", {}) is None
-    assert cv._activation(chain("maximum(in0, 0.0)"), 0, "x", {}) == ("relu", 0)
-    assert cv._activation(chain("maximum(in0, 0.01 * in0)"), 0, "x", {}) is None  # leaky
+    assert fe._activation(chain("in0 + 0", gelu), 0, "x", {}) == ("gelu", 1)
+    assert fe._activation(chain(gelu.replace("0.044715", "0.045")), 0, "x", {}) is None
+    assert fe._activation(chain("maximum(in0, 0.0)"), 0, "x", {}) == ("relu", 0)
+    assert fe._activation(chain("maximum(in0, 0.01 * in0)"), 0, "x", {}) is None  # leaky
 
 
 def test_an_epilogue_that_saves_gets_the_stages_that_fit(monkeypatch):
     """A saved pre-activation takes a second slice of the tile in shared memory (sm_90): a
     configuration that fits without it runs one stage fewer, or two, or is dropped."""
     from datamove.kernels import gemm
-    from datamove.tuning import epilogue_configs
+    from datamove.families.base import epilogue_configs
 
     monkeypatch.setattr(gemm, "interpreted", lambda: False)
     halves = GemmConfig(128, 256, 64, 8, 4, 8, tma=True, epilogue_split=2, persistent=True, store_tma=True)

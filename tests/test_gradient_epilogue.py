@@ -11,7 +11,7 @@ from datamove.candidates import execution_order, plan_layer
 from datamove.dataflow import snapshot
 from datamove.dataflow.activations import derivative
 from datamove.harness import contraction_variants as cv
-from datamove.harness import gradient_epilogue as ge
+from datamove.families import gradient_epilogue as ge
 from datamove.harness.bench import Sweep
 from datamove.harness.tuning_db import TuningDB
 from datamove.kernels.contraction import Epilogue, contract, empty_in_layout, parse

@@ -387,7 +387,8 @@ def test_fused_epilogue_candidates_read_the_layouts_it_was_timed_in():
     template was measured reading (x1 as its LayerNorm writes it among them), each at its own
     time; without measurements, spec order only (the cost model's)."""
     from datamove.candidates import CandidateBuilder
-    from datamove.harness.contraction_variants import epilogue_of, epilogue_op, training_gemms
+    from datamove.families.forward_epilogue import epilogue_of, epilogue_op
+    from datamove.harness.contraction_variants import training_gemms
     from datamove.kernels.gemm import TEMPLATE_ID
 
     fused = stored_fused()["bert"]

@@ -11,13 +11,9 @@ For one such ``TrainingGemm``, ``pick_layouts`` chooses mappable layout combinat
 (``enumerate_variants``): spec order first if it is a BLAS GEMM, then one BLAS plan (at most one
 batch dim) per new transposition pattern.  ``gemm_variants`` gives, per chosen plan, a
 ``GemmVariant`` for the cuBLAS path (``run_cublas``; on CUDA one per algorithm of cuBLASLt's
-heuristic, ``cublas_algorithms``) and one per Triton config (``run_triton``).  ``residual_add_of``
-finds a consumer that only adds a tensor to the GEMM's output; ``residual_variants`` time cuBLASLt
-adding it (``D = A B + C``).
-``epilogue_of`` finds, structurally, the element-wise consumer that the GEMM template can fuse
-(bias add over whole output groups, ReLU, Philox dropout, the saved pre-activation), as in
-linear1 -> bias + ReLU + dropout; ``epilogue_variants`` gives the fused Triton kernel per config
-and the cuBLAS GEMM followed by PyTorch eager (bias add, ReLU, dropout with the same mask).
+heuristic, ``cublas_algorithms``) and one per Triton config (``run_triton``); with ``residual``,
+cuBLASLt adding a tensor as it writes (``D = A B + C``).  The patterns fused onto a GEMM (the
+residual add, the epilogues) and their variants are the kernel families of ``datamove.families``.
 
 Operands: random normal in ``dtype`` (never zeros), stored in each variant's layouts; one
 ``Operands`` per GEMM, computed on first use, holding the float64 reference (``torch.einsum``
@@ -44,16 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from datamove.dataflow.activations import PROBE, activation, evaluate
 from datamove.kernels.blas import LtMatmul, algorithm_count
-from datamove.kernels.contraction import (Epilogue, GemmPlan, cublas_views, empty_in_layout, enumerate_variants, flops,
-                                          map_layouts, parse, run_cublas, run_triton, stacked_spec)
-from datamove.kernels.codegen import compile_operator
+from datamove.kernels.contraction import (GemmPlan, cublas_views, empty_in_layout, enumerate_variants, flops, parse,
+                                          run_cublas, run_triton, stacked_spec)
 from datamove.kernels.gemm import TEMPLATE_ID, GemmConfig, GemmShape, tma_compatible, valid_configs
-from datamove.kernels.philox import dropout_scale
-from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge
-from datamove.harness.torch_eval import dropout_offsets, keep_mask_torch
-from datamove.layouts.space import configurations
+from datamove.harness.sweep_variants import Verdict, judge
 
 DTYPE = torch.bfloat16
 STACK_LETTERS = "stuvwxyz"  # the first one not in the einsum becomes the stack letter
@@ -333,254 +324,9 @@ def runnable(plan: GemmPlan, dtype, configs) -> list:
     return [cfg for cfg in configs if (loads or not cfg.tma) and (stores or not cfg.store_tma)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Epilogue fusion
-
-
-@dataclass(frozen=True)
-class FusableEpilogue:
-    """An element-wise consumer of a GEMM's output the template fuses: y = dropout(act(gemm + bias)).
-
-    ``bias``: graph tensor over ``bias_letters`` (output letters, spec letter names of the GEMM);
-    ``mask``: dropout tensor (logical index over the output letters in spec order), ``p``, ``offset``;
-    ``save``: what else the consumer writes ("pre_activation" / "pre_dropout") or None.
-    ``produced`` / ``output`` / ``saved``: the graph tensors the consumer reads from the GEMM,
-    writes as its result and (with ``save``) writes as the saved value."""
-
-    consumer: str
-    bias: str
-    bias_letters: str
-    activation: str
-    mask: str | None
-    p: float
-    offset: int
-    save: str | None
-    produced: str
-    output: str
-    saved: str | None
-
-
-def _activation(prims: list, start: int, source: str, namespace: dict) -> tuple[str, int] | None:
-    """(activation, index of its last primitive) when ``prims[start:end + 1]`` are maps of
-    ``source`` alone (and constants) whose last output equals one of the template's activations
-    (``dataflow.activations.activation``, on its probe in float64): the spec's own spelling of ReLU
-    or tanh-GELU, in one expression or a chain; None when no prefix is.  ``namespace``: the graph's
-    scalars."""
-    values = {source: PROBE}
-    for end in range(start, len(prims)):
-        prim = prims[end]
-        if prim.kind != "map" or any(operand.tensor not in values for operand in prim.inputs):
-            return None
-        arguments = {f"in{n}": values[operand.tensor] for n, operand in enumerate(prim.inputs)}
-        values[prim.output.tensor] = value = evaluate(prim.expr, arguments, namespace)
-        name = activation(value)
-        if name is not None:
-            return name, end
-    return None
-
-
-def epilogue_of(training, gemm: TrainingGemm) -> FusableEpilogue | None:
-    """The consumer of ``gemm``'s (single-einsum) output when it is exactly bias add [+ ReLU or
-    tanh-GELU] [+ dropout] on that output, its other outputs the bias-added or activated value;
-    else None."""
-    graph = training.graph
-    op = next(o for o in training.operators if o.name == gemm.name)
-    if len(op.outputs) != 1 or gemm.stacked != 1:
-        return None
-    produced = op.outputs[0]
-    out_letters = parse(gemm.spec).out
-    for consumer in training.operators:
-        if consumer.cls == "contraction" or produced not in consumer.inputs:
-            continue
-        prims = list(consumer.primitives)
-        first = prims[0]
-        if first.kind != "map" or first.expr.replace(" ", "") != "in0+in1" or first.inputs[0].tensor != produced \
-                or first.inputs[0].letters != first.output.letters:
-            return None
-        rename = dict(zip(first.inputs[0].letters, out_letters))
-        bias = first.inputs[1]
-        if graph.tensors[bias.tensor].role != "input" or not set(bias.letters) <= set(rename):
-            return None
-        chain = {"pre_activation": first.output.tensor}
-        current, activation, mask, p = first.output.tensor, "none", None, 0.0
-        scalars = graph.scalars()
-        n = 1
-        while n < len(prims):
-            prim = prims[n]
-            found = _activation(prims, n, current, scalars) if activation == "none" and mask is None else None
-            if found is not None:
-                activation, n = found
-                current = prims[n].output.tensor
-                chain["pre_dropout"] = current
-            elif prim.kind == "map" and prim.expr.replace(" ", "") == "in0*in1" and mask is None \
-                    and prim.inputs[0].tensor == current and graph.tensors[prim.inputs[1].tensor].role == "dropout" \
-                    and prim.inputs[1].letters == prim.inputs[0].letters:
-                mask, current = prim.inputs[1].tensor, prim.output.tensor
-                p = graph.tensors[mask].p
-            else:
-                return None
-            n += 1
-        if current not in consumer.outputs:
-            return None
-        extra = [t for t in consumer.outputs if t != current]
-        saves = [name for name, t in chain.items() if t in extra]
-        if len(extra) > 1 or len(saves) != len(extra):
-            return None
-        offset = dropout_offsets(graph)[mask] if mask is not None else 0
-        return FusableEpilogue(consumer.name, bias.tensor, "".join(rename[x] for x in bias.letters), activation,
-                               mask, p, offset, saves[0] if saves else None, produced, current,
-                               extra[0] if extra else None)
-    return None
-
-
-@dataclass(frozen=True)
-class ResidualAdd:
-    """An element-wise consumer that only adds a tensor to a GEMM's output, ``output = produced +
-    residual`` (all three over the same letters): cuBLAS's ``D = A B + C`` with ``C`` the residual,
-    so the GEMM writes ``output`` and the consumer's kernel goes (BERT's input gradient: the residual
-    branch's gradient plus the stacked Q/K/V GEMM's)."""
-
-    consumer: str
-    produced: str
-    residual: str
-    output: str
-
-
-def residual_add_of(training, gemm: TrainingGemm) -> ResidualAdd | None:
-    """``gemm``'s output's one consumer when it is exactly that add (its one primitive ``in0 + in1``
-    on the output and another tensor of the same letters, its one output), else None."""
-    op = next(o for o in training.operators if o.name == gemm.name)
-    if len(op.outputs) != 1:
-        return None
-    produced = op.outputs[0]
-    consumers = [o for o in training.operators if produced in o.inputs]
-    if len(consumers) != 1 or consumers[0].cls == "contraction" or len(consumers[0].primitives) != 1 \
-            or len(consumers[0].outputs) != 1:
-        return None
-    (add,) = consumers[0].primitives
-    operands = [x.tensor for x in add.inputs]
-    if add.kind != "map" or add.expr.replace(" ", "") != "in0+in1" or produced not in operands \
-            or len(set(operands)) != 2 or any(x.letters != add.output.letters for x in add.inputs):
-        return None
-    residual = operands[1 - operands.index(produced)]
-    letters = {training.graph.tensors[t].letters for t in (produced, residual, add.output.tensor)}
-    return ResidualAdd(consumers[0].name, produced, residual, add.output.tensor) if len(letters) == 1 else None
-
-
 def residual_op(gemm: TrainingGemm) -> str:
-    """The tuning-DB ``op`` of ``gemm`` adding a residual (``ResidualAdd``)."""
+    """The tuning-DB ``op`` of ``gemm`` adding a residual (``families.residual_add``)."""
     return gemm.op + "+residual"
-
-
-def epilogue_op(gemm: TrainingGemm, epilogue: FusableEpilogue) -> str:
-    """The tuning-DB ``op`` of ``gemm`` with ``epilogue`` fused (see the module doc's keys)."""
-    tail = f"+bias[{epilogue.bias_letters}]" + (f"+{epilogue.activation}" if epilogue.activation != "none" else "")
-    tail += f"+dropout({epilogue.p:g})" if epilogue.mask else ""
-    return gemm.op + tail + (f"+save({epilogue.save})" if epilogue.save else "")
-
-
-class EpilogueVariant:
-    """``gemm`` + its epilogue, three ways: one Triton kernel (``config``, the epilogue fused); the
-    cuBLAS GEMM then the consumer's generated kernel (``consumer``: (graph, operator, its
-    ``layouts.space.Configuration`` with spec-order layouts), i.e. "GEMM then fused element-wise
-    kernel"); neither: the cuBLAS GEMM then PyTorch eager (bias add, activation, dropout). All
-    apply the same regenerated mask."""
-
-    def __init__(self, operands: Operands, epilogue: FusableEpilogue, config: GemmConfig | None = None,
-                 consumer: tuple | None = None, inputs: tuple[str, str] | None = None):
-        gemm, c = operands.gemm, operands.c
-        self.operands, self.epilogue, self.config, self.consumer = operands, epilogue, config, consumer
-        self.inputs = inputs or (c.a, c.b)  # A's and B's layouts; the output in spec order
-        self.plan = map_layouts(c, (*self.inputs, c.out), gemm.sizes)
-        self.op, self.dims, self.dtype = epilogue_op(gemm, epilogue), dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
-        self.layout = _layout_key(self.plan)
-        if config is not None:
-            self.knobs = config_knobs(config)
-        elif consumer is not None:
-            self.knobs = {"backend": "cublas+fused", **consumer[2].knobs}
-        else:
-            self.knobs = {"backend": "cublas+eager"}
-        self.flop = gemm.flop
-        outputs = 2 if epilogue.save else 1
-        self.bytes = operands.dtype.itemsize * (numel(c.a, gemm.sizes) + numel(c.b, gemm.sizes)
-                                                + numel(epilogue.bias_letters, gemm.sizes) + outputs * numel(c.out, gemm.sizes))
-        self.tensors = None
-
-    @functools.cached_property
-    def _keep(self) -> torch.Tensor | None:
-        ep, gemm = self.epilogue, self.operands.gemm
-        if ep.mask is None:
-            return None
-        shape = tuple(gemm.sizes[x] for x in self.operands.c.out)
-        return keep_mask_torch(MASK_SEED, ep.offset, shape, ep.p, self.operands.device)
-
-    def build(self) -> None:
-        ops, ep = self.operands, self.epilogue
-        t = ops.tensors()
-        if "bias" not in t:
-            gen = torch.Generator(device=ops.device).manual_seed(ops.seed + 1)
-            t["bias"] = torch.randn([ops.gemm.sizes[x] for x in ep.bias_letters], generator=gen, device=ops.device,
-                                    dtype=torch.float32).to(ops.dtype)
-        a, b, bias = ops.stored("a", self.inputs[0]), ops.stored("b", self.inputs[1]), t["bias"]
-        out = empty_in_layout(ops.c.out, ops.c.out, ops.gemm.sizes, ops.dtype, ops.device)
-        self.tensors = dict(a=a, b=b, bias=bias, out=out)
-        self.fused = Epilogue(bias=bias, bias_letters=ep.bias_letters, activation=ep.activation, dropout_p=ep.p,
-                              seed=MASK_SEED, offset=ep.offset, save=ep.save)
-        if self.consumer is not None:
-            self.compiled = compile_operator(*self.consumer)
-        self.run()
-
-    def _broadcast_bias(self, bias: torch.Tensor) -> torch.Tensor:
-        out = self.operands.c.out
-        letters = self.epilogue.bias_letters
-        order = sorted(letters, key=out.index)
-        view = bias.permute([letters.index(x) for x in order])
-        return view.reshape([self.operands.gemm.sizes[x] if x in letters else 1 for x in out])
-
-    def _eager(self, y: torch.Tensor, bias: torch.Tensor) -> dict:
-        """bias add, activation, dropout with the regenerated mask, at ``y``'s precision."""
-        ep = self.epilogue
-        pre = y + self._broadcast_bias(bias)
-        act = {"relu": torch.relu, "gelu": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-               "none": lambda t: t}[ep.activation](pre)
-        result = {"out": act if self._keep is None else torch.where(self._keep, act * dropout_scale(ep.p), 0.0)}
-        if ep.save:
-            result[ep.save] = pre if ep.save == "pre_activation" else act
-        return result
-
-    def _generated(self, y: torch.Tensor, bias: torch.Tensor) -> dict:
-        """The consumer's generated kernel on the GEMM's output ``y`` (spec-order letters)."""
-        ep = self.epilogue
-        seeds = {ep.mask: (MASK_SEED, ep.offset)} if ep.mask else {}
-        outputs = self.compiled.run({ep.produced: y, ep.bias: bias}, seeds)
-        return {"out": outputs[ep.output], **({ep.save: outputs[ep.saved]} if ep.save else {})}
-
-    def run(self) -> dict:
-        t = self.tensors
-        if self.config is None:
-            finish = self._eager if self.consumer is None else self._generated
-            return finish(run_cublas(self.plan, t["a"], t["b"], t["out"]), t["bias"])
-        result = run_triton(self.plan, t["a"], t["b"], t["out"], self.fused, self.config)
-        return {"out": result[0], self.epilogue.save: result[1]} if self.epilogue.save else {"out": result}
-
-    def check(self) -> Verdict:
-        self.tensors["out"].fill_(float("nan"))
-        results = self.run()
-        t = self.operands.tensors()
-        reference = self._eager(t["reference"], t["bias"].double())
-        baseline = self._eager(t["baseline"], t["bias"])
-        return Verdict(tuple((name, judge(results[name], baseline[name], reference[name])) for name in results))
-
-
-def consumer_configurations(training, epilogue: FusableEpilogue) -> list[tuple]:
-    """(graph, operator, configuration) of the epilogue's consumer for every configuration of its
-    generated kernel that keeps the spec-order layouts (the GEMM writes its output in spec order)
-    and regenerates the dropout mask."""
-    graph = training.graph
-    op = next(o for o in training.operators if o.name == epilogue.consumer)
-    return [(graph, op, config) for config in configurations(graph, op)
-            if all(layout == graph.tensors[t].letters for t, layout in config.layouts.items())
-            and config.knobs.get("dropout", "regenerate") == "regenerate"]
 
 
 def epilogue_inputs(gemm: TrainingGemm) -> list[tuple[str, str]]:
@@ -588,17 +334,3 @@ def epilogue_inputs(gemm: TrainingGemm) -> list[tuple[str, str]]:
     the output in spec order (the consumer's layout), spec order first."""
     out = parse(gemm.spec).out
     return [p.layouts[:2] for p in pick_layouts(gemm, None) if p.layouts[2] == out]
-
-
-def epilogue_variants(operands: Operands, epilogue: FusableEpilogue, configs, consumers=(),
-                      inputs: list[tuple[str, str]] | None = None) -> list[EpilogueVariant]:
-    """cuBLAS + eager, cuBLAS + the consumer's generated kernel per ``consumers`` entry
-    (``consumer_configurations``), both in spec-order layouts, then the fused kernel with each of
-    ``configs`` (TMA ones where allowed) reading A and B in each of ``inputs`` (default: spec order),
-    the output in spec order."""
-    variants = [EpilogueVariant(operands, epilogue)]
-    variants += [EpilogueVariant(operands, epilogue, consumer=consumer) for consumer in consumers]
-    for layouts in inputs or [(operands.c.a, operands.c.b)]:
-        plan = map_layouts(operands.c, (*layouts, operands.c.out), operands.gemm.sizes)
-        variants += [EpilogueVariant(operands, epilogue, cfg, inputs=layouts) for cfg in runnable(plan, operands.dtype, configs)]
-    return variants

@@ -74,7 +74,7 @@ class EpilogueConfig:
 @dataclass(frozen=True)
 class GradientEpilogueConfig:
     """The product times an activation's ``gradient`` at ``factor`` and the bias gradient's sums over
-    ``sum_letters`` into ``summed`` in the template (``harness.gradient_epilogue.GradientEpilogue``);
+    ``sum_letters`` into ``summed`` in the template (``families.gradient_epilogue.GradientEpilogue``);
     the consumer's other ``primitives`` not in the kernel (``rest``) run after it by their generated
     kernel in ``rest_layouts``."""
 

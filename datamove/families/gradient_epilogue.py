@@ -1,4 +1,4 @@
-"""A GEMM with the backward of an activation and a bias gradient in its epilogue.
+"""The gradient epilogue: a GEMM with the backward of an activation and a bias gradient in its epilogue.
 
 The backward of ``y = act(x @ W + b)`` is a GEMM giving ``dy_act`` (the gradient at the activation's
 output), an element-wise product ``dx = dy_act * act'(saved)`` and the bias gradient ``db = sum(dx)``
@@ -14,6 +14,12 @@ and one sum of the product.  The consumer's other parts, where it has any (none 
 BERT's ``d_b2`` joins its layernorm backward instead; ``tests/bias_join.py`` stacks it into
 ``d_b1`` as the paper's fusion does), run after the GEMM as one generated kernel
 (``layouts.space.rest_part`` in ``rest_configuration``).
+
+Candidates (``GradientEpilogueFamily.candidates``): the output and factor in spec order, A and B
+in each layout pair timed, the rest reading what it shares with them alike; without timings spec
+order only, priced by the cost model.  Launch (``GradientEpilogueLaunch``): the template with the
+derivative the step's ``GradientEpilogueConfig`` names (checked against the graph's expression),
+then the rest's generated kernel.
 
 ``GradientVariant`` is one such kernel (a ``harness.bench.Variant``): a Triton configuration
 reading A and B in one layout pair, the output and factor in spec order, the rest reading an
@@ -31,14 +37,19 @@ import torch
 
 from datamove.dataflow.activations import derivative
 from datamove.dataflow.executor import dropout_offsets
+from datamove.families.base import (EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs, gemm_config_of,
+                                    operator_named)
 from datamove.harness.contraction_variants import (DTYPE, SharedTensors, TrainingGemm, config_knobs, epilogue_inputs, numel,
                                                    runnable)
 from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge, op_signature, tensor_bytes
 from datamove.harness.torch_eval import evaluate, graph_inputs
 from datamove.kernels.codegen import allocate, compile_operator
-from datamove.kernels.contraction import Epilogue, empty_in_layout, map_layouts, parse, run_triton
+from datamove.kernels.contraction import Epilogue, contract, empty_in_layout, map_layouts, parse, run_triton
 from datamove.kernels.gemm import GemmConfig
+from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Step
+from datamove.layouts.select import Candidate
 from datamove.layouts.space import rest_configuration, rest_part
+from datamove.layouts.step_config import ContractionConfig, GeneratedConfig, GradientEpilogueConfig
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ def gradient_epilogue_of(training, gemm: TrainingGemm) -> GradientEpilogue | Non
     """The consumer of ``gemm``'s (single-einsum) output that the gradient epilogue runs (module
     doc), or None."""
     graph = training.graph
-    op = next(o for o in training.operators if o.name == gemm.name)
+    op = operator_named(training, gemm.name)
     if len(op.outputs) != 1 or gemm.stacked != 1:
         return None
     produced = op.outputs[0]
@@ -118,8 +129,7 @@ def gradient_op(spec: str, training, gemm: TrainingGemm, epilogue: GradientEpilo
 
 def rest_operator(training, epilogue: GradientEpilogue):
     """The consumer's parts the epilogue does not run (``layouts.space.rest_part``), or None."""
-    consumer = next(o for o in training.operators if o.name == epilogue.consumer)
-    return rest_part(consumer, epilogue.primitives)
+    return rest_part(operator_named(training, epilogue.consumer), epilogue.primitives)
 
 
 def moved_bytes(training, gemm: TrainingGemm, epilogue: GradientEpilogue, itemsize: int) -> int:
@@ -138,8 +148,7 @@ def rest_layouts(training, gemm: TrainingGemm, epilogue: GradientEpilogue, input
     rest, graph = rest_operator(training, epilogue), training.graph
     if rest is None:
         return {}
-    op = next(o for o in training.operators if o.name == gemm.name)
-    einsum = next(p for p in op.primitives if p.kind == "einsum")
+    einsum = next(p for p in operator_named(training, gemm.name).primitives if p.kind == "einsum")
     layouts = {t: graph.tensors[t].letters for t in (*rest.inputs, *rest.outputs) if graph.tensors[t].role != "dropout"}
     for operand, layout in zip(einsum.inputs, inputs):
         if operand.tensor in layouts:
@@ -238,3 +247,95 @@ def gradient_variants(spec: str, training, gemm: TrainingGemm, epilogue: Gradien
         plan = map_layouts(c, (*layouts, c.out), gemm.sizes)
         variants += [GradientVariant(spec, operands, cfg, layouts) for cfg in runnable(plan, dtype, configs)]
     return variants
+
+
+def epilogue_rest(graph, ops: dict, epilogue: GradientEpilogueConfig) -> tuple:
+    """(operator, configuration) of the generated kernel a gradient epilogue's step runs after its
+    GEMM (``epilogue``: the step's; ``ops``: the fused graph's operators by name)."""
+    rest = rest_part(ops[epilogue.consumer], list(epilogue.primitives))
+    return rest, rest_configuration(graph, rest, epilogue.rest_layouts)
+
+
+class GradientEpilogueLaunch(EpilogueLaunch):
+    """The template with a step's ``GradientEpilogueConfig``: the product by the derivative (its kind
+    and scale read off the graph's expression at the graph's scalars, 1 in evaluation mode, and
+    checked against the plan's) and the bias gradient; ``after``: the rest's generated kernel."""
+
+    def __init__(self, step, graph, ops: dict):
+        config: ContractionConfig = step.config
+        self.einsum, self.epilogue = config.einsum, config.epilogue
+        self.gemm_config = GemmConfig(**config.gemm) if config.gemm else None
+        ep = self.epilogue
+        product = next(p for p in ops[ep.consumer].primitives if p.name == ep.primitives[0])
+        self.gradient = derivative(product.expr, int(product.inputs[0].tensor != ep.produced), graph.scalars())
+        if self.gradient is None or self.gradient[0] != ep.gradient:
+            raise ValueError(f"{step.name}: {product.expr!r} is not the {ep.gradient} derivative "
+                             f"the plan's epilogue computes")
+        if ep.rest:
+            rest, rest_config = epilogue_rest(graph, ops, ep)
+            masks = {t: rest_config.layouts[t] for t in rest.inputs if graph.tensors[t].role == "dropout"}
+            self.after = (Step(rest.name, step.phase, GENERATED, (),
+                               {t: rest_config.layouts[t] for t in rest.inputs if t not in masks},
+                               {t: rest_config.layouts[t] for t in rest.outputs}, GeneratedConfig(rest_config.knobs, masks),
+                               0.0, step.source), rest)
+
+    def __call__(self, a, b, read, output, run) -> dict:
+        ep = self.epilogue
+        out, sums = output(ep.output), output(ep.summed)
+        epilogue = Epilogue(gradient=self.gradient[0], factor=read(ep.factor), factor_scale=self.gradient[1], sums=sums,
+                            sum_letters=ep.sum_letters)
+        contract(self.einsum, a, b, out, backend="triton", epilogue=epilogue, config=self.gemm_config)
+        return {ep.output: out, ep.summed: sums}
+
+
+class GradientEpilogueFamily(GemmFamily):
+    name = "gradient"
+    moves_consumer = True
+    config_type = GradientEpilogueConfig
+    # three launches with host work between them (descriptors, the partial sums' buffer, the rest's
+    # kernel): timed replayed from a CUDA graph, or the host's time counts (H100: 0.3-0.4 ms against 0.085)
+    timing = {"cuda_graph": True}
+
+    def match(self, fused, gemm: TrainingGemm) -> GradientEpilogue | None:
+        return gradient_epilogue_of(fused, gemm)
+
+    def variants(self, fused, gemm: TrainingGemm, ep: GradientEpilogue, tuning: Tuning) -> list:
+        # the factor's tile takes shared memory for its layout change, as a saved value's store does
+        return gradient_variants(tuning.spec, fused, gemm, ep, epilogue_configs(tuning.ranked, True, True, tuning.dtype),
+                                 tuning.device, tuning.dtype)
+
+    def candidates(self, builder, site: GemmSite, ep: GradientEpilogue) -> list[Candidate]:
+        """The GEMM with the backward of an activation and a bias gradient in its epilogue, then the
+        consumer's other parts by their generated kernel: the output and factor in spec order, A and
+        B in each layout pair it was timed with (``epilogue_inputs``), the rest reading what it
+        shares with them alike (``rest_layouts``); without timings, spec order only, priced by the
+        cost model."""
+        g, op, graph, fused = site.gemm, site.op, builder.graph, builder.fused
+        c = parse(g.spec)
+        rest = rest_operator(fused, ep)
+        moved = moved_bytes(fused, g, ep, builder.itemsize)
+        fused_op = gradient_op(builder.spec, fused, g, ep)
+        result = []
+        for layouts in epilogue_inputs(g):
+            key = dict(zip(("a", "b", "out"), (*layouts, c.out)))
+            found = builder.timings.lookup(fused_op, g.sizes, key)
+            if found is None and (layouts != (c.a, c.b) or builder.timings.broken(fused_op, g.sizes, key)):
+                continue  # measured where the template ran; the cost model prices spec order alone
+            own = rest_layouts(fused, g, ep, layouts)
+            reads = {t: "".join(site.renames[t][x] for x in layout) for k, layout in zip(("a", "b"), layouts)
+                     for t in site.members[k]}
+            reads |= {ep.factor: graph.tensors[ep.factor].letters, **{t: own[t] for t in (rest.inputs if rest else ())
+                                                                     if t in own}}
+            writes = {ep.output: graph.tensors[ep.output].letters, ep.summed: graph.tensors[ep.summed].letters,
+                      **{t: own[t] for t in (rest.outputs if rest else ())}}
+            ms, source, knobs = builder.time(found, "gemm", g.flop, moved)
+            config = ContractionConfig(g.spec, "triton", site.members, gemm_config_of(knobs) if knobs else None,
+                                       epilogue=GradientEpilogueConfig(
+                                           ep.consumer, ep.gradient, ep.factor, ep.produced, ep.output, ep.summed,
+                                           ep.sum_letters, tuple(ep.primitives), tuple(ep.rest), own))
+            result.append(Candidate(f"{g.name}+{ep.consumer}", op.phase, GEMM_EPILOGUE, (g.name, ep.consumer),
+                                    reads, writes, config, ms, source))
+        return result
+
+    def launch(self, step, graph, ops: dict) -> GradientEpilogueLaunch:
+        return GradientEpilogueLaunch(step, graph, ops)
