@@ -150,7 +150,7 @@ def test_a_variant_that_skips_the_derivative_is_judged_wrong():
     training = snapshot.stored_fused()["bert"].with_dims(SMALL["bert"])
     gemm = next(g for g in cv.training_gemms(training) if g.name == "d_hidden")
     ep = ge.gradient_epilogue_of(training, gemm)
-    operands = ge.GradientOperands(training, gemm, ep, DEVICE, torch.float32)
+    operands = ge.ConsumerOperands(training, gemm, ep, DEVICE, torch.float32)
     variant = ge.GradientVariant("bert", operands, valid_configs(torch.float32)[0], ("iu", "ibj"))
     variant.build()
     assert variant.check().passed

@@ -25,7 +25,9 @@ from typing import Callable
 
 import torch
 
-from datamove.harness.contraction_variants import TrainingGemm
+from datamove.harness.contraction_variants import DTYPE, SharedTensors, TrainingGemm
+from datamove.harness.sweep_variants import MASK_SEED
+from datamove.harness.torch_eval import evaluate, graph_inputs
 from datamove.kernels.gemm import fitted
 
 EPILOGUE_CONFIGS = 3  # the GEMM's fastest Triton configurations a fused epilogue is timed with (epilogue_configs)
@@ -133,3 +135,24 @@ def gemm_config_of(knobs: dict) -> dict:
 def operator_named(fused, name: str):
     """The fused graph's operator ``name``."""
     return next(o for o in fused.operators if o.name == name)
+
+
+class ConsumerOperands(SharedTensors):
+    """The inputs of ``gemm`` and of its pattern's consumer (``epilogue.consumer``; random, float64),
+    the float64 evaluation of their primitives and PyTorch's rule in ``dtype`` (every primitive in
+    that dtype), shared by the variants of one fused pattern (``SharedTensors``)."""
+
+    def __init__(self, training, gemm: TrainingGemm, epilogue, device, dtype=DTYPE, seed: int = 1):
+        self.training, self.gemm, self.epilogue = training, gemm, epilogue
+        self.device, self.dtype, self.seed = torch.device(device), dtype, seed
+
+    def primitives(self) -> list:
+        ops = {o.name: o for o in self.training.operators}
+        return [*ops[self.gemm.name].primitives, *ops[self.epilogue.consumer].primitives]
+
+    def make(self) -> dict:
+        """{"values" (float64 inputs by tensor name), "reference" (float64), "baseline" (``dtype``)}."""
+        graph, prims = self.training.graph, self.primitives()
+        values = graph_inputs(graph, prims, self.seed, self.device, torch.float64, MASK_SEED)
+        return {"values": values, "reference": evaluate(graph, prims, values),
+                "baseline": evaluate(graph, prims, {t: v.to(self.dtype) for t, v in values.items()}, self.dtype)}

@@ -33,16 +33,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from datamove.dataflow.activations import derivative
 from datamove.dataflow.executor import dropout_offsets
-from datamove.families.base import (EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs, gemm_config_of,
-                                    operator_named)
-from datamove.harness.contraction_variants import (DTYPE, SharedTensors, TrainingGemm, config_knobs, epilogue_inputs, numel,
+from datamove.families.base import (ConsumerOperands, EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs,
+                                    gemm_config_of, operator_named)
+from datamove.harness.contraction_variants import (DTYPE, TrainingGemm, config_knobs, epilogue_inputs, numel,
                                                    runnable)
 from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge, op_signature, tensor_bytes
-from datamove.harness.torch_eval import evaluate, graph_inputs
 from datamove.kernels.codegen import allocate, compile_operator
 from datamove.kernels.contraction import Epilogue, contract, empty_in_layout, map_layouts, parse, run_triton
 from datamove.kernels.gemm import GemmConfig
@@ -157,32 +154,11 @@ def rest_layouts(training, gemm: TrainingGemm, epilogue: GradientEpilogue, input
     return layouts
 
 
-class GradientOperands(SharedTensors):
-    """The inputs of ``gemm`` and its epilogue's consumer (random, float64), the float64 evaluation
-    of their primitives and PyTorch's rule in ``dtype`` (every primitive in that dtype), shared by
-    the variants of one epilogue (``SharedTensors``)."""
-
-    def __init__(self, training, gemm: TrainingGemm, epilogue: GradientEpilogue, device, dtype=DTYPE, seed: int = 1):
-        self.training, self.gemm, self.epilogue = training, gemm, epilogue
-        self.device, self.dtype, self.seed = torch.device(device), dtype, seed
-
-    def primitives(self) -> list:
-        ops = {o.name: o for o in self.training.operators}
-        return [*ops[self.gemm.name].primitives, *ops[self.epilogue.consumer].primitives]
-
-    def make(self) -> dict:
-        """{"values" (float64 inputs by tensor name), "reference" (float64), "baseline" (``dtype``)}."""
-        graph, prims = self.training.graph, self.primitives()
-        values = graph_inputs(graph, prims, self.seed, self.device, torch.float64, MASK_SEED)
-        return {"values": values, "reference": evaluate(graph, prims, values),
-                "baseline": evaluate(graph, prims, {t: v.to(self.dtype) for t, v in values.items()}, self.dtype)}
-
-
 class GradientVariant:
     """``gemm`` with ``epilogue`` fused by Triton config ``config``, A and B read in ``inputs``,
     then the rest's generated kernel (module doc); its inputs and references from ``operands``."""
 
-    def __init__(self, spec: str, operands: GradientOperands, config: GemmConfig, inputs: tuple[str, str]):
+    def __init__(self, spec: str, operands: ConsumerOperands, config: GemmConfig, inputs: tuple[str, str]):
         self.operands, self.config = operands, config
         training, gemm, epilogue, dtype = operands.training, operands.gemm, operands.epilogue, operands.dtype
         self.training, self.gemm, self.epilogue = training, gemm, epilogue
@@ -242,7 +218,7 @@ def gradient_variants(spec: str, training, gemm: TrainingGemm, epilogue: Gradien
     """The fused kernel with each of ``configs`` (TMA ones where the layouts allow) reading A and B
     in each of ``epilogue_inputs``' pairs (the rest reading an operand it shares in the same layout)."""
     variants, c = [], parse(gemm.spec)
-    operands = GradientOperands(training, gemm, epilogue, device, dtype)
+    operands = ConsumerOperands(training, gemm, epilogue, device, dtype)
     for layouts in epilogue_inputs(gemm):
         plan = map_layouts(c, (*layouts, c.out), gemm.sizes)
         variants += [GradientVariant(spec, operands, cfg, layouts) for cfg in runnable(plan, dtype, configs)]

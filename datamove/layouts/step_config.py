@@ -52,10 +52,33 @@ class Residual:
     output: str
 
 
+EPILOGUE_CONFIGS: list[type] = []  # the epilogue configurations' classes, one per kernel family (``register_epilogue``)
+
+
+def register_epilogue(cls: type) -> type:
+    """Class decorator: ``cls`` (a frozen dataclass) is a ``ContractionConfig.epilogue`` kind, read back
+    from JSON as the registered class whose field names the JSON object has (list values as tuples).
+    A kernel family with a step configuration of its own registers it where it defines it
+    (``datamove.families``)."""
+    if any({f.name for f in fields(other)} == {f.name for f in fields(cls)} for other in EPILOGUE_CONFIGS):
+        raise ValueError(f"{cls.__name__}: another epilogue configuration has the same fields")
+    EPILOGUE_CONFIGS.append(cls)
+    return cls
+
+
+def _epilogue_from_json(data: dict):
+    kind = next((c for c in EPILOGUE_CONFIGS if {f.name for f in fields(c)} == set(data)), None)
+    if kind is None:
+        raise ValueError(f"an epilogue configuration with fields {sorted(data)}: no kernel family registered "
+                         f"one (import datamove.families)")
+    return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+@register_epilogue
 @dataclass(frozen=True)
 class EpilogueConfig:
     """The GEMM's element-wise consumer in the Triton template's epilogue
-    (``harness.contraction_variants.FusableEpilogue``): bias over ``bias_letters``, ``activation``
+    (``families.forward_epilogue.FusableEpilogue``): bias over ``bias_letters``, ``activation``
     ("none", "relu", "gelu"), dropout ``mask`` at probability ``p``; ``save``: which value is also
     stored (``saved``); ``produced``: the GEMM's own result tensor, ``output``: the consumer's."""
 
@@ -71,6 +94,7 @@ class EpilogueConfig:
     saved: str | None
 
 
+@register_epilogue
 @dataclass(frozen=True)
 class GradientEpilogueConfig:
     """The product times an activation's ``gradient`` at ``factor`` and the bias gradient's sums over
@@ -105,7 +129,7 @@ class ContractionConfig:
     gemm: dict | None = None
     algorithm: int = 0
     residual: Residual | None = None
-    epilogue: EpilogueConfig | GradientEpilogueConfig | None = None
+    epilogue: object | None = None  # a registered epilogue configuration (``register_epilogue``)
 
     def to_json(self) -> dict:
         data = {"einsum": self.einsum, "backend": self.backend, "gemm": self.gemm, "operands": self.operands}
@@ -121,9 +145,7 @@ class ContractionConfig:
     def from_json(cls, data: dict) -> "ContractionConfig":
         epilogue = data.get("epilogue")
         if epilogue is not None:
-            kind = GradientEpilogueConfig if "gradient" in epilogue else EpilogueConfig
-            epilogue = kind(**{f.name: tuple(epilogue[f.name]) if f.name in ("primitives", "rest") else epilogue[f.name]
-                               for f in fields(kind)})
+            epilogue = _epilogue_from_json(epilogue)
         residual = data.get("residual")
         return cls(data["einsum"], data["backend"], data["operands"], data.get("gemm"), data.get("algorithm", 0),
                    Residual(**residual) if residual is not None else None, epilogue)
