@@ -45,15 +45,14 @@ def evaluate(graph, op, inputs: dict, dtype) -> dict:
     """{tensor: value in spec order} for every tensor the primitives produce, eagerly in ``dtype``."""
     values = {t: x.to(dtype) for t, x in inputs.items()}
     as_t = lambda a: a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=dtype)
-    env = {"exp": torch.exp, "log": torch.log, "sqrt": lambda a: torch.sqrt(as_t(a)), "tanh": torch.tanh,
-           "abs": torch.abs, "maximum": lambda a, b: torch.maximum(as_t(a), as_t(b)),
-           "minimum": lambda a, b: torch.minimum(as_t(a), as_t(b)), "where": torch.where,
-           **graph.scalars()}
+    functions = {"exp": torch.exp, "log": torch.log, "sqrt": lambda a: torch.sqrt(as_t(a)), "tanh": torch.tanh,
+                 "abs": torch.abs, "maximum": lambda a, b: torch.maximum(as_t(a), as_t(b)),
+                 "minimum": lambda a, b: torch.minimum(as_t(a), as_t(b)), "where": torch.where}
     for prim in op.primitives:
         out = prim.output.letters
         if prim.kind == "map":
-            args = {f"in{n}": _align(values[o.tensor], o.letters, out) for n, o in enumerate(prim.inputs)}
-            result = eval(prim.expr, {"__builtins__": {}}, {**env, **args})
+            args = [_align(values[o.tensor], o.letters, out) for o in prim.inputs]
+            result = prim.expression.evaluate(args, graph.scalars(), functions)
             shape = [graph.dim_values[graph.letter_dims[l]] for l in graph.tensors[prim.output.tensor].letters]
             values[prim.output.tensor] = torch.broadcast_to(as_t(result), shape).to(dtype)
         else:

@@ -132,7 +132,9 @@ def test_structural_queries():
     assert tree.inputs == (0, 2) and tree.names == {"P", "scale_drop"} and tree.functions == {"sqrt"}
     assert parse("in3").input_index == 3 and parse("in3 * 1").input_index is None
     assert parse("in0 + in1 + in2").is_sum_of_inputs(3) and not parse("in0 + (in1 + in2)").is_sum_of_inputs(3)
-    assert not parse("in0 + in2").is_sum_of_inputs(2)
+    assert not parse("in0 + in2").is_sum_of_inputs(2) and not parse("in1 + in0").is_sum_of_inputs(2)
+    assert parse("in1 + in0").is_sum_of_inputs() and parse("in2").is_sum_of_inputs() and parse("in0+(in1+in2)").is_sum_of_inputs()
+    assert not parse("in0 - in1").is_sum_of_inputs() and not parse("in0 + 1").is_sum_of_inputs()
     assert parse("in0 * 0.125").scale_of(0) == Constant(0.125)
     assert parse("sqrt(P) * in0").scale_of(0) == parse("sqrt(P)")
     assert parse("in0 / sqrt(P)").scale_of(0) == parse("1 / sqrt(P)")

@@ -6,8 +6,9 @@ names:
 - einsum ``"A,B->C"``: the gradient of each operand is the einsum with that operand's term
   replaced by the output's (``"phi,ibj->phbj"`` gives dW ``"phbj,ibj->phi"`` and dX
   ``"phi,phbj->ibj"``);
-- map: the chain rule on the expression's AST (``dataflow.derivatives``: symbolic derivative of
-  +, -, *, /, **, exp, log, sqrt, tanh, abs, maximum/minimum (a mask, ReLU's ``in0 > 0``), where);
+- map: the chain rule on the expression's tree (``dataflow.expression``'s ``derivative``: symbolic
+  derivative of +, -, *, /, **, exp, log, sqrt, tanh, abs, maximum/minimum (a mask, ReLU's
+  ``in0 > 0``), where);
   an operand broadcast over letters of the output gets its gradient summed over them (bias
   gradients become reductions); a dropout is a multiplication by its mask tensor, so its backward
   multiplies by the same mask;
@@ -31,13 +32,12 @@ instead of copying it.
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 
 from datamove.dataflow.closed_forms import ClosedForm, recognise_normalizations
-from datamove.dataflow.derivatives import (Rename, add, derivative, elementwise_chains, is_constant, multiply, number,
-                                          operand_names)
-from datamove.dataflow.graph import SCALE_PREFIX, Operand, Primitive, PrimitiveGraph, TensorInfo, is_expression
+from datamove.dataflow.derivatives import elementwise_chains
+from datamove.dataflow.expression import ONE, ZERO, Input, add, product
+from datamove.dataflow.graph import SCALE_PREFIX, Operand, Primitive, PrimitiveGraph, TensorInfo
 from datamove.dataflow.operators import BACKWARD, FORWARD, Operator, group_operators, make_operator
 
 
@@ -216,28 +216,26 @@ class _Backward:
             self._contribute(operand.tensor, name)
 
     def _map(self, prim: Primitive, d_out: str) -> None:
-        body = ast.parse(prim.expr, mode="eval").body
         out_letters = prim.output.letters
         for operand in self._grad_operands(prim):
             positions = [k for k, op in enumerate(prim.inputs) if op == operand]
-            deriv = number(0)
+            deriv = ZERO
             for k in positions:
-                deriv = add(deriv, derivative(body, f"in{k}"))
-            if is_constant(deriv, 0):
+                deriv = add(deriv, prim.expression.derivative(k))
+            if deriv == ZERO:
                 continue
-            if is_constant(deriv, 1) and operand.letters == out_letters:
+            if deriv == ONE and operand.letters == out_letters:
                 self._contribute(operand.tensor, d_out)  # identity: alias the incoming gradient
                 continue
             name = self._contribution_name(operand.tensor, prim.output.tensor)
-            if is_constant(deriv, 1) and set(operand.letters) == set(out_letters):  # a transposition
+            if deriv == ONE and set(operand.letters) == set(out_letters):  # a transposition
                 self._emit("map", [Operand(d_out, out_letters)], Operand(name, operand.letters), "in0")
-            elif is_constant(deriv, 1):
+            elif deriv == ONE:
                 self._emit("reduce", [Operand(d_out, out_letters)], Operand(name, operand.letters), "sum")
             else:
-                used = operand_names(deriv)
-                rename = {"__d": "in0", **{old: f"in{j + 1}" for j, old in enumerate(used)}}
-                expr = ast.unparse(Rename(rename).visit(multiply(ast.Name("__d", ast.Load()), deriv)))
-                inputs = [Operand(d_out, out_letters)] + [prim.inputs[int(old[2:])] for old in used]
+                used = deriv.inputs  # in0: the incoming gradient, then the operands the derivative reads
+                expr = product(Input(0), deriv.substitute({old: Input(j + 1) for j, old in enumerate(used)})).source()
+                inputs = [Operand(d_out, out_letters)] + [prim.inputs[old] for old in used]
                 if set(operand.letters) == set(out_letters):
                     self._emit("map", inputs, Operand(name, operand.letters), expr)
                 else:  # broadcast operand: gradient over the output's letters, then summed
@@ -351,10 +349,11 @@ def relu_masks_from_outputs(training: TrainingGraph) -> TrainingGraph:
     removed: set[str] = set()
     for relu in training.primitives(FORWARD):
         backward = [prims[name] for name in training.derived.get(relu.name, ())]
-        if relu.kind != "map" or not is_expression(relu.expr, "maximum(in0, 0)") or len(backward) != 1:
+        if relu.kind != "map" or not relu.expression.matches("maximum(in0, 0)") or len(backward) != 1:
             continue
         (x,), y, (d_x,) = relu.inputs, relu.output, backward
-        if x.letters != y.letters or not is_expression(d_x.expr, "in0 * (in1 > 0)") or d_x.inputs[1] != x:
+        if x.letters != y.letters or d_x.kind != "map" or not d_x.expression.matches("in0 * (in1 > 0)") \
+                or d_x.inputs[1] != x:
             continue
         d_y = d_x.inputs[0]
         through = _through_dropout(training, relu, d_y, consumers, producer)
@@ -387,7 +386,7 @@ def _through_dropout(training: TrainingGraph, relu: Primitive, d_y: Operand, con
     if len(readers) != 1 or y.tensor in graph.outputs or d_y.tensor in graph.outputs:
         return None
     (drop,) = readers
-    if drop.kind != "map" or len(drop.inputs) != 2 or not is_expression(drop.expr, "in0 * in1", "in1 * in0"):
+    if drop.kind != "map" or len(drop.inputs) != 2 or not drop.expression.matches("in0 * in1", "in1 * in0"):
         return None
     mine = next((op for op in drop.inputs if op.tensor == y.tensor), None)
     mask = next((op for op in drop.inputs if op.tensor != y.tensor), None)
@@ -396,7 +395,7 @@ def _through_dropout(training: TrainingGraph, relu: Primitive, d_y: Operand, con
         return None
     via = producer.get(d_y.tensor)
     if via is None or via.name not in training.derived.get(drop.name, ()) or via.kind != "map" \
-            or not is_expression(via.expr, "in0 * in1", "in1 * in0") or training.grads.get(y.tensor) != d_y.tensor \
+            or not via.expression.matches("in0 * in1", "in1 * in0") or training.grads.get(y.tensor) != d_y.tensor \
             or len(consumers[d_y.tensor]) != 1:
         return None
     d_h = next((op for op in via.inputs if op.tensor != mask.tensor), None)

@@ -41,7 +41,21 @@ class ClosedForm:
 
 
 _SYMPY_FUNCTIONS = {"exp": sympy.exp, "log": sympy.log, "sqrt": sympy.sqrt, "tanh": sympy.tanh,
-                    "maximum": sympy.Max, "minimum": sympy.Min, "abs": sympy.Abs}
+                    "maximum": sympy.Max, "minimum": sympy.Min, "abs": sympy.Abs, "sign": sympy.sign,
+                    "where": sympy.Function("where")}
+
+
+def _sympy_number(value: int | float) -> sympy.Number:
+    """A number of a map expression as ``sympy.sympify`` reads its text (an int exact, a float at
+    the digits written)."""
+    return sympy.Integer(value) if isinstance(value, int) else sympy.Float(repr(value))
+
+
+class _Symbols(dict):
+    """The dims' symbols; any other scalar name (``scale_<mask>``) a symbol of its own."""
+
+    def __missing__(self, name: str) -> sympy.Symbol:
+        return sympy.Symbol(name)
 
 
 @dataclass
@@ -69,7 +83,7 @@ def _compose(graph: PrimitiveGraph, prims: list[Primitive]) -> _Composed | None:
             values[name], leaves[symbol] = symbol, name
         return values[name]
 
-    dims = {dim: sympy.Symbol(dim, positive=True) for dim in set(graph.letter_dims.values())}
+    dims = _Symbols({dim: sympy.Symbol(dim, positive=True) for dim in set(graph.letter_dims.values())})
     for prim in prims:
         operands = [value(op) for op in prim.inputs]
         if any(v is None for v in operands):
@@ -79,8 +93,7 @@ def _compose(graph: PrimitiveGraph, prims: list[Primitive]) -> _Composed | None:
             reductions[prim.output.tensor] = (prim.expr, operands[0], prim)
             values[prim.output.tensor] = symbol
         elif prim.kind == "map":
-            names = {f"in{k}": v for k, v in enumerate(operands)}
-            values[prim.output.tensor] = sympy.sympify(prim.expr, locals={**_SYMPY_FUNCTIONS, **dims, **names})
+            values[prim.output.tensor] = prim.expression.evaluate(operands, dims, _SYMPY_FUNCTIONS, _sympy_number)
         else:
             return None
     return _Composed(values, reductions, leaves)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -121,8 +121,11 @@ class Expression:
             return Binary(node.op, left, right)
         return node
 
-    def is_sum_of_inputs(self, count: int) -> bool:
-        """Whether this is ``in0 + in1 + ... + in<count-1>`` (the derivation's sum of contributions)."""
+    def is_sum_of_inputs(self, count: int | None = None) -> bool:
+        """Whether this is ``in0 + in1 + ... + in<count-1>`` (the derivation's sum of contributions);
+        without ``count``: whether it only adds inputs (``in1 + in0``, ``in2``, ...), in any order."""
+        if count is None:
+            return all(isinstance(node, Input) or (isinstance(node, Binary) and node.op == "+") for node in self.walk())
         return count >= 1 and self == parse(" + ".join(f"in{k}" for k in range(count)))
 
     def scale_of(self, k: int = 0) -> "Expression | None":
@@ -139,7 +142,7 @@ class Expression:
     def linear_factor(self, names: Mapping[str, float], functions: Mapping = FUNCTIONS) -> float | None:
         """For an expression of ``in0`` alone: f(1) when f(2) == 2 f(1) (to 1e-12 relative), else None."""
         one, two = (float(self.evaluate([x], names, functions)) for x in (1.0, 2.0))
-        return one if abs(two - 2 * one) <= 1e-12 * abs(one) else None
+        return None if abs(two - 2 * one) > 1e-12 * abs(one) else one
 
     def flop(self) -> int:
         """Arithmetic operations per element: every ``+ - * / **``, negation and call (other than
@@ -267,41 +270,33 @@ class Constant(Expression):
 
 
 @dataclass(frozen=True, repr=False)
-class Unary(Expression):
-    op: str  # "-" or "+"
-    operand: Expression
+class _Operation(Expression):
+    """An operator (``op``) applied to the node's other fields, its children."""
+
+    op: str
 
     def children(self):
-        return (self.operand,)
+        return tuple(getattr(self, f.name) for f in fields(self)[1:])
 
     def rebuild(self, children):
-        return Unary(self.op, *children)
+        return type(self)(self.op, *children)
 
 
 @dataclass(frozen=True, repr=False)
-class Binary(Expression):
-    op: str  # "+", "-", "*", "/", "**"
-    left: Expression
-    right: Expression
-
-    def children(self):
-        return (self.left, self.right)
-
-    def rebuild(self, children):
-        return Binary(self.op, *children)
+class Unary(_Operation):
+    operand: Expression  # op: "-" or "+"
 
 
 @dataclass(frozen=True, repr=False)
-class Compare(Expression):
-    op: str  # ">", ">=", "<", "<=", "==", "!="
-    left: Expression
+class Binary(_Operation):
+    left: Expression  # op: "+", "-", "*", "/", "**"
     right: Expression
 
-    def children(self):
-        return (self.left, self.right)
 
-    def rebuild(self, children):
-        return Compare(self.op, *children)
+@dataclass(frozen=True, repr=False)
+class Compare(_Operation):
+    left: Expression  # op: ">", ">=", "<", "<=", "==", "!="
+    right: Expression
 
 
 @dataclass(frozen=True, repr=False)
@@ -370,7 +365,8 @@ def _const(node: Expression, value: float) -> bool:
     return isinstance(node, Constant) and node.value == value
 
 
-def _add(a: Expression, b: Expression) -> Expression:
+def add(a: Expression, b: Expression) -> Expression:
+    """``a + b`` simplified as the derivatives are (no ``+ 0``)."""
     if _const(a, 0):
         return b
     if _const(b, 0):
@@ -427,18 +423,18 @@ def _derivative(node: Expression, k: int) -> Expression:
     if isinstance(node, Binary):
         a, b = node.left, node.right
         if node.op == "+":
-            return _add(d(a), d(b))
+            return add(d(a), d(b))
         if node.op == "-":
             return _sub(d(a), d(b))
         if node.op == "*":
-            return _add(product(d(a), b), product(a, d(b)))
+            return add(product(d(a), b), product(a, d(b)))
         if node.op == "/":
             return _sub(_div(d(a), b), _div(product(a, d(b)), Binary("*", b, b)))
         da, db = d(a), d(b)  # "**"
         power = product(product(b, Binary("**", a, _sub(b, ONE))), da)
         if _const(db, 0):
             return power
-        return _add(power, product(product(node, Call("log", (a,))), db))
+        return add(power, product(product(node, Call("log", (a,))), db))
     name, args = node.function, node.args
     if name == "exp":
         return product(node, d(args[0]))
@@ -454,7 +450,7 @@ def _derivative(node: Expression, k: int) -> Expression:
         a, b = args
         first = Compare(">" if name == "maximum" else "<", a, b)
         second = Compare("<=" if name == "maximum" else ">=", a, b)
-        return _add(product(d(a), first), product(d(b), second))
+        return add(product(d(a), first), product(d(b), second))
     if name == "where":
         cond, a, b = args
         da, db = d(a), d(b)

@@ -12,7 +12,6 @@ Classes (Ivanov et al., Sec. III-B), decided from iteration spaces, not from nam
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 
 from datamove.dataflow.graph import Primitive, PrimitiveGraph
@@ -199,32 +198,14 @@ def make_operator(graph: PrimitiveGraph, prims: list[Primitive], phase: str, nam
 
 # --- counting ----------------------------------------------------------------------------------
 
-_FREE_CALLS = {"maximum", "minimum", "abs", "where"}  # comparisons and selections: no flop (as the paper's ReLU)
-
-
-def expression_flop(expr: str) -> int:
-    """Arithmetic operations per element of a map expression (comparisons count zero)."""
-    def reads_tensor(node) -> bool:  # constant sub-expressions such as sqrt(P) cost nothing per element
-        return any(isinstance(n, ast.Name) and n.id.startswith("in") and n.id[2:].isdigit() for n in ast.walk(node))
-
-    count = 0
-    for node in ast.walk(ast.parse(expr, mode="eval")):
-        if not reads_tensor(node):
-            continue
-        if isinstance(node, ast.BinOp) or (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)):
-            count += 1
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") not in _FREE_CALLS:
-            count += 1
-    return count
-
-
 def primitive_flop(graph: PrimitiveGraph, prim: Primitive) -> int:
-    """flop of one primitive: 2 per multiply-add of an einsum, one per element reduced, the map's ops."""
+    """flop of one primitive: 2 per multiply-add of an einsum, one per element reduced, the map's
+    ops (``Expression.flop``: comparisons, selections and constant parts count zero)."""
     if prim.kind == "einsum":
         return 2 * graph.size(prim.letters)
     if prim.kind == "reduce":
         return graph.size(prim.inputs[0].letters) - graph.size(prim.output.letters)
-    return expression_flop(prim.expr) * graph.size(prim.output.letters)
+    return prim.expression.flop() * graph.size(prim.output.letters)
 
 
 def operator_counts(graph: PrimitiveGraph, op: Operator) -> dict[str, int]:

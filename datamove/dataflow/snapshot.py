@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from datamove.dataflow.expression import Binary, Constant, Input
 from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
 from datamove.dataflow.operators import Operator
 
@@ -126,11 +127,13 @@ def _eps(training, form) -> float | None:
     prims = {p.name: p for p in training.graph.primitives}
     producer = {p.output.tensor: p for p in training.graph.primitives}
     sqrt = producer[form.scale]
-    while sqrt.kind == "map" and "sqrt" not in sqrt.expr:  # the inverted form: 1 / sqrt(...)
+    while sqrt.kind == "map" and "sqrt" not in sqrt.expression.functions:  # the inverted form: 1 / sqrt(...)
         sqrt = producer[sqrt.inputs[0].tensor]
     plus = producer[sqrt.inputs[0].tensor]
-    assert plus.name in prims and plus.expr.startswith("in0 + "), plus.expr
-    return float(plus.expr.removeprefix("in0 + "))
+    tree = plus.expression  # in0 + eps
+    assert plus.name in prims and isinstance(tree, Binary) and tree.op == "+" and tree.left == Input(0) \
+        and isinstance(tree.right, Constant), plus.expr
+    return float(tree.right.value)
 
 
 def snapshot_fused(analysis) -> dict:
