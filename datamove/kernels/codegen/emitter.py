@@ -61,7 +61,8 @@ def _levels(op) -> tuple[dict, int]:
 
 
 class PartEmitter:
-    """The code of one connected part of ``op`` under ``knobs`` (``index64``: int64 indices)."""
+    """The code of one connected part of ``op`` under ``knobs`` (``index64``: int64 indices); one
+    emitter writes one part, once (``code``)."""
 
     def __init__(self, graph, op, knobs: dict, index64: bool):
         self.graph, self.op, self.knobs, self.index64 = graph, op, knobs, index64
@@ -76,7 +77,7 @@ class PartEmitter:
         # 16 // BLOCK_ROW blocks of its bytes in turn), drawing each column's call once, not once a block
         self.call_loop = bool(plan.summed and plan.row_calls)
         self.reduced_letters = plan.cols if plan.reduce_axis == 1 else plan.rows if plan.reduce_axis == 0 else ""
-        self.loop_axis = "cols" if plan.reduce_axis == 1 else "rows"  # the axis mode "loop" runs along
+        self.loop_axis = "cols" if plan.reduce_axis == 1 else "rows"  # the reduced axis (modes "row", "loop")
         self.kept = "[:, None]" if plan.reduce_axis == 1 else "[None, :]"  # a reduced row's shape in the tile
         self.level, self.n_pass = _levels(op)
         self.done: set[str] = set()  # mode "loop": values computed outside the passes' loops
@@ -284,7 +285,7 @@ Knobs: {self.knobs}"""
         plan, w = self.plan, self.w
         depth = 1
         if plan.reduce_axis is not None:  # the tile holds the whole reduced axis, from its start
-            axis = "cols" if plan.reduce_axis == 1 else "rows"
+            axis = self.loop_axis
             w(f"{_AXES[axis][4]} = 0")
             w(f"{axis} = tl.arange(0, {_AXES[axis][3]})")
             self._emit_indices(axis)
