@@ -1,6 +1,6 @@
 """The cost model's plans and generated kernels of the shipped specs, as recorded before the
 kernel families moved into modules of their own (issue 45): ``python tests/golden_plans.py``
-rewrites ``tests/golden/plans.json``
+rewrites ``tests/golden/plans.json`` (``python tests/golden_plans.py llama``: that case's entry only)
 (kernel sources as generated for the Triton interpreter) (run it only for a change meant to alter the plans)."""
 import hashlib
 import json
@@ -37,7 +37,9 @@ def record(name: str, out: Path) -> dict:
 
 if __name__ == "__main__":
     import tempfile
+    names = sys.argv[1:] or list(CASES)
+    recorded = json.loads(GOLDEN.read_text()) if sys.argv[1:] else {}
     with tempfile.TemporaryDirectory() as tmp:
-        recorded = {name: record(name, Path(tmp) / name) for name in CASES}
+        recorded.update({name: record(name, Path(tmp) / name) for name in names})
     GOLDEN.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}", file=sys.stderr)
