@@ -5,7 +5,7 @@
         [--out benchmarks/results] [--no-progress]
 
 Q/K/V/dO stored as BERT holds them, ``[B, L, H*P]`` = (b, j, h, p), passed as logical (b, h, j, p)
-views.  Every implementation is a ``harness.attention_variants`` variant that goes through
+views.  Every implementation is a ``families.attention.variants`` variant that goes through
 ``harness.bench.Sweep`` into the tuning DB (checked against float64 before it is timed; each
 record committed as it is made, so a rerun resumes and a repeated run only reads the DB):
 (1) every forward and every backward knob configuration of the fused kernels
@@ -41,8 +41,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from datamove.kernels.attention import DROPOUT_MASK_OPTIONS  # noqa: E402
-from datamove.harness.attention_variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
-                                        FusedVariant, SdpaVariant, Workspace, baseline_variants, config_variants)
+from datamove.families.attention.variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
+                                                  FusedVariant, SdpaVariant, Workspace, baseline_variants,
+                                                  config_variants)
 from datamove.harness.bench import CPU_DEVICE, Sweep, time_cuda, utc_stamp, write_results  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
 from datamove.dataflow.dropout_mask import DECISIONS_PER_CALL  # noqa: E402
@@ -195,7 +196,7 @@ def markdown(report: dict) -> str:
     lines = [f"# Fused attention, forward + backward ({report['dtype']}, dropout {report['dropout_p']})", "",
              f"Device: {report['device']}; " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + f"; {report['date']}.",
              "Q/K/V/dO stored [B, L, H*P] = (b, j, h, p), passed as (b, h, j, p) views. Every row is a variant of "
-             "`harness.attention_variants` swept by `harness.bench.Sweep` into the tuning DB (checked against float64 "
+             "`families.attention.variants` swept by `harness.bench.Sweep` into the tuning DB (checked against float64 "
              "first) and read back from it: medians of `harness.bench.time_cuda` in ms, L2 flushed before each repetition. "
              "'GPU ms': the call replayed from a CUDA graph (no host gaps between its kernels; ratios and TFLOP/s use it). "
              "'launch ms': the call launched from Python, host overhead included. TFLOP/s count 14*B*H*L*L*P flop for "

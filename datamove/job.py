@@ -90,30 +90,11 @@ def boundary_layouts(torch_order: dict) -> dict:
 
 
 def attention_setups(fused, dtype_name: str) -> list[dict]:
-    """``harness.attention_variants.AttentionCase`` arguments of the graph's fused attention (what
-    the tuning measures) in the spec's layout of its inputs and in the one its Q projection writes
-    as a plain GEMM (``datamove.candidates.projection_layout``, where that differs), and ``bias``:
-    whether the bias add before it folds in (``datamove.candidates.attention_bias``; the tuning
-    measures that too).  With grouped-query attention (``datamove.candidates.attention_repeats``)
-    each layout first grouped (``KV``: K/V heads, read in place), then over K/V repeated (the
-    candidate the selection falls back to)."""
-    from datamove.candidates import attention_bias, attention_repeats, attention_roles, projection_layout
+    """What the tuning measures of the graph's fused attention (``families.attention``: the
+    registered family's ``AttentionFamily.setups``, which ``datamove.tuning.tune`` runs)."""
+    from datamove.families import ATTENTION
 
-    roles, _ = attention_roles(fused)
-    if roles is None:
-        return []
-    graph, letters = fused.graph, roles.letters
-    kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
-    bias = attention_bias(fused, roles)
-    repeats = attention_repeats(fused, roles)
-    spec_order = graph.tensors[roles.tensors["q"]].letters
-    orders = dict.fromkeys(x for x in (spec_order, projection_layout(fused, roles, bias)) if x)
-    mask = roles.tensors["mask"]
-    kv_heads = [{"KV": graph.size(repeats.letter)}, {}] if repeats is not None else [{}]
-    return [dict(B=graph.size(letters["batch"]), H=graph.size(letters["heads"]), L=graph.size(letters["rows"]),
-                 P=graph.size(letters["features"]), dropout_p=graph.tensors[mask].p if mask else 0.0,
-                 layout="".join(kernel[x] for x in q), bias=bias is not None, causal=roles.causal is not None, **kv)
-            for q in orders for kv in kv_heads]
+    return ATTENTION.setups(fused, dtype_name)
 
 
 def run_job(o: JobOptions) -> int:
@@ -182,7 +163,7 @@ def run_job(o: JobOptions) -> int:
         if measured:
             stages(f"tuning {label}")
             spaces = fused_spaces(each, spec_name, dtype)
-            tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype, attention=attention_setups(each, o.dtype)))
+            tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype))
             timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
         stages(f"selection {label}")
 

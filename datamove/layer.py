@@ -25,7 +25,8 @@ import torch
 
 from datamove.dataflow.graph import PrimitiveGraph
 from datamove.dataflow.layer_inputs import data_inputs
-from datamove.steps import Buffers, Run, build_launcher, copy_name, saved_mask_name, stack_groups
+from datamove.families.attention import saved_mask_name
+from datamove.steps import Buffers, Run, build_launcher, copy_name, stack_groups
 from datamove.kernels.blas import DEFAULT_SETTINGS as DEFAULT_BLAS_SETTINGS, settings as blas_settings
 from datamove.kernels.codegen import allocate
 from datamove.kernels.launch import hooked
@@ -114,7 +115,8 @@ class LayerProgram:
         self._stored_strides = {t: allocate(graph, t, plan.layouts[t], dtype, "meta").stride()
                                 for t in interface.torch_order}
         self.kept = self._kept_tensors()
-        # constants the fused attention replaces by its causal mask (``datamove.module`` checks they hold it)
+        # constants the fused attention replaces by its causal mask (``datamove.module`` checks they hold it:
+        # ``families.attention.check_causal_constant``)
         self.causal_constants = [launcher.step.config.causal_constant for launcher in self.forward_steps
                                  if launcher.step.kind == ATTENTION_FORWARD and launcher.step.config.causal_constant]
         self.stacked = self.stacked_gradients()

@@ -28,7 +28,8 @@ try:
 except ImportError:  # a torch without FSDP2
     FSDPModule = None
 
-from datamove.dataflow.initial_values import MASKED_SCORE, ONE, WEIGHT, CausalMask, KnownValue, initial_values
+from datamove.dataflow.initial_values import ONE, WEIGHT, CausalMask, KnownValue, initial_values
+from datamove.families.attention import check_causal_constant
 from datamove.graphs import LayerGraphs
 from datamove.kernels.interpreter import interpreted
 from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
@@ -174,11 +175,6 @@ def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missin
             state_dict[key] = state_dict[key].permute([theirs.index(x) for x in own]).contiguous()
     if prefix + "_extra_state" not in state_dict:
         state_dict[prefix + "_extra_state"] = layer.get_extra_state()
-
-
-def _keys_after(shape, device) -> torch.Tensor:
-    """(queries, keys) bool: True where the key comes after the query."""
-    return torch.ones(shape, dtype=torch.bool, device=device).triu(1)
 
 
 def default_backend(device: torch.device) -> str:
@@ -366,8 +362,7 @@ class TunedLayer(torch.nn.Module):
     def _check_constants(self, program) -> None:
         """Every constant must be set: one the graph gives no value (``reset_parameters`` left it
         NaN) holds no NaN; one that the plan's fused attention replaces by its causal mask (GPT-2's
-        additive ``causal``, ``candidates.attention_roles``) holds that mask: 0 where the key is at
-        or before the query, -1e4 or less after (where exp underflows to 0 as for -inf).  Checked
+        additive ``causal``) holds that mask (``families.attention.check_causal_constant``).  Checked
         when a constant's storage or version changes (one device sync); not while compiling or
         capturing."""
         if torch.compiler.is_compiling() or (self.device_.type == "cuda" and torch.cuda.is_current_stream_capturing()):
@@ -380,11 +375,7 @@ class TunedLayer(torch.nn.Module):
                 continue
             value = self.spec_view(name)
             if name in program.causal_constants:  # (queries, keys): the spec adds it over those letters
-                if not bool(torch.where(_keys_after(value.shape, value.device), value <= MASKED_SCORE, value == 0).all()):
-                    raise ValueError(f"layer.{name} must hold the causal mask that this plan's fused attention applies "
-                                     f"in its place: 0 where the key is at or before the query, {MASKED_SCORE:g} or "
-                                     f"less after, e.g. layer.{name}.copy_(torch.triu(torch.full("
-                                     f"{tuple(value.shape)}, {MASKED_SCORE:g}), diagonal=1))")
+                check_causal_constant(name, value)
             elif bool(value.isnan().any()):
                 unset.append(f"layer.{name} ({', '.join(self.graph.tensors[name].letters)}: {tuple(value.shape)})")
                 continue

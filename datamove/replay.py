@@ -11,7 +11,7 @@ kernel and arguments, and knows for every pointer argument where that call's ten
 - ``output``: a tensor the step put in the store (allocated again per call as recorded; a member of
   a stack group through the step's ``Buffers``, so that the group stays one buffer);
 - ``scratch``: a tensor the step allocated and dropped (allocated again per call as recorded);
-- ``seed`` / ``mask``: the call's Philox key and key-padding mask (``steps.Run``).
+- ``seed`` / ``mask``: the call's Philox key and key-padding mask (``launcher.Run``).
 
 Arguments at the positions a ``DirectLaunch`` marks as not varying (its template's constants, e.g.
 a generated kernel's persistent split-reduction buffers) and every non-tensor argument are kept

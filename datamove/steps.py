@@ -1,9 +1,9 @@
 """A plan's steps as launchers: each ``layouts.plan.Step`` bound to its kernel, ready to run on a store.
 
-A *store* is a dict {tensor name -> torch tensor}: every tensor is held with its dims in its spec
-letter order (``graph.tensors[t].letters``) and stored densely in its plan layout (strides say
-which; ``kernels.codegen.allocate``).  A copy of ``t`` in another layout (made by a
-``LAYOUT_CHANGE`` step) is held under ``copy_name(t, layout)``.
+The store, its names, ``Run``, ``Buffers`` and the ``Launcher`` base: ``datamove.launcher``.  Here
+the launchers of the generated kernels, the GEMMs (with their families' epilogues) and the layout
+changes; a kernel family's own step kinds (the fused attention's forward and backward) are built
+from its launcher table (``datamove.families.STEP_LAUNCHERS``).
 
 Stacked tensors (the members of a stacked contraction's operand, e.g. Q/K/V's weights or their
 gradients) are views of one buffer, the stack letter outermost: a stacked GEMM then reads or
@@ -17,85 +17,22 @@ reading the store.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from datamove.dataflow.executor import dropout_offsets
-from datamove.families import epilogue_launch
-from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
+from datamove.families import STEP_LAUNCHERS, epilogue_launch
 from datamove.kernels.blas import LtMatmul
 from datamove.kernels.codegen import allocate, compile_operator
 from datamove.kernels.contraction import (Epilogue, cublas_call, cublas_views, gemm_plan, run_cublas,
                                          run_triton)
 from datamove.kernels.gemm import GemmConfig
-from datamove.kernels.launch import hooked, recording
 from datamove.kernels.layout_change import permute_copy
-from datamove.layouts.plan import (ATTENTION_BACKWARD, ATTENTION_FORWARD, GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE,
-                          Step)
+from datamove.launcher import Buffers, Launcher, Run, copy_name, read, read_key
+from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE, Step
 from datamove.layouts.space import Configuration
-from datamove.layouts.step_config import AttentionConfig, ContractionConfig, LayoutChangeConfig
-from datamove.replay import StepReplay
-
-
-def copy_name(tensor: str, layout: str) -> str:
-    """Where a store holds the copy of ``tensor`` in ``layout`` that a layout change made."""
-    return f"{tensor}@{layout}"
-
-
-@dataclass
-class Run:
-    """The per-call values a launcher reads: the dropout ``seed`` of this call (Philox key, an int or
-    a one-element int64 tensor on the device holding it, which the kernels read there; every mask
-    at its ``dataflow.executor.dropout_offsets`` offset) and an optional ``key_padding_mask`` (bool
-    (batch, keys), True = key excluded) for the attention.  ``replay``: the launchers may repeat
-    their recorded launches (``datamove.replay``: the caller vouches that the tensors from outside
-    are aligned, typed and strided as when they were recorded); ``blas``: besides, the cuBLAS steps
-    may call cuBLASLt on pointers (``kernels.blas.LtMatmul``: PyTorch's settings are those under
-    which it runs the same kernel; with the algorithm the plan names, where the tuning found another
-    of cuBLASLt's faster than PyTorch's, whose call records)."""
-
-    seed: int | torch.Tensor
-    key_padding_mask: torch.Tensor | None = None
-    replay: bool = False
-    blas: bool = False
-
-
-class Buffers:
-    """Allocation of a plan's tensors in their layouts, stacked groups as one buffer each.
-
-    ``groups``: lists of tensors stored as one buffer (stack order = list order); every member
-    has the same letters and layout."""
-
-    def __init__(self, graph, groups: list[list[str]], dtype: torch.dtype, device):
-        self.graph, self.dtype, self.device = graph, dtype, device
-        self.group_of = {t: group for group in groups for t in group}
-        self._strided: dict[tuple, tuple] = {}  # (tensor, layout) -> how it is allocated (``allocate``), found once
-
-    def allocate(self, store: dict, tensor: str, layout: str) -> torch.Tensor:
-        """``tensor`` (its slice of its group's buffer, allocated on first use) in ``layout``."""
-        group = self.group_of.get(tensor)
-        if group is None:
-            strided = self._strided.get((tensor, layout))
-            if strided is None:
-                meta = allocate(self.graph, tensor, layout, self.dtype, "meta")
-                strided = self._strided[(tensor, layout)] = (meta.shape, meta.stride())
-            return torch.empty_strided(*strided, dtype=self.dtype, device=self.device)
-        if tensor in store:
-            return store[tensor]
-        stacked = self._strided.get((tensor, layout))
-        if stacked is None:  # the buffer's shape, then each member's (shape, strides, offset) in it
-            letters = self.graph.tensors[tensor].letters
-            buffer = torch.empty([len(group), *[self.graph.size(letter) for letter in layout]], device="meta")
-            member = buffer[0].permute([layout.index(letter) for letter in letters])
-            stacked = self._strided[(tensor, layout)] = (
-                buffer.shape, [(member.shape, member.stride(), n * buffer.stride(0)) for n in range(len(group))])
-        shape, members = stacked
-        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for member, strided in zip(group, members):  # one view each (an index then a permute were two)
-            store.setdefault(member, buffer.as_strided(*strided))
-        return store[tensor]
+from datamove.layouts.step_config import ContractionConfig, LayoutChangeConfig
 
 
 def _spacing(members: list[torch.Tensor]) -> int | None:
@@ -134,58 +71,6 @@ def _one_buffer(members: list[torch.Tensor]) -> bool:
     return _spacing(sorted(members, key=torch.Tensor.data_ptr)) is not None
 
 
-def _read_key(step: Step, store: dict, tensor: str) -> str:
-    """The store name ``step`` reads ``tensor`` by: its layout-change copy where there is one; an
-    output as written."""
-    layout = step.reads.get(tensor)
-    if layout is None:
-        return tensor
-    copied = copy_name(tensor, layout)
-    return copied if copied in store else tensor
-
-
-def _read(step: Step, store: dict, tensor: str) -> torch.Tensor:
-    """The tensor as ``step`` reads it (``_read_key``)."""
-    return store[_read_key(step, store, tensor)]
-
-
-class Launcher:
-    """Base: ``step`` bound to ``graph``; ``__call__(store, run)`` writes the step's outputs into
-    ``store`` through ``launch`` (the checked path), or, for a launcher whose kernels are all
-    Triton kernels launched through ``kernels.launch`` (``replayable``), by repeating the launches
-    its last checked call recorded (``datamove.replay``) where ``run.replay`` allows."""
-
-    replayable = False
-
-    def __init__(self, step: Step, graph, buffers: Buffers):
-        self.step, self.graph, self.buffers = step, graph, buffers
-        self.replay: StepReplay | None = None
-        self.recorded = False  # whether ``replay`` comes from a whole recording (None there: not repeatable)
-
-    def output(self, store: dict, tensor: str) -> torch.Tensor:
-        return self.buffers.allocate(store, tensor, self.step.writes[tensor])
-
-    def __call__(self, store: dict, run: Run) -> None:
-        if run.replay and self.replay is not None:
-            self.replay(store, run)
-        elif (run.replay and self.recorded) or not self.replayable or not isinstance(run.seed, torch.Tensor) \
-                or hooked():
-            self.launch(store, run)
-        else:  # record this call's launches (a new recording after ``forget``)
-            before = dict(store)
-            with recording() as recorded:
-                self.launch(store, run)
-            self.replay = StepReplay.build(self, recorded, before, store, run)
-            self.recorded = recorded.complete  # a launch through the JIT (a first compile): record again
-
-    def forget(self) -> None:
-        """Drop the recorded launches (the tensors from outside changed): the next call records anew."""
-        self.replay, self.recorded = None, False
-
-    def launch(self, store: dict, run: Run) -> None:
-        raise NotImplementedError
-
-
 class GeneratedLauncher(Launcher):
     """A fused element-wise / normalization operator: its generated Triton kernel (``kernels.codegen``)."""
 
@@ -201,7 +86,7 @@ class GeneratedLauncher(Launcher):
 
     def launch(self, store: dict, run: Run) -> None:
         outputs = {t: self.output(store, t) for t in self.step.writes}
-        self.compiled.run({t: _read(self.step, store, t) for t in self.loads},
+        self.compiled.run({t: read(self.step, store, t) for t in self.loads},
                           {mask: (run.seed, offset) for mask, offset in self.masks.items()}, outputs=outputs)
         store.update(outputs)
 
@@ -236,7 +121,7 @@ class _KeptViews:
     def derive(cls, step: Step, store: dict, operands: list[list[str]], views: list[torch.Tensor]):
         kept = []
         for members, view in zip(operands, views):
-            keys = [_read_key(step, store, t) for t in members]
+            keys = [read_key(step, store, t) for t in members]
             tensors = [store[key] for key in keys]
             base = min(range(len(tensors)), key=lambda n: tensors[n].data_ptr())
             storage = view.untyped_storage().data_ptr()
@@ -316,14 +201,14 @@ class GemmLauncher(Launcher):
         self.direct: LtMatmul | None = None  # and its cuBLASLt call on pointers, where one can be made
 
     def _operand(self, store: dict, members: list[str]) -> torch.Tensor:
-        tensors = [_read(self.step, store, t) for t in members]
+        tensors = [read(self.step, store, t) for t in members]
         return tensors[0] if len(tensors) == 1 else stacked_view(tensors)
 
     def _added(self, store: dict) -> torch.Tensor | None:
         """The residual this step adds (config ``residual``), stored as its output (checked), or None."""
         if not self.residual:
             return None
-        added, out = _read(self.step, store, self.residual.tensor), store[self.out[0]]
+        added, out = read(self.step, store, self.residual.tensor), store[self.out[0]]
         if added.shape != out.shape or added.stride() != out.stride():
             raise RuntimeError(f"{self.step.name}: the residual {self.residual.tensor} is stored "
                                f"{tuple(added.stride())}, its output {tuple(out.stride())}")
@@ -353,10 +238,10 @@ class GemmLauncher(Launcher):
                 self._cublas(views, added, store)
                 return
         stacked = [m for m in (self.out, self.a, self.b) if len(m) > 1 and m[0] in store]
-        reference = next((m for m in stacked if _one_buffer([_read(self.step, store, t) for t in m])), None)
+        reference = next((m for m in stacked if _one_buffer([read(self.step, store, t) for t in m])), None)
         a_members, b_members, out_members = self.a, self.b, self.out
         if reference is not None:  # members in the order of the buffer they live in (``stack_groups``)
-            order = sorted(range(len(reference)), key=lambda n: _read(self.step, store, reference[n]).data_ptr())
+            order = sorted(range(len(reference)), key=lambda n: read(self.step, store, reference[n]).data_ptr())
             a_members, b_members, out_members = ([m[n] for n in order] if len(m) > 1 else m
                                                  for m in (self.a, self.b, self.out))
         a, b = self._operand(store, a_members), self._operand(store, b_members)
@@ -380,107 +265,9 @@ class GemmLauncher(Launcher):
             else:
                 run_triton(self.gemm_plan, a, b, out, Epilogue(), self.gemm_config)
             return
-        store.update(self.epilogue(a, b, lambda t: _read(self.step, store, t), lambda t: self.output(store, t), run))
+        store.update(self.epilogue(a, b, lambda t: read(self.step, store, t), lambda t: self.output(store, t), run))
         if self.rest is not None:
             self.rest(store, run)
-
-
-class _AttentionLauncher(Launcher):
-    """Shared by the attention's two passes: the roles' tensors as logical (b, h, rows, p) views;
-    with a bias add folded in (config "bias": role -> (tensor before the add, bias); ``kernels.attention``:
-    biases), the forward reads q, k, v before the add and q's and v's biases as logical (h, p)
-    views, and writes the biased q (role q) for the backward, which reads it, k and v before the
-    add, and v's bias.  With grouped-query attention (config "groups") k, v, dk and dv are over the
-    K/V heads (their letter ``AttentionConfig.kv_heads``), G = ``group_size`` query heads each,
-    passed to the kernels as ``groups``."""
-
-    replayable = True
-
-    def __init__(self, step: Step, graph, buffers: Buffers):
-        super().__init__(step, graph, buffers)
-        config: AttentionConfig = step.config
-        self.roles, letters = config.roles, config.letters
-        self.scale, self.causal = config.scale, config.causal
-        self.knobs = dict(config.knobs)
-        self.axes = {}  # role -> permutation of the tensor's spec-order dims into (b, h, rows, p)
-        key_role = {"q": "rows", "k": "keys", "v": "keys", "o": "rows"}
-        feature_role = {"q": "features", "k": "features", "v": "value_features", "o": "value_features"}
-        for role in ("q", "k", "v", "o"):
-            own = graph.tensors[self.roles[role]].letters
-            heads = config.kv_heads if role in ("k", "v") else letters["heads"]
-            wanted = [letters["batch"], heads, letters[key_role[role]], letters[feature_role[role]]]
-            self.axes[role] = [own.index(x) for x in wanted]
-        self.groups = config.group_size
-        self.bias = config.bias
-        self.bias_axes = {role: [graph.tensors[bias].letters.index(x) for x in (letters["heads"], letters[feature_role[role]])]
-                          for role, (_, bias) in (self.bias or {}).items()}
-        self.mask = self.roles.get("mask")
-        self.dropout_p = graph.tensors[self.mask].p if self.mask else 0.0
-        self.offset = dropout_offsets(graph)[self.mask] if self.mask else 0
-        self.dropout_strides = None
-        if self.mask:
-            rename = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["keys"]: "k"}
-            order = "".join(rename[x] for x in graph.tensors[self.mask].letters)
-            size = lambda role: graph.size(letters[role])  # noqa: E731
-            self.dropout_strides = dropout_strides_for(order, size("batch"), size("heads"), size("rows"), size("keys"))
-        self.lse = self.roles["lse"]
-
-    def view(self, tensor: torch.Tensor, role: str) -> torch.Tensor:
-        return tensor.permute(self.axes[role])
-
-    def inputs(self, store: dict, roles=("q", "k", "v")) -> tuple:
-        """The tensors of ``roles`` as logical views: before the bias add where one is folded in."""
-        return tuple(self.view(_read(self.step, store, self.bias[r][0] if self.bias else self.roles[r]), r) for r in roles)
-
-    def bias_of(self, store: dict, role: str) -> torch.Tensor:
-        """The bias added to ``role``'s tensor, as a logical (h, p) view."""
-        return _read(self.step, store, self.bias[role][1]).permute(self.bias_axes[role])
-
-    def common(self, run: Run) -> dict:
-        return dict(scale=self.scale, dropout_p=self.dropout_p, seed=run.seed, offset=self.offset, causal=self.causal,
-                    key_padding_mask=run.key_padding_mask, dropout_strides=self.dropout_strides, groups=self.groups)
-
-
-class AttentionForwardLauncher(_AttentionLauncher):
-    def __init__(self, step: Step, graph, buffers: Buffers, saves_mask: bool):
-        super().__init__(step, graph, buffers)
-        self.saves_mask = saves_mask
-
-    def launch(self, store: dict, run: Run) -> None:
-        r = self.roles
-        q, k, v = self.inputs(store)
-        o = self.output(store, r["o"])
-        saved = None
-        if self.saves_mask:
-            saved = new_saved_mask(q, k, dropout_p=self.dropout_p, offset=self.offset, dropout_strides=self.dropout_strides)
-            store[saved_mask_name(self.lse)] = saved
-        biased = {}
-        if self.bias:
-            store[r["q"]] = self.output(store, r["q"])
-            biased = dict(bias=(self.bias_of(store, "q"), self.bias_of(store, "v")), q_biased=self.view(store[r["q"]], "q"))
-        _, lse = attention_forward(q, k, v, o=self.view(o, "o"), saved_mask=saved, **biased, **self.common(run),
-                                   **self.knobs)
-        store[r["o"]], store[self.lse] = o, lse
-
-
-class AttentionBackwardLauncher(_AttentionLauncher):
-    def launch(self, store: dict, run: Run) -> None:
-        r = self.roles
-        q = self.view(_read(self.step, store, r["q"]), "q")  # with a bias folded in, the forward's q + bq
-        k, v = self.inputs(store, ("k", "v"))
-        o = self.view(_read(self.step, store, r["o"]), "o")
-        do = self.view(_read(self.step, store, r["do"]), "o")
-        grads = {role: self.output(store, r[role]) for role in ("dq", "dk", "dv")}
-        attention_backward(do, q, k, v, o, store[self.lse], saved_mask=store.get(saved_mask_name(self.lse)),
-                           dq=self.view(grads["dq"], "q"), dk=self.view(grads["dk"], "k"), dv=self.view(grads["dv"], "v"),
-                           v_bias=self.bias_of(store, "v") if self.bias else None, **self.common(run), **self.knobs)
-        for role, tensor in grads.items():
-            store[r[role]] = tensor
-
-
-def saved_mask_name(lse: str) -> str:
-    """Where the store holds the dropout decisions an attention forward saves for its backward."""
-    return f"{lse}:mask"
 
 
 class LayoutChangeLauncher(Launcher):
@@ -536,15 +323,14 @@ def stack_groups(steps: list[Step]) -> list[list[str]]:
 
 def build_launcher(step: Step, graph, ops: dict, buffers: Buffers, saves_mask: bool = False):
     """The launcher of ``step``; ``ops``: what a generated step runs, by its name
-    (``layouts.space.generated_operators``)."""
+    (``layouts.space.generated_operators``); ``saves_mask``: whether the plan's attention backward
+    reads the dropout mask its forward saves (passed to a family's launcher factory)."""
     if step.kind == GENERATED:
         return GeneratedLauncher(step, graph, buffers, ops[step.name])
     if step.kind in (GEMM, GEMM_EPILOGUE):
         return GemmLauncher(step, graph, buffers, ops)
-    if step.kind == ATTENTION_FORWARD:
-        return AttentionForwardLauncher(step, graph, buffers, saves_mask)
-    if step.kind == ATTENTION_BACKWARD:
-        return AttentionBackwardLauncher(step, graph, buffers)
+    if step.kind in STEP_LAUNCHERS:  # a kernel family's own step kind (``datamove.families``)
+        return STEP_LAUNCHERS[step.kind](step, graph, buffers, saves_mask)
     if step.kind == LAYOUT_CHANGE:
         return LayoutChangeLauncher(step, graph, buffers)
     raise ValueError(f"{step.name}: unknown step kind {step.kind!r}")

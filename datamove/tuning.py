@@ -5,9 +5,9 @@ events, on every GPU of the host; each record committed as it is made, so a seco
 the database; a variant that crashes or hangs is recorded failed and the sweep goes on), sharing one
 time budget (``tune``'s doc gives the order): the fused element-wise / normalization operators
 (``harness.sweep_variants``, two-stage, each with its PyTorch eager sequence, the report's
-baseline), the contractions and fused epilogues (``harness.contraction_variants``), the fused
-attention (``harness.attention_variants``) at the layout of its inputs in the spec, and the layout
-changes the selection asks for (``kernels.layout_change``).  What is not measured (layouts not
+baseline), the contractions and fused epilogues (``harness.contraction_variants``, the GEMM
+families'), the fused attention (``families.attention``: its tuning) at the layout of its inputs in
+the spec, and the layout changes the selection asks for (``kernels.layout_change``).  What is not measured (layouts not
 swept) the selection prices with the cost model.
 """
 from __future__ import annotations
@@ -15,9 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from datamove.harness.attention_variants import AttentionCase, Workspace, biased_variants, config_variants
 from datamove.harness.bench import Sweep
-from datamove.families import GEMM_FAMILIES
+from datamove.families import GEMM_FAMILIES, GRAPH_FAMILIES
 from datamove.families.base import Tuning
 from datamove.harness.contraction_variants import gemm_variants, training_gemms
 from datamove.kernels.gemm import valid_configs
@@ -26,7 +25,6 @@ from datamove.harness.sweep_variants import sweep_variants
 from datamove.layouts.plan import GENERATED
 from datamove.layouts.space import Configuration, access_pattern, configurations, parts
 
-BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurations measured again with Q/K/V biases
 # Triton GEMM configurations every GEMM tries first (and the fused epilogues take the fastest of):
 # the ones fastest at BERT-large sizes on Hopper (benchmarks/results/contractions.md), TMA tiles
 # where the layouts allow them, else the same tiles without TMA.
@@ -88,7 +86,7 @@ def first_gemm_configs(dtype, count: int) -> list:
     return (preferred + [c for c in configs if c not in preferred])[:count]
 
 
-def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list, top: int = 1, layouts: int | None = None,
+def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, top: int = 1, layouts: int | None = None,
          first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``; ``spaces``: its fused
     operators' variants, ``fused_spaces``) into ``db``, the most
@@ -97,15 +95,12 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
     ``pick_layouts``; None: one per transposition pattern; cuBLASLt's other algorithms), and the
     variants of each kernel family of ``datamove.families.GEMM_FAMILIES`` its pattern matches
-    (grouped by the family's timing keywords; ``spec``: the spec's name); the attention's
-    configurations (where the spec's Q/K/V bias add can fold into it, ``attention``'s ``bias``, the
-    fastest again with the biases); last, every knob setting of each fused operator's ``top`` fastest patterns.
+    (grouped by the family's timing keywords; ``spec``: the spec's name); each family of
+    ``datamove.families.GRAPH_FAMILIES`` whose pattern the graph has (``GraphFamily.tune``: the fused
+    attention's configurations, and where the spec's Q/K/V bias add can fold into it the fastest
+    again with the biases); last, every knob setting of each fused operator's ``top`` fastest patterns.
     The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
-    the selection has said which it wants.
-
-    ``attention``: ``AttentionCase`` keyword sets (B, H, L, P, dropout_p, layout, causal; KV where K/V
-    are grouped) to measure (``datamove.job.attention_setups``), each with ``bias``: whether the bias add before
-    it folds in (``datamove.candidates.attention_bias``)."""
+    the selection has said which it wants."""
     tuner.measure([v for s in spaces for v in s.first_stage()])
 
     configs = first_gemm_configs(dtype, first_configs)
@@ -126,13 +121,8 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     for timing, variants in later.items():
         tuner.measure(variants, **dict(timing))
 
-    for setup in attention:
-        setup = dict(setup)
-        biased = setup.pop("bias", False)
-        variants = config_variants(Workspace(AttentionCase(**setup, dtype=dtype), "cuda"))
-        tuner.measure(variants, cuda_graph=True)
-        if biased:  # the bias add folded in: the fastest configurations again, adding the biases
-            tuner.measure(biased_variants(tuner.ranker.ranked(variants), BIASED_ATTENTION_CONFIGS), cuda_graph=True)
+    for family in GRAPH_FAMILIES:
+        family.tune(tuner, fused, dtype)
 
     tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
     return tuner.report

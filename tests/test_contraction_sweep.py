@@ -9,7 +9,7 @@ import time
 import torch
 
 from datamove.dataflow import snapshot
-from datamove.harness import attention_variants as av
+from datamove.families.attention import variants as av
 from datamove.families import forward_epilogue as fe, residual_add as ra
 from datamove.harness import contraction_variants as cv
 from datamove.harness.bench import Sweep

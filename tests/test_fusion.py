@@ -11,7 +11,8 @@ import pytest
 from datamove.dataflow.analysis import analyse, data_movement
 from datamove.dataflow.autodiff import BACKWARD, FORWARD, build_training_graph
 from datamove.dataflow.executor import execute, tensor_shape
-from datamove.dataflow.fusion import attention_candidates, fuse
+from datamove.dataflow.attention import attention_candidates
+from datamove.dataflow.fusion import fuse
 from datamove.dataflow.operators import CONTRACTION, operator_counts
 from datamove.dataflow.pipeline import forward_graph
 

@@ -347,7 +347,7 @@ def test_causal_mask_built_in_the_layer_is_the_causal_mask_the_attention_replace
     np.arange(T)[:, None] >= np.arange(T)[None, :] through np.where(.., 0, -inf) added, is an additive
     constant over (s, t) added to the scores: initial_values reads it as the CausalMask, the fused
     attention takes it in the constant's place; a multiplicative window stays a KnownValue."""
-    from datamove.candidates import attention_roles
+    from datamove.families.attention import attention_roles
     from datamove.job import fused_training
 
     analysis = analyses(name)
@@ -368,7 +368,7 @@ def test_causal_mask_built_in_the_layer_is_the_causal_mask_the_attention_replace
 
 
 def test_group_letter_attention_is_not_fused_for_the_right_reason(analyses):
-    from datamove.candidates import attention_roles
+    from datamove.families.attention import attention_roles
     from datamove.job import fused_training
 
     roles, why = attention_roles(fused_training(analyses("gqa_groups")))

@@ -296,8 +296,9 @@ def test_a_kernel_that_never_ran_is_not_offered_and_a_folded_one_is_not_cheaper(
     biased attention backward failed to compile, and the plan took one at a predicted 0.063 ms where
     the plain backward measured 0.117).  The attention with the bias add folded in, not measured, is
     priced no faster than the measured one without it (the same kernel plus bias loads)."""
-    from datamove.candidates import CandidateBuilder, attention_bias, attention_roles
-    from datamove.harness.attention_variants import AttentionCase
+    from datamove.candidates import CandidateBuilder
+    from datamove.families.attention import attention_bias, attention_roles
+    from datamove.families.attention.variants import AttentionCase
 
     fused = stored_fused()["bert"]
     device = "NVIDIA H200"

@@ -177,7 +177,7 @@ def test_real_variants_travel_pickled_without_their_tensors():
     """What a measuring process receives: the variants of one pickle share their workspace, which
     arrives without the tensors computed here and builds and checks there."""
     from datamove.dataflow import snapshot
-    from datamove.harness import attention_variants as av
+    from datamove.families.attention import variants as av
     from datamove.harness import contraction_variants as cv
     from datamove.harness import sweep_variants as sv
 

@@ -25,14 +25,14 @@ Rules, none of which knows a model's names:
   contraction it reads from or feeds -- the only thing that fuses into a contraction, and only
   when no non-contraction neighbour took it.
 
-``attention_candidates`` recognises einsum -> (scale) -> softmax -> (dropout) -> einsum as one
-flash-attention-style operator, listed beside the fused plan for the layout search to choose.
+The fused attention (einsum -> (scale) -> softmax -> (dropout) -> einsum as one flash-attention-style
+operator) is no rule: ``dataflow.attention`` recognises it on the fused graph, beside the plan.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from datamove.dataflow.autodiff import FORWARD, TrainingGraph
+from datamove.dataflow.autodiff import TrainingGraph
 from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
 from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, Operator, make_operator
 
@@ -631,70 +631,3 @@ def fuse(training: TrainingGraph, rules: tuple[Rule, ...] = RULES) -> FusedGraph
         if group.stack is not None:
             stacks[name] = group.stack
     return FusedGraph(training, state.graph, dict(state.phases), state.unfused, operators, merged, applied, stacks)
-
-
-# --- attention fusion candidates ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class AttentionCandidate:
-    """einsum -> (scale) -> softmax -> (dropout) -> einsum as one operator (flash-attention style).
-
-    ``members``: the fused operators it replaces (contraction, softmax operator, contraction);
-    ``outputs``: what the forward pass reads from it; ``saved``: what only the backward reads
-    (the probabilities a flash-style kernel recomputes instead of storing); element counts of each.
-    """
-
-    name: str
-    phase: str
-    members: tuple[str, ...]
-    primitives: tuple[str, ...]
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    saved: tuple[str, ...]
-    input_elements: int
-    output_elements: int
-    saved_elements: int
-
-
-def attention_candidates(fused: FusedGraph) -> list[AttentionCandidate]:
-    """Attention candidates of the forward pass, found around each recognised softmax."""
-    graph, phases = fused.graph, fused.phases
-    by_prim = {p.name: op for op in fused.operators for p in op.primitives}
-    producer = {p.output.tensor: p for p in graph.primitives}
-    readers: dict[str, list[Primitive]] = {}
-    for p in graph.primitives:
-        for operand in p.inputs:
-            readers.setdefault(operand.tensor, []).append(p)
-    result = []
-    for core in fused.training.closed_forms:
-        if core.kind != "softmax":
-            continue
-        middle = by_prim[producer[core.output].name]
-        if middle.cls == CONTRACTION or middle.phase != FORWARD:
-            continue
-        sources = [by_prim[producer[t].name] for t in middle.inputs if t in producer
-                   and by_prim[producer[t].name].cls == CONTRACTION]
-        if len(sources) != 1 or len(sources[0].primitives) != 1:
-            continue
-        made_by = {p.output.tensor: p for p in middle.primitives}
-        for tensor in middle.outputs:
-            written = made_by[tensor].output.letters
-            for reader in readers.get(tensor, []):
-                sink = by_prim[reader.name]
-                if sink.cls != CONTRACTION or sink.phase != FORWARD or len(sink.primitives) != 1:
-                    continue
-                read = next(op.letters for op in reader.inputs if op.tensor == tensor)
-                rename = dict(zip(written, read))
-                if {rename.get(l, l) for l in core.reduced} <= set(reader.reduced):
-                    prims = list(sources[0].primitives) + list(middle.primitives) + list(sink.primitives)
-                    op = make_operator(graph, prims, FORWARD)
-                    forward_readers = lambda t: [r for r in readers.get(t, []) if phases[r.name] == FORWARD  # noqa: E731
-                                                 and r not in prims]
-                    outputs = tuple(t for t in op.outputs if forward_readers(t) or t in graph.outputs)
-                    saved = tuple(t for t in op.outputs if t not in outputs)
-                    size = lambda ts: sum(graph.size(graph.tensors[t].letters) for t in ts)  # noqa: E731
-                    result.append(AttentionCandidate(
-                        f"attention({sources[0].name},{middle.name},{sink.name})", FORWARD,
-                        (sources[0].name, middle.name, sink.name), tuple(p.name for p in prims),
-                        op.inputs, outputs, saved, size(op.inputs), size(outputs), size(saved)))
-    return result

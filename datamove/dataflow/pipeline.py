@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 from datamove.dataflow.analysis import (OperatorRow, analyse, format_fused_table, format_movement, format_table, fused_json,
                                movement_summary, report_json)
 from datamove.dataflow.autodiff import TrainingGraph, build_training_graph
-from datamove.dataflow.fusion import AttentionCandidate, FusedGraph, attention_candidates, fuse
+from datamove.dataflow.attention import AttentionCandidate, attention_candidates
+from datamove.dataflow.fusion import FusedGraph, fuse
 from datamove.dataflow.graph import PrimitiveGraph
 from datamove.dataflow.lowering.lowered_module import lower_spec
 from datamove.dataflow.operators import Operator, group_operators

@@ -6,15 +6,23 @@ selection candidates and its step's launch (``families.base.GemmFamily``).  The 
 (``datamove.steps``) iterate over ``GEMM_FAMILIES``; adding a family is adding its module and
 its entry here (``docs/adding-a-kernel.md``).  The order is the selection's: the runs of one GEMM's
 families are kept in this order among equals.
+
+A family running a group of operators as steps of its own (``families.base.GraphFamily``: the
+fused attention, ``ATTENTION``) is registered in ``GRAPH_FAMILIES``, which the same three iterate
+over; ``STEP_LAUNCHERS``: its step kinds' launcher factories (``steps.build_launcher``).
 """
 from __future__ import annotations
 
-from datamove.families.base import EpilogueLaunch, GemmFamily
+from datamove.families.attention import AttentionFamily
+from datamove.families.base import EpilogueLaunch, GemmFamily, GraphFamily
 from datamove.families.forward_epilogue import ForwardEpilogueFamily
 from datamove.families.gradient_epilogue import GradientEpilogueFamily
 from datamove.families.residual_add import ResidualAddFamily
 
 GEMM_FAMILIES: tuple[GemmFamily, ...] = (ResidualAddFamily(), ForwardEpilogueFamily(), GradientEpilogueFamily())
+ATTENTION = AttentionFamily(GEMM_FAMILIES)  # its grouped runs: contiguous in the order the GEMM families set
+GRAPH_FAMILIES: tuple[GraphFamily, ...] = (ATTENTION,)
+STEP_LAUNCHERS = {kind: factory for family in GRAPH_FAMILIES for kind, factory in family.launchers.items()}
 
 
 def epilogue_launch(step, graph, ops: dict) -> EpilogueLaunch:

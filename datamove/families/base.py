@@ -15,8 +15,11 @@ is one class holding the four things the pipeline asks of it:
   ops)``, the runtime's ``EpilogueLaunch`` for a step of the plan.
 
 ``moves_consumer``: the selection runs the pattern's consumer right after its GEMM where nothing
-between writes what it reads (``datamove.candidates.execution_order``), so one candidate can
+between writes what it reads (``execution_order``), so one candidate can
 cover both.
+
+A family that runs a group of the fused graph's operators as steps of its own (the fused
+attention) is a ``GraphFamily`` instead: its doc says what it provides.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from datamove.harness.contraction_variants import DTYPE, SharedTensors, TrainingGemm
+from datamove.harness.contraction_variants import DTYPE, SharedTensors, TrainingGemm, training_gemms
 from datamove.harness.sweep_variants import MASK_SEED
 from datamove.harness.torch_eval import evaluate, graph_inputs
 from datamove.kernels.gemm import fitted
@@ -156,3 +159,53 @@ class ConsumerOperands(SharedTensors):
         values = graph_inputs(graph, prims, self.seed, self.device, torch.float64, MASK_SEED)
         return {"values": values, "reference": evaluate(graph, prims, values),
                 "baseline": evaluate(graph, prims, {t: v.to(self.dtype) for t, v in values.items()}, self.dtype)}
+
+
+def execution_order(fused, gemm_families) -> list[str]:
+    """The fused graph's operators in order, but the consumer of a GEMM family that moves it
+    (``GemmFamily.moves_consumer``: the gradient epilogue, the residual add) right after its GEMM
+    where no operator between writes what it reads (GPT-2's ``d_bfc`` after ``d_gelu``, before
+    ``d_wout``), so that one candidate can run both (the selection takes contiguous runs)."""
+    order = [op.name for op in fused.operators]
+    ops = {op.name: op for op in fused.operators}
+    for g in training_gemms(fused):
+        found = next((f.consumer(p) for f in gemm_families if f.moves_consumer for p in (f.match(fused, g),)
+                      if p is not None), None)
+        if found is None:
+            continue
+        start, at = order.index(g.name), order.index(found)
+        between = {t for name in order[start + 1:at] for t in ops[name].outputs}
+        if at > start + 1 and not between & set(ops[found].inputs):
+            order.insert(start + 1, order.pop(at))
+    return order
+
+
+class GraphFamily:
+    """Base of a kernel family that runs a group of the fused graph's operators as steps of its own
+    (the fused attention, ``families.attention``), registered in ``GRAPH_FAMILIES``:
+
+    - ``match(fused)``: its pattern (a frozen dataclass), or (None, why not);
+    - ``tune(tuner, fused, dtype)``: measures its variants through ``tuner``
+      (``datamove.tuning.Tuner``: ``measure(variants, **timing)``, ``ranker.ranked(variants)``);
+    - ``offer(builder, pattern, runs, kept)``: its selection candidates, {run name: [Candidate]},
+      timed by ``builder`` (``datamove.candidates.CandidateBuilder``); ``runs``: the other
+      operators' candidates so far, {run name: [Candidate]}; ``kept(candidates)``: those of a run
+      the search keeps;
+    - ``fact(pattern, why)``: what the plan's facts say of it, under ``name``;
+    - ``launchers``: {plan step kind: factory(step, graph, buffers, saves_mask)} of its steps'
+      ``datamove.launcher.Launcher`` subclasses (``datamove.steps.build_launcher``)."""
+
+    name = ""
+    launchers: dict = {}
+
+    def match(self, fused) -> tuple[object | None, str]:
+        raise NotImplementedError
+
+    def tune(self, tuner, fused, dtype) -> None:
+        raise NotImplementedError
+
+    def offer(self, builder, pattern, runs: dict, kept) -> dict:
+        raise NotImplementedError
+
+    def fact(self, pattern, why: str) -> str:
+        raise NotImplementedError

@@ -161,9 +161,9 @@ class AttentionConfig:
     (None: no such constant); ``bias`` {"q", "k", "v" -> [GEMM result, bias]}: the bias add before
     the attention folded in; ``knobs``: the kernels' launch knobs (``kernels.attention``).
 
-    ``groups``: grouped-query attention (``candidates.attention_repeats``), None without: {"letter":
-    the K/V heads' letter in the K/V tensors' naming (which is q's but for it), "size": G, the query
-    heads per K/V head, "repeated": {"k", "v" (, "dk", "dv") -> the tensor over the query heads that
+    ``groups``: grouped-query attention (``families.attention.attention_repeats``), None without:
+    {"letter": the K/V heads' letter in the K/V tensors' naming (which is q's but for it), "size":
+    G, the query heads per K/V head, "repeated": {"k", "v" (, "dk", "dv") -> the tensor over the query heads that
     the repeat of K/V wrote (and its gradient)}}: the roles k and v are the K/V tensors before the
     repeat, dk and dv their gradients (the repeat's backward, the sum over each group, folded in),
     the repeat's operators covered by the step."""

@@ -1,4 +1,4 @@
-"""Variants of multi-head attention (forward, backward, forward + backward) for ``harness.bench.Sweep``.
+"""The fused attention's variants for ``harness.bench.Sweep`` (forward, backward, both), and its baselines.
 
 One ``AttentionCase``: dims b, h, j (queries), k (keys, = j), p (head dim), dropout probability,
 dtype and the storage order of Q, K, V, O, dO and the gradients (``layout``, over (b, h, j, p);

@@ -1,0 +1,43 @@
+"""The fused attention's tuning: the cases the main job measures (``attention_setups``) and how
+(``measure``): every configuration of the fused kernels (``variants.config_variants``) at each
+setup, then, where the bias add before it folds in, the fastest again with the biases added.
+"""
+from __future__ import annotations
+
+from datamove.families.attention.pattern import AttentionPattern, projection_layout
+from datamove.families.attention.variants import AttentionCase, Workspace, biased_variants, config_variants
+
+BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurations measured again with Q/K/V biases
+
+
+def attention_setups(fused, pattern: AttentionPattern) -> list[dict]:
+    """``AttentionCase`` arguments of the graph's fused attention (``pattern``) in the spec's layout
+    of its inputs and in the one its Q projection writes as a plain GEMM (``projection_layout``,
+    where that differs), and ``bias``: whether the bias add before it folds in (``attention_bias``;
+    the tuning measures that too).  With grouped-query attention (``attention_repeats``) each
+    layout first grouped (``KV``: K/V heads, read in place), then over K/V repeated (the candidate
+    the selection falls back to)."""
+    graph, roles, bias, repeats = fused.graph, pattern.roles, pattern.bias, pattern.repeats
+    letters = roles.letters
+    kernel = {letters["batch"]: "b", letters["heads"]: "h", letters["rows"]: "j", letters["features"]: "p"}
+    spec_order = graph.tensors[roles.tensors["q"]].letters
+    orders = dict.fromkeys(x for x in (spec_order, projection_layout(fused, roles, bias)) if x)
+    mask = roles.tensors["mask"]
+    kv_heads = [{"KV": graph.size(repeats.letter)}, {}] if repeats is not None else [{}]
+    return [dict(B=graph.size(letters["batch"]), H=graph.size(letters["heads"]), L=graph.size(letters["rows"]),
+                 P=graph.size(letters["features"]), dropout_p=graph.tensors[mask].p if mask else 0.0,
+                 layout="".join(kernel[x] for x in q), bias=bias is not None, causal=roles.causal is not None, **kv)
+            for q in orders for kv in kv_heads]
+
+
+def measure(tuner, setups: list[dict], dtype) -> None:
+    """Every configuration of the fused kernels at each of ``setups`` (``attention_setups``) through
+    ``tuner`` (``datamove.tuning.Tuner``), from CUDA graphs; where a setup's ``bias`` says the bias
+    add folds in, the ``BIASED_ATTENTION_CONFIGS`` fastest of each direction again, adding the biases."""
+    for setup in setups:
+        setup = dict(setup)
+        biased = setup.pop("bias", False)
+        variants = config_variants(Workspace(AttentionCase(**setup, dtype=dtype), "cuda"))
+        tuner.measure(variants, cuda_graph=True)
+        if biased:
+            tuner.measure(biased_variants(tuner.ranker.ranked(variants), BIASED_ATTENTION_CONFIGS), cuda_graph=True)
