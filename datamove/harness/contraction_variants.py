@@ -86,7 +86,7 @@ def _stacked(graph, op, einsums) -> tuple[str, dict]:
     shared = [i for i in (0, 1) if len({e.inputs[i].tensor for e in einsums}) == 1]
     stacked = [i for i in (0, 1) if i not in shared]
     outputs = {e.output.tensor for e in einsums}
-    summed = any(p.kind == "map" and {o.tensor for o in p.inputs} == outputs and set(p.expr.replace(" ", "")) <= set("in0123456789+")
+    summed = any(p.kind == "map" and {o.tensor for o in p.inputs} == outputs and p.expression.is_sum_of_inputs()
                  for p in op.primitives)
     if len(stacked) == 2 and not summed:
         raise ValueError(f"{op.name}: no operand shared and the results are not summed: not one stacked GEMM")
