@@ -17,6 +17,9 @@ or, as the backward of such an epilogue (``gradient``; none of the above then),
     C[b0, b1, m, n] = y
     sums[m] = sum over b0, b1, n of y   (or sums[n], over b0, b1, m; optional, fp32 sums)
 
+or, with a join epilogue (``kernels.gemm_join``: a Llama SwiGLU MLP's element-wise work), a
+caller's ``@triton.jit`` function of the product (and of A times a second B) and other tensors' tiles.
+
 The sums (a bias gradient) come in two kernels: each tile's epilogue stores its fp32 row (column)
 sums into a partial buffer, one row per (batch, tile along the summed dim, epilogue slice), and
 ``_sum_partials_kernel`` adds those rows in order, so the result does not depend on scheduling.
@@ -53,7 +56,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -66,6 +69,9 @@ from datamove.kernels import philox
 from datamove.kernels.device import source_id
 from datamove.kernels.launch import ceil_div
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
+
+if TYPE_CHECKING:
+    from datamove.kernels.gemm_join import JoinEpilogue
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the template's source version (with the Philox draws its epilogue calls): a timing of a Triton
@@ -151,22 +157,34 @@ def valid_configs(dtype: torch.dtype = torch.bfloat16) -> tuple[GemmConfig, ...]
     return tuple(c for c in HOPPER_CONFIGS if shared_bytes(c, dtype) <= HOPPER_SHARED_MEMORY)
 
 
-def shared_bytes(c: GemmConfig, dtype: torch.dtype, saves: bool = False) -> int:
+def shared_bytes(c: GemmConfig, dtype: torch.dtype, saves: bool = False, pair: bool = False) -> int:
     """Shared memory of ``c`` for inputs of ``dtype``: its pipeline buffers (stages x (BM + BN) x BK
-    elements), a TMA store's staging buffer (a slice of the tile) and, with an epilogue that also
-    writes the value before its activation or dropout (``saves``), a second slice, which that
-    store's layout change takes (sm_90, Triton 3.6: GPT-2's FFN GEMM with bias + GELU saving the
-    pre-activation asked 262176 bytes at 128 x 256 x 64, four stages, halves)."""
+    elements; a join epilogue's pair mode, ``pair``, stages two B tiles: (BM + 2 BN)), a TMA store's
+    staging buffer (a slice of the tile) and, with an epilogue that also writes the value before its
+    activation or dropout, or a join epilogue's other outputs through pointers (``saves``), a second
+    slice, which that store's layout change takes (sm_90, Triton 3.6: GPT-2's FFN GEMM with bias +
+    GELU saving the pre-activation asked 262176 bytes at 128 x 256 x 64, four stages, halves)."""
     staged = c.block_m * c.block_n // max(c.epilogue_split, 1) if c.store_tma else 0
-    return (c.num_stages * (c.block_m + c.block_n) * c.block_k + staged * (2 if saves else 1)) * dtype.itemsize
+    columns = c.block_n * (2 if pair else 1)
+    return (c.num_stages * (c.block_m + columns) * c.block_k + staged * (2 if saves else 1)) * dtype.itemsize
 
 
-def fitted(c: GemmConfig, dtype: torch.dtype, saves: bool) -> GemmConfig | None:
+def pair_fits(c: GemmConfig) -> bool:
+    """Whether a join epilogue's pair mode (two fp32 [BM, BN] accumulators, ``kernels.gemm_join``) keeps
+    both in at most 128 registers a thread, as the largest single-accumulator config does (128 x 256 at
+    8 warps): BM x BN <= 128 x 128 at 8 warps, 128 x 64 at 4."""
+    return 2 * c.block_m * c.block_n <= 128 * 32 * c.num_warps
+
+
+def fitted(c: GemmConfig, dtype: torch.dtype, saves: bool, pair: bool = False) -> GemmConfig | None:
     """``c`` with as many pipeline stages as fit beside its epilogue's shared memory (``shared_bytes``;
-    at least 2), None where none does; ``c`` itself under the interpreter."""
+    at least 2), None where none does or, for a join epilogue's ``pair`` mode, where its two
+    accumulators do not fit (``pair_fits``); ``c`` itself under the interpreter."""
     if interpreted():
         return c
-    while shared_bytes(c, dtype, saves) > HOPPER_SHARED_MEMORY:
+    if pair and not pair_fits(c):
+        return None
+    while shared_bytes(c, dtype, saves, pair) > HOPPER_SHARED_MEMORY:
         if c.num_stages <= 2:
             return None
         c = replace(c, num_stages=c.num_stages - 1)
@@ -559,6 +577,23 @@ def _slice_descriptor(t: torch.Tensor, shape: GemmShape, strides: tuple[int, int
     return TensorDescriptor(t, list(view[0]), list(view[1]), block), view[2]
 
 
+def _operand_sources(a: torch.Tensor, b: torch.Tensor, shape: GemmShape, a_strides: tuple[int, int, int, int],
+                     b_strides: tuple[int, int, int, int], config: GemmConfig):
+    """(A's source, B's source, A's unit stride along m?, B's along k?) for ``_main_loop``: the tensors
+    themselves, or with ``config.tma`` descriptors over them in blocks of the tile (``_tma_view``)."""
+    if not config.tma:
+        return a, b, False, False
+    a_view = _tma_view(a, (shape.b0, shape.b1, shape.m, shape.k), a_strides)
+    b_view = _tma_view(b, (shape.b0, shape.b1, shape.k, shape.n), b_strides)
+    if a_view is None or b_view is None:
+        raise ValueError(f"config {config} needs TMA-compatible A and B (see tma_compatible)")
+    a_m_major, b_k_major = a_view[2], b_view[2]
+    a_block = [1, 1, config.block_k, config.block_m] if a_m_major else [1, 1, config.block_m, config.block_k]
+    b_block = [1, 1, config.block_n, config.block_k] if b_k_major else [1, 1, config.block_k, config.block_n]
+    return (TensorDescriptor(a, list(a_view[0]), list(a_view[1]), a_block),
+            TensorDescriptor(b, list(b_view[0]), list(b_view[1]), b_block), a_m_major, b_k_major)
+
+
 @functools.cache
 def _programs(device: torch.device) -> int:
     """Programs of a persistent grid on ``device``: its multiprocessors (the interpreter: a few)."""
@@ -576,7 +611,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
          gradient: str = "none", factor: torch.Tensor | None = None,
          factor_strides: tuple[int, int, int, int] = (0, 0, 0, 0), factor_scale: float = 1.0,
          sums: torch.Tensor | None = None, sums_along: str = "none", sums_stride: int = 1,
-         config: GemmConfig | None = None) -> torch.Tensor:
+         join: JoinEpilogue | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
     """Launch the template; ``c`` (and ``saved``, ``sums``) are written in place and ``c`` is returned.
 
     ``a``, ``b``, ``c``, ``bias``, ``saved``, ``factor`` are tensors whose first element is element 0 of the
@@ -586,8 +621,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
     ("relu" / "gelu"), C is the product times that derivative of ``factor`` (relu: times
     ``factor_scale`` where the factor is positive) and, given ``sums_along`` ("m" / "n"), ``sums``
     (M or N elements ``sums_stride`` apart, any dtype) gets C's fp32 sums along that dim, over the
-    other and the batches, by a second kernel.
+    other and the batches, by a second kernel.  With ``join`` (``kernels.gemm_join.JoinEpilogue``; none of
+    the above then) the epilogue is the join's function of the product (and of A times the join's
+    second B) and of other tensors' tiles, and ``c`` may be None (the product not stored).
     """
+    if join is not None:
+        if (bias is not None or activation != "none" or dropout_p > 0 or saved is not None or save not in (None, "none")
+                or gradient != "none" or factor is not None or sums is not None):
+            raise ValueError("a join epilogue takes no bias, activation, dropout, save, gradient or sums")
+        from datamove.kernels.gemm_join import gemm_join  # gemm_join builds on this module's pieces
+        return gemm_join(a, b, c, shape, a_strides, b_strides, c_strides, join, alpha=alpha, config=config)
     if a.dtype != b.dtype or a.dtype not in DTYPES or c.dtype not in DTYPES:
         raise TypeError(f"A {a.dtype}, B {b.dtype}, C {c.dtype}: A and B alike, each of {DTYPES}")
     if activation not in ("none", "relu", "gelu"):
@@ -611,17 +654,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
     digits = dropout_digits or ((1, 1, 0, 0, 0),) * 4
     split = _epilogue_split(config, dropout_p > 0)
     grouped = _grouped(digits, offset, (config.block_m, config.block_n // split)) if dropout_p > 0 else "none"
-    a_src, b_src, a_m_major, b_k_major = a, b, False, False
-    if config.tma:
-        a_view = _tma_view(a, (shape.b0, shape.b1, shape.m, shape.k), a_strides)
-        b_view = _tma_view(b, (shape.b0, shape.b1, shape.k, shape.n), b_strides)
-        if a_view is None or b_view is None:
-            raise ValueError(f"config {config} needs TMA-compatible A and B (see tma_compatible)")
-        a_m_major, b_k_major = a_view[2], b_view[2]
-        a_block = [1, 1, config.block_k, config.block_m] if a_m_major else [1, 1, config.block_m, config.block_k]
-        b_block = [1, 1, config.block_n, config.block_k] if b_k_major else [1, 1, config.block_k, config.block_n]
-        a_src = TensorDescriptor(a, list(a_view[0]), list(a_view[1]), a_block)
-        b_src = TensorDescriptor(b, list(b_view[0]), list(b_view[1]), b_block)
+    a_src, b_src, a_m_major, b_k_major = _operand_sources(a, b, shape, a_strides, b_strides, config)
     c_desc, c_m_major = c, False
     if config.store_tma:
         c_tiles = _slice_descriptor(c, shape, c_strides, config, split)
