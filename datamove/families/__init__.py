@@ -17,9 +17,11 @@ from datamove.families.attention import AttentionFamily
 from datamove.families.base import EpilogueLaunch, GemmFamily, GraphFamily
 from datamove.families.forward_epilogue import ForwardEpilogueFamily
 from datamove.families.gradient_epilogue import GradientEpilogueFamily
+from datamove.families.join_epilogue import JoinEpilogueFamily
 from datamove.families.residual_add import ResidualAddFamily
 
-GEMM_FAMILIES: tuple[GemmFamily, ...] = (ResidualAddFamily(), ForwardEpilogueFamily(), GradientEpilogueFamily())
+GEMM_FAMILIES: tuple[GemmFamily, ...] = (ResidualAddFamily(), ForwardEpilogueFamily(), GradientEpilogueFamily(),
+                                         JoinEpilogueFamily())
 ATTENTION = AttentionFamily(GEMM_FAMILIES)  # its grouped runs: contiguous in the order the GEMM families set
 GRAPH_FAMILIES: tuple[GraphFamily, ...] = (ATTENTION,)
 STEP_LAUNCHERS = {kind: factory for family in GRAPH_FAMILIES for kind, factory in family.launchers.items()}
