@@ -91,7 +91,7 @@ def boundary_layouts(torch_order: dict) -> dict:
 
 def attention_setups(fused, dtype_name: str) -> list[dict]:
     """What the tuning measures of the graph's fused attention (``families.attention``: the
-    registered family's ``AttentionFamily.setups``, which ``datamove.tuning.tune`` runs)."""
+    registered family's ``AttentionFamily.setups``), for ``datamove.tuning.tune``."""
     from datamove.families import ATTENTION
 
     return ATTENTION.setups(fused, dtype_name)
@@ -163,7 +163,7 @@ def run_job(o: JobOptions) -> int:
         if measured:
             stages(f"tuning {label}")
             spaces = fused_spaces(each, spec_name, dtype)
-            tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype))
+            tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype, attention=attention_setups(each, o.dtype)))
             timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
         stages(f"selection {label}")
 

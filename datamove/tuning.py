@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from datamove.harness.bench import Sweep
-from datamove.families import GEMM_FAMILIES, GRAPH_FAMILIES
+from datamove.families import ATTENTION, GEMM_FAMILIES
 from datamove.families.base import Tuning
 from datamove.harness.contraction_variants import gemm_variants, training_gemms
 from datamove.kernels.gemm import valid_configs
@@ -86,8 +86,8 @@ def first_gemm_configs(dtype, count: int) -> list:
     return (preferred + [c for c in configs if c not in preferred])[:count]
 
 
-def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, top: int = 1, layouts: int | None = None,
-         first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
+def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list, top: int = 1,
+         layouts: int | None = None, first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``; ``spaces``: its fused
     operators' variants, ``fused_spaces``) into ``db``, the most
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
@@ -95,12 +95,12 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, top: int = 1, l
     (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
     ``pick_layouts``; None: one per transposition pattern; cuBLASLt's other algorithms), and the
     variants of each kernel family of ``datamove.families.GEMM_FAMILIES`` its pattern matches
-    (grouped by the family's timing keywords; ``spec``: the spec's name); each family of
-    ``datamove.families.GRAPH_FAMILIES`` whose pattern the graph has (``GraphFamily.tune``: the fused
-    attention's configurations, and where the spec's Q/K/V bias add can fold into it the fastest
-    again with the biases); last, every knob setting of each fused operator's ``top`` fastest patterns.
-    The layout changes a plan inserts are measured afterwards (``measure_layout_changes``), once
-    the selection has said which it wants."""
+    (grouped by the family's timing keywords; ``spec``: the spec's name); the fused attention's
+    configurations at each of ``attention`` (its family's setups, ``AttentionFamily.setups``, as
+    ``datamove.job.attention_setups`` gives them; where the spec's Q/K/V bias add can fold into it,
+    the fastest again with the biases: ``AttentionFamily.measure``); last, every knob setting of
+    each fused operator's ``top`` fastest patterns.  The layout changes a plan inserts are measured
+    afterwards (``measure_layout_changes``), once the selection has said which it wants."""
     tuner.measure([v for s in spaces for v in s.first_stage()])
 
     configs = first_gemm_configs(dtype, first_configs)
@@ -121,8 +121,7 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, top: int = 1, l
     for timing, variants in later.items():
         tuner.measure(variants, **dict(timing))
 
-    for family in GRAPH_FAMILIES:
-        family.tune(tuner, fused, dtype)
+    ATTENTION.measure(tuner, attention, dtype)
 
     tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
     return tuner.report

@@ -8,8 +8,9 @@ its entry here (``docs/adding-a-kernel.md``).  The order is the selection's: the
 families are kept in this order among equals.
 
 A family running a group of operators as steps of its own (``families.base.GraphFamily``: the
-fused attention, ``ATTENTION``) is registered in ``GRAPH_FAMILIES``, which the same three iterate
-over; ``STEP_LAUNCHERS``: its step kinds' launcher factories (``steps.build_launcher``).
+fused attention, ``ATTENTION``) is registered in ``GRAPH_FAMILIES``, which the selection iterates
+over; ``STEP_LAUNCHERS``: its step kinds' launcher factories (``steps.build_launcher``); the tuning
+measures the setups the job finds (``AttentionFamily.setups`` and ``measure``).
 """
 from __future__ import annotations
 

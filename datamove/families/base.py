@@ -185,7 +185,8 @@ class GraphFamily:
     (the fused attention, ``families.attention``), registered in ``GRAPH_FAMILIES``:
 
     - ``match(fused)``: its pattern (a frozen dataclass), or (None, why not);
-    - ``tune(tuner, fused, dtype)``: measures its variants through ``tuner``
+    - ``setups(fused, dtype_name)``: what the tuning measures of it (none without its pattern), and
+      ``measure(tuner, setups, dtype)``: measures their variants through ``tuner``
       (``datamove.tuning.Tuner``: ``measure(variants, **timing)``, ``ranker.ranked(variants)``);
     - ``offer(builder, pattern, runs, kept)``: its selection candidates, {run name: [Candidate]},
       timed by ``builder`` (``datamove.candidates.CandidateBuilder``); ``runs``: the other
@@ -201,7 +202,10 @@ class GraphFamily:
     def match(self, fused) -> tuple[object | None, str]:
         raise NotImplementedError
 
-    def tune(self, tuner, fused, dtype) -> None:
+    def setups(self, fused, dtype_name: str) -> list:
+        raise NotImplementedError
+
+    def measure(self, tuner, setups: list, dtype) -> None:
         raise NotImplementedError
 
     def offer(self, builder, pattern, runs: dict, kept) -> dict:

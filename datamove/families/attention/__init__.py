@@ -52,8 +52,8 @@ class AttentionFamily(GraphFamily):
         pattern, _ = self.match(fused)
         return attention_setups(fused, pattern) if pattern is not None else []
 
-    def tune(self, tuner, fused, dtype) -> None:
-        measure(tuner, self.setups(fused), dtype)
+    def measure(self, tuner, setups: list[dict], dtype) -> None:
+        measure(tuner, setups, dtype)
 
     def offer(self, builder, pattern: AttentionPattern, runs: dict, kept) -> dict:
         """Its candidates (through ``builder.attention``, where a caller can wrap what is offered), in
