@@ -92,3 +92,13 @@ def test_the_step_configuration_round_trips(joined):
         if step["kind"] == GEMM_EPILOGUE and "products" in step["config"]["epilogue"]:
             config = ContractionConfig.from_json(step["config"])
             assert isinstance(config.epilogue, JoinConfig) and config.to_json() == step["config"]
+
+
+def test_pair_mode_takes_the_gemms_fastest_tiles_halved_until_two_accumulators_fit():
+    from datamove.families.join_epilogue import pair_sized
+    from datamove.kernels.gemm import GemmConfig, pair_fits
+    fastest = GemmConfig(128, 256, 64, 8, 3, 8, tma=True, persistent=True, store_tma=True)
+    assert pair_sized(fastest) == GemmConfig(128, 128, 64, 8, 3, 8, tma=True, persistent=True, store_tma=True)
+    assert pair_sized(GemmConfig(256, 128, 64, 8, 3, 8)) == GemmConfig(128, 128, 64, 8, 3, 8)
+    assert pair_sized(GemmConfig(128, 128, 64, 8, 4, 4)) == GemmConfig(128, 64, 64, 8, 4, 4)
+    assert all(pair_fits(pair_sized(c)) for c in (fastest, GemmConfig(64, 64, 64, 8, 4, 4)))

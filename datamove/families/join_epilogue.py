@@ -28,7 +28,7 @@ tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -240,6 +240,16 @@ class JoinVariant:
                              for name, value in results.items()))
 
 
+def pair_sized(config: GemmConfig) -> GemmConfig:
+    """``config`` with its longer tile side halved until pair mode's two accumulators fit
+    (``kernels.gemm.pair_fits``): the GEMM's fastest tiles (128 x 256 at 8 warps, most often) as
+    the pair's."""
+    while not pair_fits(config):
+        config = replace(config, block_n=config.block_n // 2) if config.block_n >= config.block_m \
+            else replace(config, block_m=config.block_m // 2)
+    return config
+
+
 def join_variants(spec: str, training, gemm: TrainingGemm, join: Join, configs, device, dtype) -> list[JoinVariant]:
     """The join with each of ``configs`` whose accumulators fit (TMA ones where the layouts allow) in
     each layout combination ``pick_layouts`` gives for one product's GEMM (``product_gemm``)."""
@@ -261,7 +271,8 @@ class JoinEpilogueFamily(GemmFamily):
         return join_of(fused, gemm)
 
     def variants(self, fused, gemm: TrainingGemm, join: Join, tuning: Tuning) -> list:
-        configs = epilogue_configs(tuning.ranked, True, True, tuning.dtype)
+        ranked = [pair_sized(c) for c in tuning.ranked] if join.pair else tuning.ranked
+        configs = epilogue_configs(list(dict.fromkeys(ranked)), True, True, tuning.dtype)
         return join_variants(tuning.spec, fused, gemm, join, configs, tuning.device, tuning.dtype)
 
     def candidates(self, builder, site: GemmSite, join: Join) -> list[Candidate]:
