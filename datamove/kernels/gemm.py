@@ -17,7 +17,7 @@ or, as the backward of such an epilogue (``gradient``; none of the above then),
     C[b0, b1, m, n] = y
     sums[m] = sum over b0, b1, n of y   (or sums[n], over b0, b1, m; optional, fp32 sums)
 
-or, with a join epilogue (``kernels.gemm_join``: a Llama SwiGLU MLP's element-wise work), a
+or, with a join epilogue (launched by ``kernels.gemm_join.gemm_join``: a Llama SwiGLU MLP's element-wise work), a
 caller's ``@triton.jit`` function of the product (and of A times a second B) and other tensors' tiles.
 
 The sums (a bias gradient) come in two kernels: each tile's epilogue stores its fp32 row (column)
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -69,9 +69,6 @@ from datamove.kernels import philox
 from datamove.kernels.device import source_id
 from datamove.kernels.launch import ceil_div
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
-
-if TYPE_CHECKING:
-    from datamove.kernels.gemm_join import JoinEpilogue
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # the template's source version (with the Philox draws its epilogue calls): a timing of a Triton
@@ -611,7 +608,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
          gradient: str = "none", factor: torch.Tensor | None = None,
          factor_strides: tuple[int, int, int, int] = (0, 0, 0, 0), factor_scale: float = 1.0,
          sums: torch.Tensor | None = None, sums_along: str = "none", sums_stride: int = 1,
-         join: JoinEpilogue | None = None, config: GemmConfig | None = None) -> torch.Tensor | None:
+         config: GemmConfig | None = None) -> torch.Tensor:
     """Launch the template; ``c`` (and ``saved``, ``sums``) are written in place and ``c`` is returned.
 
     ``a``, ``b``, ``c``, ``bias``, ``saved``, ``factor`` are tensors whose first element is element 0 of the
@@ -621,16 +618,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
     ("relu" / "gelu"), C is the product times that derivative of ``factor`` (relu: times
     ``factor_scale`` where the factor is positive) and, given ``sums_along`` ("m" / "n"), ``sums``
     (M or N elements ``sums_stride`` apart, any dtype) gets C's fp32 sums along that dim, over the
-    other and the batches, by a second kernel.  With ``join`` (``kernels.gemm_join.JoinEpilogue``; none of
-    the above then) the epilogue is the join's function of the product (and of A times the join's
-    second B) and of other tensors' tiles, and ``c`` may be None (the product not stored).
+    other and the batches, by a second kernel.  A join epilogue's launch is ``kernels.gemm_join.gemm_join``.
     """
-    if join is not None:
-        if (bias is not None or activation != "none" or dropout_p > 0 or saved is not None or save not in (None, "none")
-                or gradient != "none" or factor is not None or sums is not None):
-            raise ValueError("a join epilogue takes no bias, activation, dropout, save, gradient or sums")
-        from datamove.kernels.gemm_join import gemm_join  # gemm_join builds on this module's pieces
-        return gemm_join(a, b, c, shape, a_strides, b_strides, c_strides, join, alpha=alpha, config=config)
     if a.dtype != b.dtype or a.dtype not in DTYPES or c.dtype not in DTYPES:
         raise TypeError(f"A {a.dtype}, B {b.dtype}, C {c.dtype}: A and B alike, each of {DTYPES}")
     if activation not in ("none", "relu", "gelu"):

@@ -52,7 +52,7 @@ Strides = tuple[int, int, int, int]
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors do not compare to one bool
 class JoinEpilogue:
-    """A GEMM's join epilogue (``kernels.gemm.gemm(..., join=...)``).
+    """A GEMM's join epilogue (``gemm_join(..., join)``).
 
     ``fn``: a ``@triton.jit`` function, called as ``fn(acc0, acc1, *loaded)`` in pair mode (``b1``
     given) or ``fn(acc0, *loaded)``, on fp32 tiles, returning a tuple of ``len(stores)`` fp32 tiles.
