@@ -11,7 +11,7 @@ import torch
 
 from datamove.dataflow.pipeline import analyse_spec
 from datamove.families import GEMM_FAMILIES
-from datamove.families.join_epilogue import JoinConfig, JoinEpilogueFamily, join_of, join_variants
+from datamove.families.join_epilogue import Join, JoinEpilogueFamily, join_of, join_variants
 from datamove.harness.contraction_variants import training_gemms
 from datamove.job import fused_training
 from datamove.kernels.gemm import valid_configs
@@ -58,7 +58,7 @@ def test_the_family_is_registered():
 
 def test_the_plan_takes_both_joins(joined):
     plan = Plan.from_json(json.loads((joined / "plan.json").read_text()))
-    steps = {s.operators: s for s in plan.steps if s.kind == GEMM_EPILOGUE and isinstance(s.config.epilogue, JoinConfig)}
+    steps = {s.operators: s for s in plan.steps if s.kind == GEMM_EPILOGUE and isinstance(s.config.epilogue, Join)}
     assert set(steps) == {FORWARD, BACKWARD}
     assert set(steps[FORWARD].writes) == {"gate", "h_2_w_up", "gate_times_expr", "gate_expr_times_expr"}
     assert set(steps[BACKWARD].writes) == {"d_h_2_w_up", "d_gate"}  # d_gate_expr_times_expr never stored
@@ -91,7 +91,7 @@ def test_the_step_configuration_round_trips(joined):
     for step in data["steps"]:
         if step["kind"] == GEMM_EPILOGUE and "products" in step["config"]["epilogue"]:
             config = ContractionConfig.from_json(step["config"])
-            assert isinstance(config.epilogue, JoinConfig) and config.to_json() == step["config"]
+            assert isinstance(config.epilogue, Join) and config.to_json() == step["config"]
 
 
 def test_pair_mode_takes_the_gemms_fastest_tiles_halved_until_two_accumulators_fit():

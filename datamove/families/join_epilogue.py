@@ -47,9 +47,11 @@ from datamove.layouts.select import Candidate
 from datamove.layouts.step_config import ContractionConfig, register_epilogue
 
 
+@register_epilogue
 @dataclass(frozen=True)
 class Join:
-    """A consumer joining a GEMM's products (module doc).  ``einsum``: one product's einsum (the
+    """A consumer joining a GEMM's products (module doc), also the plan step's epilogue configuration
+    (``layouts.step_config.ContractionConfig.epilogue``).  ``einsum``: one product's einsum (the
     first member's, in its own letters); ``products``: the GEMM's outputs as the kernel's acc0
     (, acc1); ``loads``: the other tensors the consumer reads; ``outputs``: what it writes, in the
     epilogue function's order; ``stored``: the products also written (something else reads them)."""
@@ -64,19 +66,6 @@ class Join:
     @property
     def pair(self) -> bool:
         return len(self.products) == 2
-
-
-@register_epilogue
-@dataclass(frozen=True)
-class JoinConfig:
-    """A plan step's join epilogue (``Join``'s fields, ``layouts.step_config.ContractionConfig.epilogue``)."""
-
-    consumer: str
-    einsum: str
-    products: tuple[str, ...]
-    loads: tuple[str, ...]
-    outputs: tuple[str, ...]
-    stored: tuple[str, ...]
 
 
 def join_of(training, gemm: TrainingGemm) -> Join | None:
@@ -163,13 +152,12 @@ def run_join(join: Join, fn, plan, a, b, b1, products: dict, loads: list, output
 
 
 class JoinLaunch(EpilogueLaunch):
-    """``run_join`` on a plan step's tensors (its ``JoinConfig``; the GEMM's operands by member)."""
+    """``run_join`` on a plan step's tensors (its ``Join``; the GEMM's operands by member)."""
 
     def __init__(self, step, graph, ops: dict):
         config: ContractionConfig = step.config
-        ep: JoinConfig = config.epilogue
-        self.join = Join(ep.consumer, ep.einsum, ep.products, ep.loads, ep.outputs, ep.stored)
-        self.fn = join_function(graph, ops[ep.consumer], self.join)
+        self.join: Join = config.epilogue
+        self.fn = join_function(graph, ops[self.join.consumer], self.join)
         self.a, self.b = config.operands["a"][0], list(config.operands["b"])
         self.gemm_config = GemmConfig(**config.gemm) if config.gemm else None
         self.plan = None
@@ -265,7 +253,7 @@ def join_variants(spec: str, training, gemm: TrainingGemm, join: Join, configs, 
 class JoinEpilogueFamily(GemmFamily):
     name = "join"
     moves_consumer = True
-    config_type = JoinConfig
+    config_type = Join
 
     def match(self, fused, gemm: TrainingGemm) -> Join | None:
         return join_of(fused, gemm)
@@ -288,7 +276,6 @@ class JoinEpilogueFamily(GemmFamily):
         tiles = len(join.loads) + len(join.outputs) + len(join.stored)
         moved = builder.itemsize * (math.prod(product.sizes[x] for x in c.a) + tiles * math.prod(product.sizes[x] for x in c.out)
                                     + len(join.products) * math.prod(product.sizes[x] for x in c.b))
-        config = JoinConfig(join.consumer, join.einsum, join.products, join.loads, join.outputs, join.stored)
         plain_measured = any(plain.measured for plain in site.plain)
         own = site.renames[join.products[0]]  # the products' (and every joined tensor's) letters
         result = []
@@ -304,7 +291,7 @@ class JoinEpilogueFamily(GemmFamily):
             reads |= {t: joined for t in join.loads}
             writes = {t: joined for t in (*join.stored, *join.outputs)}
             step_config = ContractionConfig(g.spec, "triton", site.members, gemm_config_of(knobs) if knobs else None,
-                                            epilogue=config)
+                                            epilogue=join)
             result.append(Candidate(f"{g.name}+{join.consumer}", op.phase, GEMM_EPILOGUE, (g.name, join.consumer),
                                     reads, writes, step_config, ms, source))
         return result
