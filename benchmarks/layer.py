@@ -49,7 +49,7 @@ import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
 from datamove.layouts.plan import GENERATED
-from datamove.steps import Run
+from datamove.runtime.steps import Run
 from datamove.harness.bench import capture_graph, time_cuda, utc_stamp, write_results
 from datamove.harness.sweep_variants import tensor_bytes
 from datamove.kernels.device import query_device, versions

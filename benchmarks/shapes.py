@@ -6,7 +6,7 @@ against the plan tuned at that shape and HF's layer, in one GPU run.
 ``--tuned`` and ``--at``: artifacts of one spec and dtype tuned at different shapes.  At ``--at``'s
 shape, fwd+bwd in training mode (dropout 0.1), same weights, N(0, 1) inputs and upstream gradient:
 - ``untuned``: ``--tuned``'s layer called at that shape: its plan fitted to the call's sizes
-  (``datamove.shapes``), its kernels compiled on the first call;
+  (``datamove.runtime.shapes``), its kernels compiled on the first call;
 - ``tuned``: ``--at``'s layer, running the plan tuned at that shape;
 - ``hf-sdpa``: HF ``BertLayer`` with SDPA attention.
 Per row: the first call's seconds (compiling, capturing the graphs), kernel time per call (profiler

@@ -12,7 +12,7 @@ from datamove.dataflow.spec import Dropout, Tensor, dims
 B, T, D, H, E, F = dims(B=4, T=1024, D=768, H=12, E=64, F=3072)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "e": E, "f": F}
 P_DROP = 0.1
-# Where each parameter lives in a HF ``GPT2Block`` (``datamove.weights``): Conv1D weights are stored
+# Where each parameter lives in a HF ``GPT2Block`` (``datamove.runtime.weights``): Conv1D weights are stored
 # [in, out]; ``c_attn`` holds Q, K and V side by side along its output dim.
 WEIGHTS = {
     "transformers.GPT2Block": {

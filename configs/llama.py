@@ -20,7 +20,7 @@ from datamove.dataflow.spec import Tensor, dims
 B, T, D, H, KV, E, F = dims(B=2, T=16, D=64, H=4, KV=2, E=16, F=128)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "k": KV, "e": E, "f": F}
 EPS = 1e-5  # RMSNorm's epsilon (config.rms_norm_eps)
-# Where each parameter lives in a HF ``LlamaDecoderLayer`` (``datamove.weights``): nn.Linear weights
+# Where each parameter lives in a HF ``LlamaDecoderLayer`` (``datamove.runtime.weights``): nn.Linear weights
 # are stored [out, in], the heads outer in the output dim.
 WEIGHTS = {
     "transformers.LlamaDecoderLayer": {

@@ -17,13 +17,13 @@ without re-tuning:
   dims) with its kernel sources in ``kernels/<shape>/``; the manifest's ``shapes`` lists them
   ({"dims": the call dims' sizes, "plan": file}), the first shape first.
 
-``load_layer(out_dir)`` returns a ``datamove.module.TunedLayer``.  Loading checks the manifest
+``load_layer(out_dir)`` returns a ``datamove.runtime.module.TunedLayer``.  Loading checks the manifest
 against this machine: an artifact whose times were measured on another GPU model, or a dtype or
 device the caller asks for that differs, is refused, naming both, unless ``allow_mismatch=True``
 (the plan then runs as chosen, untuned for this device); a cost-model artifact loads anywhere
 with a warning that nothing was measured.  A missing or damaged file of the artifact is refused,
 naming it (``ArtifactError`` where it is not the JSON written).  The layer runs at any batch size and
-sequence length: a tuned shape's plan, or the nearest one at the call's sizes (``datamove.shapes``).
+sequence length: a tuned shape's plan, or the nearest one at the call's sizes (``datamove.runtime.shapes``).
 
 Weights: ``load_weights(layer, module)`` copies a PyTorch module's weights (a HF ``BertLayer``,
 an ``nn.TransformerEncoderLayer`` with ``batch_first=True``, any module type the spec's
@@ -42,15 +42,15 @@ import torch
 
 from datamove.dataflow.snapshot import load as load_graph
 from datamove.dataflow.snapshot import snapshot
-from datamove.layer import tensor_interface
-from datamove.module import TunedLayer
-from datamove.shapes import call_dims, check_plans, file_stem
-from datamove.weights import from_spec, to_spec
 from datamove.families.gradient_epilogue import epilogue_rest
 from datamove.kernels.codegen import compile_operator
 from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Plan
-from datamove.layouts.step_config import GradientEpilogueConfig
 from datamove.layouts.space import Configuration, generated_operators
+from datamove.layouts.step_config import GradientEpilogueConfig
+from datamove.runtime.layer import tensor_interface
+from datamove.runtime.module import TunedLayer
+from datamove.runtime.shapes import call_dims, check_plans, file_stem
+from datamove.runtime.weights import from_spec, to_spec
 
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
 REPORT = "report.json"  # datamove.report's, beside the artifact in optimize-layer's output
@@ -91,7 +91,7 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
     """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
     ``options``: the spec options it was built with (``--set``), recorded in the manifest;
     ``plan``: the plan at ``graph``'s dims, ``other_plans``: those of the other tuned shapes
-    (checked: ``datamove.shapes.check_plans``); ``inputs``: the spec's ``INPUTS`` (None:
+    (checked: ``datamove.runtime.shapes.check_plans``); ``inputs``: the spec's ``INPUTS`` (None:
     ``dataflow.layer_inputs``' default rule), written as the layer's data inputs (checked with
     ``torch_order`` against the graph)."""
     out = Path(out_dir)
@@ -201,8 +201,8 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     """The tuned layer of an artifact (``write_artifact``), on ``device`` (default: CUDA if
     available, else CPU) in the plan's dtype.  ``backend``: ``"kernels"`` runs the plan's kernels
     (the default on CUDA), ``"torch"`` its computation in PyTorch operations (the default
-    elsewhere: ``datamove.torch_program``).  ``cuda_graphs``: on CUDA, replay the layer's own CUDA
-    graphs (``datamove.graphs``); False launches every kernel on every call."""
+    elsewhere: ``datamove.runtime.torch_program``).  ``cuda_graphs``: on CUDA, replay the layer's own CUDA
+    graphs (``datamove.runtime.graphs``); False launches every kernel on every call."""
     out = Path(out_dir)
     manifest = read_manifest(out)
     plan = _parsed(out / PLAN, Plan.from_json)

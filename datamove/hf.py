@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from datamove.export import load_layer, load_weights
-from datamove.module import TunedLayer
+from datamove.runtime.module import TunedLayer
 
 
 def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:

@@ -107,7 +107,7 @@ def run_job(o: JobOptions) -> int:
     from datamove.dataflow.spec import SpecError
     from datamove.kernels.device import DeviceFacts, query_device, versions
     from datamove.kernels.interpreter import interpreted
-    from datamove.layer import tensor_interface
+    from datamove.runtime.layer import tensor_interface
     from datamove.layouts.cost_model import DEVICES, device_figures
 
     stages = Stages()
@@ -213,7 +213,7 @@ def shapes_of(fused, shapes: list[dict], interface) -> dict:
     is ``fused`` itself; ``interface``: the layer's (``layer.tensor_interface``).  Refuses
     alternatives of a dim that sizes the weights (``SpecError``)."""
     from datamove.dataflow.spec import SpecError
-    from datamove.shapes import call_dims, describe
+    from datamove.runtime.shapes import call_dims, describe
 
     dims = call_dims(fused.graph, interface)
     fixed = sorted({d for shape in shapes for d, v in shape.items() if shapes[0].get(d) != v and d not in dims})

@@ -17,7 +17,7 @@ import transformers
 
 from datamove.cli import main
 from datamove.export import load_layer, load_weights
-from datamove.weights import from_spec
+from datamove.runtime.weights import from_spec
 
 
 def hf_module(spec: str, dims: dict) -> torch.nn.Module:

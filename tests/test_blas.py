@@ -130,7 +130,7 @@ def test_kept_views_give_the_pointers_of_their_views():
     longer keep their distances is refused by both."""
     from datamove.layouts.plan import GEMM, Step
     from datamove.layouts.step_config import ContractionConfig
-    from datamove.steps import _KeptViews
+    from datamove.runtime.steps import _KeptViews
 
     step = Step("s", "forward", GEMM, (), {"a": "xy", "w0": "xy", "w1": "xy"}, {"c": "xy"},
                 ContractionConfig("xy,yz->xz", "cublas", {"a": ["a"], "b": ["w0", "w1"], "out": ["c"]}), 0.0, "predicted")

@@ -1,5 +1,5 @@
 """The exported layer on a machine without a GPU: its computation in PyTorch operations
-(``datamove.torch_program``, the default backend there), constants set or refused, parameters
+(``datamove.runtime.torch_program``, the default backend there), constants set or refused, parameters
 started from the graph's structure.
 
 Every result is checked against float64: the reference executor with the same dropout seed

@@ -1,4 +1,4 @@
-"""The exported layer (``datamove.export`` / ``datamove.module``) against float64 references.
+"""The exported layer (``datamove.export`` / ``datamove.runtime.module``) against float64 references.
 
 CPU: Triton through its interpreter, float32, small odd dims.  Every test compares the forward
 output and every gradient (input and all parameters) with the float64 reference executor run on
@@ -20,7 +20,7 @@ from datamove.dataflow.executor import execute
 from datamove.dataflow.snapshot import stored_fused
 from datamove.export import (ArtifactError, ArtifactMismatch, load_layer, load_weights, read_manifest, state_dict_for,
                              write_artifact)
-from datamove.weights import from_spec
+from datamove.runtime.weights import from_spec
 from datamove.layouts.step_config import GradientEpilogueConfig
 from bias_join import with_joined_bias_gradients
 from plans import selected_plan, spec_module, spec_order_plan
@@ -496,7 +496,7 @@ def test_replace_bert_layers_keeps_the_model(tmp_path):
 def test_stack_groups_follow_their_partners_through_the_plan():
     """The gradients' stack, first met beside the unstacked x, takes the weights' order because a
     later GEMM pairs the two: both are then read as views of their buffers, no copy per call."""
-    from datamove.steps import stack_groups
+    from datamove.runtime.steps import stack_groups
     from datamove.layouts.plan import GEMM, Step
     from datamove.layouts.step_config import ContractionConfig
 

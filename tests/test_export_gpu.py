@@ -14,7 +14,7 @@ import torch
 
 from datamove.dataflow.snapshot import stored_fused
 from datamove.export import load_layer, load_weights, write_artifact
-from datamove.weights import from_spec
+from datamove.runtime.weights import from_spec
 from datamove.harness.bench import capture_graph
 from plans import selected_plan, spec_module, spec_order_plan
 
@@ -255,7 +255,7 @@ def test_gpt2_causal_attention_in_low_precision(tmp_path):
     as PyTorch's own block in bf16 with the same masks (the module doc's rule; the key bias's
     gradient, zero in exact arithmetic, judged against the largest gradient's norm)."""
     from datamove.dataflow.executor import dropout_masks
-    from datamove.layer import SEED_RANGE
+    from datamove.runtime.layer import SEED_RANGE
     from test_executor import gpt2_torch
 
     dims = dict(B=2, T=256, D=256, H=4, E=64, F=1024)

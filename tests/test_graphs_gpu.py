@@ -1,4 +1,4 @@
-"""The layer's own CUDA graphs (``datamove.graphs``) keep the semantics a training loop relies on (marker ``gpu``).
+"""The layer's own CUDA graphs (``datamove.runtime.graphs``) keep the semantics a training loop relies on (marker ``gpu``).
 
 Each test runs the same calls through a layer replaying its graphs and through its twin with
 ``cuda_graphs=False`` (same weights, same seeds: a replay draws its dropout key from PyTorch's
@@ -71,7 +71,7 @@ def test_replays_match_plain_launches_and_accumulate_into_grad(path):
 
 def test_plain_calls_repeating_recorded_launches_match_the_checked_path(path):
     """``cuda_graphs=False``: from its third call (the first compiles, the second records) the layer
-    repeats its recorded launches (``datamove.replay``); results as a twin's whose every call
+    repeats its recorded launches (``datamove.kernels.replay``); results as a twin's whose every call
     takes the checked path."""
     _, replayed = pair(path)
     _, checked = pair(path)

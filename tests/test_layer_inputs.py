@@ -133,7 +133,7 @@ def test_wrong_calls_are_refused_naming_what_is_expected(exported):
     with pytest.raises(TypeError, match="input 'x' given twice, by position and by name: " + call):
         layer(x, memory, x=x)
     with pytest.raises(ValueError, match=r"memory: shape \(2, 6, 5\), expected \(B, S, 7\) \(b, s, d\)"):
-        layer(x, memory[..., :5])  # batch and lengths are the call's (datamove.shapes), the features the weights'
+        layer(x, memory[..., :5])  # batch and lengths are the call's (datamove.runtime.shapes), the features the weights'
     with pytest.raises(ValueError, match="memory: B=3 along b, but B=2 elsewhere"):
         layer(x, torch.cat([memory, memory[:1]]))
     with pytest.raises(TypeError, match="memory: dtype torch.float64, expected torch.float32"):

@@ -7,8 +7,8 @@ The GPU side (the layer's own CUDA graphs and the semantics a training loop reli
 import pytest
 import torch
 
-from datamove.layer import SEED_RANGE
-from datamove.module import layer_forward
+from datamove.runtime.layer import SEED_RANGE
+from datamove.runtime.module import layer_forward
 from plans import selected_plan
 from test_export import BERT_DIMS, load, randomize, small_bert_config, write
 
@@ -104,7 +104,7 @@ def test_cublas_steps_keep_their_views(bert):
     """From its second call a cuBLAS step rebuilds its operand views from the first call's (one
     ``as_strided`` each): the results equal a fresh layer's checked first call bit for bit, forward
     and backward (dropout on); a stacked operand whose members are not one storage is never kept."""
-    from datamove.steps import GemmLauncher
+    from datamove.runtime.steps import GemmLauncher
 
     def run(layer, seed):
         randomize(layer, 6)
@@ -129,7 +129,7 @@ def test_cublas_steps_hand_cublaslt_the_pointers_of_their_views(bert, monkeypatc
     (``_KeptViews.pointers``) instead of building views: on every call they are the data pointers
     of the views the checked path builds from the same store, and a stacked operand whose members
     moved is refused (None: the views are derived anew)."""
-    from datamove.steps import GemmLauncher
+    from datamove.runtime.steps import GemmLauncher
 
     layer = load(bert)
     program = layer.program(True)

@@ -23,7 +23,7 @@ def cost_model_artifact(out, dims: dict, dtype: str = "float32"):
     from datamove.dataflow.pipeline import analyse_spec
     from datamove.export import write_artifact
     from datamove.job import boundary_layouts, fused_training
-    from datamove.layer import tensor_interface
+    from datamove.runtime.layer import tensor_interface
     from datamove.layouts.cost_model import device_figures
 
     with warnings.catch_warnings():

@@ -12,7 +12,7 @@ import torch
 
 from datamove.cli import main
 from datamove.hf import replace_llama_layers
-from datamove.weights import from_spec
+from datamove.runtime.weights import from_spec
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7

@@ -100,7 +100,7 @@ def test_llama_against_hf_decoder_layer():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from datamove.weights import to_spec
+    from datamove.runtime.weights import to_spec
 
     analysis = analyse_spec(SPEC, EVEN)
     graph, training = analysis.graph, analysis.training

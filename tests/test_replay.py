@@ -1,4 +1,4 @@
-"""Replayed launches (``datamove.replay``) against the checked launch path, on CPU.
+"""Replayed launches (``datamove.kernels.replay``) against the checked launch path, on CPU.
 
 The kernels are stand-ins that log their arguments (the real direct launch needs a GPU;
 ``tests/test_graphs_gpu.py`` compares the replayed layer's results with the checked path's there).
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import datamove.kernels.launch as launch_module
-from datamove.layer import SEED_RANGE
-from datamove.steps import Run
+from datamove.runtime.layer import SEED_RANGE
+from datamove.runtime.steps import Run
 from plans import selected_plan
 from test_export import BERT_DIMS, load, randomize, write
 

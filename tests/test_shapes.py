@@ -12,9 +12,9 @@ import torch
 from datamove.cli import _dims
 from datamove.dataflow.spec import SpecError
 from datamove.dataflow.snapshot import stored_fused
-from datamove.layer import LayerProgram, tensor_interface
-from datamove.shapes import call_dims, check_plans, fit_plan, nearest
-from datamove.weights import from_spec
+from datamove.runtime.layer import LayerProgram, tensor_interface
+from datamove.runtime.shapes import call_dims, check_plans, fit_plan, nearest
+from datamove.runtime.weights import from_spec
 from plans import selected_plan, spec_module, spec_order_plan
 from test_export import BERT_DIMS, FLOAT32_TOLERANCE, error, load, small_bert_config, small_bert_model, write
 

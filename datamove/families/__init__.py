@@ -3,7 +3,7 @@
 Each family is one module holding its graph pattern and legality check, its tuning variants, its
 selection candidates and its step's launch (``families.base.GemmFamily``).  The tuning
 (``datamove.tuning``), the selection (``datamove.candidates``) and the runtime
-(``datamove.steps``) iterate over ``GEMM_FAMILIES``; adding a family is adding its module and
+(``datamove.runtime.steps``) iterate over ``GEMM_FAMILIES``; adding a family is adding its module and
 its entry here (``docs/adding-a-kernel.md``).  The order is the selection's: the runs of one GEMM's
 families are kept in this order among equals.
 

@@ -194,7 +194,7 @@ class GraphFamily:
       the search keeps;
     - ``fact(pattern, why)``: what the plan's facts say of it, under ``name``;
     - ``launchers``: {plan step kind: factory(step, graph, buffers, saves_mask)} of its steps'
-      ``datamove.launcher.Launcher`` subclasses (``datamove.steps.build_launcher``)."""
+      ``datamove.kernels.launcher.Launcher`` subclasses (``datamove.runtime.steps.build_launcher``)."""
 
     name = ""
     launchers: dict = {}

@@ -12,7 +12,7 @@ Candidates: per layout of the plain GEMM's candidates, the GEMM adding the resid
 written in the layout the plain GEMM writes; measured, else priced by the cost model only where
 the plain GEMM was not measured either (a prediction must not beat measurements).
 Launch: a ``ContractionConfig`` with ``residual`` (``layouts.step_config.Residual``): the GEMM
-step itself adds it (``datamove.steps.GemmLauncher``: cuBLAS with beta 1).
+step itself adds it (``datamove.runtime.steps.GemmLauncher``: cuBLAS with beta 1).
 """
 from __future__ import annotations
 

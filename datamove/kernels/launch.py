@@ -14,7 +14,7 @@ kernel, grid and keyword arguments, for callers that launch a kernel as ``kernel
 
 ``recording()`` collects the launches made inside it (each one's ``DirectLaunch``, compiled kernel,
 device and arguments), for a caller that repeats them later with new tensors through
-``DirectLaunch.fire`` and skips everything else (``datamove.replay``).
+``DirectLaunch.fire`` and skips everything else (``datamove.kernels.replay``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Layout changes: a tensor copied from one storage order of its letters to another.
 
-``permute_copy`` is what the plan's ``LAYOUT_CHANGE`` steps run (``datamove.steps.LayoutChangeLauncher``):
+``permute_copy`` is what the plan's ``LAYOUT_CHANGE`` steps run (``datamove.runtime.steps.LayoutChangeLauncher``):
 one Triton kernel over tiles [BLOCK_S, BLOCK_A] of two letters, ``a`` innermost in the destination
 and ``s`` innermost in the source (or the destination's next letter when both share their innermost
 letter), the other letters one index per program; each tile is read along ``s`` and written along

@@ -2,12 +2,12 @@
 ``ATTENTION_BACKWARD`` steps as launchers of ``kernels.attention``, and the run-time check of a
 constant its causal mask stands in for.
 
-The launchers subclass ``datamove.launcher.Launcher`` (the store, ``Run``, ``Buffers``, the
-recorded replay) rather than returning a launch object to a launcher of ``datamove.steps`` (as a
+The launchers subclass ``datamove.kernels.launcher.Launcher`` (the store, ``Run``, ``Buffers``, the
+recorded replay) rather than returning a launch object to a launcher of ``datamove.runtime.steps`` (as a
 GEMM family's ``EpilogueLaunch`` does): an attention step is a step of its own, not a GEMM's, and
 its launcher is all Triton kernels launched through ``kernels.launch``, so it takes the base's
-replay as it is; ``datamove.launcher`` sits below both, so this module does not import
-``datamove.steps`` and ``steps.build_launcher`` builds these from ``LAUNCHERS``
+replay as it is; ``datamove.kernels.launcher`` sits below both, so this module does not import
+``datamove.runtime.steps`` and ``steps.build_launcher`` builds these from ``LAUNCHERS``
 (``datamove.families.STEP_LAUNCHERS``).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from datamove.dataflow.executor import dropout_offsets
 from datamove.dataflow.initial_values import MASKED_SCORE
 from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
-from datamove.launcher import Buffers, Launcher, Run, read
+from datamove.kernels.launcher import Buffers, Launcher, Run, read
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, Step
 from datamove.layouts.step_config import AttentionConfig
 

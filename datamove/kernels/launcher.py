@@ -6,11 +6,11 @@ letter order (``graph.tensors[t].letters``) and stored densely in its plan layou
 which; ``kernels.codegen.allocate``).  A copy of ``t`` in another layout (made by a
 ``LAYOUT_CHANGE`` step) is held under ``copy_name(t, layout)``.
 
-This module sits below both the runtime's step kinds (``datamove.steps``: generated kernels,
+This module sits below both the runtime's step kinds (``datamove.runtime.steps``: generated kernels,
 GEMMs, layout changes) and the kernel families with launchers of their own
 (``datamove.families``: the fused attention), so that a family's launcher subclasses ``Launcher``
 and ``steps.build_launcher`` builds it from the family's table without the family importing
-``datamove.steps``.
+``datamove.runtime.steps``.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 
 from datamove.kernels.codegen import allocate
 from datamove.kernels.launch import hooked, recording
+from datamove.kernels.replay import StepReplay
 from datamove.layouts.plan import Step
-from datamove.replay import StepReplay
 
 
 def copy_name(tensor: str, layout: str) -> str:
@@ -35,7 +35,7 @@ class Run:
     a one-element int64 tensor on the device holding it, which the kernels read there; every mask
     at its ``dataflow.executor.dropout_offsets`` offset) and an optional ``key_padding_mask`` (bool
     (batch, keys), True = key excluded) for the attention.  ``replay``: the launchers may repeat
-    their recorded launches (``datamove.replay``: the caller vouches that the tensors from outside
+    their recorded launches (``datamove.kernels.replay``: the caller vouches that the tensors from outside
     are aligned, typed and strided as when they were recorded); ``blas``: besides, the cuBLAS steps
     may call cuBLASLt on pointers (``kernels.blas.LtMatmul``: PyTorch's settings are those under
     which it runs the same kernel; with the algorithm the plan names, where the tuning found another
@@ -102,7 +102,7 @@ class Launcher:
     """Base: ``step`` bound to ``graph``; ``__call__(store, run)`` writes the step's outputs into
     ``store`` through ``launch`` (the checked path), or, for a launcher whose kernels are all
     Triton kernels launched through ``kernels.launch`` (``replayable``), by repeating the launches
-    its last checked call recorded (``datamove.replay``) where ``run.replay`` allows."""
+    its last checked call recorded (``datamove.kernels.replay``) where ``run.replay`` allows."""
 
     replayable = False
 

@@ -1,6 +1,6 @@
 """A plan step's kernel launches repeated from a recording, without the Python that made them.
 
-A step launched through its checked path (``datamove.steps``: views, validation, argument
+A step launched through its checked path (``datamove.runtime.steps``: views, validation, argument
 templates, ``kernels.launch.DirectLaunch``'s specialisation key) costs 20-200 us of host time, more
 than most of its kernels take.  Every call of one program makes the same launches with the same
 integers and the same flow of pointers between steps: only the tensors are new.  ``StepReplay``
@@ -16,7 +16,7 @@ kernel and arguments, and knows for every pointer argument where that call's ten
 Arguments at the positions a ``DirectLaunch`` marks as not varying (its template's constants, e.g.
 a generated kernel's persistent split-reduction buffers) and every non-tensor argument are kept
 as recorded.  A replay is valid for as long as the tensors keep the shapes, alignment, dtypes and
-strides the recording had: ``datamove.layer.LayerProgram`` checks the tensors that come from
+strides the recording had: ``datamove.runtime.layer.LayerProgram`` checks the tensors that come from
 outside (inputs, parameters, the mask) on every call and records again when they change; the
 store's other tensors are the program's own allocations, alike on every call.
 """

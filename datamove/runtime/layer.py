@@ -1,7 +1,7 @@
 """The tuned layer: a plan's kernels run forward and backward as one ``torch.autograd.Function``.
 
 ``LayerProgram`` binds a ``layouts.plan.Plan`` to its fused training graph, a dtype and a device:
-every step becomes a launcher (``datamove.steps``), built once.  ``forward`` runs the forward
+every step becomes a launcher (``datamove.runtime.steps``), built once.  ``forward`` runs the forward
 steps on the layer inputs and returns the outputs and the tensors the backward reads
 (``Plan.saved``); ``backward`` runs the backward steps from those and the outputs' gradients.
 
@@ -26,12 +26,12 @@ import torch
 from datamove.dataflow.graph import PrimitiveGraph
 from datamove.dataflow.layer_inputs import data_inputs
 from datamove.families.attention import saved_mask_name
-from datamove.steps import Buffers, Run, build_launcher, copy_name, stack_groups
 from datamove.kernels.blas import DEFAULT_SETTINGS as DEFAULT_BLAS_SETTINGS, settings as blas_settings
 from datamove.kernels.codegen import allocate
 from datamove.kernels.launch import hooked
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
 from datamove.layouts.space import generated_operators
+from datamove.runtime.steps import Buffers, Run, build_launcher, copy_name, stack_groups
 
 SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
 
@@ -105,7 +105,7 @@ class LayerProgram:
         self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
         self.backward_writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
         self.layouts = plan.layouts
-        self.name = ""  # the custom ops' name for it: set by datamove.module.register
+        self.name = ""  # the custom ops' name for it: set by datamove.runtime.module.register
         leaving = set(interface.outputs) | set(interface.input_grads.values())
         self.leaving = {s.config.tensor: copy_name(s.config.tensor, s.config.target) for s in plan.steps
                         if s.kind == LAYOUT_CHANGE and s.config.tensor in leaving}  # outputs changed to PyTorch's order
@@ -115,7 +115,7 @@ class LayerProgram:
         self._stored_strides = {t: allocate(graph, t, plan.layouts[t], dtype, "meta").stride()
                                 for t in interface.torch_order}
         self.kept = self._kept_tensors()
-        # constants the fused attention replaces by its causal mask (``datamove.module`` checks they hold it:
+        # constants the fused attention replaces by its causal mask (``datamove.runtime.module`` checks they hold it:
         # ``families.attention.check_causal_constant``)
         self.causal_constants = [launcher.step.config.causal_constant for launcher in self.forward_steps
                                  if launcher.step.kind == ATTENTION_FORWARD and launcher.step.config.causal_constant]
@@ -253,7 +253,7 @@ class LayerProgram:
 
     def _allow_replays(self, phase: str, store: dict, run: Run) -> None:
         """Let the ``phase`` ("forward" or "backward") steps repeat their recorded launches
-        (``datamove.replay``) where every tensor from outside (``store`` before the steps, the
+        (``datamove.kernels.replay``) where every tensor from outside (``store`` before the steps, the
         key-padding mask) has the shape, 16-byte alignment, dtype and strides it had when they were
         recorded, on the same current device and with no launch hook set (a profiler's, which
         replays would bypass); otherwise they forget their recordings and record this call.  On

@@ -2,7 +2,7 @@
 
 On a host whose CPU is slow, launching a layer's ~25 kernels from Python costs more than the
 kernels themselves; a CUDA graph launches them all in one call.  ``LayerGraphs`` (one per
-``datamove.module.TunedLayer`` instance) keeps ``Replayer``s per (program, key-padding mask or
+``datamove.runtime.module.TunedLayer`` instance) keeps ``Replayer``s per (program, key-padding mask or
 not): each holds static buffers, a forward graph captured on its first use (after one warm-up
 run on the capturing stream, which compiles and loads every kernel) and backward graphs captured
 on first need, and is replayed from then on.  The design follows Megatron-core's
@@ -52,9 +52,9 @@ import weakref
 
 import torch
 
-from datamove.layer import SEED_RANGE, LayerProgram
-from datamove.steps import Run
 from datamove.kernels.codegen import allocate
+from datamove.runtime.layer import SEED_RANGE, LayerProgram
+from datamove.runtime.steps import Run
 
 MOVES_TO_STOP = 3  # calls in a row with the parameters moved after which the layer stops graphing
 REPLAYERS = 2  # static buffer sets per layer instance and kind of call: a second for a forward before the first's backward

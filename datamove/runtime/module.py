@@ -1,6 +1,6 @@
 """``TunedLayer``: the exported layer as a ``torch.nn.Module``.
 
-Two PyTorch custom ops run a ``datamove.layer.LayerProgram``: ``datamove::layer_forward`` (its
+Two PyTorch custom ops run a ``datamove.runtime.layer.LayerProgram``: ``datamove::layer_forward`` (its
 forward steps; returns the outputs and the tensors the backward reads) and
 ``datamove::layer_backward`` (its backward steps), tied by ``torch.library.register_autograd``:
 one autograd node per layer call, opaque to ``torch.compile`` (which traces the layer with
@@ -9,9 +9,9 @@ a contiguous tensor over its letters in the plan's layout, ``spec_view`` giving 
 order, which the program reads; a stacked group such as Q/K/V's weights is one storage, so the
 stacked GEMM reads it without a copy) and the constants (buffers, alike), and keeps two
 programs per shape it is called at: training (the spec's dropout) and evaluation (dropout off),
-compiled on first use.  Shapes (``datamove.shapes``): a call at a tuned shape runs that shape's
+compiled on first use.  Shapes (``datamove.runtime.shapes``): a call at a tuned shape runs that shape's
 plan, any other the nearest tuned plan fitted to its sizes (one warning per layer and shape).  On
-CUDA a call replays the layer's own CUDA graphs where it can (``datamove.graphs``) and goes
+CUDA a call replays the layer's own CUDA graphs where it can (``datamove.runtime.graphs``) and goes
 through the custom ops otherwise; graphs are kept for at most ``GRAPHED_SHAPES`` shapes per layer
 (a tuned shape from its first call, another from its second: a dataloader padding each batch to
 its longest sequence makes many shapes, each graphed one holding its own static buffers), other
@@ -30,13 +30,13 @@ except ImportError:  # a torch without FSDP2
 
 from datamove.dataflow.initial_values import ONE, WEIGHT, CausalMask, KnownValue, initial_values
 from datamove.families.attention import check_causal_constant
-from datamove.graphs import LayerGraphs
 from datamove.kernels.interpreter import interpreted
-from datamove.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
-from datamove.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
-from datamove.steps import Buffers, Run, stack_groups
-from datamove.torch_program import TorchProgram
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
+from datamove.runtime.graphs import LayerGraphs
+from datamove.runtime.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
+from datamove.runtime.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
+from datamove.runtime.steps import Buffers, Run, stack_groups
+from datamove.runtime.torch_program import TorchProgram
 
 KERNELS, TORCH = "kernels", "torch"  # what runs a layer's plan: its kernels, or its computation in PyTorch operations
 
@@ -204,7 +204,7 @@ class TunedLayer(torch.nn.Module):
     inputs (``interface.activations``: the spec's ``INPUTS``, e.g. ``layer(x, memory)``), in that
     order or by name (``layer(x=..., memory=...)``), each in its PyTorch order
     (``interface.torch_order``), the layer's dtype and device, any sizes of the call dims
-    (``datamove.shapes.call_dims``: BERT's batch and sequence), the other sizes those of the
+    (``datamove.runtime.shapes.call_dims``: BERT's batch and sequence), the other sizes those of the
     weights; ``key_padding_mask``: optional bool (batch, keys), True = key excluded (the fused
     attention applies it; a plan without one refuses it).  Returns the layer output(s) in PyTorch
     order; the backward gives every input that requires it and every parameter its gradient.
@@ -212,11 +212,11 @@ class TunedLayer(torch.nn.Module):
     ``plan``: the first tuned shape's plan (the parameters are stored in its layouts, which every
     plan shares); ``plans``: every tuned shape's plan, ``plan`` first (default: ``plan`` alone),
     over ``graph`` at their dims.  On CUDA with ``cuda_graphs`` (the default) calls replay the
-    layer's own CUDA graphs (``datamove.graphs``); otherwise, and where a replay is not possible,
+    layer's own CUDA graphs (``datamove.runtime.graphs``); otherwise, and where a replay is not possible,
     they launch the kernels (through the custom ops where ``torch.compile`` traces).
 
     ``backend``: ``"kernels"`` (the plan's kernels; the default on CUDA) or ``"torch"`` (its
-    computation in PyTorch operations, ``datamove.torch_program``: the default elsewhere).
+    computation in PyTorch operations, ``datamove.runtime.torch_program``: the default elsewhere).
 
     Parameters start as ``dataflow.initial_values`` reads the graph (``reset_parameters``); a
     constant whose value the graph does not tell (anything but a causal mask) starts as NaN, and
@@ -301,7 +301,7 @@ class TunedLayer(torch.nn.Module):
         return twin
 
     def dispatch(self, shape: dict) -> Plan:
-        """The tuned plan a call at ``shape`` ({call dim -> size}) runs (``datamove.shapes.nearest``)."""
+        """The tuned plan a call at ``shape`` ({call dim -> size}) runs (``datamove.runtime.shapes.nearest``)."""
         return self.plans[nearest(self.tuned_shapes, shape)]
 
     def program(self, training: bool, shape: dict | None = None) -> LayerProgram:

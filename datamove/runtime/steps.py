@@ -1,6 +1,6 @@
 """A plan's steps as launchers: each ``layouts.plan.Step`` bound to its kernel, ready to run on a store.
 
-The store, its names, ``Run``, ``Buffers`` and the ``Launcher`` base: ``datamove.launcher``.  Here
+The store, its names, ``Run``, ``Buffers`` and the ``Launcher`` base: ``datamove.kernels.launcher``.  Here
 the launchers of the generated kernels, the GEMMs (with their families' epilogues) and the layout
 changes; a kernel family's own step kinds (the fused attention's forward and backward) are built
 from its launcher table (``datamove.families.STEP_LAUNCHERS``).
@@ -29,7 +29,7 @@ from datamove.kernels.contraction import (Epilogue, cublas_call, cublas_views, g
                                          run_triton)
 from datamove.kernels.gemm import GemmConfig
 from datamove.kernels.layout_change import permute_copy
-from datamove.launcher import Buffers, Launcher, Run, copy_name, read, read_key
+from datamove.kernels.launcher import Buffers, Launcher, Run, copy_name, read, read_key
 from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE, Step
 from datamove.layouts.space import Configuration
 from datamove.layouts.step_config import ContractionConfig, LayoutChangeConfig

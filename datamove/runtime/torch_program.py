@@ -1,10 +1,10 @@
 """The tuned layer's computation as PyTorch operations: what the layer runs where its kernels cannot.
 
-``TorchProgram`` is a ``datamove.layer.LayerProgram`` in behaviour (the same calls, the same
+``TorchProgram`` is a ``datamove.runtime.layer.LayerProgram`` in behaviour (the same calls, the same
 results up to rounding) without a kernel: the training graph's primitives (``dataflow.graph``)
 evaluated with torch (``harness.torch_eval``: the reference executor's semantics), the forward
 operators' primitives then the backward's, operator by operator in the fused graph's order.  On a
-machine without a GPU this is the layer (``datamove.module.TunedLayer``'s default backend there);
+machine without a GPU this is the layer (``datamove.runtime.module.TunedLayer``'s default backend there);
 the Triton interpreter remains what the kernel tests use.
 
 Precision: every primitive computes in float32 (float64 for a float64 layer); activations, outputs
@@ -46,7 +46,7 @@ class TorchProgram:
     def __init__(self, plan: Plan, graph, operators, interface, dtype: torch.dtype, device):
         self.plan, self.graph, self.interface, self.dtype = plan, graph, interface, dtype
         self.device, self.compute = torch.device(device), compute_dtype(dtype)
-        self.name = ""  # the custom ops' name for it: set by datamove.module.register
+        self.name = ""  # the custom ops' name for it: set by datamove.runtime.module.register
         self.forward_primitives = [p for op in operators if op.phase == "forward" for p in op.primitives]
         self.backward_primitives = [p for op in operators if op.phase != "forward" for p in op.primitives]
         self.offsets = dropout_offsets(graph)
