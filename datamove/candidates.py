@@ -42,9 +42,10 @@ from datamove.families.attention import attention_roles  # noqa: F401  (the reco
 from datamove.families.base import GemmSite, PlainLayout, execution_order as gemm_execution_order, gemm_config_of
 from datamove.harness.contraction_variants import STACK_LETTERS, same_call_layouts, training_gemms
 from datamove.harness.sweep_variants import moved_bytes, op_signature
+from datamove.dtypes import Precision, parse as parse_dtype
 from datamove.harness.tuning_db import canonical_json
 from datamove.layouts.cost_model import DeviceFigures, predict_ms
-from datamove.layouts.plan import GEMM, GENERATED, ITEMSIZE, MEASURED, PREDICTED, Plan
+from datamove.layouts.plan import GEMM, GENERATED, MEASURED, PREDICTED, Plan
 from datamove.layouts.select import Candidate, best_sum, select, to_plan
 from datamove.layouts.step_config import ContractionConfig, GeneratedConfig
 from datamove.layouts.space import (column_sum_joins, configurations, default_configuration, join_members, masks_grouped,
@@ -75,20 +76,21 @@ def _stale(key) -> bool:
 
 
 class Timings:
-    """Measured times by key, from tuning-database records of exactly one device and dtype.
+    """Measured times by key, from tuning-database records of exactly one device and dtype (a
+    ``dtypes.Precision`` in any spelling; None: no records at all, ``NO_TIMINGS``).
 
     A record of another device or dtype is refused (``ValueError`` naming both), never used; one
     of another version of the kernel's source (``_stale``) is left out.  A kernel whose every
     record failed or was wrong (``broken``) is not offered at a predicted time."""
 
-    def __init__(self, records, device: str, dtype: str):
-        self.device, self.dtype = device, dtype
+    def __init__(self, records, device: str, dtype: Precision | str | None):
+        self.device, self.dtype = device, None if dtype is None else parse_dtype(dtype)
         self.times: dict[tuple, list[tuple[float, dict]]] = {}  # fastest first
         self._broken: set[tuple] = set()  # keys with failed / wrong records and none ok
         for r in records:
-            if r.key.device != device or r.key.dtype != dtype:
+            if r.key.device != device or self.dtype is None or r.key.dtype != self.dtype.name:
                 raise ValueError(f"timing of {r.key.op} is from {r.key.device} / {r.key.dtype}; this selection is for "
-                                 f"{device} / {dtype}: query the tuning database for this device and dtype only")
+                                 f"{device} / {self.dtype}: query the tuning database for this device and dtype only")
             if _stale(r.key):
                 continue  # another version of the kernel was timed (the tuning measures this one again)
             key = _timing_key(r.key.op, r.key.dims, r.key.layout)
@@ -135,16 +137,16 @@ def _timing_key(op: str, dims: dict, layout) -> tuple:
     return op, canonical_json(dims), canonical_json(layout)
 
 
-NO_TIMINGS = Timings([], "", "")
+NO_TIMINGS = Timings([], "", None)
 
 
 class CandidateBuilder:
     """Candidates of one fused graph for one dtype, timed by ``timings`` or ``figures``."""
 
-    def __init__(self, fused, spec: str, dtype: str, figures: DeviceFigures, timings: Timings):
-        self.fused, self.spec, self.dtype, self.figures, self.timings = fused, spec, dtype, figures, timings
+    def __init__(self, fused, spec: str, dtype: Precision | str, figures: DeviceFigures, timings: Timings):
+        self.fused, self.spec, self.dtype, self.figures, self.timings = fused, spec, parse_dtype(dtype), figures, timings
         self.graph = fused.graph
-        self.itemsize = ITEMSIZE[dtype]
+        self.itemsize = self.dtype.itemsize
         self._changes: dict[tuple, tuple[float, str]] = {}
         self.order = execution_order(fused)  # the operators as the plan runs them
 
@@ -414,7 +416,7 @@ def attention_repeats(fused, roles: AttentionRoles) -> AttentionRepeats | None:
     return ATTENTION.repeats(fused, roles)
 
 
-def plan_layer(fused, spec: str, *, dtype: str, figures: DeviceFigures, timings: Timings = NO_TIMINGS,
+def plan_layer(fused, spec: str, *, dtype: Precision | str, figures: DeviceFigures, timings: Timings = NO_TIMINGS,
                boundary: dict | None = None, device: str | None = None) -> Plan:
     """Select the plan of ``fused`` (see the module doc).  ``boundary``: {tensor -> layout} fixed
     from outside (the layer's activations, outputs and their gradients in PyTorch's order)."""

@@ -11,10 +11,11 @@ import warnings
 from pathlib import Path
 
 from datamove.dataflow.spec import SpecError, parse_assignments
+from datamove.dtypes import BF16, FP16, parse as parse_dtype
 from datamove.harness.tuning_db import TuningDBError
 from datamove.output import OutputError, check_default_parent, check_out
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+DTYPE_CHOICES = (BF16, FP16)  # what --dtype offers, by short name (float32: the CPU checks', not tuned)
 HELP = "optimize-layer --help lists the options"
 
 
@@ -82,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "e.g. 'B=8,L=128|256|512' (quoted: the shell reads | as a pipe)")
     parser.add_argument("--set", dest="options", help="spec options, e.g. activation=gelu (the default output "
                                                       "folder's name includes them)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="precision of the tuned layer")
+    parser.add_argument("--dtype", choices=sorted(p.short for p in DTYPE_CHOICES), default=BF16.short,
+                        help="precision of the tuned layer")
     parser.add_argument("--budget-s", type=_seconds, default=600.0,
                         help="tuning time limit in seconds (GPU only; a rerun resumes from the tuning database)")
     parser.add_argument("--db", type=Path, help="tuning database (default: ~/.cache/datamove/tuning.db)")
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             return _analyze(args)
         from datamove.job import JobOptions, run_job
 
-        return run_job(JobOptions(spec=Path(args.spec), dims=dims, options=options, dtype=DTYPES[args.dtype],
+        return run_job(JobOptions(spec=Path(args.spec), dims=dims, options=options, dtype=parse_dtype(args.dtype),
                                   out=args.out, budget_s=args.budget_s, db=args.db,
                                   cost_model_device=args.cost_model_device, gpus=args.gpus,
                                   retry_failed=args.retry_failed))

@@ -109,7 +109,7 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
         _write_kernels(kernels, each, graph.with_dims({**graph.dim_values, **shape}), operators)
         shapes.append({"dims": shape, "plan": str(path.relative_to(out))})
     _write(out / GRAPH, json.dumps(snapshot(graph, operators), indent=1))
-    manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype,
+    manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype.name,
                 "device": device, "versions": versions, "inputs": list(interface.activations),
                 "torch_order": torch_order,
                 "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()},
@@ -214,7 +214,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     plans = [plan] + [_parsed(out / entry["plan"], Plan.from_json) for entry in entries[1:]]
     _check_identity(out, manifest, [entry["plan"] for entry in entries])
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tuned_dtype = getattr(torch, plan.dtype)
+    tuned_dtype = plan.dtype.torch
     problems = []
     if dtype is not None and dtype != tuned_dtype:
         problems.append(f"dtype {dtype} asked for, the plan was tuned for {tuned_dtype}")

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from datamove.dtypes import BF16, Precision, parse
 
 DEFAULT_DB = Path.home() / ".cache" / "datamove" / "tuning.db"
 SELECTION_ROUNDS = 4  # measure what the plan chose untuned (knobs of its layouts, its layout changes), select again: at most this often
@@ -33,13 +33,16 @@ class JobOptions:
     spec: Path
     dims: list = field(default_factory=lambda: [{}])  # every shape: {dim -> value} overrides, the first: plan.json's
     options: dict = field(default_factory=dict)
-    dtype: str = "bfloat16"
+    dtype: Precision = BF16  # any spelling is taken (``dtypes.parse``)
     out: Path | None = None
     budget_s: float = 600.0
     db: Path | None = None
     cost_model_device: str = "H100"
     gpus: int | None = None  # measuring processes, one per GPU (None: all)
     retry_failed: bool = False
+
+    def __post_init__(self):
+        self.dtype = parse(self.dtype)
 
 
 class Stages:
@@ -62,10 +65,10 @@ class Stages:
             self._current = None
 
 
-def default_out(spec: str, shapes: list[dict], dtype: str, device: str, options: dict | None = None) -> Path:
-    """``out/<spec>-<options>-<dims>-<dtype>-<device>``, each ``--set`` option as ``activation_gelu``
-    (none: left out), a dim of several values as ``L128_512``."""
-    short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+def default_out(spec: str, shapes: list[dict], dtype: Precision | str, device: str, options: dict | None = None) -> Path:
+    """``out/<spec>-<options>-<dims>-<dtype>-<device>``, the dtype's short name (``bf16``), each
+    ``--set`` option as ``activation_gelu`` (none: left out), a dim of several values as ``L128_512``."""
+    short = parse(dtype).short
     text = "-".join(f"{k}" + "_".join(str(v) for v in dict.fromkeys(shape[k] for shape in shapes)) for k in shapes[0])
     slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
     chosen = "".join(f"-{_slug(name)}_{_slug(value)}" for name, value in (options or {}).items())
@@ -89,12 +92,12 @@ def boundary_layouts(torch_order: dict) -> dict:
     return {**torch_order, **{f"d_{t}": layout for t, layout in torch_order.items()}}
 
 
-def attention_setups(fused, dtype_name: str) -> list[dict]:
+def attention_setups(fused, dtype: Precision | str) -> list[dict]:
     """What the tuning measures of the graph's fused attention (``families.attention``: the
     registered family's ``AttentionFamily.setups``), for ``datamove.tuning.tune``."""
     from datamove.families import ATTENTION
 
-    return ATTENTION.setups(fused, dtype_name)
+    return ATTENTION.setups(fused, parse(dtype).name)
 
 
 def run_job(o: JobOptions) -> int:
@@ -146,7 +149,7 @@ def run_job(o: JobOptions) -> int:
         ceilings = measure_ceilings(db)
         tuner = Tuner(db, budget_s=o.budget_s, gpus=o.gpus, retry_failed=o.retry_failed)
         print(f"measuring on {tuner.gpus} GPU(s), one process each", flush=True)
-        dtype = getattr(torch, o.dtype)
+        dtype = o.dtype.torch  # what the sweeps' tensors and kernels are made in
     else:
         found = ("No CUDA GPU found" if not isinstance(facts, DeviceFacts)
                  else f"{facts.name} found, but TRITON_INTERPRET=1 is set")
@@ -164,7 +167,7 @@ def run_job(o: JobOptions) -> int:
             stages(f"tuning {label}")
             spaces = fused_spaces(each, spec_name, dtype)
             tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype, attention=attention_setups(each, o.dtype)))
-            timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
+            timings = Timings(db.query(device=facts.name, dtype=o.dtype.name, versions=versions()), facts.name, o.dtype)
         stages(f"selection {label}")
 
         def choose(each=each, boundary=boundary):
@@ -175,7 +178,7 @@ def run_job(o: JobOptions) -> int:
         if measured:
             def choose_again(choose=choose):
                 nonlocal timings
-                timings = Timings(db.query(device=facts.name, dtype=o.dtype, versions=versions()), facts.name, o.dtype)
+                timings = Timings(db.query(device=facts.name, dtype=o.dtype.name, versions=versions()), facts.name, o.dtype)
                 return choose()
 
             plan = refine_plan(plan, choose_again,

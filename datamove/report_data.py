@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import datetime
 
+from datamove.dtypes import Precision, parse
 from datamove.report import KernelRow, ReportData
 from datamove.harness.contraction_variants import training_gemms
 from datamove.kernels.device import versions
 from datamove.harness.sweep_variants import op_signature
 from datamove.layouts.cost_model import predict_ms
-from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, ITEMSIZE, LAYOUT_CHANGE, MEASURED, PREDICTED
+from datamove.layouts.plan import GEMM, GEMM_EPILOGUE, GENERATED, LAYOUT_CHANGE, MEASURED, PREDICTED
 from datamove.layouts.step_config import GradientEpilogueConfig
 
 
@@ -45,8 +46,12 @@ def _class(step, rows_by_op) -> str:
     return rows_by_op[step.operators[0]].operator.cls
 
 
-def report_data(analysis, fused, plan, spec: str, dtype: str, figures, ceilings, timings, measured: bool) -> ReportData:
-    graph, itemsize = fused.graph, ITEMSIZE[dtype]
+def report_data(analysis, fused, plan, spec: str, dtype: Precision | str, figures, ceilings, timings,
+                measured: bool) -> ReportData:
+    """What the report shows of ``plan`` (``dtype``: a ``dtypes.Precision`` in any spelling; the
+    report's ``meta`` stores its name)."""
+    dtype = parse(dtype)
+    graph, itemsize = fused.graph, dtype.itemsize
     rows_by_op = {row.operator.name: row for row in analysis.fused_rows}
     unfused_rows = {row.operator.name: row for row in analysis.training_rows}
 
@@ -86,13 +91,13 @@ def report_data(analysis, fused, plan, spec: str, dtype: str, figures, ceilings,
                                  (ins + outs) * itemsize, ms, MEASURED if found is not None else PREDICTED,
                                  f"PyTorch eager: {len(members)} operator(s)"))
     limits = ceilings_of(ceilings, figures, dtype, chosen + pytorch)
-    meta = {"spec": spec, "dims": dict(graph.dim_values), "dtype": dtype, "device": plan.device, "measured": measured,
+    meta = {"spec": spec, "dims": dict(graph.dim_values), "dtype": dtype.name, "device": plan.device, "measured": measured,
             "versions": versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return ReportData(meta, limits, chosen, pytorch, analysis.movement,
                       {"total_ms": plan.total_ms, "best_sum_ms": plan.best_sum_ms, "timing": plan.timing})
 
 
-def ceilings_of(ceilings, figures, dtype: str, rows: list[KernelRow]) -> dict:
+def ceilings_of(ceilings, figures, dtype: Precision | str, rows: list[KernelRow]) -> dict:
     """The report's bandwidth (bytes/s) and compute (flop/s) ceilings and where they come from:
     measured on the device (``harness.bench`` ceilings: a device-to-device copy; the faster of an
     8192^3 GEMM and the fastest measured kernel among ``rows``, so no kernel sits above its roof

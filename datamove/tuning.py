@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from datamove.dtypes import parse as parse_dtype
 from datamove.harness.bench import Sweep
 from datamove.families import ATTENTION, GEMM_FAMILIES
 from datamove.families.base import Tuning
@@ -80,8 +81,8 @@ class Tuner:
 
 def first_gemm_configs(dtype, count: int) -> list:
     """``FIRST_CONFIGS`` among ``valid_configs(dtype)``, then the others, ``count`` in all (the
-    interpreter's tiny configurations: its first ``count``)."""
-    configs = valid_configs(dtype)
+    interpreter's tiny configurations: its first ``count``; ``dtype``: any spelling, ``dtypes.parse``)."""
+    configs = valid_configs(parse_dtype(dtype).torch)
     preferred = [c for name in FIRST_CONFIGS for c in configs if str(c) == name]
     return (preferred + [c for c in configs if c not in preferred])[:count]
 
@@ -100,7 +101,9 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     ``datamove.job.attention_setups`` gives them; where the spec's Q/K/V bias add can fold into it,
     the fastest again with the biases: ``AttentionFamily.measure``); last, every knob setting of
     each fused operator's ``top`` fastest patterns.  The layout changes a plan inserts are measured
-    afterwards (``measure_layout_changes``), once the selection has said which it wants."""
+    afterwards (``measure_layout_changes``), once the selection has said which it wants.  ``dtype``:
+    any spelling (``dtypes.parse``); the sweeps run in its torch dtype."""
+    dtype = parse_dtype(dtype).torch
     tuner.measure([v for s in spaces for v in s.first_stage()])
 
     configs = first_gemm_configs(dtype, first_configs)
@@ -172,8 +175,8 @@ def _configuration(step) -> Configuration:
 def fused_spaces(fused, spec: str, dtype) -> list:
     """The variants of ``fused``'s element-wise / normalization operators on the GPU, per operator
     and access pattern (``harness.sweep_variants``): built once per job, swept by ``tune`` and
-    ``tune_chosen``."""
-    return sweep_variants(spec, fused, "cuda", dtype=dtype)[0]
+    ``tune_chosen``.  ``dtype``: any spelling (``dtypes.parse``)."""
+    return sweep_variants(spec, fused, "cuda", dtype=parse_dtype(dtype).torch)[0]
 
 
 def tune_chosen(tuner: Tuner, spaces: list, plan) -> int:

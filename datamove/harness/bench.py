@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
+from datamove.dtypes import BF16
 from datamove.kernels.device import DeviceFacts, NoDevice, device_count, query_device, versions
 from datamove.harness.tuning_db import Ceilings, Key, Record, TuningDB
 from datamove.harness.workers import Event, Pool, WorkerStartError, note, retire, wait
@@ -574,9 +575,9 @@ def measure_ceilings(db, index: int = 0, force: bool = False) -> Ceilings:
         copy = time_cuda(lambda: dst.copy_(src), warmup_ms=100, rep_ms=400, flush_l2=False, cuda_graph=False)
         torch.testing.assert_close(dst, src, rtol=0, atol=0)
         del src, dst
-        a = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
-        c = torch.empty(GEMM_N, GEMM_N, device=dev, dtype=torch.bfloat16)
+        a = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=BF16.torch)
+        b = torch.randn(GEMM_N, GEMM_N, device=dev, dtype=BF16.torch)
+        c = torch.empty(GEMM_N, GEMM_N, device=dev, dtype=BF16.torch)
         gemm = time_cuda(lambda: torch.mm(a, b, out=c), warmup_ms=300, rep_ms=600, flush_l2=False, cuda_graph=False)
         del a, b, c
         torch.cuda.empty_cache()
@@ -588,7 +589,7 @@ def measure_ceilings(db, index: int = 0, force: bool = False) -> Ceilings:
         gemm_flop_per_s=gemm_flop / (gemm.median_ms * 1e-3),
         details={
             "copy": {"bytes_read_plus_written": copy_bytes, **asdict(copy)},
-            "gemm": {"size": GEMM_N, "dtype": "bfloat16", "flop": gemm_flop, **asdict(gemm)},
+            "gemm": {"size": GEMM_N, "dtype": BF16.name, "flop": gemm_flop, **asdict(gemm)},
             "facts": facts.to_dict(),
         },
         versions=versions(),

@@ -40,13 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
+from datamove.dtypes import BF16, parse as parse_dtype
 from datamove.kernels.blas import LtMatmul, algorithm_count
 from datamove.kernels.contraction import (GemmPlan, cublas_views, empty_in_layout, enumerate_variants, flops, parse,
                                           run_cublas, run_triton, stacked_spec)
 from datamove.kernels.gemm import TEMPLATE_ID, GemmConfig, GemmShape, tma_compatible, valid_configs
 from datamove.harness.sweep_variants import Verdict, judge
 
-DTYPE = torch.bfloat16
+DTYPE = BF16.torch
 STACK_LETTERS = "stuvwxyz"  # the first one not in the einsum becomes the stack letter
 
 
@@ -233,7 +234,7 @@ class GemmVariant:
         self.operands, self.plan, self.config, self.algorithm, self.residual = operands, plan, config, algorithm, residual
         gemm = operands.gemm
         self.op = residual_op(gemm) if residual else gemm.op
-        self.dims, self.dtype = dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
+        self.dims, self.dtype = dict(gemm.sizes), parse_dtype(operands.dtype).name
         self.layout = _layout_key(plan)
         self.knobs = cublas_knobs(algorithm) if config is None else config_knobs(config)
         self.direct = self.pointers = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from datamove.dtypes import Precision, parse
 from datamove.harness.accuracy import Closeness
 from datamove.kernels.contraction import empty_in_layout
 from datamove.kernels.layout_change import KERNEL_ID, TILE, permute_copy
@@ -34,13 +35,14 @@ class CopyVerdict:
 class LayoutChangeVariant:
     """``permute_copy(src, dst)`` with ``src`` stored in ``source`` order and ``dst`` in ``target`` order."""
 
-    def __init__(self, letters: str, sizes: dict, source: str, target: str, dtype: torch.dtype, device):
+    def __init__(self, letters: str, sizes: dict, source: str, target: str, dtype: Precision | torch.dtype, device):
+        precision = parse(dtype)
         self.letters, self.sizes, self.source, self.target = letters, dict(sizes), source, target
-        self.dtype_, self.device = dtype, device
+        self.dtype_, self.device = precision.torch, device
         self.op, self.dims = f"layout:{letters}", {x: sizes[x] for x in letters}
-        self.dtype = str(dtype).removeprefix("torch.")
+        self.dtype = precision.name  # the tuning database's key
         self.layout, self.knobs = {"from": source, "to": target}, {"impl": "triton-tiles", **TILE, "kernel": KERNEL_ID}
-        self.flop, self.bytes = 0, 2 * math.prod(self.dims.values()) * dtype.itemsize
+        self.flop, self.bytes = 0, 2 * math.prod(self.dims.values()) * precision.itemsize
         self.src = self.dst = None
 
     def build(self) -> None:

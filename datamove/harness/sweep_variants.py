@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from datamove.dtypes import BF16, parse
 from datamove.harness.accuracy import Closeness
 from datamove.kernels.codegen import GENERATOR_VERSION, allocate, compile_operator
 from datamove.harness.eager import EagerRun, eager_inputs, eager_layout, eager_plan, normalised_letters
@@ -35,7 +36,7 @@ from datamove.harness.torch_eval import dropout_offsets, evaluate, evaluate_trai
 from datamove.layouts.space import (access_pattern, column_sum_joins, configurations, default_configuration,
                                     join_members, masks_grouped, parts, representatives)
 
-DTYPE = torch.bfloat16  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
+DTYPE = BF16.torch  # what the sweep measures; the Triton interpreter rounds fp32 -> bf16 toward
 # zero (GPUs round to nearest), so CPU checks of generated kernels use float32 instead
 MASK_SEED = 0x5EED
 CANCELLED_RMS = 1e-3  # a reference output with a smaller RMS is a cancellation (see ``judge``)
@@ -174,7 +175,7 @@ class FusedVariant:
     def __init__(self, workspace: Workspace, spec: str, op, config):
         self.ws, self.op_obj, self.config = workspace, op, config
         self.op = op_signature(spec, op)
-        self.dims, self.dtype = dict(workspace.graph.dim_values), str(workspace.dtype).removeprefix("torch.")
+        self.dims, self.dtype = dict(workspace.graph.dim_values), parse(workspace.dtype).name
         self.layout = dict(config.layouts)
         self.knobs = dict(config.knobs)
         self.bytes = moved_bytes(workspace.graph, op, workspace.dtype.itemsize)
@@ -222,7 +223,7 @@ class EagerVariant:
     def __init__(self, workspace: Workspace, spec: str, op):
         self.ws, self.op_obj = workspace, op
         self.op = op_signature(spec, op) + "#eager"
-        self.dims, self.dtype = dict(workspace.graph.dim_values), str(workspace.dtype).removeprefix("torch.")
+        self.dims, self.dtype = dict(workspace.graph.dim_values), parse(workspace.dtype).name
         last, steps = normalised_letters(workspace.training, op), eager_plan(workspace.training, op)
         self.layout = {"steps": [s.kind for s in steps],
                        "storage": {t: eager_layout(workspace.graph.tensors[t].letters, last)

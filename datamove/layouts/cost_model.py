@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from datamove.dtypes import BF16, FP16, FP32, Precision, parse
 
 @dataclass(frozen=True)
 class DeviceFigures:
-    """``bandwidth``: bytes/s of device memory; ``flops``: dense tensor-core flop/s per dtype name;
+    """``bandwidth``: bytes/s of device memory; ``flops``: dense tensor-core flop/s per
+    ``dtypes.Precision`` (``peak`` takes any spelling);
     ``launch_s``: a kernel launch's fixed cost on the device (inside a CUDA graph)."""
 
     name: str
@@ -23,13 +25,13 @@ class DeviceFigures:
     flops: dict
     launch_s: float = 2.5e-6
 
-    def peak(self, dtype: str) -> float:
-        return self.flops.get(dtype, self.flops["bfloat16"])
+    def peak(self, dtype: Precision | str) -> float:
+        return self.flops.get(parse(dtype), self.flops[BF16])
 
 
 DEVICES = {
-    "H100": DeviceFigures("NVIDIA H100 80GB HBM3", 3.0e12, {"bfloat16": 7.9e14, "float16": 7.9e14, "float32": 4.0e14}),
-    "H200": DeviceFigures("NVIDIA H200", 4.3e12, {"bfloat16": 7.9e14, "float16": 7.9e14, "float32": 4.0e14}),
+    "H100": DeviceFigures("NVIDIA H100 80GB HBM3", 3.0e12, {BF16: 7.9e14, FP16: 7.9e14, FP32: 4.0e14}),
+    "H200": DeviceFigures("NVIDIA H200", 4.3e12, {BF16: 7.9e14, FP16: 7.9e14, FP32: 4.0e14}),
 }
 
 # How close each kernel family comes to the roofline (fractions of peak flop/s and bandwidth),
@@ -47,7 +49,7 @@ def device_figures(name: str) -> DeviceFigures:
     raise KeyError(f"no cost-model figures for device {name!r}; known: {', '.join(DEVICES)}")
 
 
-def predict_ms(figures: DeviceFigures, family: str, *, flop: float, bytes_moved: float, dtype: str = "bfloat16",
+def predict_ms(figures: DeviceFigures, family: str, *, flop: float, bytes_moved: float, dtype: Precision | str = BF16,
                uncoalesced_bytes: float = 0.0, launches: int = 1) -> float:
     """Predicted time in milliseconds of one kernel of ``family`` (``EFFICIENCY``' keys)."""
     efficiency = EFFICIENCY[family]

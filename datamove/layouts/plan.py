@@ -23,12 +23,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from datamove.dtypes import Precision, parse
 from datamove.layouts.step_config import (ATTENTION_BACKWARD, ATTENTION_FORWARD, CONFIGS, GEMM, GEMM_EPILOGUE,  # noqa: F401
                                           GENERATED, LAYOUT_CHANGE, StepConfig, config_from_json)
 
 KINDS = tuple(CONFIGS)
 MEASURED, PREDICTED = "measured", "predicted"
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}  # bytes per element of a plan's dtype (``Plan.dtype``)
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,8 @@ class Step:
 class Plan:
     """A whole training graph's configuration.
 
-    ``spec``: spec name; ``dims``: {dim name -> value}; ``dtype``: torch dtype name ("bfloat16");
+    ``spec``: spec name; ``dims``: {dim name -> value}; ``dtype``: a ``dtypes.Precision`` (any spelling is
+    taken; ``plan.json`` stores its name, "bfloat16");
     ``device``: the device the times are for; ``timing``: "measured", "predicted" or "mixed";
     ``layouts``: {tensor -> layout} for every tensor held in memory; ``steps``: execution order;
     ``saved``: tensors forward steps write that backward steps read; ``total_ms``: the sum of the
@@ -79,7 +80,7 @@ class Plan:
 
     spec: str
     dims: dict[str, int]
-    dtype: str
+    dtype: Precision
     device: str
     timing: str
     layouts: dict[str, str]
@@ -89,8 +90,12 @@ class Plan:
     best_sum_ms: float
     search: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        self.dtype = parse(self.dtype)
+
     def to_json(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "steps"}, "steps": [s.to_json() for s in self.steps]}
+        return {**{k: v for k, v in asdict(self).items() if k != "steps"}, "dtype": self.dtype.name,
+                "steps": [s.to_json() for s in self.steps]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from datamove.dtypes import Precision
 from datamove.layouts.plan import LAYOUT_CHANGE, MEASURED, PREDICTED, Plan, Step
 from datamove.layouts.step_config import LayoutChangeConfig, StepConfig
 
@@ -218,7 +219,7 @@ def best_sum(order: list[str], candidates: list[Candidate]) -> float:
     return _cheapest_rest(order, candidates)[0]
 
 
-def to_plan(steps: list, facts: dict, *, spec: str, dims: dict, dtype: str, device: str, layouts_of_inputs: dict,
+def to_plan(steps: list, facts: dict, *, spec: str, dims: dict, dtype: Precision | str, device: str, layouts_of_inputs: dict,
             total_best: float) -> Plan:
     """The chosen candidates and layout changes as a ``layouts.plan.Plan``."""
     plan_steps: list[Step] = []
