@@ -40,6 +40,7 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from datamove.dtypes import parse as parse_dtype  # noqa: E402
 from datamove.kernels.attention import DROPOUT_MASK_OPTIONS  # noqa: E402
 from datamove.families.attention.variants import (SDPA_BACKENDS, SEED, AttentionCase, EagerVariant,  # noqa: E402
                                                   FusedVariant, SdpaVariant, Workspace, baseline_variants,
@@ -285,7 +286,7 @@ def main() -> int:
         return 0 if bench.counts.get("wrong", 0) == 0 else 1
     report = {"date": utc_stamp(),
               "device": bench.sweep.device, "facts": query_device().to_dict(), "versions": versions(),
-              "dtype": str(dtype).removeprefix("torch."), "dropout_p": args.dropout,
+              "dtype": parse_dtype(dtype).name, "dropout_p": args.dropout,
               "sweep": {"summary": summary, "counts": bench.counts, "limit_configs": args.limit_configs,
                         "wall_s": time.monotonic() - bench.started},
               "setups": [setup_report(bench, r) for r in roles]}

@@ -38,6 +38,7 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run thro
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from datamove.dataflow import snapshot  # noqa: E402
+from datamove.dtypes import parse as parse_dtype  # noqa: E402
 from datamove.harness.bench import CPU_DEVICE, Sweep, measure_ceilings, utc_stamp, write_results  # noqa: E402
 from datamove.families.forward_epilogue import consumer_configurations, epilogue_of, epilogue_variants  # noqa: E402
 from datamove.harness.contraction_variants import DTYPE, Operands, gemm_variants, pick_layouts, training_gemms  # noqa: E402
@@ -285,7 +286,7 @@ def main() -> int:
         return 0 if counts["wrong"] == 0 else 1
 
     ceilings = measure_ceilings(db)
-    dtype = str(DTYPE).removeprefix("torch.")
+    dtype = parse_dtype(DTYPE).name
     rows = layout_rows(db, report2.device, gemms, args.layouts, dtype, ceilings.gemm_flop_per_s)
     facts = query_device()
     report = {

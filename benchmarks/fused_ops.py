@@ -35,6 +35,7 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from datamove.dtypes import parse as parse_dtype  # noqa: E402
 from datamove.harness.bench import CPU_DEVICE, GRAPH_BELOW_MS, Sweep, measure_ceilings, utc_stamp, write_results  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
 from datamove.harness.sweep_variants import DTYPE, fused_operators, moved_bytes, op_signature, sweep_variants  # noqa: E402
@@ -194,7 +195,7 @@ def main() -> int:
         print(f"{CPU_DEVICE}: NOTHING WAS MEASURED (no GPU). {report.summary()}. No results written.")
         return 0 if report.counts["wrong"] == 0 else 1
 
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = parse_dtype(dtype).name
     rows = [row for spec, t in trainings.items() for row in operator_rows(db, report.device, spec, t, dtype_name)]
     if args.limit_ops is not None:
         keep = {s.op.name for s in spaces}

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from datamove.dtypes import parse as parse_dtype
 from datamove.export import load_layer, load_weights, read_manifest
 from datamove.layouts.plan import GENERATED
 from datamove.runtime.steps import Run
@@ -295,7 +296,7 @@ def run_case(artifact: Path, max_autotune: bool = True) -> dict:
                 rows[f"{name}|{direction}"] = measure(_call(module, x, dy, backward))
             except Exception as exc:  # noqa: BLE001 - one failing baseline is reported, the rest go on
                 rows[f"{name}|{direction}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"artifact": str(artifact), "dims": d, "dtype": str(dtype).removeprefix("torch."), "date": utc_stamp(),
+    return {"artifact": str(artifact), "dims": d, "dtype": parse_dtype(dtype).name, "date": utc_stamp(),
             "plan_device": manifest["device"], "rows": rows, "breakdown": breakdown(layer)}
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from datamove.dataflow.activations import PROBE, activation, evaluate
+from datamove.dtypes import parse as parse_dtype
 from datamove.families.base import (EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs, gemm_config_of,
                                     operator_named)
 from datamove.harness.contraction_variants import (Operands, TrainingGemm, _layout_key, config_knobs, epilogue_inputs,
@@ -155,7 +156,7 @@ class EpilogueVariant:
         self.operands, self.epilogue, self.config, self.consumer = operands, epilogue, config, consumer
         self.inputs = inputs or (c.a, c.b)  # A's and B's layouts; the output in spec order
         self.plan = map_layouts(c, (*self.inputs, c.out), gemm.sizes)
-        self.op, self.dims, self.dtype = epilogue_op(gemm, epilogue), dict(gemm.sizes), str(operands.dtype).removeprefix("torch.")
+        self.op, self.dims, self.dtype = epilogue_op(gemm, epilogue), dict(gemm.sizes), parse_dtype(operands.dtype).name
         self.layout = _layout_key(self.plan)
         if config is not None:
             self.knobs = config_knobs(config)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from datamove.dataflow.activations import derivative
 from datamove.dataflow.executor import dropout_offsets
+from datamove.dtypes import parse as parse_dtype
 from datamove.families.base import (ConsumerOperands, EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs,
                                     gemm_config_of, operator_named)
 from datamove.harness.contraction_variants import (DTYPE, TrainingGemm, config_knobs, epilogue_inputs, numel,
@@ -166,7 +167,7 @@ class GradientVariant:
         c = parse(gemm.spec)
         self.c, self.inputs = c, inputs
         self.plan = map_layouts(c, (*inputs, c.out), gemm.sizes)
-        self.op, self.dims, self.dtype = gradient_op(spec, training, gemm, epilogue), dict(gemm.sizes), str(dtype).removeprefix("torch.")
+        self.op, self.dims, self.dtype = gradient_op(spec, training, gemm, epilogue), dict(gemm.sizes), parse_dtype(dtype).name
         self.layout = dict(zip(("a", "b", "out"), (*inputs, c.out)))
         self.rest = rest_operator(training, epilogue)
         self.rest_config = None if self.rest is None else \

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from datamove.dtypes import parse as parse_dtype
 from datamove.families.base import (ConsumerOperands, EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs,
                                     gemm_config_of, operator_named)
 from datamove.harness.contraction_variants import (TrainingGemm, config_knobs, numel, pick_layouts, runnable,
@@ -184,7 +185,7 @@ class JoinVariant:
         c = parse(join.einsum)
         self.c, self.sizes = c, {x: gemm.sizes[x] for x in set(c.a + c.b + c.out)}
         self.plan = map_layouts(c, layouts, self.sizes)
-        self.op, self.dims, self.dtype = join_op(spec, training, gemm, join), dict(self.sizes), str(dtype).removeprefix("torch.")
+        self.op, self.dims, self.dtype = join_op(spec, training, gemm, join), dict(self.sizes), parse_dtype(dtype).name
         self.layout = dict(zip(("a", "b", "out"), layouts))
         self.knobs = config_knobs(config)
         self.flop = gemm.flop

@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from datamove.dtypes import parse as parse_dtype
 from datamove.kernels.attention import (DROPOUT_MASK_OPTIONS, KERNEL_ID, attention_backward, attention_configs,
                                         attention_forward, default_config, fused_attention, mask_options, new_saved_mask)
 from datamove.harness.sweep_variants import Verdict, judge
@@ -226,7 +227,7 @@ class _Base:
             raise ValueError(f"direction {direction!r} / launch {launch!r}")
         case = ws.case
         self.ws, self.direction = ws, direction
-        self.op, self.dims, self.dtype = case.op(direction), case.dims, str(case.dtype).removeprefix("torch.")
+        self.op, self.dims, self.dtype = case.op(direction), case.dims, parse_dtype(case.dtype).name
         self.layout = case.layouts()
         self.knobs = dict(self.impl, launch=launch)
         self.flop, self.bytes = case.flop(direction), case.bytes(direction)
