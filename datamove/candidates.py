@@ -35,6 +35,7 @@ from dataclasses import replace
 from datamove.kernels.attention import KERNEL_ID as ATTENTION_ID
 from datamove.kernels.contraction import parse
 from datamove.kernels.gemm import TEMPLATE_ID
+from datamove.kernels.gemm_join import JOIN_TEMPLATE_ID
 from datamove.kernels.layout_change import KERNEL_ID as LAYOUT_CHANGE_ID
 from datamove.families import ATTENTION, GEMM_FAMILIES, GRAPH_FAMILIES
 from datamove.families.attention import AttentionRepeats, AttentionRoles, attention_candidates
@@ -61,13 +62,14 @@ COMPOSED_PER_PART = 3  # a multi-part operator's fastest measured layouts per pa
 
 def _stale(key) -> bool:
     """Whether a tuning-database key times another version of its kernel's source than this one:
-    a Triton GEMM configuration (knob ``template``, ``kernels.gemm.TEMPLATE_ID``), the fused
+    a Triton GEMM configuration (knob ``template``, ``kernels.gemm.TEMPLATE_ID``; a join epilogue's,
+    ``kernels.gemm_join.JOIN_TEMPLATE_ID``, which hashes the template too), the fused
     attention or a layout change (knob ``kernel``: ``kernels.attention.KERNEL_ID``,
     ``kernels.layout_change.KERNEL_ID``).  Generated kernels carry their generator's version in
     their key instead (``harness.sweep_variants``)."""
     knobs = key.knobs
     if knobs.get("backend") == "triton":
-        return knobs.get("template") != TEMPLATE_ID
+        return knobs.get("template") not in (TEMPLATE_ID, JOIN_TEMPLATE_ID)
     if key.op.startswith("attention:") and knobs.get("impl") == "fused":
         return knobs.get("kernel") != ATTENTION_ID
     if key.op.startswith("layout:"):

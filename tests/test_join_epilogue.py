@@ -102,3 +102,17 @@ def test_pair_mode_takes_the_gemms_fastest_tiles_halved_until_two_accumulators_f
     assert pair_sized(GemmConfig(256, 128, 64, 8, 3, 8)) == GemmConfig(128, 128, 64, 8, 3, 8)
     assert pair_sized(GemmConfig(128, 128, 64, 8, 4, 4)) == GemmConfig(128, 64, 64, 8, 4, 4)
     assert all(pair_fits(pair_sized(c)) for c in (fastest, GemmConfig(64, 64, 64, 8, 4, 4)))
+
+
+def test_a_join_timing_is_keyed_by_the_join_kernels_source(llama):
+    from datamove.candidates import _stale
+    from datamove.harness.tuning_db import Key
+    from datamove.kernels.gemm import TEMPLATE_ID
+    from datamove.kernels.gemm_join import JOIN_TEMPLATE_ID
+    gemm = next(g for g in training_gemms(llama) if g.name == BACKWARD[0])
+    variant = join_variants("llama", llama, gemm, join_of(llama, gemm), valid_configs(torch.float32)[:1], "cpu",
+                            torch.float32)[0]
+    assert variant.knobs["template"] == JOIN_TEMPLATE_ID != TEMPLATE_ID
+    def key(template: str) -> Key:
+        return Key("cpu", {}, variant.op, variant.dims, "float32", variant.layout, {**variant.knobs, "template": template})
+    assert not _stale(key(JOIN_TEMPLATE_ID)) and _stale(key("an older join kernel"))

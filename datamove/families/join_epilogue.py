@@ -27,7 +27,6 @@ tensors.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,11 +37,12 @@ from datamove.families.base import (ConsumerOperands, EpilogueLaunch, GemmFamily
 from datamove.harness.contraction_variants import (TrainingGemm, config_knobs, numel, pick_layouts, runnable,
                                                    same_call_layouts)
 from datamove.harness.sweep_variants import Verdict, judge, op_signature
-from datamove.kernels.codegen.compiled import _load_module
+from datamove.kernels.codegen.compiled import load_module
 from datamove.kernels.codegen.expressions import names_used, triton_expression
+from datamove.kernels.codegen.source import PRELUDE
 from datamove.kernels.contraction import _dim_strides, empty_in_layout, gemm_plan, map_layouts, parse
 from datamove.kernels.gemm import GemmConfig, GemmShape, fitted, pair_fits
-from datamove.kernels.gemm_join import MAX_LOADS, MAX_STORES, JoinEpilogue, gemm_join
+from datamove.kernels.gemm_join import JOIN_TEMPLATE_ID, MAX_LOADS, MAX_STORES, JoinEpilogue, gemm_join
 from datamove.layouts.plan import GEMM_EPILOGUE
 from datamove.layouts.select import Candidate
 from datamove.layouts.step_config import ContractionConfig, register_epilogue
@@ -118,9 +118,7 @@ def join_source(graph, consumer, join: Join, name: str) -> str:
     constants = [f"    dim_{x} = {float(scalars[x])!r}" for x in sorted(used)]
     arguments = ", ".join([*(f"acc{k}" for k in range(len(join.products))), *(f"in_{k}" for k in range(len(join.loads)))])
     returned = ", ".join(values[t] for t in join.outputs)
-    return "\n".join(["import triton", "import triton.language as tl", "", "",
-                      "@triton.jit", "def _tanh(x):", "    return 2.0 * tl.sigmoid(2.0 * x) - 1.0", "", "",
-                      "@triton.jit", f"def {name}({arguments}):",
+    return "\n".join([PRELUDE, "", "@triton.jit", f"def {name}({arguments}):",
                       f'    """{consumer.name} on the products{" and loaded tiles" if join.loads else ""} (fp32 tiles)."""',
                       *constants, *lines, f"    return ({returned},)", ""])
 
@@ -128,7 +126,7 @@ def join_source(graph, consumer, join: Join, name: str) -> str:
 def join_function(graph, consumer, join: Join):
     """The compiled epilogue function of ``join_source`` (one module per source text)."""
     name = "join_" + "".join(c if c.isalnum() else "_" for c in consumer.name)
-    module, _ = _load_module(join_source(graph, consumer, join, name))
+    module, _ = load_module(join_source(graph, consumer, join, name))
     return getattr(module, name)
 
 
@@ -137,6 +135,15 @@ def product_gemm(gemm: TrainingGemm, join: Join) -> TrainingGemm:
     runs once (single) or twice sharing A (pair), and what its layouts and timings are keyed by."""
     c = parse(join.einsum)
     return TrainingGemm(gemm.name, gemm.phase, join.einsum, {x: gemm.sizes[x] for x in set(c.a + c.b + c.out)})
+
+
+def moved_bytes(join: Join, product: TrainingGemm, itemsize: int) -> int:
+    """Bytes the join's kernel moves: A once, each product's B, and the loaded, written and stored
+    tensors (each over the products' letters)."""
+    c = parse(join.einsum)
+    tiles = len(join.loads) + len(join.outputs) + len(join.stored)
+    return itemsize * (numel(c.a, product.sizes) + len(join.products) * numel(c.b, product.sizes)
+                       + tiles * numel(c.out, product.sizes))
 
 
 def run_join(join: Join, fn, plan, a, b, b1, products: dict, loads: list, outputs: list, config: GemmConfig | None):
@@ -182,16 +189,13 @@ class JoinVariant:
     def __init__(self, spec: str, operands: ConsumerOperands, config: GemmConfig, layouts: tuple[str, str, str]):
         training, gemm, join, dtype = operands.training, operands.gemm, operands.epilogue, operands.dtype
         self.operands, self.config, self.join, self.layouts = operands, config, join, layouts
-        c = parse(join.einsum)
-        self.c, self.sizes = c, {x: gemm.sizes[x] for x in set(c.a + c.b + c.out)}
-        self.plan = map_layouts(c, layouts, self.sizes)
+        product = product_gemm(gemm, join)
+        self.c, self.sizes = parse(join.einsum), product.sizes
+        self.plan = map_layouts(self.c, layouts, self.sizes)
         self.op, self.dims, self.dtype = join_op(spec, training, gemm, join), dict(self.sizes), parse_dtype(dtype).name
         self.layout = dict(zip(("a", "b", "out"), layouts))
-        self.knobs = config_knobs(config)
-        self.flop = gemm.flop
-        tiles = len(join.loads) + len(join.outputs) + len(join.stored)
-        self.bytes = dtype.itemsize * (numel(c.a, self.sizes) + len(join.products) * numel(c.b, self.sizes)
-                                       + tiles * numel(c.out, self.sizes))
+        self.knobs = {**config_knobs(config), "template": JOIN_TEMPLATE_ID}  # the join's kernel is gemm_join's too
+        self.flop, self.bytes = gemm.flop, moved_bytes(join, product, dtype.itemsize)
         self.tensors = None
 
     def build(self) -> None:
@@ -244,10 +248,11 @@ def join_variants(spec: str, training, gemm: TrainingGemm, join: Join, configs, 
     each layout combination ``pick_layouts`` gives for one product's GEMM (``product_gemm``)."""
     operands = ConsumerOperands(training, gemm, join, device, dtype)
     product = product_gemm(gemm, join)
-    fits = [f for f in (fitted(x, dtype, True, join.pair) for x in configs) if f is not None and (not join.pair or pair_fits(f))]
+    fits = list(dict.fromkeys(f for f in (fitted(x, dtype, True, join.pair) for x in configs)
+                              if f is not None and (not join.pair or pair_fits(f))))
     variants = []
     for plan in pick_layouts(product, None):
-        variants += [JoinVariant(spec, operands, cfg, plan.layouts) for cfg in runnable(plan, dtype, list(dict.fromkeys(fits)))]
+        variants += [JoinVariant(spec, operands, cfg, plan.layouts) for cfg in runnable(plan, dtype, fits)]
     return variants
 
 
@@ -272,11 +277,8 @@ class JoinEpilogueFamily(GemmFamily):
         measurements)."""
         g, op = site.gemm, site.op
         product = product_gemm(g, join)
-        c = parse(join.einsum)
         fused_op = join_op(builder.spec, builder.fused, g, join)
-        tiles = len(join.loads) + len(join.outputs) + len(join.stored)
-        moved = builder.itemsize * (math.prod(product.sizes[x] for x in c.a) + tiles * math.prod(product.sizes[x] for x in c.out)
-                                    + len(join.products) * math.prod(product.sizes[x] for x in c.b))
+        moved = moved_bytes(join, product, builder.itemsize)
         plain_measured = any(plain.measured for plain in site.plain)
         own = site.renames[join.products[0]]  # the products' (and every joined tensor's) letters
         result = []

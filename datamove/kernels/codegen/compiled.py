@@ -29,7 +29,7 @@ CACHE_DIR = Path(os.environ.get("DATAMOVE_KERNEL_CACHE", Path.home() / ".cache" 
 _modules: dict[str, object] = {}
 
 
-def _load_module(source: str):
+def load_module(source: str):
     digest = hashlib.sha256(source.encode()).hexdigest()[:20]
     if digest in _modules:
         return _modules[digest], CACHE_DIR / f"op_{digest}.py"
@@ -96,7 +96,7 @@ class CompiledOperator:
 
     def _variant(self, index64: bool):
         source = generate_source(self.graph, self.op, self.config, index64=index64)
-        module, path = _load_module(source)
+        module, path = load_module(source)
         name = kernel_name(self.op)
         self._kernels[index64] = (getattr(module, f"{name}_kernel"), getattr(module, f"{name}_sums_kernel", None))
         return self._kernels[index64], source, path

@@ -13,7 +13,8 @@ from datamove.layouts.space import Configuration, parts
 # its blocks of rows (was once a block).
 GENERATOR_VERSION = 4
 
-_PRELUDE = '''import triton
+# The generated modules' imports and their shared jit helpers (also the join epilogue's, families.join_epilogue)
+PRELUDE = '''import triton
 import triton.language as tl
 
 from datamove.kernels.interpreter import store_cast
@@ -80,7 +81,7 @@ def _single_source(op, config: Configuration, code: tuple) -> str:
 {doc}
 Layouts: {config.layouts}
 """
-{_PRELUDE}
+{PRELUDE}
 
 @triton.jit
 def {name}_kernel('''
@@ -105,7 +106,7 @@ in disjoint program ranges of one launch.
 Layouts: {config.layouts}
 Knobs: {config.knobs}
 """
-{_PRELUDE}''']
+{PRELUDE}''']
     for k, (sig, lines, _, _) in enumerate(codes):
         out += ["", "@triton.jit", f"def {name}_part{k}(", "    pid,  # program index within this part's range"]
         out += _signature(sig) + ["):"] + lines
