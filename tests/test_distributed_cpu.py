@@ -2,6 +2,7 @@
 contiguous tensors in the plan's layouts (``spec_view`` gives the spec's letter order), a state dict
 that loads across layouts and from before, the spec-order views reused across training steps, and
 two processes over gloo under DDP and FSDP2 (``fully_shard``) giving one process's gradients."""
+import time
 import warnings
 from dataclasses import replace
 
@@ -13,6 +14,8 @@ import torch.multiprocessing as mp
 from datamove.export import load_layer
 from plans import selected_plan, spec_order_plan
 from test_export import BERT_DIMS, load, randomize, write
+
+PROCESSES_TIMEOUT_S = 300  # both ranks of a two-process run done (a few seconds here; one CI run hung, 2026-11-27)
 
 
 def weights_reversed(fused, spec: str):
@@ -107,7 +110,14 @@ def test_two_processes_train_as_one(tmp_path, wrapper):
     path = str(write(tmp_path, "bert", BERT_DIMS, weights_reversed))
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_run, args=(2, f"file://{tmp_path / 'init'}", path, wrapper, results), nprocs=2, join=True)
+        context = mp.spawn(_run, args=(2, f"file://{tmp_path / 'init'}", path, wrapper, results), nprocs=2, join=False)
+        deadline = time.monotonic() + PROCESSES_TIMEOUT_S
+        while not context.join(timeout=5):  # raises where a process failed
+            if time.monotonic() > deadline:  # a hang fails the test instead of holding CI
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"the two {wrapper} processes did not finish in {PROCESSES_TIMEOUT_S} s "
+                            f"(alive: {[p.pid for p in context.processes if p.is_alive()]})")
         got = dict(results)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
