@@ -9,6 +9,7 @@ bias: softmax is shift-invariant): its result is rounding noise of the gradients
 from, judged against the layer's largest gradient norm.
 """
 import json
+from dataclasses import replace
 import shutil
 import warnings
 
@@ -21,7 +22,8 @@ from datamove.dataflow.snapshot import stored_fused
 from datamove.export import (ArtifactError, ArtifactMismatch, load_layer, load_weights, read_manifest, state_dict_for,
                              write_artifact)
 from datamove.runtime.weights import from_spec
-from datamove.layouts.step_config import GradientEpilogueConfig
+from datamove.layouts.plan import LAYOUT_CHANGE, Step
+from datamove.layouts.step_config import GradientEpilogueConfig, LayoutChangeConfig
 from bias_join import with_joined_bias_gradients
 from plans import selected_plan, spec_module, spec_order_plan
 
@@ -519,3 +521,27 @@ def test_a_batch_of_one_runs_the_selected_plan(tmp_path, spec, dims):
     layer = load(write(tmp_path, spec, dims, selected_plan))
     randomize(layer, 5)
     check_against_executor(layer, {"x": None})  # GPT-2's causal constant as the layer sets it
+
+
+def _one_copy_for_two_phases(fused, spec: str):
+    """The spec-order plan with the FFN's GEMMs reading x1 (ibj) as bji: one layout change after
+    x1 is written, whose copy w1_x1 reads in the forward and d_w1 in the backward (the runtime
+    keeps it for the backward)."""
+    plan = spec_order_plan(fused, spec)
+    steps = []
+    for step in plan.steps:
+        if step.name in ("w1_x1", "d_w1"):
+            step = replace(step, reads={**step.reads, "x1": "bji"})
+        steps.append(step)
+        if step.name == "x1":
+            steps.append(Step("layout(x1:ibj->bji)#0", "forward", LAYOUT_CHANGE, (), {"x1": "ibj"}, {},
+                              LayoutChangeConfig("x1", "ibj", "bji"), 0.0, "predicted"))
+    return replace(plan, steps=steps)
+
+
+def test_a_forward_layout_copy_read_again_by_the_backward(tmp_path):
+    layer = load(write(tmp_path, "bert", BERT_DIMS, _one_copy_for_two_phases))
+    assert [s.name for s in layer.plan.steps if s.kind == LAYOUT_CHANGE] == ["layout(x1:ibj->bji)#0"]
+    assert "x1@bji" in layer.program(True).kept  # the forward's copy, returned for the backward
+    randomize(layer, 4)
+    check_against_executor(layer, {"x": None})

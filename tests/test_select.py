@@ -1,7 +1,7 @@
 """The layout selection (``layouts.select``) against brute force, and the plans of both specs.
 
 Brute force: every way of covering the operator order with candidates, each priced by walking it
-(a tensor read in another layout than it is stored in pays a change; a parameter takes its first
+(a tensor read in a layout it is neither stored in nor was copied to pays a change, once; a parameter takes its first
 reader's layout; a tensor nobody wrote yet cannot be read; an output leaves in its boundary
 layout), the cheapest kept.  Synthetic graphs small enough to enumerate: one where a layout change
 pays, one where a residual constrains the choice, one where a forward choice costs the backward,
@@ -48,7 +48,7 @@ def brute_force(order, candidates, produced, boundary, outputs=()):
                 yield [c] + rest
 
     for chain in covers(0):
-        stored, cost, valid = dict(boundary), 0.0, True
+        stored, cost, valid = {t: {layout} for t, layout in boundary.items()}, 0.0, True
         for c in chain:
             cost += c.time_ms
             for t, layout in c.reads.items():
@@ -56,11 +56,12 @@ def brute_force(order, candidates, produced, boundary, outputs=()):
                     if t in produced:
                         valid = False
                         break
-                    stored[t] = layout
-                if stored[t] != layout:
+                    stored[t] = {layout}
+                if layout not in stored[t]:  # a copy, kept for later readers
                     cost += CHANGE_MS
+                    stored[t].add(layout)
             for t, layout in c.writes.items():
-                stored[t] = layout
+                stored[t] = {layout}
                 if t in outputs and t in boundary and boundary[t] != layout:
                     cost += CHANGE_MS
             if not valid:
@@ -96,6 +97,12 @@ GRAPHS = {
         cand("H1", ["H"], {"s": "ba", "y": "ab"}, {"d": "ab"}, 1.0, "backward"),
         cand("H2", ["H"], {"s": "ab", "y": "ab"}, {"d": "ab"}, 2.9, "backward")],
         {"s", "y", "d"}, {"x": "ab"}, ("d",)),
+    # t is read twice in "yx" (the second time by the backward): one change serves both readers
+    "copy_serves_later_readers": (["A", "B", "C", "D"], [
+        cand("A1", ["A"], {"x": "ab"}, {"t": "xy"}, 1.0), cand("A2", ["A"], {"x": "ab"}, {"t": "yx"}, 2.5),
+        cand("B1", ["B"], {"t": "yx"}, {"u": "xy"}, 1.0), cand("C1", ["C"], {"t": "xy", "u": "xy"}, {"v": "xy"}, 1.0),
+        cand("D1", ["D"], {"t": "yx", "v": "xy"}, {"d": "xy"}, 1.0, "backward")],
+        {"t", "u", "v", "d"}, {"x": "ab"}, ("d",)),
     # a fused forward writes statistics only its backward reads; the unfused backward needs probabilities
     "fused_pair": (["S", "P", "O", "dO", "dP"], [
         cand("S", ["S"], {"q": "ab"}, {"s": "ab"}, 1.0), cand("P", ["P"], {"s": "ab"}, {"p": "ab"}, 1.0),
@@ -432,3 +439,12 @@ def test_a_gemm_takes_the_cublas_algorithm_measured_fastest(fastest):
     timed = [c for c in builder.gemms()["w2_hidden"] if c.source == "measured"]
     assert timed and all(c.time_ms == 0.040 and c.config.backend == "cublas" for c in timed)
     assert all(c.config.algorithm == (fastest or 0) for c in timed)
+
+
+def test_a_layout_change_serves_every_later_reader():
+    """One copy of t into "yx" for B and the backward's D (A1 + the change, 2.0, beats A2's 2.5
+    only because the copy is made once)."""
+    order, candidates, produced, boundary, outputs = GRAPHS["copy_serves_later_readers"]
+    steps, _ = select(order, candidates, produced=produced, boundary=boundary, change_cost=change_cost, outputs=outputs)
+    assert [c.name for c, _ in steps] == ["A1", "B1", "C1", "D1"]
+    assert [change[:3] for _, changes in steps for change in changes] == [("t", "xy", "yx")]

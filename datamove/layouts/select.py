@@ -10,9 +10,10 @@ attention's forward or backward operators) with the layouts it reads and writes 
 
 The layout graph: a node is (position in the operator order, state); the state holds the layout
 of every tensor in memory that a later candidate may read (layer inputs once their layout is
-decided, tensors written so far).  An edge is a candidate starting at the node's position whose
-reads are all available: it costs its time plus a layout change for every tensor it reads in
-another layout than the state holds (``change_cost``), and leads to the position after its last
+decided, tensors written so far), and the layouts a layout change copied it to (a copy serves
+every later reader, the backward's too).  An edge is a candidate starting at the node's position
+whose reads are all available: it costs its time plus a layout change for every tensor it reads in
+a layout the state does not hold (``change_cost``), and leads to the position after its last
 operator with the state updated (written tensors added, tensors no later candidate reads
 dropped).  A tensor no chosen candidate wrote is absent: a backward reading the attention's
 probabilities cannot follow the fused attention, whose backward needs the statistics only the
@@ -165,25 +166,31 @@ def select(order: list[str], candidates: list[Candidate], *, produced: set[str],
 
 
 def _edges(node, candidates, position, last, produced, boundary, outputs, change_cost):
-    """(candidate, cost, changes, target node, reason it cannot run or None) of every candidate from ``node``."""
+    """(candidate, cost, changes, target node, reason it cannot run or None) of every candidate from ``node``.
+
+    The state holds, per tensor, the layout it is stored in and then the layouts earlier layout
+    changes copied it to (the runtime keeps a copy under ``copy_name`` until its last reader, across
+    the forward and backward: ``runtime.layer``'s kept tensors): a later reader of a copied layout
+    pays nothing."""
     index, state = node
     held = dict(state)
     for c in candidates:
-        cost, changes, reason = c.time_ms, [], None
+        cost, changes, reason, copied = c.time_ms, [], None, {}
         for t, layout in c.reads.items():
             if t in held:
                 stored = held[t]
             elif t in boundary:
-                stored = boundary[t]
+                stored = (boundary[t],)
             elif t not in produced:
-                stored = layout  # a parameter: stored as its first reader wants it
+                stored = (layout,)  # a parameter: stored as its first reader wants it
             else:
                 reason = f"{c.name} reads {t}, which no chosen kernel before it writes"
                 break
-            if stored != layout:
-                ms, source = change_cost(t, stored, layout)
+            if layout not in stored:
+                ms, source = change_cost(t, stored[0], layout)
                 cost += ms
-                changes.append((t, stored, layout, ms, source))
+                changes.append((t, stored[0], layout, ms, source))
+                copied[t] = layout
         if reason:
             yield c, 0.0, [], None, reason
             continue
@@ -191,14 +198,17 @@ def _edges(node, candidates, position, last, produced, boundary, outputs, change
         new = {t: l for t, l in held.items() if last.get(t, -1) >= end}
         for t, layout in c.reads.items():  # inputs decided here stay decided
             if t not in produced and last.get(t, -1) >= end:
-                new.setdefault(t, boundary.get(t, layout))
+                new.setdefault(t, (boundary.get(t, layout),))
+        for t, layout in copied.items():  # a copy serves later readers too
+            if t in new:
+                new[t] = (new[t][0], *sorted({*new[t][1:], layout}))
         for t, layout in c.writes.items():
             if t in outputs and t in boundary and boundary[t] != layout:
                 ms, source = change_cost(t, layout, boundary[t])
                 cost += ms
                 changes.append((t, layout, boundary[t], ms, source))
             if last.get(t, -1) >= end:
-                new[t] = layout
+                new[t] = (layout,)
         yield c, cost, changes, (end, tuple(sorted(new.items()))), None
 
 
