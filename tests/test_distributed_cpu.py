@@ -55,11 +55,18 @@ def test_a_state_dict_loads_across_layouts_and_from_spec_order(tmp_path):
         torch.testing.assert_close(loaded(x), ours(x), rtol=1e-5, atol=1e-5)
 
 
-def test_training_steps_reuse_the_spec_views(tmp_path):
-    """The spec-order views a layer keeps across calls carry the gradients of every step after the
-    optimizer changed the weights: the same weights as views made anew each step."""
+def test_parameter_views_belong_to_their_call(tmp_path):
+    """A parameter's spec-order view that autograd records is made on every call (its backward node
+    then runs on that call's stream: one kept from an earlier call broke a caller's CUDA-graph
+    capture of fwd+bwd on the GPU); views autograd does not record are kept across calls; training
+    steps through either give the weights of views made anew each step."""
     path = write(tmp_path, "bert", BERT_DIMS, weights_reversed)
     kept, fresh = (load(path, backend="torch").eval() for _ in range(2))
+    first, second = kept._spec_tensors(), kept._spec_tensors()
+    parameters = len(kept.interface.parameters)
+    assert all(a is not b and a.grad_fn is not None for a, b in zip(first[:parameters], second[:parameters]))
+    with torch.no_grad():
+        assert all(a is b for a, b in zip(kept._spec_tensors(), kept._spec_tensors()))
     randomize(kept, 5)
     fresh.load_state_dict(kept.state_dict())
     optimizers = [torch.optim.SGD(layer.parameters(), lr=0.1) for layer in (kept, fresh)]
@@ -69,6 +76,8 @@ def test_training_steps_reuse_the_spec_views(tmp_path):
         for layer, optimizer in zip((kept, fresh), optimizers):
             if layer is fresh:
                 layer._views.clear()
+            with torch.no_grad():
+                layer(x)  # views kept while nothing records
             optimizer.zero_grad()
             layer(x).square().sum().backward()
             optimizer.step()

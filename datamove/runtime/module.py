@@ -266,9 +266,12 @@ class TunedLayer(torch.nn.Module):
         return (getattr(self, name) if value is None else value).permute(self._spec_axes[name])
 
     def _spec_tensors(self) -> list[torch.Tensor]:
-        """The parameters and constants as the program reads them, in spec letter order: views made
-        once and kept while the tensor, its storage and whether autograd records stay the same (16
-        views a call cost host time on every call of a stack of layers)."""
+        """The parameters and constants as the program reads them, in spec letter order.  A view
+        autograd records (a parameter's, training) is made on every call: its backward node belongs
+        to this call's graph and runs on this call's stream (one kept from an earlier call ran its
+        backward on the stream of that call, the legacy stream, which broke a caller's CUDA-graph
+        capture of fwd+bwd).  Views autograd does not record are made once and kept while the
+        tensor and its storage stay the same."""
         names = self.interface.parameters + self.interface.constants
         if torch.compiler.is_compiling():
             return [self.spec_view(t) for t in names]
@@ -276,7 +279,10 @@ class TunedLayer(torch.nn.Module):
         result = []
         for t in names:
             value = self._parameters[t] if t in self._parameters else self._buffers[t]
-            made_of = (id(value), value.data_ptr(), recording and value.requires_grad)
+            if recording and value.requires_grad:
+                result.append(value.permute(self._spec_axes[t]))
+                continue
+            made_of = (id(value), value.data_ptr())
             kept = self._views.get(t)
             if kept is None or kept[0] != made_of:
                 kept = self._views[t] = (made_of, value.permute(self._spec_axes[t]))
