@@ -164,7 +164,10 @@ class Replayer:
                         for t, ptr in zip(face.activations, reads)]
         self.grad_outputs = [program.to_torch(t, spec(t)) for t in face.outputs]
         self.mask = torch.zeros(mask_shape, dtype=torch.bool, device=device) if mask_shape else None
-        self.others = list(tensors)  # parameters and constants: the module's, read in place
+        # parameters and constants: the module's, read in place; detached: a view autograd recorded would keep its
+        # parameter's gradient accumulator alive with the stream of the call that made it (the legacy stream), on
+        # which autograd then synchronised a caller's CUDA-graph capture of fwd+bwd, failing it
+        self.others = [t.detach() for t in tensors]
         self.seed = torch.zeros(1, dtype=torch.int64, device=device)  # the warm-up's key: draws nothing from the generator
         inputs = self._inputs(activations)
         self.forward_graph, (self.outputs, self.kept) = _capture(

@@ -23,11 +23,6 @@ import warnings
 
 import torch
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # a torch without FSDP2
-    FSDPModule = None
-
 from datamove.dataflow.initial_values import ONE, WEIGHT, CausalMask, KnownValue, initial_values
 from datamove.families.attention import check_causal_constant
 from datamove.kernels.interpreter import interpreted
@@ -153,11 +148,6 @@ class _Launched(torch.autograd.Function):
         tensors, kept = saved[:ctx.inputs], saved[ctx.inputs:]
         result = program.call_backward(tensors, kept, _output_grads(program, grads, tensors[0].device), Run(seed, mask))
         return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
-
-
-def _is_fsdp2(module: torch.nn.Module) -> bool:
-    """Whether ``fully_shard`` made ``module`` an FSDP2 module."""
-    return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
 def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -438,18 +428,7 @@ class TunedLayer(torch.nn.Module):
             raise TypeError(f"missing input(s) {', '.join(missing)}: {call}")
         return tuple(bound[name] for name in names)
 
-    def _refuse_fsdp_kernels(self) -> None:
-        """FSDP2 (``fully_shard`` of this layer) over the kernels on CUDA: measured wrong (an H200,
-        one process: most parameters' gradients ~0.5 off relative to the same layer unwrapped, with
-        or without the layer's CUDA graphs), so refused until found; the torch backend is checked
-        right under FSDP2 (``tests/test_distributed_cpu.py``)."""
-        if self.backend == KERNELS and self.device_.type == "cuda" and _is_fsdp2(self):
-            raise RuntimeError("datamove: FSDP2 (fully_shard) over the tuned layer's kernels gives wrong gradients in "
-                               "our tests on the GPU and is refused for now; train it under DDP, or leave the "
-                               "tuned layers out of fully_shard")
-
     def forward(self, *inputs, key_padding_mask: torch.Tensor | None = None, **named_inputs):
-        self._refuse_fsdp_kernels()
         face = self.interface
         activations = self._bound_inputs(inputs, named_inputs)
         shape = call_shape(self.graph, face, self.call_dims, activations)

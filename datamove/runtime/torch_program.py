@@ -131,6 +131,9 @@ class TorchProgram:
     def call_forward(self, inputs: list[torch.Tensor], run) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The forward on ``inputs`` (activations, parameters, constants): (the outputs in PyTorch
         order, the ``kept`` tensors)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("datamove: the torch backend draws its dropout masks on the host and cannot run inside "
+                               "a CUDA graph capture; capture the layer with its kernels (backend='kernels')")
         env = self._inputs(inputs)
         keeps = self._masks(int(run.seed))
         self._run(self.forward_primitives, env, keeps, run.key_padding_mask)
