@@ -134,6 +134,15 @@ def llama_tables(manifest: dict, dtype: torch.dtype, device) -> tuple:
     return LlamaRotaryEmbedding(config).to(device)(x, torch.arange(T, device=device)[None])
 
 
+def apply_liger() -> None:
+    """Liger-Kernel's RMSNorm, SwiGLU and RoPE in place of HF's, in the ``modeling_llama`` module itself:
+    every Llama layer or model made afterwards uses them."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False)
+
+
 def _llama_baselines(manifest: dict, dtype: torch.dtype, device, max_autotune: bool) -> dict:
     from transformers.models.llama import modeling_llama
 
@@ -144,10 +153,7 @@ def _llama_baselines(manifest: dict, dtype: torch.dtype, device, max_autotune: b
         layers["compile-max-autotune"] = torch.compile(hf, mode="max-autotune-no-cudagraphs")
 
     def liger():
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+        apply_liger()
         layer = modeling_llama.LlamaDecoderLayer(config, layer_idx=0).to(device, dtype).train()
         layer.load_state_dict(hf.layer.state_dict())
         return _WithRotary(layer, tables)

@@ -1,22 +1,34 @@
-"""A whole model's training step, as a user runs it: HF ``BertModel`` with its layers replaced, in a plain loop.
+"""A whole model's training step, as a user runs it: a HF BERT or Llama model, layers replaced, in a plain loop.
 
-    PYTHONPATH=$PWD python3 benchmarks/model.py --artifact out/<dir> [--artifact ...] [--layers 24] [--out benchmarks/results]
+    PYTHONPATH=$PWD python3 benchmarks/model.py --artifact out/<dir> [--artifact ...] [--layers N] [--batch B]
+                                                [--models NAME ...] [--out benchmarks/results] [--name model]
 
-Per artifact (its dims and dtype set the case): a HF ``BertModel`` of the artifact's sizes (BERT-large
-for ``configs/bert.py``; ``--layers`` deep, dropout 0.1, SDPA attention, padded tails: each sequence
-keeps between half and all of its positions), a token-tagging head and ``torch.optim.AdamW``; one
-training step = forward, loss over the unpadded positions, ``zero_grad(set_to_none=True)``,
-backward, optimizer step.  Models, same initial weights, one after the other in one run:
-- ``datamove``: every ``BertLayer`` replaced by the tuned layer (``datamove.hf.replace_bert_layers``),
-  its own CUDA graphs on (the default);
+Per artifact (its spec, dims and dtype set the case; ``--batch`` another batch size than the tuned
+one): a HF model of the artifact's sizes, ``--layers`` deep, SDPA attention, padded tails (each
+sequence keeps between half and all of its positions, [batch, sequence] ``attention_mask``), a
+token-tagging head (``TAGS`` classes) and ``torch.optim.AdamW``; one training step = forward, loss
+over the unpadded positions, ``zero_grad(set_to_none=True)``, backward, optimizer step.
+- BERT (``configs/bert.py``): ``BertModel`` (BERT-large: 24 layers by default), dropout 0.1.
+- Llama (``configs/llama.py``): ``LlamaModel`` (16 layers by default: Llama-3.2-1B's depth; HF's
+  vocabulary of 32000), no dropout.  The tagging head, not a causal LM head: the cheapest loss,
+  where an LM head would add float32 logits of [batch, sequence, vocabulary] (1 GB at B=4 T=2048)
+  and ~3 TFLOP to every model's step alike.
+Models (``--models``: some of them), same initial weights (the first model's state dict), one after
+the other in one run:
+- ``datamove``: every ``BertLayer`` / ``LlamaDecoderLayer`` replaced by the tuned layer
+  (``datamove.hf.replace_bert_layers`` / ``replace_llama_layers``), its own CUDA graphs on (the default);
 - ``datamove-plain``: the same with ``cuda_graphs=False`` (every kernel launched on every call);
 - ``hf-sdpa``: the model untouched;
-- ``compile``: ``torch.compile(model)`` (default mode).
+- ``compile``: ``torch.compile(model)`` (default mode);
+- Llama only, made last (Liger-Kernel patches HF's module): ``liger``, HF's model with Liger's
+  RMSNorm, SwiGLU and RoPE (``benchmarks/layer.py``'s ``apply_liger``), and ``liger+compile``,
+  ``torch.compile`` of it.
 Per model: wall time per step (host clock over ``STEPS`` steps, synchronised at the end; median of
 ``ROUNDS``), kernel time per step (the sum of every device activity's duration in a profiler trace
 of ``PROFILED`` steps), peak memory allocated over the timed steps, and for the tuned layers the
 bytes their graphs hold (``TunedLayer.cuda_graph_bytes``).  Warm-up steps first (compilation,
-graph capture).  Ratios are against ``datamove``'s wall time.
+graph capture).  Ratios are against ``datamove``'s wall time.  Results: ``OUT/NAME.md`` / ``.json`` for
+BERT, ``OUT/NAME_llama.md`` / ``.json`` for Llama, rewritten after each model.
 """
 from __future__ import annotations
 
@@ -29,47 +41,92 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.layer import apply_liger, llama_config
 from datamove.export import read_manifest
-from datamove.hf import replace_bert_layers
+from datamove.hf import BertLayerReplacement, replace_bert_layers, replace_llama_layers
 from datamove.harness.bench import utc_stamp, write_results
 from datamove.kernels.device import versions
 
 WARMUP, STEPS, ROUNDS, PROFILED, BATCHES = 4, 10, 3, 5, 4
 TAGS = 7
+MODELS = {"bert": ("datamove", "datamove-plain", "hf-sdpa", "compile"),
+          "llama": ("datamove", "datamove-plain", "hf-sdpa", "compile", "liger", "liger+compile")}
+LAYERS = {"bert": 24, "llama": 16}  # --layers' default per spec
+TITLES = {"bert": "BertModel", "llama": "LlamaModel"}
+SETTINGS = {"bert": "dropout 0.1",  # the Markdown's description of a case
+            "llama": "no dropout; liger: HF's model with Liger-Kernel's RMSNorm, SwiGLU and RoPE"}
 
 
-def _model(dims: dict, layers: int, dtype: torch.dtype):
+def _bert(manifest: dict, layers: int, dtype: torch.dtype, device):
     import transformers
 
+    dims = manifest["dims"]
     config = transformers.BertConfig(hidden_size=dims["N"], num_attention_heads=dims["H"], intermediate_size=dims["U"],
                                      num_hidden_layers=layers, hidden_act="relu", layer_norm_eps=1e-12,
                                      max_position_embeddings=max(512, dims["L"]), attention_probs_dropout_prob=0.1,
                                      hidden_dropout_prob=0.1)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.BertModel(config, add_pooling_layer=False).cuda().to(dtype).train()
+    model = transformers.BertModel(config, add_pooling_layer=False).to(device, dtype).train()
     return model, config.vocab_size
 
 
-def _batches(dims: dict, vocab: int) -> list[tuple]:
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    B, L = dims["B"], dims["L"]
+def _llama(manifest: dict, layers: int, dtype: torch.dtype, device):
+    import transformers
+
+    config = llama_config(manifest)
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: a 1B model's weights take seconds on the host
+        model = transformers.LlamaModel(config)
+    return model.to(dtype).train(), config.vocab_size
+
+
+def build(name: str, artifact: Path, manifest: dict, layers: int, dtype: torch.dtype, device,
+          initial_weights: dict):
+    """Model ``name`` (one of ``MODELS[spec]``) of the artifact's spec on ``device``, ``layers`` deep,
+    in training mode; -> (model, vocabulary size).  ``initial_weights``: the state dict every model
+    starts from (on the host), filled from the first model made when empty."""
+    spec = manifest["spec"]
+    if name.startswith("liger"):
+        apply_liger()
+    model, vocab = (_llama if spec == "llama" else _bert)(manifest, layers, dtype, device)
+    if initial_weights:
+        model.load_state_dict(initial_weights)
+    else:
+        initial_weights.update({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+    if name.startswith("datamove"):
+        replace = replace_llama_layers if spec == "llama" else replace_bert_layers
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            replace(model, artifact, allow_mismatch=True, cuda_graphs=name == "datamove")
+    elif name.endswith("compile"):
+        model = torch.compile(model)
+    return model, vocab
+
+
+def batches(dims: dict, vocab: int, device) -> list[tuple]:
+    """``BATCHES`` batches of (token ids, attention mask: 1 = kept, tags), each [B, sequence]; each
+    sequence keeps its first half to all positions."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    B, L = dims["B"], (dims["L"] if "L" in dims else dims["T"])
     result = []
     for _ in range(BATCHES):
-        ids = torch.randint(0, vocab, (B, L), device="cuda", generator=gen)
-        kept = torch.randint(L // 2, L + 1, (B, 1), device="cuda", generator=gen)
-        mask = (torch.arange(L, device="cuda")[None, :] < kept).long()
+        ids = torch.randint(0, vocab, (B, L), device=device, generator=gen)
+        kept = torch.randint(L // 2, L + 1, (B, 1), device=device, generator=gen)
+        mask = (torch.arange(L, device=device)[None, :] < kept).long()
         result.append((ids, mask, (ids * 5 + 1) % TAGS))
     return result
 
 
 class Trainer:
-    """``model`` + a tagging head + AdamW; ``step()`` is one training step on the next batch."""
+    """``model`` + a tagging head (``hidden`` features in) + AdamW; ``step()`` is one training step on
+    the next batch and returns its loss."""
 
-    def __init__(self, model, batches: list[tuple], dims: dict, dtype: torch.dtype):
+    def __init__(self, model, batches: list[tuple], hidden: int, dtype: torch.dtype, device):
         torch.manual_seed(2)
         self.model, self.batches, self.n = model, batches, 0
-        self.head = torch.nn.Linear(dims["N"], TAGS, device="cuda", dtype=dtype)
+        self.head = torch.nn.Linear(hidden, TAGS, device=device, dtype=dtype)
         self.optimizer = torch.optim.AdamW(list(model.parameters()) + list(self.head.parameters()), lr=1e-5)
 
     def step(self) -> torch.Tensor:
@@ -105,8 +162,7 @@ def _kernel_ms(trainer: Trainer) -> float:
     return sum(e.device_time_total for e in prof.events() if e.device_type.name == "CUDA") / 1e3 / PROFILED
 
 
-def measure(name: str, model, batches, dims: dict, dtype: torch.dtype) -> dict:
-    trainer = Trainer(model, batches, dims, dtype)
+def measure(name: str, trainer: Trainer) -> dict:
     started = time.perf_counter()
     losses = [float(trainer.step()) for _ in range(WARMUP)]
     warmup_s = time.perf_counter() - started
@@ -115,7 +171,7 @@ def measure(name: str, model, batches, dims: dict, dtype: torch.dtype) -> dict:
     wall = statistics.median(_wall_ms(trainer) for _ in range(ROUNDS))
     peak = torch.cuda.max_memory_allocated() / 2**20
     kernel = _kernel_ms(trainer)
-    layers = [m.layer for m in model.modules() if type(m).__name__ == "BertLayerReplacement"]
+    layers = [m.layer for m in trainer.model.modules() if isinstance(m, BertLayerReplacement)]
     row = {"wall_ms": wall, "kernel_ms": kernel, "peak_mib": peak, "warmup_s": warmup_s,
            "first_losses": losses, "last_loss": float(trainer.step())}
     if layers:
@@ -124,41 +180,42 @@ def measure(name: str, model, batches, dims: dict, dtype: torch.dtype) -> dict:
     return row
 
 
-def run_case(artifact: Path, layers: int) -> dict:
+def run_case(artifact: Path, layers: int, batch: int | None, models: list[str] | None, report: dict, save) -> None:
+    """Measure the models of the artifact's spec (those in ``models`` where given) into a case appended
+    to ``report["cases"]``, calling ``save()`` after each."""
     manifest = read_manifest(artifact)
-    dims, dtype = manifest["dims"], getattr(torch, manifest["dtype"])
-    print(f"{artifact.name}: B={dims['B']} L={dims['L']} {manifest['dtype']}, {layers} layers", file=sys.stderr)
-    rows = {}
-    for name in ("datamove", "datamove-plain", "hf-sdpa", "compile"):
-        model, vocab = _model(dims, layers, dtype)
-        batches = _batches(dims, vocab)
+    dims, dtype = {**manifest["dims"], **({"B": batch} if batch else {})}, getattr(torch, manifest["dtype"])
+    sizes = " ".join(f"{k}={v}" for k, v in dims.items())
+    print(f"{artifact.name}: {sizes} {manifest['dtype']}, {layers} layers", file=sys.stderr)
+    rows, initial_weights = {}, {}
+    report["cases"].append({"artifact": str(artifact), "dims": dims, "dtype": manifest["dtype"], "layers": layers,
+                            "plan_device": manifest["device"], "date": utc_stamp(), "rows": rows})
+    for name in [name for name in MODELS[manifest["spec"]] if not models or name in models]:
         try:
-            if name.startswith("datamove"):
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    replace_bert_layers(model, artifact, allow_mismatch=True, cuda_graphs=name == "datamove")
-            elif name == "compile":
-                model = torch.compile(model)
-            rows[name] = measure(name, model, batches, dims, dtype)
+            model, vocab = build(name, artifact, manifest, layers, dtype, "cuda", initial_weights)
+            rows[name] = measure(name, Trainer(model, batches(dims, vocab, "cuda"), model.config.hidden_size, dtype,
+                                               "cuda"))
         except Exception as exc:  # noqa: BLE001 - one failing model is reported, the rest go on
             rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             print(f"  {name}: {rows[name]['error']}", file=sys.stderr)
-        del model, batches
+        model = None  # freed before the next model is made
         torch.cuda.empty_cache()
-    return {"artifact": str(artifact), "dims": dims, "dtype": manifest["dtype"], "layers": layers,
-            "plan_device": manifest["device"], "date": utc_stamp(), "rows": rows}
+        save()
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# A HF BertModel's training step ({report['device']}, {report['date']})", "",
+    spec = report["spec"]
+    lines = [f"# A HF {TITLES[spec]}'s training step ({report['device']}, {report['date']})", "",
              f"Versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}.", "",
-             "One AdamW step (forward, loss, zero_grad, backward, optimizer step), padded tails, dropout 0.1. "
+             f"One AdamW step (forward, loss, zero_grad, backward, optimizer step), padded tails, {SETTINGS[spec]}. "
              f"Wall: host clock per step over {STEPS} steps (median of {ROUNDS}); kernel: device busy time per step "
              f"(profiler, {PROFILED} steps); peak: memory allocated over the timed steps; graphs: static buffers the "
              "tuned layers' CUDA graphs hold. Ratio: wall time / datamove's.", ""]
     for case in report["cases"]:
         d = case["dims"]
-        lines += [f"## B={d['B']} L={d['L']} {case['dtype']}, {case['layers']} layers (plan timed on "
+        sizes = " ".join(f"{k}={d[k]}" for k in ("B", "T", "D", "H", "KV", "E", "F")) if spec == "llama" else \
+            f"B={d['B']} L={d['L']}"
+        lines += [f"## {sizes} {case['dtype']}, {case['layers']} layers (plan timed on "
                   f"{case['plan_device']['name']}; measured {case['date']})", "",
                   "| model | wall ms | kernel ms | wall / kernel | peak MiB | graphs MiB | wall ratio |",
                   "|---|---|---|---|---|---|---|"]
@@ -178,18 +235,28 @@ def markdown(report: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, nargs="+", required=True, help="optimize-layer output folders")
-    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--layers", type=int, help="decoder / encoder layers (default: BERT 24, Llama 16)")
+    parser.add_argument("--batch", type=int, help="batch size (default: the artifact's B; another runs the nearest "
+                                                  "tuned plan)")
+    parser.add_argument("--models", nargs="+", help="measure only these (names as in the docstring)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default="model", help="results file name: OUT/NAME.md (BERT), OUT/NAME_llama.md")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/model.py needs a CUDA GPU: nothing measured", file=sys.stderr)
         return 2
-    report = {"date": utc_stamp(), "device": torch.cuda.get_device_name(), "versions": versions(), "cases": []}
-    for artifact in args.artifact:  # rewritten after each case: what was measured stays
-        report["cases"].append(run_case(artifact, args.layers))
-        text = markdown(report)
-        write_results(args.out, "model", report, text)
-    print(text)
+    specs = {artifact: read_manifest(artifact)["spec"] for artifact in args.artifact}
+    for artifact, spec in specs.items():
+        if spec not in MODELS:
+            parser.error(f"{artifact}: a {spec} artifact; this benchmark runs {' and '.join(MODELS)} models")
+    reports = {}
+    for artifact, spec in specs.items():  # rewritten after each model: what was measured stays
+        report = reports.setdefault(spec, {"date": utc_stamp(), "device": torch.cuda.get_device_name(), "spec": spec,
+                                           "versions": versions(), "cases": []})
+        stem = args.name if spec == "bert" else f"{args.name}_{spec}"
+        run_case(artifact, args.layers or LAYERS[spec], args.batch, args.models, report,
+                 lambda: write_results(args.out, stem, report, markdown(report)))
+    print("".join(markdown(report) for report in reports.values()))
     return 0
 
 

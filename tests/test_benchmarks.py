@@ -1,10 +1,26 @@
-"""The end-to-end benchmark's tables (``benchmarks/layer.py``), from synthetic profiler events."""
+"""The end-to-end benchmarks' tables (``benchmarks/layer.py``, from synthetic profiler events;
+``benchmarks/model.py``), and ``benchmarks/model.py``'s Llama models on the CPU at the spec's small dims."""
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
-SPEC = importlib.util.spec_from_file_location("layer_benchmark", Path(__file__).parents[1] / "benchmarks" / "layer.py")
-layer_benchmark = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(layer_benchmark)
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks/model.py imports benchmarks.layer
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+layer_benchmark, model_benchmark = _load("layer"), _load("model")
 
 
 def test_kernels_are_grouped_per_call_slowest_first():
@@ -38,3 +54,102 @@ def test_breakdown_shows_bandwidth_of_generated_steps_against_a_same_size_copy()
     assert "| x1 | forward | generated | 0.0200 | 0.0210 (measured) | 33.6 | 1678 | 75 |" in lines
     assert "| w1_x1 | forward | gemm | 0.0500 | 0.0500 (measured) | | | |" in lines
     assert "| total | | | 0.0700 | | | | |" in lines
+
+
+def test_model_tables_of_the_measured_bert_runs_are_as_committed():
+    for stem in ("model", "model_h200"):
+        report = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
+        expected = (ROOT / "benchmarks" / "results" / f"{stem}.md").read_text()
+        assert model_benchmark.markdown({**report, "spec": "bert"}) == expected
+
+
+def test_model_table_of_a_llama_case():
+    row = {"wall_ms": 120.0, "kernel_ms": 100.0, "peak_mib": 30000.0, "graph_held_mib": 9000.0}
+    dims = {"B": 4, "D": 2048, "E": 64, "F": 8192, "H": 32, "KV": 8, "T": 2048}
+    report = {"spec": "llama", "device": "GPU", "date": "today", "versions": {"torch": "x"},
+              "cases": [{"dims": dims, "dtype": "bfloat16", "layers": 16, "plan_device": {"name": "GPU"}, "date": "now",
+                         "rows": {"datamove": row, "liger+compile": {**row, "wall_ms": 150.0, "graph_held_mib": 0.0},
+                                  "liger": {"error": "ImportError: no liger_kernel"}}}]}
+    lines = model_benchmark.markdown(report).splitlines()
+    assert lines[0] == "# A HF LlamaModel's training step (GPU, today)"
+    assert "## B=4 T=2048 D=2048 H=32 KV=8 E=64 F=8192 bfloat16, 16 layers (plan timed on GPU; measured now)" in lines
+    assert "| liger+compile | 150.00 | 100.00 | 1.50 | 30000 | 0 | 1.25 |" in lines
+    assert "| liger | error: ImportError: no liger_kernel | | | | | |" in lines
+
+
+@pytest.fixture(scope="module")
+def llama_artifact(tmp_path_factory):
+    from datamove.cli import main
+
+    out = tmp_path_factory.mktemp("llama") / "out"
+    assert main(["configs/llama.py", "--out", str(out)]) == 0
+    return out
+
+
+def test_llama_models_start_alike_and_train_on_cpu(llama_artifact):
+    """The replaced model (the torch backend here) and HF's, same initial weights and padded batches:
+    the same losses over three AdamW steps (bf16 against the layers' float32)."""
+    pytest.importorskip("transformers")
+    manifest = model_benchmark.read_manifest(llama_artifact)
+    initial_weights, losses = {}, {}
+    for name in ("datamove", "hf-sdpa"):
+        model, vocab = model_benchmark.build(name, llama_artifact, manifest, 2, torch.bfloat16, "cpu", initial_weights)
+        replaced = [m for m in model.modules() if isinstance(m, model_benchmark.BertLayerReplacement)]
+        assert len(replaced) == (2 if name == "datamove" else 0)
+        batches = model_benchmark.batches(manifest["dims"], vocab, "cpu")
+        assert not all(bool(mask.all()) for _, mask, _ in batches)  # some sequences are padded
+        trainer = model_benchmark.Trainer(model, batches, model.config.hidden_size, torch.bfloat16, "cpu")
+        losses[name] = torch.stack([trainer.step() for _ in range(3)])
+    assert torch.allclose(losses["datamove"], losses["hf-sdpa"], rtol=2e-3)
+
+
+distributed_benchmark = _load("distributed")
+
+
+def _run(world: int, rows: dict, device: str = "GPU") -> dict:
+    case = {"artifact": "out/bert", "spec": "bert", "dims": {"B": 8, "L": 512}, "dtype": "bfloat16", "layers": 24,
+            "plan_device": {"name": "GPU"}}
+    return {"world_size": world, "date": "2026-11-27T00:00:00+00:00", "steps": 10, "case": case,
+            "versions": {"torch": "x"}, "device": device, "rows": rows}
+
+
+def _row(wall_ms: float, losses: list, date: str = "2026-11-27T00:00:00+00:00", **extra) -> dict:
+    return {"wall_ms": wall_ms, "tokens_per_s_per_gpu": 4096 / wall_ms * 1e3, "peak_mib": 7000.0, "warmup_s": 3.0,
+            "losses": losses, "date": date, **extra}
+
+
+def test_distributed_rows_merge_per_gpu_count_and_compare_losses_with_hf():
+    bench = distributed_benchmark
+    first = bench.merged({}, _run(2, {"ddp": {"hf-sdpa": _row(80.0, [2.0, 1.9]),
+                                              "datamove": _row(30.0, [2.0, 1.8])}}))
+    refused = {"error": "RuntimeError: datamove: FSDP2 (fully_shard) ... refused", "date": "2026-11-28T00:00:00+00:00"}
+    later = _run(2, {"ddp": {"datamove": _row(25.0, [2.0, 1.85], "2026-11-28T00:00:00+00:00")},
+                     "fsdp2": {"datamove": refused}})
+    report = bench.merged(bench.merged(first, _run(1, {"ddp": {"datamove": _row(24.0, [2.0, 1.8])}})), later)
+    rows = report["runs"]["2"]["rows"]
+    assert list(report["runs"]) == ["1", "2"]
+    assert rows["ddp"]["hf-sdpa"]["wall_ms"] == 80.0 and rows["ddp"]["datamove"]["wall_ms"] == 25.0  # kept, replaced
+    assert rows["ddp"]["datamove"]["loss_vs_hf"]["per_step"] == [0.0, pytest.approx(0.05)]
+    assert rows["fsdp2"]["datamove"] == refused
+    other = bench.merged(report, _run(2, {"ddp": {"datamove": _row(26.0, [2.0, 1.8])}}, device="another GPU"))
+    assert list(other["runs"]["2"]["rows"]["ddp"]) == ["datamove"]  # another device: the section is replaced
+
+
+def test_distributed_tables_show_errors_replicas_and_scaling():
+    bench = distributed_benchmark
+    replicas = {"parameters": 391, "differing": 0, "max_abs_diff": 0.0}
+    report = bench.merged({}, _run(1, {"ddp": {"datamove": _row(24.0, [2.0, 1.8], replicas=replicas)}}))
+    report = bench.merged(report, _run(2, {
+        "ddp": {"hf-sdpa": _row(80.0, [2.0, 1.9]),
+                "datamove": _row(32.0, [2.0, 1.8], replicas={**replicas, "differing": 2, "max_abs_diff": 0.004})},
+        "fsdp2": {"datamove": {"error": "RuntimeError: refused", "date": "2026-11-28T00:00:00+00:00"},
+                  "compile-default": _row(64.0, [2.0, 1.9], dynamo={"graphs": 3, "graph_breaks": 4})}}))
+    lines = bench.markdown(report).splitlines()
+    assert "## 2 x GPU (measured 2026-11-27 to 2026-11-28)" in lines
+    assert "| ddp | datamove | 24.00 | 170,667 | 7000 | 3.0 | 1.8000 |  | all equal (391 tensors) |  |" in lines
+    assert "| ddp | datamove | 32.00 | 128,000 | 7000 | 3.0 | 1.8000 | 1.00e-01 | 2 of 391 differ (max 0.004) |  |" \
+        in lines
+    assert "| fsdp2 | datamove | RuntimeError: refused | | | | | | | |" in lines
+    assert "| fsdp2 | compile-default | 64.00 | 64,000 | 7000 | 3.0 | 1.9000 |  |  | dynamo: 3 graphs, 4 breaks |" in lines
+    assert "| ddp | datamove | 170,667 | 128,000 |" in lines  # tokens/s per GPU at 1 and 2 GPUs
+    assert "| ddp | hf-sdpa |  | 51,200 |" in lines
