@@ -21,14 +21,14 @@ Models, one after the other, each from the same initial weights on every rank:
   step starting with ``cudagraph_mark_step_begin``); dynamo is reset before each row.
 Wrappers, the same for each model: ``ddp`` (``DistributedDataParallel``); ``fsdp2`` (``fully_shard``
 of each layer, then of the whole module; a replaced layer's unit is the tuned layer, the module
-holding its parameters).  FSDP2 over the tuned layer's kernels is refused by datamove on the GPU
-(``TunedLayer._refuse_fsdp_kernels``): that row records the refusal and the others run.
+holding its parameters).
 Per (wrapper, model): ``LOSS_STEPS`` steps first (their losses, averaged over ranks, are the loss
 trace; they also warm up: compilation, graph capture; their seconds are reported), then wall time
 per step (host clock over ``--steps`` steps, synchronised at the end; median of ``ROUNDS``; the
 slowest rank's), tokens/s per GPU (B x sequence, padding included, over that time), peak memory
 allocated over the timed steps (the largest rank's), and for DDP whether every rank's parameters
-equal rank 0's bit for bit after training.  A row failing on any rank records that rank's error.
+equal rank 0's bit for bit after training.  A row failing on any rank (an error, a refusal) records
+that rank's error, and the other rows run.
 Each loss trace is compared with ``hf-sdpa``'s under the same wrapper (the largest absolute
 difference over the steps); compile rows also give the graphs dynamo compiled and its graph breaks.
 Rank 0 writes ``OUT/distributed.md`` / ``.json`` (Llama: ``distributed_llama``) after each row, one
@@ -189,7 +189,7 @@ def measure(name: str, wrapper: str, case: dict, steps: int, device: torch.devic
     try:
         local, tagger = _train(name, wrapper, case, steps, device, initial_weights)
         error = None
-    except Exception as exc:  # noqa: BLE001 - a refused or failing row is recorded, the others run
+    except Exception as exc:  # noqa: BLE001 - a failing row is recorded, the others run
         error = f"{type(exc).__name__}: {exc}"[:400]
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)

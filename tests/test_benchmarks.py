@@ -122,15 +122,15 @@ def test_distributed_rows_merge_per_gpu_count_and_compare_losses_with_hf():
     bench = distributed_benchmark
     first = bench.merged({}, _run(2, {"ddp": {"hf-sdpa": _row(80.0, [2.0, 1.9]),
                                               "datamove": _row(30.0, [2.0, 1.8])}}))
-    refused = {"error": "RuntimeError: datamove: FSDP2 (fully_shard) ... refused", "date": "2026-11-28T00:00:00+00:00"}
+    failed = {"error": "OutOfMemoryError: CUDA out of memory", "date": "2026-11-28T00:00:00+00:00"}
     later = _run(2, {"ddp": {"datamove": _row(25.0, [2.0, 1.85], "2026-11-28T00:00:00+00:00")},
-                     "fsdp2": {"datamove": refused}})
+                     "fsdp2": {"datamove": failed}})
     report = bench.merged(bench.merged(first, _run(1, {"ddp": {"datamove": _row(24.0, [2.0, 1.8])}})), later)
     rows = report["runs"]["2"]["rows"]
     assert list(report["runs"]) == ["1", "2"]
     assert rows["ddp"]["hf-sdpa"]["wall_ms"] == 80.0 and rows["ddp"]["datamove"]["wall_ms"] == 25.0  # kept, replaced
     assert rows["ddp"]["datamove"]["loss_vs_hf"]["per_step"] == [0.0, pytest.approx(0.05)]
-    assert rows["fsdp2"]["datamove"] == refused
+    assert rows["fsdp2"]["datamove"] == failed
     other = bench.merged(report, _run(2, {"ddp": {"datamove": _row(26.0, [2.0, 1.8])}}, device="another GPU"))
     assert list(other["runs"]["2"]["rows"]["ddp"]) == ["datamove"]  # another device: the section is replaced
 
@@ -142,14 +142,14 @@ def test_distributed_tables_show_errors_replicas_and_scaling():
     report = bench.merged(report, _run(2, {
         "ddp": {"hf-sdpa": _row(80.0, [2.0, 1.9]),
                 "datamove": _row(32.0, [2.0, 1.8], replicas={**replicas, "differing": 2, "max_abs_diff": 0.004})},
-        "fsdp2": {"datamove": {"error": "RuntimeError: refused", "date": "2026-11-28T00:00:00+00:00"},
+        "fsdp2": {"datamove": {"error": "RuntimeError: no", "date": "2026-11-28T00:00:00+00:00"},
                   "compile-default": _row(64.0, [2.0, 1.9], dynamo={"graphs": 3, "graph_breaks": 4})}}))
     lines = bench.markdown(report).splitlines()
     assert "## 2 x GPU (measured 2026-11-27 to 2026-11-28)" in lines
     assert "| ddp | datamove | 24.00 | 170,667 | 7000 | 3.0 | 1.8000 |  | all equal (391 tensors) |  |" in lines
     assert "| ddp | datamove | 32.00 | 128,000 | 7000 | 3.0 | 1.8000 | 1.00e-01 | 2 of 391 differ (max 0.004) |  |" \
         in lines
-    assert "| fsdp2 | datamove | RuntimeError: refused | | | | | | | |" in lines
+    assert "| fsdp2 | datamove | RuntimeError: no | | | | | | | |" in lines
     assert "| fsdp2 | compile-default | 64.00 | 64,000 | 7000 | 3.0 | 1.9000 |  |  | dynamo: 3 graphs, 4 breaks |" in lines
     assert "| ddp | datamove | 170,667 | 128,000 |" in lines  # tokens/s per GPU at 1 and 2 GPUs
     assert "| ddp | hf-sdpa |  | 51,200 |" in lines
