@@ -18,3 +18,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def llama_artifact(tmp_path_factory):
+    """The main job's artifact of ``configs/llama.py`` at the spec's dims (the cost model's plan), built once."""
+    from datamove.cli import main
+
+    out = tmp_path_factory.mktemp("llama") / "out"
+    assert main(["configs/llama.py", "--out", str(out)]) == 0
+    return out

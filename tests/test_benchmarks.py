@@ -77,15 +77,6 @@ def test_model_table_of_a_llama_case():
     assert "| liger | error: ImportError: no liger_kernel | | | | | |" in lines
 
 
-@pytest.fixture(scope="module")
-def llama_artifact(tmp_path_factory):
-    from datamove.cli import main
-
-    out = tmp_path_factory.mktemp("llama") / "out"
-    assert main(["configs/llama.py", "--out", str(out)]) == 0
-    return out
-
-
 def test_llama_models_start_alike_and_train_on_cpu(llama_artifact):
     """The replaced model (the torch backend here) and HF's, same initial weights and padded batches:
     the same losses over three AdamW steps (bf16 against the layers' float32)."""

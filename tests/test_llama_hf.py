@@ -10,7 +10,6 @@ import warnings
 import pytest
 import torch
 
-from datamove.cli import main
 from datamove.hf import replace_llama_layers
 from datamove.runtime.weights import from_spec
 
@@ -18,14 +17,7 @@ transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    out = tmp_path_factory.mktemp("llama") / "out"
-    assert main(["configs/llama.py", "--out", str(out)]) == 0
-    return out
-
-
-def models(artifact):
+def models(llama_artifact):
     config = transformers.LlamaConfig(vocab_size=50, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                       head_dim=16, intermediate_size=128, num_hidden_layers=2, rms_norm_eps=1e-5,
                                       max_position_embeddings=64)
@@ -38,7 +30,7 @@ def models(artifact):
     ours = copy.deepcopy(reference)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cost model's plan: nothing measured
-        assert replace_llama_layers(ours, artifact, dtype=torch.float32, allow_mismatch=True) == 2
+        assert replace_llama_layers(ours, llama_artifact, dtype=torch.float32, allow_mismatch=True) == 2
     return reference, ours
 
 
@@ -60,8 +52,8 @@ def layer_grads(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
-def test_a_replaced_llama_model_trains_as_hf(artifact, padded):
-    reference, ours = models(artifact)
+def test_a_replaced_llama_model_trains_as_hf(llama_artifact, padded):
+    reference, ours = models(llama_artifact)
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 16, dtype=torch.long)
     if padded:
@@ -82,8 +74,8 @@ def test_a_replaced_llama_model_trains_as_hf(artifact, padded):
     assert set(grads) == set(expected_grads)
 
 
-def test_what_the_layer_cannot_do_is_refused(artifact):
-    _, ours = models(artifact)
+def test_what_the_layer_cannot_do_is_refused(llama_artifact):
+    _, ours = models(llama_artifact)
     layer = ours.layers[0]
     x = torch.randn(2, 16, 64)
     cos, sin = ours.rotary_emb(x, torch.arange(16)[None])
@@ -97,11 +89,11 @@ def test_what_the_layer_cannot_do_is_refused(artifact):
     assert ours.config.use_cache is False  # the layers fill no key-value cache
 
 
-def test_the_models_tables_are_set_without_a_check_per_call(artifact, monkeypatch):
+def test_the_models_tables_are_set_without_a_check_per_call(llama_artifact, monkeypatch):
     """The rotary tables copied in on every model call are taken as set (the NaN check of a
     constant the caller sets waits for a GPU), and only constants without a value of their own
     may be set so."""
-    _, ours = models(artifact)
+    _, ours = models(llama_artifact)
     layer = ours.layers[0].layer
     looked = []
     real = torch.Tensor.isnan
