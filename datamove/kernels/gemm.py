@@ -296,9 +296,9 @@ def _gemm_kernel(
     tile_c = first - step
     for tile in tl.range(first, tiles * BATCHES, step, flatten=PERSISTENT):
         pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
-                         stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
-                         TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc, _ = _main_loop(a_src, b_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
+                            stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
+                            TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, False, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += step
         pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile_c, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
         _tile_epilogue(acc, pid_m, pid_n, pid_b0, pid_b1, c_ptr, c_desc, bias_ptr, saved_ptr, factor_ptr, factor_desc, sums_ptr,
@@ -328,12 +328,27 @@ def _tile_coords(tile, tiles, M, N, B1, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
+def _dot(a, b, acc, FP32_DOT: tl.constexpr):
+    """acc + a @ b in fp32 (``FP32_DOT``: the operands converted to fp32 first, IEEE products)."""
+    if FP32_DOT:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _main_loop(a_src, b_src, b1_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
                stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
                TMA: tl.constexpr, A_M_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, EVEN_K: tl.constexpr,
-               FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 [BLOCK_M, BLOCK_N] accumulator of one output tile (``_gemm_kernel``'s arguments)."""
+               FP32_DOT: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] accumulator A @ B of one output tile (``_gemm_kernel``'s
+    arguments), and with ``PAIR`` also A @ B1 (``b1_src``: laid out as ``b_src``; each A tile read
+    once for both, ``kernels.gemm_join``'s pair mode); without, the second is zeros and ``b1_src``
+    is not read."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:  # out-of-range rows / columns / k come in as zeros
         for kk in range(0, tl.cdiv(K, BLOCK_K)):
             if A_M_MAJOR:
@@ -342,12 +357,15 @@ def _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
                 a = a_src.load([pid_b0, pid_b1, pid_m * BLOCK_M, kk * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
             if B_K_MAJOR:
                 b = b_src.load([pid_b0, pid_b1, pid_n * BLOCK_N, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+                if PAIR:
+                    b1 = b1_src.load([pid_b0, pid_b1, pid_n * BLOCK_N, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
             else:
                 b = b_src.load([pid_b0, pid_b1, kk * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-            if FP32_DOT:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+                if PAIR:
+                    b1 = b1_src.load([pid_b0, pid_b1, kk * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            acc = _dot(a, b, acc, FP32_DOT)
+            if PAIR:
+                acc1 = _dot(a, b1, acc1, FP32_DOT)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -356,23 +374,29 @@ def _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = (a_src + pid_b0.to(tl.int64) * stride_ab0 + pid_b1.to(tl.int64) * stride_ab1
                   + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
-        b_ptrs = (b_src + pid_b0.to(tl.int64) * stride_bb0 + pid_b1.to(tl.int64) * stride_bb1
+        b_offs = (pid_b0.to(tl.int64) * stride_bb0 + pid_b1.to(tl.int64) * stride_bb1
                   + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
+        b_ptrs = b_src + b_offs
+        b1_ptrs = b1_src + b_offs
         for kk in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+                b_mask = mask_n[None, :]
             else:
                 k_left = K - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-            if FP32_DOT:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+                b_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            if PAIR:
+                b1 = tl.load(b1_ptrs, mask=b_mask, other=0.0)
+            acc = _dot(a, b, acc, FP32_DOT)
+            if PAIR:
+                acc1 = _dot(a, b1, acc1, FP32_DOT)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-    return acc
+            if PAIR:
+                b1_ptrs += BLOCK_K * stride_bk
+    return acc, acc1
 
 
 @triton.jit

@@ -15,8 +15,8 @@ A Llama SwiGLU MLP's forward is the pair mode on the stacked gate / up weights (
 up, ``fn`` returns (silu(gate), silu(gate) * up), gate and up stored too); its backward the single
 mode on dh = dy @ W_down^T (``fn(dh, up, silu(gate), gate)`` returns (d_up, d_gate)).
 
-Pair mode's main loop reads each A tile once for two dot products (``_pair_main_loop``); the single
-mode runs the template's own (``kernels.gemm._main_loop``).  Both run every config of
+Both modes run the template's main loop (``kernels.gemm._main_loop``), pair mode with its second B:
+each A tile read once for two dot products.  Both run every config of
 ``kernels.gemm`` (TMA reads, persistent, epilogue slices, TMA store of C); pair mode only those whose
 two accumulators fit (``kernels.gemm.pair_fits``: BM x BN <= 128 x 128 at 8 warps, 128 x 64 at 4;
 on Hopper ``kernels.gemm.fitted(config, dtype, saves, pair=True)`` also fits the stages of two B
@@ -190,16 +190,9 @@ def _join_kernel(
     tile_c = first - step
     for tile in tl.range(first, tiles * BATCHES, step, flatten=PERSISTENT):
         pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
-        if PAIR:
-            acc0, acc1 = _pair_main_loop(a_src, b_src, b1_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
-                                         stride_ab0, stride_ab1, stride_am, stride_ak,
-                                         stride_bb0, stride_bb1, stride_bk, stride_bn,
-                                         TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
-        else:
-            acc0 = _main_loop(a_src, b_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
-                              stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
-                              TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, BLOCK_M, BLOCK_N, BLOCK_K)
-            acc1 = acc0  # unused
+        acc0, acc1 = _main_loop(a_src, b_src, b1_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
+                                stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
+                                TMA, A_M_MAJOR, B_K_MAJOR, EVEN_K, FP32_DOT, PAIR, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += step
         pid_m, pid_n, pid_b0, pid_b1 = _tile_coords(tile_c, tiles, M, N, B1, BLOCK_M, BLOCK_N, GROUP_M)
         slices0 = _column_slices(acc0 * alpha, EPILOGUE_SPLIT)
@@ -211,68 +204,6 @@ def _join_kernel(
                         M, N, pid_b0, pid_b1, c_ptr, c_desc, c_strides, acc1_ptr, acc1_strides,
                         loads, load_strides, stores, store_strides, FN, PAIR, STORE_C, STORE_ACC1, STORE_TMA,
                         C_M_MAJOR, ROUND_BF16)
-
-
-@triton.jit
-def _dot(a, b, acc, FP32_DOT: tl.constexpr):
-    if FP32_DOT:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _pair_main_loop(a_src, b_src, b1_src, pid_m, pid_n, pid_b0, pid_b1, M, N, K,
-                    stride_ab0, stride_ab1, stride_am, stride_ak, stride_bb0, stride_bb1, stride_bk, stride_bn,
-                    TMA: tl.constexpr, A_M_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, EVEN_K: tl.constexpr,
-                    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 [BLOCK_M, BLOCK_N] accumulators A @ B and A @ B1 of one output tile, each A tile read
-    once for both (kernels.gemm._main_loop with a second B)."""
-    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:  # out-of-range rows / columns / k come in as zeros
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
-            if A_M_MAJOR:
-                a = a_src.load([pid_b0, pid_b1, kk * BLOCK_K, pid_m * BLOCK_M]).reshape(BLOCK_K, BLOCK_M).T
-            else:
-                a = a_src.load([pid_b0, pid_b1, pid_m * BLOCK_M, kk * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
-            if B_K_MAJOR:
-                b = b_src.load([pid_b0, pid_b1, pid_n * BLOCK_N, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-                b1 = b1_src.load([pid_b0, pid_b1, pid_n * BLOCK_N, kk * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-            else:
-                b = b_src.load([pid_b0, pid_b1, kk * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-                b1 = b1_src.load([pid_b0, pid_b1, kk * BLOCK_K, pid_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-            acc0 = _dot(a, b, acc0, FP32_DOT)
-            acc1 = _dot(a, b1, acc1, FP32_DOT)
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = (a_src + pid_b0.to(tl.int64) * stride_ab0 + pid_b1.to(tl.int64) * stride_ab1
-                  + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
-        b_offs = (pid_b0.to(tl.int64) * stride_bb0 + pid_b1.to(tl.int64) * stride_bb1
-                  + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
-        b_ptrs = b_src + b_offs
-        b1_ptrs = b1_src + b_offs
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                b1 = tl.load(b1_ptrs, mask=mask_n[None, :], other=0.0)
-            else:
-                k_left = K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-                b1 = tl.load(b1_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
-            acc0 = _dot(a, b, acc0, FP32_DOT)
-            acc1 = _dot(a, b1, acc1, FP32_DOT)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-            b1_ptrs += BLOCK_K * stride_bk
-    return acc0, acc1
 
 
 @triton.jit
