@@ -55,6 +55,22 @@ def test_cuda_graphs_switch(bert):
     assert layer.sibling().cuda_graphs is False and layer.sibling().graphs is not layer.graphs
 
 
+def test_siblings_keep_their_own_hooks(bert):
+    """A hook registered on one layer runs for that layer alone (FSDP2's ``fully_shard`` registers
+    its unshard and reshard as hooks: shared, each sibling ran every layer's)."""
+    first = load(bert)
+    second = first.sibling()
+    calls = []
+    first.register_forward_pre_hook(lambda module, args: calls.append(module))
+    second.register_forward_hook(lambda module, args, out: calls.append(module))
+    x = torch.randn(*second.program(True).shape("x", second.interface.torch_order["x"]), dtype=second.dtype)
+    first(x)
+    second(x)
+    assert calls == [first, second]
+    assert first._forward_hooks is not second._forward_hooks
+    assert first._load_state_dict_pre_hooks is not second._load_state_dict_pre_hooks
+
+
 def test_attention_mask_is_converted_once_per_model_call(monkeypatch):
     from datamove import hf
 
