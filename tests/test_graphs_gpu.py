@@ -5,6 +5,7 @@ Each test runs the same calls through a layer replaying its graphs and through i
 generator as the plain launch does) and compares outputs and gradients; kernels that add with
 atomics may sum in another order, hence ``assert_close`` at bf16 rounding rather than equality.
 """
+import contextlib
 import warnings
 
 import pytest
@@ -296,23 +297,63 @@ def test_hf_model_with_gradient_checkpointing(path):
         close(ckpt_grads[name], grad)
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "plain"])
-def test_fsdp2_over_the_kernels_trains_as_the_unwrapped_layers(path, tmp_path, cuda_graphs):
-    """Two tuned layers under ``fully_shard`` (each, then the stack; one process, NCCL), dropout
-    off, three SGD steps: outputs, input gradients and every parameter after each step as the same
-    layers unwrapped, launched plainly (FSDP2 gathers parameters into new memory every call).  (With spec-order views of the parameters kept across calls, most
-    parameters' gradients came out ~0.5 off, relative, on an H200.)"""
+@contextlib.contextmanager
+def one_process_group(tmp_path):
+    """A NCCL process group of this process alone, for FSDP2."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            layers = [load_layer(path, device="cuda", cuda_graphs=cuda_graphs).eval() for _ in range(4)]
-        for twin, layer in zip(layers[2:], layers[:2]):
-            twin.load_state_dict(layer.state_dict())
-        plain, sharded = torch.nn.Sequential(*layers[:2]), torch.nn.Sequential(*layers[2:])
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def siblings(path, count: int, cuda_graphs: bool = True) -> list:
+    """``count`` layers of one plan, each with its own weights, sharing their programs
+    (``TunedLayer.sibling``): under FSDP2, one static copy of the parameters and one pool of
+    gradient sets (``datamove.runtime.graphs.SharedStatics``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = load_layer(path, device="cuda", cuda_graphs=cuda_graphs)
+    return [first] + [first.sibling() for _ in range(count - 1)]
+
+
+def plain_twins(path, layers: list) -> list:
+    """Layers with ``layers``' weights and mode, launched plainly."""
+    twins = siblings(path, len(layers), cuda_graphs=False)
+    for twin, layer in zip(twins, layers):
+        twin.load_state_dict(layer.state_dict())
+        twin.train(layer.training)
+    return twins
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 parameter or gradient (a sharded DTensor) whole; any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def replayers_of(layer) -> list:
+    """Every ``Replayer`` the layer keeps."""
+    return [r for rs in layer.graphs.replayers.values() for r in rs]
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "plain"])
+def test_fsdp2_over_the_kernels_trains_as_the_unwrapped_layers(path, tmp_path, cuda_graphs):
+    """Three sibling layers under ``fully_shard`` (each, then the stack; one process, NCCL), dropout
+    off, three SGD steps: outputs, input gradients and every parameter after each step as the same
+    layers unwrapped, launched plainly.  FSDP2 gathers the parameters into new memory for every
+    call; with ``cuda_graphs`` every layer replays its graphs over one static copy of the
+    parameters the three share, and the three write at most ``GRADIENT_SETS`` gradient sets among
+    them (FSDP2 drops each layer's gradients after its backward).  (With spec-order views of the
+    parameters kept across calls, most parameters' gradients came out ~0.5 off, relative, on an H200.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    from datamove.runtime.graphs import GRADIENT_SETS
+
+    with one_process_group(tmp_path):
+        layers = [layer.eval() for layer in siblings(path, 3, cuda_graphs)]
+        plain, sharded = torch.nn.Sequential(*plain_twins(path, layers)), torch.nn.Sequential(*layers)
         for layer in sharded:
             fully_shard(layer)
         fully_shard(sharded)
@@ -328,11 +369,61 @@ def test_fsdp2_over_the_kernels_trains_as_the_unwrapped_layers(path, tmp_path, c
                 results.append((y.detach(), x_.grad))
             close(results[0][0], results[1][0])
             close(results[0][1], results[1][1])
-        for (name, a), b in zip(plain.named_parameters(), sharded.parameters()):
-            close(a, b.full_tensor() if hasattr(b, "full_tensor") else b)
-        assert all(layer.cuda_graph_bytes() == 0 for layer in sharded)  # under FSDP2 the layer launches plainly
-    finally:
-        dist.destroy_process_group()
+        for a, b in zip(plain.parameters(), sharded.parameters()):
+            close(a, full(b))
+        replayers = [replayers_of(layer) for layer in sharded]
+        if not cuda_graphs:
+            assert not any(replayers)
+            return
+        assert all(layer.cuda_graph_bytes() > 0 for layer in sharded)
+        assert all(rs and all(r.gradient_sets for r in rs) for rs in replayers)  # every layer's backward replayed
+        assert len({id(r.shared) for rs in replayers for r in rs}) == 1
+        assert len({r.others[0].data_ptr() for rs in replayers for r in rs}) == 1
+        assert len({s.gradients.grads[0].data_ptr() for rs in replayers for r in rs for s in r.gradient_sets}) \
+            <= GRADIENT_SETS
+
+
+class _Branches(torch.nn.Module):
+    """Each of ``layers`` on the same input: their outputs."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x):
+        return [layer(x) for layer in self.layers]
+
+
+def test_fsdp2_siblings_sharing_static_parameters_each_compute_with_their_own(path, tmp_path):
+    """Two sibling layers under FSDP2 (the second's weights twice the first's) on one input, their
+    graphs reading one static copy of the parameters: both forwards replay before either backward,
+    so a backward finds the other layer's parameters copied in last and must copy its own again.
+    Outputs, the input's gradient and every parameter's as unwrapped twins' launched plainly, over
+    a step that captures and one that replays."""
+    from torch.distributed.fsdp import fully_shard
+
+    with one_process_group(tmp_path):
+        layers = [layer.eval() for layer in siblings(path, 2)]
+        with torch.no_grad():
+            for p in layers[1].parameters():
+                p.mul_(2)
+        plain, sharded = _Branches(plain_twins(path, layers)), _Branches(layers)
+        for layer in sharded.layers:
+            fully_shard(layer)
+        fully_shard(sharded)
+        for x in inputs(2, seed=15):
+            results = []
+            for model in (plain, sharded):
+                x_ = x.clone().requires_grad_()
+                first, second = model(x_)
+                (first.float().square().mean() + second.float().pow(3).mean()).backward()
+                results.append([first.detach(), second.detach(), x_.grad, *[full(p.grad) for p in model.parameters()]])
+                model.zero_grad(set_to_none=True)
+            for ours, theirs in zip(results[1], results[0]):
+                close(ours, theirs)
+        first, second = (replayers_of(layer) for layer in sharded.layers)
+        assert first and second and all(r.gradient_sets for r in first + second)
+        assert first[0].others[0].data_ptr() == second[0].others[0].data_ptr()
 
 
 def test_a_callers_cuda_graph_captures_forward_and_backward_with_parameter_gradients(path):
