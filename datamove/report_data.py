@@ -35,6 +35,8 @@ def _kernel_text(step) -> str:
         return f"{backend} {config.einsum}{tail}"
     if step.kind == LAYOUT_CHANGE:
         return f"copy {config.source} -> {config.target}"
+    if config.knobs.get("impl") == "cudnn":
+        return "cuDNN attention (PyTorch's ATen op)"
     return "fused attention, " + (", ".join(f"{k}={v}" for k, v in config.knobs.items()) or "default knobs")
 
 

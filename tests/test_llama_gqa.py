@@ -137,6 +137,50 @@ def test_a_plain_forward_then_the_grouped_backward(tmp_path, monkeypatch):
     check_against_executor(layer, {"x": None})
 
 
+def _as_cudnn(found):
+    """The attention candidates as if cuDNN's were measured fastest (``families.attention``)."""
+    from dataclasses import replace
+
+    return [replace(c, config=replace(c.config, knobs={"impl": "cudnn"})) for c in found]
+
+
+def test_a_plan_taking_cudnns_attention_runs(tmp_path, monkeypatch):
+    """cuDNN's attention priced fastest: both attention steps carry ``{"impl": "cudnn"}`` through
+    the plan file.  Off a GPU the layer runs the fused kernels' default configuration there; with
+    cuDNN's two calls standing in (the generated kernels, their outputs allocated as cuDNN's are,
+    like their inputs), the launchers keep or copy those outputs into the plan's buffers; both
+    match the executor."""
+    from datamove.families.attention import launch
+    from datamove.kernels.attention import attention_backward, attention_forward
+
+    out = job(tmp_path / "cudnn", monkeypatch, _as_cudnn)
+    layer = load(out, allow_mismatch=True)
+    forward, backward = attention_steps(layer.plan)
+    assert forward.config.knobs == backward.config.knobs == {"impl": "cudnn"}
+    randomize(layer, 7)
+    set_constants(layer)
+    check_against_executor(layer, {"x": None})
+
+    calls = []
+
+    def cudnn_forward(q, k, v, *, scale, causal):
+        calls.append("forward")
+        return attention_forward(q, k, v, scale=scale, causal=causal)
+
+    def cudnn_backward(do, q, k, v, o, lse, *, scale, causal):
+        calls.append("backward")
+        return attention_backward(do, q, k, v, o, lse, scale=scale, causal=causal)
+
+    monkeypatch.setattr(launch, "cudnn_forward", cudnn_forward)
+    monkeypatch.setattr(launch, "cudnn_backward", cudnn_backward)
+    monkeypatch.setattr(launch._AttentionLauncher, "runs_library", lambda self, run, q: self.library)
+    layer = load(out, allow_mismatch=True)
+    randomize(layer, 8)
+    set_constants(layer)
+    check_against_executor(layer, {"x": None})
+    assert calls == ["forward", "backward"]
+
+
 def test_repeats_are_recognised_by_their_matrix():
     """``attention_repeats`` takes np.repeat's matrix (query head h from K/V head h // G) and nothing
     else: the same letters with K/V heads interleaved (h % KV) are not grouped-query attention as the

@@ -6,7 +6,10 @@ scores plus a constant over (query, key) positions (GPT-2's additive mask,
 with grouped-query attention (``attention_repeats``: Llama's K and V repeated over the query heads
 by np.repeat's matrix) also grouped, reading K and V before the repeat and writing their
 gradients, in place of the repeats and their backward too.  Timed by the selection's
-``datamove.candidates.CandidateBuilder`` (the tuning database's records, else the cost model).
+``datamove.candidates.CandidateBuilder`` (the tuning database's records, else the cost model):
+each pass at each layout is its fastest plannable record (``_plannable``), the generated kernels'
+or cuDNN's (``kernels.attention.library``, measured where it takes the case), whose knobs the
+step carries (``_step_knobs``).
 """
 from __future__ import annotations
 
@@ -70,10 +73,21 @@ def _variants(graph, roles: AttentionRoles, case: AttentionCase, like: dict, bia
     return result
 
 
-def _regenerating(knobs: dict) -> bool:
-    """The fused kernels regenerating the dropout mask in the backward (nothing saved)."""
+def _plannable(knobs: dict) -> bool:
+    """A timing the plan can run: the fused kernels regenerating the dropout mask in the backward
+    (nothing saved), or cuDNN's attention (measured only without dropout)."""
+    if knobs.get("impl") == "cudnn":
+        return True
     return knobs.get("impl") == "fused" and knobs.get("dropout_mask", "regenerate") == "regenerate" \
         and (knobs.get("backward") or {}).get("dropout_mask", "regenerate") == "regenerate"
+
+
+def _step_knobs(knobs: dict | None, direction: str) -> dict:
+    """The plan step's knobs from a timing's: cuDNN's ``{"impl": "cudnn"}``; the fused kernels'
+    configuration of ``direction`` (empty: the default)."""
+    if (knobs or {}).get("impl") == "cudnn":
+        return {"impl": "cudnn"}
+    return (knobs or {}).get(direction) or {}
 
 
 def _forward(graph, roles: AttentionRoles, v: _Variant, like: dict, lse: tuple, knobs: dict | None) -> tuple:
@@ -92,7 +106,7 @@ def _forward(graph, roles: AttentionRoles, v: _Variant, like: dict, lse: tuple, 
         else (members, "attention_forward")
     if v.grouped:  # the repeats of K and V run right before (``attention_repeats``)
         operators, name = (*v.grouped.forward, *members), "+".join(v.grouped.forward) + "+attention_forward"
-    return reads, writes, (knobs or {}).get("forward") or {}, operators, name
+    return reads, writes, _step_knobs(knobs, "forward"), operators, name
 
 
 def _backward(roles: AttentionRoles, v: _Variant, like: dict, lse: tuple, knobs: dict | None) -> tuple:
@@ -102,7 +116,7 @@ def _backward(roles: AttentionRoles, v: _Variant, like: dict, lse: tuple, knobs:
     reads = {t["q"]: like["q"], v.inputs["k"]: v.kv_like["k"], v.inputs["v"]: v.kv_like["v"], **v.bias_of["v"],
              t["o"]: like["o"], t["do"]: like["o"], lse[0]: lse[1]}
     writes = {v.grads["dq"]: like["q"], v.grads["dk"]: v.kv_like["k"], v.grads["dv"]: v.kv_like["v"]}
-    knob = {k: x for k, x in ((knobs or {}).get("backward") or {}).items() if k != "dropout_mask"}
+    knob = {k: x for k, x in _step_knobs(knobs, "backward").items() if k != "dropout_mask"}
     operators, name = roles.backward, "attention_backward"
     if v.grouped:
         operators, name = (*roles.backward, *v.grouped.backward), "+".join(("attention_backward", *v.grouped.backward))
@@ -140,7 +154,7 @@ def attention_candidates(builder, roles: AttentionRoles, q_layouts: set[str], bi
         for v in _variants(graph, roles, case, like, bias, repeats):
             for direction, kind in (("forward", ATTENTION_FORWARD), ("backward", ATTENTION_BACKWARD)):
                 timed = v.timed
-                found = builder.timings.lookup(timed.op(direction), timed.dims, layout_key, _regenerating)
+                found = builder.timings.lookup(timed.op(direction), timed.dims, layout_key, _plannable)
                 if found is None and builder.timings.broken(timed.op(direction), timed.dims, layout_key):
                     continue
                 ms, source, knobs = builder.time(found, "attention", timed.flop(direction), timed.bytes(direction))

@@ -17,6 +17,8 @@ import torch
 from datamove.dataflow.executor import dropout_offsets
 from datamove.dataflow.initial_values import MASKED_SCORE
 from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
+from datamove.kernels.attention.library import cudnn_backward, cudnn_forward
+from datamove.kernels.codegen import allocate
 from datamove.kernels.launcher import Buffers, Launcher, Run, read
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, Step
 from datamove.layouts.step_config import AttentionConfig
@@ -29,7 +31,15 @@ class _AttentionLauncher(Launcher):
     views, and writes the biased q (role q) for the backward, which reads it, k and v before the
     add, and v's bias.  With grouped-query attention (config "groups") k, v, dk and dv are over the
     K/V heads (their letter ``AttentionConfig.kv_heads``), G = ``group_size`` query heads each,
-    passed to the kernels as ``groups``."""
+    passed to the kernels as ``groups``.
+
+    With knobs ``{"impl": "cudnn"}`` the pass is cuDNN's (``kernels.attention.library``; the tuning
+    measured it only where it takes the case: no dropout, no bias), which allocates its outputs:
+    each is kept where it is stored as the plan lays it out, else copied into the planned buffer (a
+    stacked group's member always is).  A call with a key-padding mask, or off a GPU (the Triton
+    interpreter), runs the fused kernels' default configuration instead: cuDNN's statistics are
+    theirs, so either pass of one may follow either of the other.  Not replayable: the recorded
+    replay repeats Triton launches only."""
 
     replayable = True
 
@@ -39,6 +49,9 @@ class _AttentionLauncher(Launcher):
         self.roles, letters = config.roles, config.letters
         self.scale, self.causal = config.scale, config.causal
         self.knobs = dict(config.knobs)
+        self.library = self.knobs.pop("impl", None) == "cudnn"
+        self.replayable = not self.library
+        self._planned_strides: dict[str, tuple] = {}  # output -> its strides as the plan lays it out
         self.axes = {}  # role -> permutation of the tensor's spec-order dims into (b, h, rows, p)
         key_role = {"q": "rows", "k": "keys", "v": "keys", "o": "rows"}
         feature_role = {"q": "features", "k": "features", "v": "value_features", "o": "value_features"}
@@ -73,6 +86,27 @@ class _AttentionLauncher(Launcher):
         """The bias added to ``role``'s tensor, as a logical (h, p) view."""
         return read(self.step, store, self.bias[role][1]).permute(self.bias_axes[role])
 
+    def runs_library(self, run: Run, q: torch.Tensor) -> bool:
+        """Whether this call runs cuDNN's pass (class doc)."""
+        return self.library and run.key_padding_mask is None and q.is_cuda
+
+    def placed(self, store: dict, name: str, role: str, result: torch.Tensor) -> torch.Tensor:
+        """``result`` (a logical (b, h, rows, p) tensor cuDNN allocated) as output ``name`` of
+        ``role`` in spec letter order: itself where its strides are the plan's, else copied into
+        the planned buffer."""
+        inverse = sorted(range(4), key=lambda n: self.axes[role][n])
+        spec_order = result.permute(inverse)
+        if name not in self.buffers.group_of:
+            planned = self._planned_strides.get(name)
+            if planned is None:
+                meta = allocate(self.graph, name, self.step.writes[name], result.dtype, "meta")
+                planned = self._planned_strides[name] = meta.stride()
+            if all(a == b or n == 1 for a, b, n in zip(spec_order.stride(), planned, spec_order.shape)):
+                return spec_order.as_strided(spec_order.shape, planned)  # a dim of size 1 may have any stride
+        out = self.output(store, name)
+        self.view(out, role).copy_(result)
+        return out
+
     def common(self, run: Run) -> dict:
         return dict(scale=self.scale, dropout_p=self.dropout_p, seed=run.seed, offset=self.offset, causal=self.causal,
                     key_padding_mask=run.key_padding_mask, dropout_strides=self.dropout_strides, groups=self.groups)
@@ -86,6 +120,10 @@ class AttentionForwardLauncher(_AttentionLauncher):
     def launch(self, store: dict, run: Run) -> None:
         r = self.roles
         q, k, v = self.inputs(store)
+        if self.runs_library(run, q):
+            o, lse = cudnn_forward(q, k, v, scale=self.scale, causal=self.causal)
+            store[r["o"]], store[self.lse] = self.placed(store, r["o"], "o", o), lse
+            return
         o = self.output(store, r["o"])
         saved = None
         if self.saves_mask:
@@ -107,6 +145,11 @@ class AttentionBackwardLauncher(_AttentionLauncher):
         k, v = self.inputs(store, ("k", "v"))
         o = self.view(read(self.step, store, r["o"]), "o")
         do = self.view(read(self.step, store, r["do"]), "o")
+        if self.runs_library(run, q):
+            grads = cudnn_backward(do, q, k, v, o, store[self.lse], scale=self.scale, causal=self.causal)
+            for role, grad in zip(("dq", "dk", "dv"), grads):
+                store[r[role]] = self.placed(store, r[role], role[1], grad)
+            return
         grads = {role: self.output(store, r[role]) for role in ("dq", "dk", "dv")}
         attention_backward(do, q, k, v, o, store[self.lse], saved_mask=store.get(saved_mask_name(self.lse)),
                            dq=self.view(grads["dq"], "q"), dk=self.view(grads["dk"], "k"), dv=self.view(grads["dv"], "v"),

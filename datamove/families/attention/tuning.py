@@ -1,13 +1,18 @@
 """The fused attention's tuning: the cases the main job measures (``attention_setups``) and how
-(``measure``): every configuration of the fused kernels (``variants.config_variants``) at each
-setup, then, where the bias add before it folds in, the fastest again with the biases added.
+(``measure``): every configuration of the fused kernels (``variants.config_variants``) and cuDNN's
+attention where it takes the case (``variants.library_variants``) at each setup, then, where the
+bias add before it folds in, the fastest fused configurations again with the biases added.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from datamove.families.attention.pattern import AttentionPattern, projection_layout
-from datamove.families.attention.variants import AttentionCase, Workspace, biased_variants, config_variants
+from datamove.families.attention.variants import (AttentionCase, Workspace, biased_variants, config_variants,
+                                                  library_variants)
 
 BIASED_ATTENTION_CONFIGS = 4  # per direction: the fastest attention configurations measured again with Q/K/V biases
+LIBRARY_ORDERS = ("bjhp",)  # cuDNN's attention measured in these storage orders too: [B, L, H, P], a projection's output
 
 
 def attention_setups(fused, pattern: AttentionPattern) -> list[dict]:
@@ -31,13 +36,23 @@ def attention_setups(fused, pattern: AttentionPattern) -> list[dict]:
 
 
 def measure(tuner, setups: list[dict], dtype) -> None:
-    """Every configuration of the fused kernels at each of ``setups`` (``attention_setups``) through
-    ``tuner`` (``datamove.tuning.Tuner``), from CUDA graphs; where a setup's ``bias`` says the bias
-    add folds in, the ``BIASED_ATTENTION_CONFIGS`` fastest of each direction again, adding the biases."""
+    """Every configuration of the fused kernels, and cuDNN's attention where it takes the case, at
+    each of ``setups`` (``attention_setups``) through ``tuner`` (``datamove.tuning.Tuner``), from
+    CUDA graphs; where a setup's ``bias`` says the bias add folds in, the ``BIASED_ATTENTION_CONFIGS``
+    fastest of each direction again, adding the biases.  cuDNN's also in ``LIBRARY_ORDERS`` (two
+    variants each, a few seconds): the selection may then keep q, o and their gradients where the
+    projections write them."""
+    measured, library_cases = set(), {}
     for setup in setups:
         setup = dict(setup)
         biased = setup.pop("bias", False)
-        variants = config_variants(Workspace(AttentionCase(**setup, dtype=dtype), "cuda"))
-        tuner.measure(variants, cuda_graph=True)
+        workspace = Workspace(AttentionCase(**setup, dtype=dtype), "cuda")
+        measured.add(workspace.case)
+        variants = config_variants(workspace)
+        tuner.measure(variants + library_variants(workspace), cuda_graph=True)
         if biased:
             tuner.measure(biased_variants(tuner.ranker.ranked(variants), BIASED_ATTENTION_CONFIGS), cuda_graph=True)
+        for order in LIBRARY_ORDERS:
+            library_cases.setdefault(replace(workspace.case, layout=order), None)
+    tuner.measure([v for case in library_cases if case not in measured
+                   for v in library_variants(Workspace(case, "cuda"))], cuda_graph=True)

@@ -13,6 +13,9 @@ references, the eager chain and the checks repeat them over the query heads firs
   dropout mask, ``new_saved_mask``), "backward" (``attention_backward`` on O, lse and, with
   ``dropout_mask`` "saved", the saved mask of a default-knob forward), or "fwd+bwd"
   (``fused_attention`` + ``.backward(dO)``, a pair of configurations);
+- ``CudnnVariant``: cuDNN's attention through its ATen ops (``kernels.attention.library``), forward
+  or backward alone (the backward on a cuDNN forward's O and lse), where ``cudnn_refusal`` allows
+  (no dropout, no bias, head dim innermost): a candidate of the plan beside the fused kernels;
 - ``SdpaVariant``: ``torch.nn.functional.scaled_dot_product_attention`` with one backend forced
   through ``torch.nn.attention.sdpa_kernel`` ("flash", "efficient", "cudnn", "math"), or
   "default" (PyTorch's choice); a backend that refuses the inputs fails at build;
@@ -33,7 +36,7 @@ K/V heads, with grouped-query attention), ``layout`` =
 {tensor: storage order}, ``knobs`` = {"impl": "fused", "kernel": ``kernels.attention.KERNEL_ID``,
 "forward": {...}, "backward": {...}} (direction "forward": {"impl": "fused", "kernel": ..., "forward":
 {...}, "dropout_mask": ...}) /
-{"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
+{"impl": "cudnn"} / {"impl": "sdpa", "backend": ...} / {"impl": "eager"}, plus "launch": "cuda-graph" or "python"
 (how the benchmark times it: ``Sweep(cuda_graph=True/False)``).  ``flop``: forward 4 BHLLP,
 backward 10 BHLLP (five products), both 14 BHLLP; ``bytes``: Q, K, V, O (forward) and dO, dQ, dK,
 dV (backward) x the item size, K, V, dK, dV over the K/V heads (lse and masks not counted).
@@ -49,6 +52,7 @@ import torch
 from datamove.dtypes import parse as parse_dtype
 from datamove.kernels.attention import (DROPOUT_MASK_OPTIONS, KERNEL_ID, attention_backward, attention_configs,
                                         attention_forward, default_config, fused_attention, mask_options, new_saved_mask)
+from datamove.kernels.attention.library import cudnn_backward, cudnn_forward, cudnn_refusal
 from datamove.harness.sweep_variants import Verdict, judge
 from datamove.kernels.philox import dropout_scale
 from datamove.harness.torch_eval import keep_mask_torch
@@ -312,6 +316,42 @@ def _compile_ahead(case: AttentionCase, direction: str, forward: dict | None, ba
     """Build (the kernels compile at their first launch, into Triton's disk cache) one fused variant."""
     FusedVariant(Workspace(case, "cuda"), direction, forward, backward).build()
     torch.cuda.synchronize()
+
+
+class CudnnVariant(_Base):
+    """cuDNN's attention (``kernels.attention.library``), direction "forward" or "backward" (on
+    the O and lse of a cuDNN forward of the same inputs, computed once at build)."""
+
+    impl = {"impl": "cudnn"}
+
+    def __init__(self, ws: Workspace, direction: str, launch: str = "cuda-graph"):
+        case = ws.case
+        why = cudnn_refusal(case.P, case.dtype, ws.device, dropout_p=case.dropout_p, bias=case.bias,
+                            layout=case.layout)
+        if why is not None or direction not in ("forward", "backward"):
+            raise ValueError(f"cuDNN's attention, direction {direction!r}: {why or 'forward or backward only'}")
+        super().__init__(ws, direction, launch)
+
+    def run(self) -> dict:
+        x, case = self.x, self.ws.case
+        args = dict(scale=case.scale, causal=case.causal)
+        if self.direction == "forward":
+            return dict(o=cudnn_forward(x["q"], x["k"], x["v"], **args)[0])
+        if "o" not in x:
+            x["o"], x["lse"] = cudnn_forward(x["q"], x["k"], x["v"], **args)
+        dq, dk, dv = cudnn_backward(x["do"], x["q"], x["k"], x["v"], x["o"], x["lse"], **args)
+        return dict(dq=dq, dk=dk, dv=dv)
+
+    def check(self) -> Verdict:
+        return self.ws.verdict(self.run())
+
+
+def library_variants(ws: Workspace) -> list:
+    """cuDNN's forward and backward at ``ws``'s case, none where ``cudnn_refusal`` refuses it."""
+    case = ws.case
+    if cudnn_refusal(case.P, case.dtype, ws.device, dropout_p=case.dropout_p, bias=case.bias, layout=case.layout):
+        return []
+    return [CudnnVariant(ws, direction) for direction in ("forward", "backward")]
 
 
 def _sdpa_context(backend: str):
