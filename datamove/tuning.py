@@ -67,10 +67,12 @@ class Tuner:
     def left(self) -> float | None:
         return None if self.budget_s is None else max(0.0, self.budget_s - (time.monotonic() - self.started))
 
-    def measure(self, variants, **timing) -> None:
-        if self.report.stopped:
+    def measure(self, variants, *, past_budget: bool = False, **timing) -> None:
+        """Sweep ``variants`` within what is left of the budget (nothing once it is spent), or, with
+        ``past_budget``, whatever is left (the plan's own layout changes: ``measure_layout_changes``)."""
+        if self.report.stopped and not past_budget:
             return
-        swept = Sweep(self.db, variants, budget_s=self.left(), progress=self.progress,
+        swept = Sweep(self.db, variants, budget_s=None if past_budget else self.left(), progress=self.progress,
                       compile_workers=self.compile_workers, processes=self.gpus, retry_failed=self.retry_failed,
                       **timing).run()
         if swept.stopped and self.left() == 0.0:  # the job's budget, not what was left of it for this sweep
@@ -190,11 +192,12 @@ def tune_chosen(tuner: Tuner, spaces: list, plan) -> int:
 
 
 def measure_layout_changes(tuner: Tuner, graph, changes, dtype) -> int:
-    """Time the layout changes ``changes`` ((tensor, from, to), ...) of ``graph``; returns how many."""
+    """Time the layout changes ``changes`` ((tensor, from, to), ...) of ``graph``, past the budget
+    (``job.refine_plan`` says why); returns how many."""
     variants = {}
     for tensor, source, target in changes:
         letters = graph.tensors[tensor].letters
         sizes = {x: graph.size(x) for x in letters}
         variants[(letters, source, target)] = LayoutChangeVariant(letters, sizes, source, target, dtype, "cuda")
-    tuner.measure(list(variants.values()))
+    tuner.measure(list(variants.values()), past_budget=True)
     return len(variants)
