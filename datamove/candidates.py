@@ -458,6 +458,10 @@ def plan_layer(fused, spec: str, *, dtype: Precision | str, figures: DeviceFigur
     steps, facts = select(order, candidates, produced=produced, boundary=boundary, change_cost=builder.layout_change,
                           outputs=outputs)
     facts.update(family_facts)
-    return to_plan(steps, facts, spec=spec, dims=dict(graph.dim_values), dtype=dtype,
+    plan = to_plan(steps, facts, spec=spec, dims=dict(graph.dim_values), dtype=dtype,
                    device=device or f"cost model: {figures.name}", layouts_of_inputs=boundary,
                    total_best=best_sum(order, candidates))
+    for t, info in graph.tensors.items():  # what no step reads (a shuffle's constant) the layer stores in spec order
+        if info.role == "constant":
+            plan.layouts.setdefault(t, info.letters)
+    return plan

@@ -14,7 +14,10 @@ Rules, none of which knows a model's names:
 - ``FuseNonContractions`` (Sec. IV): two adjacent (producer/consumer or co-reading) element-wise
   or normalization operators fuse when their iteration spaces are compatible -- the same letters
   once aligned through the shared tensor, and at most one reduction (set of reduced letters)
-  between them -- and fusing creates no cycle.  Fuse maximally: taken whenever it does not
+  between them -- and fusing creates no cycle; a shuffle (``dataflow.shuffle``: rotate_half's
+  einsum with a constant signed permutation) is element-wise over its output's letters, reading its
+  array there, and fuses only where what it reads is loaded or computed by maps (which the kernel
+  recomputes at the moved index).  Fuse maximally: taken whenever it does not
   increase the minimal data movement, the largest saving first, ties in program order;
 - ``StackElementwise``: structurally identical operators on the members of a stacked contraction
   (Q/K/V biases, their gradients) run as one operator over the stack letter;
@@ -34,7 +37,8 @@ from dataclasses import dataclass, field
 
 from datamove.dataflow.autodiff import TrainingGraph
 from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
-from datamove.dataflow.operators import CONTRACTION, ELEMENTWISE, NORMALIZATION, Operator, make_operator
+from datamove.dataflow.operators import CONTRACTION, NORMALIZATION, Operator, classify, make_operator
+from datamove.dataflow.shuffle import shuffle_of
 
 
 @dataclass(frozen=True)
@@ -97,9 +101,13 @@ class FusionState:
         self.prim = {p.name: p for p in self.graph.primitives}
         self.position = {p.name: n for n, p in enumerate(self.graph.primitives)}
         self.producer = {p.output.tensor: p.name for p in self.graph.primitives}
+        self.shuffles = {p.name: s for p in self.graph.primitives if (s := shuffle_of(self.graph, p)) is not None}
+        # what each primitive reads, element-wise: a shuffle its array under its output's letters, not its constant
+        self.reads = {p.name: p.inputs if p.name not in self.shuffles else (self.shuffles[p.name].view(p),)
+                      for p in self.graph.primitives}
         self.readers: dict[str, list[str]] = {}
         for p in self.graph.primitives:
-            for op in p.inputs:
+            for op in self.reads[p.name]:
                 users = self.readers.setdefault(op.tensor, [])
                 if p.name not in users:
                     users.append(p.name)
@@ -110,15 +118,37 @@ class FusionState:
         return self.graph.size(self.graph.tensors[tensor].letters)
 
     def cls(self, gid: int) -> str:
-        kinds = {self.prim[name].kind for name in self.groups[gid].prims}
-        return CONTRACTION if "einsum" in kinds else NORMALIZATION if "reduce" in kinds else ELEMENTWISE
+        return classify(self.graph, [self.prim[name] for name in self.groups[gid].prims])
+
+    def letters(self, name: str) -> str:
+        """A primitive's iteration letters (a shuffle's: its output's)."""
+        return self.prim[name].output.letters if name in self.shuffles else self.prim[name].letters
+
+    def gathers_computable(self, gids) -> bool:
+        """Whether every shuffle of groups ``gids`` run as one reads a loaded tensor or one that maps
+        compute from loaded tensors (what the kernel recomputes at the moved index), no dropout mask
+        (drawn at its own index)."""
+        names = {n for gid in gids for n in self.groups[gid].prims}
+        for name in names & set(self.shuffles):
+            stack = [self.reads[name][0].tensor]
+            while stack:
+                tensor = stack.pop()
+                if self.graph.tensors[tensor].role == "dropout":
+                    return False
+                source = self.producer.get(tensor)
+                if source is None or source not in names:
+                    continue
+                if self.prim[source].kind != "map":
+                    return False
+                stack.extend(op.tensor for op in self.prim[source].inputs)
+        return True
 
     def io(self, names) -> int:
         """Minimal I/O of primitives ``names`` run as one operator: distinct elements of the
         tensors they read from outside plus those they write that are read outside or are outputs."""
         names = set(names)
         produced = {self.prim[n].output.tensor for n in names}
-        inputs = {op.tensor for n in names for op in self.prim[n].inputs} - produced
+        inputs = {op.tensor for n in names for op in self.reads[n]} - produced
         outputs = {t for t in produced
                    if t in self.graph.outputs or any(r not in names for r in self.readers.get(t, []))}
         return sum(self.size(t) for t in inputs | outputs)
@@ -128,8 +158,8 @@ class FusionState:
 
     def tensors_of(self, gid: int) -> tuple[set[str], set[str]]:
         """(tensors read, tensors written) by group ``gid``."""
-        prims = [self.prim[n] for n in self.groups[gid].prims]
-        return {op.tensor for p in prims for op in p.inputs}, {p.output.tensor for p in prims}
+        names = self.groups[gid].prims
+        return {op.tensor for n in names for op in self.reads[n]}, {self.prim[n].output.tensor for n in names}
 
     def successors(self, gid: int) -> set[int]:
         result = set()
@@ -229,23 +259,52 @@ def _canonical(terms: list[str], letter_dims: dict[str, str]) -> tuple[str, tupl
     return ",".join("".join(rename[l] for l in t) for t in terms), tuple(letter_dims[l] for l in rename)
 
 
+def _naming(state: FusionState, gid: int) -> dict[tuple[str, str], str]:
+    """{(primitive, its letter): the group's letter}: a primitive's letters unified with the others'
+    through the axes of the tensors they share, each class named by its first letter in primitive
+    order.  (Primitives of a group mostly name a dim alike; a shuffle's output letter differs from
+    the one its array is read under, rotate_half's gradient writing over ``a`` what it reads over ``e``.)"""
+    names = state.groups[gid].prims
+    parent: dict = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for name in names:
+        for op in (*state.reads[name], state.prim[name].output):
+            for axis, letter in enumerate(op.letters):
+                a, b = find(("t", op.tensor, axis)), find(("p", name, letter))
+                if a != b:
+                    parent[a] = b
+    first: dict = {}
+    result = {}
+    for name in names:
+        for letter in state.letters(name):
+            result[(name, letter)] = first.setdefault(find(("p", name, letter)), letter)
+    return result
+
+
 def _access(state: FusionState, gid: int, tensor: str) -> str | None:
-    """The letters under which group ``gid`` writes or reads ``tensor``."""
+    """The letters (the group's, ``_naming``) under which group ``gid`` writes or reads ``tensor``."""
+    naming = _naming(state, gid)
     for name in state.groups[gid].prims:
         prim = state.prim[name]
-        if prim.output.tensor == tensor:
-            return prim.output.letters
-        for op in prim.inputs:
+        for op in (prim.output, *state.reads[name]):
             if op.tensor == tensor:
-                return op.letters
+                return "".join(naming[(name, l)] for l in op.letters)
     return None
 
 
 def _space(state: FusionState, gid: int) -> tuple[set[str], set[frozenset]]:
-    """Iteration-space letters of a group and its distinct reduction letter sets."""
-    prims = [state.prim[n] for n in state.groups[gid].prims]
-    letters = set("".join(p.letters for p in prims))
-    return letters, {frozenset(p.reduced) for p in prims if p.kind == "reduce"}
+    """Iteration-space letters of a group (``_naming``'s) and its distinct reduction letter sets."""
+    naming = _naming(state, gid)
+    names = state.groups[gid].prims
+    return set(naming.values()), {frozenset(naming[(n, l)] for l in state.prim[n].reduced)
+                                  for n in names if state.prim[n].kind == "reduce"}
 
 
 def _compatible(state: FusionState, a: int, b: int, tensor: str) -> bool:
@@ -308,7 +367,8 @@ class Rule:
 
 def _single_einsum(state: FusionState, gid: int) -> Primitive | None:
     group = state.groups[gid]
-    if len(group.prims) == 1 and group.stack is None and state.prim[group.prims[0]].kind == "einsum":
+    if len(group.prims) == 1 and group.stack is None and state.prim[group.prims[0]].kind == "einsum" \
+            and group.prims[0] not in state.shuffles:
         return state.prim[group.prims[0]]
     return None
 
@@ -446,7 +506,8 @@ class FuseNonContractions(Rule):
 
     def legal(self, state, match):
         a, b, tensor, saving = match
-        return saving >= 0 and _compatible(state, a, b, tensor) and not state.creates_cycle([a, b])
+        return saving >= 0 and _compatible(state, a, b, tensor) and state.gathers_computable([a, b]) \
+            and not state.creates_cycle([a, b])
 
     def rewrite(self, state, match):
         state.merge([match[0], match[1]], self.name)
@@ -560,7 +621,7 @@ class JoinReductionAcrossContraction(Rule):
     def legal(self, state, match):
         a, b = match
         return (state.groups[a].phase == state.groups[b].phase and not state.creates_cycle([a, b])
-                and state.group_io(a) + state.group_io(b) >= state.group_io(a, b))
+                and state.gathers_computable([a, b]) and state.group_io(a) + state.group_io(b) >= state.group_io(a, b))
 
     def rewrite(self, state, match):
         state.merge(list(match), self.name)

@@ -1,7 +1,9 @@
 """Operators: the paper's unit of analysis, grouped from primitives by their iteration spaces.
 
 Classes (Ivanov et al., Sec. III-B), decided from iteration spaces, not from names:
-- contraction: an einsum (it has contraction letters read by two operands);
+- contraction: an einsum (it has contraction letters read by two operands), except a shuffle
+  (``dataflow.shuffle``: an einsum with a constant signed permutation, rotate_half's), which is
+  element-wise: it reads its array at a moved index and never reads the constant;
 - normalization: a reduction over letters R of a tensor over letters D, together with the maps
   that compute its statistics (over D minus R), the maps that apply them back over D, the maps
   that lead from one such reduction to the next over the same D (softmax's exp, layernorm's
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from datamove.dataflow.graph import Primitive, PrimitiveGraph
+from datamove.dataflow.shuffle import shuffle_of
 
 CONTRACTION, NORMALIZATION, ELEMENTWISE = "contraction", "normalization", "elementwise"
 FORWARD, BACKWARD = "forward", "backward"  # the phases of a training graph (``dataflow.autodiff``)
@@ -44,9 +47,11 @@ class Operator:
 
     @property
     def reduced(self) -> str:
+        """The reduce primitives' reduced letters (and a contraction's einsums': a shuffle reduces none)."""
         seen: dict[str, None] = {}
+        kinds = ("reduce", "einsum") if self.cls == CONTRACTION else ("reduce",)
         for prim in self.primitives:
-            if prim.kind in ("reduce", "einsum"):
+            if prim.kind in kinds:
                 seen.update(dict.fromkeys(prim.reduced))
         return "".join(seen)
 
@@ -182,25 +187,39 @@ def group_operators(graph: PrimitiveGraph, phase: str = FORWARD) -> list[Operato
 
 def make_operator(graph: PrimitiveGraph, prims: list[Primitive], phase: str, name: str | None = None,
                   cls: str | None = None) -> Operator:
-    """An operator over ``prims`` with its external inputs and outputs worked out from ``graph``."""
+    """An operator over ``prims`` with its external inputs and outputs worked out from ``graph`` (a
+    shuffle's constant is no input: nothing reads it)."""
     consumers = graph.consumers()
     produced = [p.output.tensor for p in prims]
     inside = {p.name for p in prims}
-    inputs = list(dict.fromkeys(op.tensor for p in prims for op in p.inputs if op.tensor not in produced))
+    shuffles = {p.name: shuffle_of(graph, p) for p in prims if p.kind == "einsum"}
+    inputs = list(dict.fromkeys(op.tensor for p in prims for k, op in enumerate(p.inputs) if op.tensor not in produced
+                                and not (shuffles.get(p.name) and k != shuffles[p.name].source)))
     outputs = [t for t in produced
                if t in graph.outputs or any(c.name not in inside for c in consumers.get(t, []))]
     if cls is None:
-        kinds = {p.kind for p in prims}
-        cls = CONTRACTION if "einsum" in kinds else NORMALIZATION if "reduce" in kinds else ELEMENTWISE
+        cls = classify(graph, prims)
     return Operator(name or (outputs[-1] if outputs else produced[-1]), cls, phase, tuple(prims),
                     tuple(inputs), tuple(outputs))
+
+
+def classify(graph: PrimitiveGraph, prims) -> str:
+    """The class of an operator of ``prims``: contraction with an einsum other than a shuffle, else
+    normalization with a reduction, else element-wise."""
+    kinds = {p.kind for p in prims}
+    if any(p.kind == "einsum" and shuffle_of(graph, p) is None for p in prims):
+        return CONTRACTION
+    return NORMALIZATION if "reduce" in kinds else ELEMENTWISE
 
 
 # --- counting ----------------------------------------------------------------------------------
 
 def primitive_flop(graph: PrimitiveGraph, prim: Primitive) -> int:
-    """flop of one primitive: 2 per multiply-add of an einsum, one per element reduced, the map's
-    ops (``Expression.flop``: comparisons, selections and constant parts count zero)."""
+    """flop of one primitive: 2 per multiply-add of an einsum (a shuffle: one per element, its
+    factor), one per element reduced, the map's ops (``Expression.flop``: comparisons, selections and
+    constant parts count zero)."""
+    if prim.kind == "einsum" and shuffle_of(graph, prim) is not None:
+        return graph.size(prim.output.letters)
     if prim.kind == "einsum":
         return 2 * graph.size(prim.letters)
     if prim.kind == "reduce":

@@ -17,7 +17,8 @@ structurally (recorded in ``dataflow.snapshot``) become PyTorch's own kernels:
   (a multiply by the stored boolean mask, as eager autograd does in backward);
 - every other map: its expression with torch element-wise operations (bias, ReLU, residual,
   GELU written out, as HuggingFace's GPT-2 does), one kernel per operation; reductions (bias
-  gradients) ``.sum`` / ``.amax`` over the reduced dims.
+  gradients) ``.sum`` / ``.amax`` over the reduced dims; a shuffle (``dataflow.shuffle``:
+  rotate_half's ``torch.cat((-x2, x1), -1)``) ``index_select`` at the moved index times the factors.
 
 Eager tensors are stored as a PyTorch user stores them: the letters that the operator's
 softmax / layernorm normalise over innermost (features last), the others in spec order
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from datamove.dataflow.shuffle import shuffle_of
 from datamove.kernels.philox import dropout_scale
 from datamove.harness.torch_eval import map_value, reduce_value
 
@@ -259,6 +261,12 @@ class EagerRun:
                     value = map_value(graph, prim, arrays, self.dtype)
                     if prim.expression.input_index is not None:
                         value = value.clone()  # a copy (transposition), not an alias
+                elif (shuffle := shuffle_of(graph, prim)) is not None:
+                    x, axis = arrays[shuffle.source], prim.inputs[shuffle.source].letters.index(shuffle.read)
+                    index, factor = shuffle.gather(graph.dim_values)
+                    shape = [len(factor) if n == axis else 1 for n in range(x.dim())]
+                    value = x.index_select(axis, torch.tensor(index, device=x.device)) \
+                        * torch.tensor(factor, dtype=x.dtype, device=x.device).reshape(shape)
                 else:
                     raise ValueError(f"{prim.name}: contraction inside an element-wise operator")
                 env[prim.output.tensor] = value  # its output letters name the tensor's axes in order

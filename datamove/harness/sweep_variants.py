@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from datamove.dataflow.shuffle import shuffle_of
 from datamove.dtypes import BF16, parse
 from datamove.harness.accuracy import Closeness
 from datamove.kernels.codegen import GENERATOR_VERSION, allocate, compile_operator
@@ -136,10 +137,12 @@ class Workspace:
         return evaluate_training_graph(self.graph, self.training.operators, self.seed, self.device, self.mask_seed)
 
     def baseline(self, op) -> dict:
-        """``op``'s primitives in ``dtype`` on its inputs rounded to ``dtype`` (computed once per operator)."""
+        """``op``'s primitives in ``dtype`` on its inputs rounded to ``dtype`` (and its shuffles' constants,
+        ``dataflow.shuffle``: no inputs, exact in any dtype) (computed once per operator)."""
         if op.name not in self._baselines:
+            shuffled = [s.constant for p in op.primitives if (s := shuffle_of(self.graph, p)) is not None]
             inputs = {t: self.values[t].to(torch.float32) if self.graph.tensors[t].role == "dropout"
-                      else self.values[t].to(self.dtype) for t in op.inputs}
+                      else self.values[t].to(self.dtype) for t in [*op.inputs, *shuffled]}
             self._baselines[op.name] = evaluate(self.graph, op.primitives, inputs, self.dtype)
         return self._baselines[op.name]
 

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
-from datamove.dataflow.executor import dropout_offsets, tensor_shape
+from datamove.dataflow.executor import dropout_offsets, known_value, tensor_shape
+from datamove.dataflow.shuffle import shuffle_of
 from datamove.kernels.philox import dropout_keep, keep_threshold
 
 
@@ -154,9 +155,10 @@ def evaluate(graph, primitives, values: dict, dtype=torch.float64) -> dict:
 
 def graph_inputs(graph, primitives, seed: int, device, dtype=torch.float64, mask_seed: int = 0x5EED) -> dict:
     """Every tensor ``primitives`` read but do not write: dropout masks as multipliers (0 or
-    ``dropout_scale(p)``, Philox key ``mask_seed``, offsets of ``dropout_offsets``), the rest random normal
-    N(0, 1) from ``seed`` (never zeros)."""
+    ``dropout_scale(p)``, Philox key ``mask_seed``, offsets of ``dropout_offsets``), a shuffle's constant
+    (``dataflow.shuffle``) at its value, the rest random normal N(0, 1) from ``seed`` (never zeros)."""
     written = {p.output.tensor for p in primitives}
+    shuffled = {s.constant for p in primitives if (s := shuffle_of(graph, p)) is not None}
     offsets = dropout_offsets(graph)
     gen = torch.Generator(device=device).manual_seed(seed)
     values = {}
@@ -169,6 +171,8 @@ def graph_inputs(graph, primitives, seed: int, device, dtype=torch.float64, mask
             if info.role == "dropout":
                 keep = keep_mask_torch(mask_seed, offsets[name], shape, info.p, device)
                 values[name] = keep.to(dtype) * dropout_scale(info.p)
+            elif name in shuffled:
+                values[name] = torch.tensor(known_value(graph, name), device=device, dtype=dtype)
             else:
                 values[name] = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     return values
@@ -177,8 +181,8 @@ def graph_inputs(graph, primitives, seed: int, device, dtype=torch.float64, mask
 def evaluate_training_graph(graph, operators, seed: int = 0, device="cpu", mask_seed: int = 0x5EED) -> dict:
     """Float64 values of every tensor of a (fused) training graph, operator by operator.
 
-    Inputs from ``graph_inputs``.  Contraction outputs are divided by the square root of their
-    contracted extent (as if one operand were initialised with variance 1/K), so activations and
+    Inputs from ``graph_inputs``.  Contraction outputs (not a shuffle's, a signed permutation) are
+    divided by the square root of their contracted extent (as if one operand were initialised with variance 1/K), so activations and
     gradients keep unit scale through the layer, and every operator sees inputs of the kind it
     meets in training: probabilities that are a softmax, normalised values with their standard
     deviations, masks regenerated from (mask_seed, offset).
@@ -187,7 +191,7 @@ def evaluate_training_graph(graph, operators, seed: int = 0, device="cpu", mask_
     env = graph_inputs(graph, prims, seed, device, torch.float64, mask_seed)
     for prim in prims:
         value = run_primitive(graph, prim, env, torch.float64)
-        if prim.kind == "einsum":
+        if prim.kind == "einsum" and shuffle_of(graph, prim) is None:
             ins, out = prim.expr.split("->")
             contracted = set(ins.replace(",", "")) - set(out)
             extent = {l: env[o.tensor].shape[o.letters.index(l)] for o in prim.inputs for l in o.letters}

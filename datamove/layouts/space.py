@@ -77,6 +77,7 @@ from typing import NamedTuple
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from datamove.dataflow.operators import ELEMENTWISE, NORMALIZATION, make_operator
+from datamove.dataflow.shuffle import shuffle_of
 
 MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 # Modes a first stage measures an access pattern with (one pass over the data, enough programs):
@@ -158,9 +159,11 @@ class Part:
 
 
 def parts(op) -> list[Part]:
-    """The connected parts of ``op`` (primitives joined through any tensor they read or write),
-    in the order of their first primitive; one part (the operator itself) when it is connected."""
+    """The connected parts of ``op`` (primitives joined through any tensor they read or write,
+    but a shuffle's constant, which is no input of the operator), in the order of their first
+    primitive; one part (the operator itself) when it is connected."""
     parent = {p.name: p.name for p in op.primitives}
+    linked = set(op.inputs) | {p.output.tensor for p in op.primitives}
 
     def find(x):
         while parent[x] != x:
@@ -171,6 +174,8 @@ def parts(op) -> list[Part]:
     seen: dict = {}
     for prim in op.primitives:
         for operand in (*prim.inputs, prim.output):
+            if operand.tensor not in linked:
+                continue
             other = seen.setdefault(operand.tensor, prim.name)
             parent[find(other)] = find(prim.name)
     roots = list(dict.fromkeys(find(p.name) for p in op.primitives))
@@ -220,8 +225,21 @@ def rest_configuration(graph, rest, layouts: dict) -> Configuration:
     return found[0]
 
 
+def element_operands(graph, prim) -> tuple:
+    """The operands of a primitive of a generated kernel as it reads and writes them element-wise,
+    with its iteration letters: a shuffle (``dataflow.shuffle``) reads its array under its output's
+    letters (the kernel loads it at the moved index) and not its constant; a contraction is refused."""
+    if prim.kind != "einsum":
+        return (*prim.inputs, prim.output), prim.letters
+    shuffle = shuffle_of(graph, prim)
+    if shuffle is None:
+        raise ValueError(f"{prim.name}: contraction primitives have no generated kernel here")
+    return (shuffle.view(prim), prim.output), prim.output.letters
+
+
 def operator_letters(graph, op) -> OperatorLetters:
-    """Unify the letters of ``op``'s primitives (see ``OperatorLetters``)."""
+    """Unify the letters of ``op``'s primitives (see ``OperatorLetters``; a shuffle's as
+    ``element_operands`` gives them)."""
     parent: dict = {}
 
     def find(x):
@@ -236,10 +254,9 @@ def operator_letters(graph, op) -> OperatorLetters:
         if ra != rb:
             parent[rb] = ra
 
+    elements = {prim.name: element_operands(graph, prim) for prim in op.primitives}
     for prim in op.primitives:
-        if prim.kind == "einsum":
-            raise ValueError(f"{op.name}: contraction primitives have no generated kernel here")
-        for operand in (*prim.inputs, prim.output):
+        for operand in elements[prim.name][0]:
             for axis, letter in enumerate(operand.letters):
                 union(("t", operand.tensor, axis), ("p", prim.name, letter))
     externals = list(op.inputs) + list(op.outputs)
@@ -250,14 +267,14 @@ def operator_letters(graph, op) -> OperatorLetters:
             if root not in names and letter not in names.values():
                 names[root] = letter
     for prim in op.primitives:
-        for letter in prim.letters:
+        for letter in elements[prim.name][1]:
             root = find(("p", prim.name, letter))
             if root not in names:
                 fresh = next(c for c in letter + "abcdefghijklmnopqrstuvwxyz" if c not in names.values())
                 names[root] = fresh
     tensor_axes, dims = {}, {}
     for prim in op.primitives:
-        for operand in (*prim.inputs, prim.output):
+        for operand in elements[prim.name][0]:
             info = graph.tensors[operand.tensor]
             axes = "".join(names[find(("t", operand.tensor, a))] for a in range(len(info.letters)))
             if len(set(axes)) != len(axes):
@@ -265,7 +282,7 @@ def operator_letters(graph, op) -> OperatorLetters:
             tensor_axes[operand.tensor] = axes
             for own, letter in zip(info.letters, axes):
                 dims[letter] = graph.letter_dims[own]
-    prim_letters = {p.name: {l: names[find(("p", p.name, l))] for l in p.letters} for p in op.primitives}
+    prim_letters = {p.name: {l: names[find(("p", p.name, l))] for l in elements[p.name][1]} for p in op.primitives}
     letters = "".join(dict.fromkeys(l for t in externals for l in tensor_axes[t]))
     letters += "".join(l for l in dict.fromkeys(names.values()) if l not in letters)
     reduced = "".join(dict.fromkeys(prim_letters[p.name][l] for p in op.primitives if p.kind == "reduce"

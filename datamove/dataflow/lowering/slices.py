@@ -6,8 +6,9 @@ per array sliced, one einsum ``"...a,ae->...e"`` with a constant matrix placing 
 its factor: rotate_half's ``-x2`` is -1 there, no negation map); parts put back in their places are
 the array itself.  New letters for the halves would need dims derived from others (``E // 2``),
 which the graph cannot keep consistent when a dim changes, and views with offsets, which no later
-stage reads; the matrix (E x E, a tiny GEMM) keeps every stage as it is.  Any other use of a slice
-is refused (``PART_HINT``)."""
+stage reads; the matrix (E x E) keeps the executor, the autodiff and the torch backend as they are,
+and the later stages run such an einsum element-wise (``dataflow.shuffle``: a load at the moved
+index, no GEMM).  Any other use of a slice is refused (``PART_HINT``)."""
 from __future__ import annotations
 
 import ast

@@ -6,10 +6,17 @@ tile's indices, then one of the emission modes (element-wise and mode "row": the
 once over the tile; column sums: "row" in a loop over blocks of rows; "loop": one pass over the
 reduced axis per level of chained reductions; "split": "loop" over a slice of the rows, the last
 slice to arrive adding up the partial sums), and for column sums the kernel adding them up.
+
+A shuffle (``dataflow.shuffle``: rotate_half's einsum with a constant signed permutation) is a value
+at a moved index: ``src = tl.where(idx_e < end, idx_e + shift, ...)`` per piece, its array loaded
+there (``tl.load`` with ``src`` for ``idx_e`` in the offset, the same mask) times the piece's factor;
+an array the operator computes is recomputed there from its maps' operands loaded at ``src``
+(rotate_half's gradient: ``d_q * sin`` read at the moved index).
 """
 from __future__ import annotations
 
-from datamove.kernels.codegen.expressions import describe, triton_expression
+from datamove.dataflow.shuffle import shuffle_of, source
+from datamove.kernels.codegen.expressions import describe, describe_shuffle, triton_expression
 from datamove.kernels.codegen.part_plan import plan_part
 from datamove.kernels.interpreter import interpreted
 from datamove.kernels.philox import dropout_scale, keep_threshold
@@ -51,13 +58,19 @@ def _inside(value: str, neutral: str) -> str:
     return f"tl.where(row_ok & col_ok, {value}, {neutral})"
 
 
-def _levels(op) -> tuple[dict, int]:
+def _levels(op, shuffles: dict) -> tuple[dict, int]:
     """({tensor: its depth of chained reductions}, the deepest reduction's depth)."""
     level: dict[str, int] = {t: 0 for t in op.inputs}
     for prim in op.primitives:
-        deps = max(level[o.tensor] for o in prim.inputs)
+        deps = max(level[o.tensor] for o in _reads(prim, shuffles))
         level[prim.output.tensor] = deps + 1 if prim.kind == "reduce" else deps
     return level, max((level[p.output.tensor] for p in op.primitives if p.kind == "reduce"), default=0)
+
+
+def _reads(prim, shuffles: dict) -> tuple:
+    """The operands a primitive reads as values: a shuffle its array (at the moved index), not its constant."""
+    shuffle = shuffles.get(prim.name)
+    return prim.inputs if shuffle is None else (prim.inputs[shuffle.source],)
 
 
 class PartEmitter:
@@ -69,6 +82,7 @@ class PartEmitter:
         self.plan = plan = plan_part(graph, op, knobs)
         self.axes = plan.letters.tensor_axes
         self.producer = {p.output.tensor: p for p in op.primitives}
+        self.shuffles = {p.name: s for p in op.primitives if (s := shuffle_of(graph, p)) is not None}
         self.scalars = graph.scalars()  # the names a map expression may use besides its operands
         self.w = _Writer()
         self.row_block = "rb" if plan.summed else "pid"  # the index of the block of rows a program takes (reduced along columns)
@@ -79,7 +93,7 @@ class PartEmitter:
         self.reduced_letters = plan.cols if plan.reduce_axis == 1 else plan.rows if plan.reduce_axis == 0 else ""
         self.loop_axis = "cols" if plan.reduce_axis == 1 else "rows"  # the reduced axis (modes "row", "loop")
         self.kept = "[:, None]" if plan.reduce_axis == 1 else "[None, :]"  # a reduced row's shape in the tile
-        self.level, self.n_pass = _levels(op)
+        self.level, self.n_pass = _levels(op, self.shuffles)
         self.done: set[str] = set()  # mode "loop": values computed outside the passes' loops
         self.stored: set[str] = set()  # mode "loop": outputs stored
 
@@ -127,7 +141,9 @@ class PartEmitter:
 
     def doc(self) -> str:
         plan, L = self.plan, self.plan.letters
-        prims_doc = "\n".join("    " + describe(p, L.prim_letters[p.name]) for p in self.op.primitives)
+        prims_doc = "\n".join("    " + (describe_shuffle(p, self.shuffles[p.name], L.prim_letters[p.name])
+                                       if p.name in self.shuffles else describe(p, L.prim_letters[p.name]))
+                               for p in self.op.primitives)
         return f"""{prims_doc}
 
 Letters: {", ".join(f"{l}={L.dims[l]}" for l in L.letters)}; reduced: {L.reduced or "-"}.
@@ -269,8 +285,53 @@ Knobs: {self.knobs}"""
             self.w(f"{_var(t)} = tl.load({t}_ptr + {self._offset_of(t)}{extra}).to(tl.float32)", depth)
 
     def _emit_map(self, prim, depth: int):
+        """A map's value, or a shuffle's (``_emit_shuffle``)."""
+        if prim.name in self.shuffles:
+            self._emit_shuffle(prim, depth)
+            return
         expr = triton_expression(prim.expr, [_var(o.tensor) for o in prim.inputs], self.scalars)
         self.w(f"{_var(prim.output.tensor)} = {expr}", depth)
+
+    def _emit_shuffle(self, prim, depth: int):
+        """``out[..., e] = factor * x[..., e + shift]`` per piece: the moved index ``src_<out>``, the
+        array's value there (``_moved``), the factor."""
+        shuffle, out = self.shuffles[prim.name], prim.output.tensor
+        letter = self.plan.letters.prim_letters[prim.name][shuffle.letter]
+        names = {dim: f"size_{l}" for l, dim in reversed(self.plan.letters.dims.items())}
+        names[self.plan.letters.dims[letter]] = f"size_{letter}"
+        names = {dim: names.get(dim, str(value)) for dim, value in self.graph.dim_values.items()}
+        pieces = sorted(shuffle.pieces, key=lambda piece: piece.values(self.graph.dim_values)[0])
+        index = factor = None
+        for piece in reversed(pieces):  # the pieces in order along e: each below its end, the last the rest
+            moved = f"idx_{letter} + ({source(piece.shift, names)})"
+            below = f"idx_{letter} < {source(piece.end, names)}"
+            index = moved if index is None else f"tl.where({below}, {moved}, {index})"
+            factor = repr(piece.factor) if factor is None else f"tl.where({below}, {piece.factor!r}, {factor})"
+        self.w(f"src_{out} = {index}  # {prim.inputs[shuffle.source].tensor}'s index along {letter} "
+               f"for {out}'s (a constant signed permutation, {shuffle.constant})", depth)
+        value = self._moved(prim.inputs[shuffle.source].tensor, letter, f"src_{out}", out, depth)
+        self.w(f"{_var(out)} = {value}" + ("" if all(p.factor == 1 for p in pieces) else f" * {factor}"), depth)
+
+    def _moved(self, t: str, letter: str, index: str, tag: str, depth: int) -> str:
+        """The variable of tensor ``t``'s value with ``index`` for ``idx_<letter>``: an input loaded
+        there, a value without that letter as it is, a map's recomputed from its operands moved."""
+        if t in self.op.inputs and t not in self.plan.regenerated:
+            mask = self._mask_of(self.axes[t])
+            extra = f", mask={mask}, other=0.0" if mask else ""
+            offset = " + ".join(f"{index if l == letter else f'idx_{l}'} * stride_{t}_{l}" for l in self.axes[t]) or "0"
+            self.w(f"{_var(t)}_{tag} = tl.load({t}_ptr + {offset}{extra}).to(tl.float32)", depth)
+            return f"{_var(t)}_{tag}"
+        if letter not in self.axes[t]:
+            return _var(t)
+        prim = self.producer.get(t)
+        if prim is None or prim.kind != "map":
+            raise NotImplementedError(f"{self.op.name}: a shuffle of {t} ({'a dropout mask' if prim is None else prim.kind}) "
+                                      "read at a moved index")
+        own = self.plan.letters.prim_letters[prim.name]
+        operands = [self._moved(o.tensor, letter, index, tag, depth) if any(own[l] == letter for l in o.letters)
+                    else _var(o.tensor) for o in prim.inputs]
+        self.w(f"{_var(t)}_{tag} = {triton_expression(prim.expr, operands, self.scalars)}", depth)
+        return f"{_var(t)}_{tag}"
 
     def _emit_store(self, t: str, depth: int):
         mask = self._mask_of(self.axes[t])
@@ -304,7 +365,7 @@ Knobs: {self.knobs}"""
 
     def _emit_row_primitive(self, prim, depth: int):
         t = prim.output.tensor
-        if prim.kind == "map":
+        if prim.kind in ("map", "einsum"):  # an einsum here is a shuffle
             self._emit_map(prim, depth)
         elif t in self.plan.summed:
             rows = _inside(_var(prim.inputs[0].tensor), "0.0")
@@ -453,14 +514,15 @@ Knobs: {self.knobs}"""
             if t in want or t in available or t not in self.producer:
                 continue
             want.add(t)
-            stack.extend(o.tensor for o in self.producer[t].inputs)
+            if self.producer[t].name not in self.shuffles:  # a shuffle computes what it reads itself
+                stack.extend(o.tensor for o in self.producer[t].inputs)
         return [p for p in self.op.primitives if p.output.tensor in want]
 
     def _emit_pass_values(self, targets: list[str]):
         """Inside a pass's loop: the loads and maps that ``targets`` need beyond what is done."""
         local = set(self.done)
         for prim in self._needed(targets, self.done):
-            for o in prim.inputs:
+            for o in () if prim.name in self.shuffles else prim.inputs:
                 if o.tensor not in local and o.tensor not in self.producer:
                     self._emit_input(o.tensor, 2)
                     local.add(o.tensor)

@@ -29,3 +29,13 @@ def describe(prim, own: dict) -> str:
     if prim.kind == "reduce":
         return f"{out} = {prim.expr} over {''.join(own[l] for l in prim.reduced)} of {names['in0']}"
     return f"{out} = {prim.expression.source(inputs=[names[f'in{n}'] for n in range(len(prim.inputs))])}"
+
+
+def describe_shuffle(prim, shuffle, own: dict) -> str:
+    """The docstring line of a shuffle (``dataflow.shuffle``): ``out[letters] = factor * x[letters moved]`` per piece."""
+    x = prim.inputs[shuffle.source]
+    letter = own[shuffle.letter]
+    out = f"{prim.output.tensor}[{''.join(own[l] for l in prim.output.letters)}]"
+    moved = "".join(f"({letter} + shift)" if l == shuffle.read else own[l] for l in x.letters)
+    pieces = "; ".join(f"{p.factor:g} * shift {p.shift} for {p.start} <= {letter} < {p.end}" for p in shuffle.pieces)
+    return f"{out} = factor * {x.tensor}[{moved}] ({pieces})"
