@@ -17,7 +17,7 @@ from datamove.dataflow.operators import ELEMENTWISE, make_operator, operator_cou
 from datamove.dataflow.shuffle import Piece, permutation_pieces, shuffle_of
 from datamove.harness import sweep_variants as sv
 from datamove.kernels.codegen import allocate, compile_operator, generate_source
-from datamove.layouts.space import configurations, default_configuration
+from datamove.layouts.space import Configuration, configurations, default_configuration
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
 
@@ -135,6 +135,34 @@ def test_generated_shuffle_matches_numpy(value, backward):
             tensors[name].copy_(torch.from_numpy(v))
         out = compiled.run(tensors, {})
         np.testing.assert_allclose(out["y"].double().numpy(), want, rtol=1e-5, atol=1e-5, err_msg=config.key())
+
+
+@pytest.mark.parametrize("mode", ["row", "loop"])
+def test_generated_shuffle_inside_a_normalization(mode):
+    """y = x * s + shuffle(x) summed over the moved axis e, z = y * sum_e(y): whole rows, or a loop
+    over chunks of e (the moved index then reaches outside the chunk)."""
+    graph, op = shuffle_graph(THREE, backward=False)
+    tensors = dict(graph.tensors, y=TensorInfo("y", "rce", "intermediate"), r=TensorInfo("r", "rc", "intermediate"),
+                   z=TensorInfo("z", "rce", "output"))
+    prims = op.primitives + (Primitive("reduce:r", "reduce", (Operand("y", "rce"),), Operand("r", "rc"), "sum"),
+                             Primitive("map:z", "map", (Operand("y", "rce"), Operand("r", "rc")), Operand("z", "rce"),
+                                       "in0 * in1"))
+    graph = PrimitiveGraph(tensors, list(prims), graph.letter_dims, dict(DIMS), ["z"])
+    op = make_operator(graph, list(prims), "forward")
+    assert op.cls == "normalization" and op.inputs == ("x", "s") and op.outputs == ("z",)
+    rng = np.random.default_rng(5)
+    x, s = rng.standard_normal((3, 5, 10)), rng.standard_normal((5, 10))
+    y = x * s + np.einsum("rca,ae->rce", x, known_value(graph, "m"))
+    want = y * y.sum(axis=2, keepdims=True)
+    row = next(c for c in configurations(graph, op) if c.knobs["mode"] == "row" and c.knobs["vector"] == "e")
+    config = row if mode == "row" else Configuration(row.layouts, {**row.knobs, "mode": "loop", "block_col": 4})
+    compiled = compile_operator(graph, op, config)
+    inputs = {}
+    for name, v in (("x", x), ("s", s)):
+        inputs[name] = allocate(graph, name, config.layouts[name], torch.float32)
+        inputs[name].copy_(torch.from_numpy(v))
+    out = compiled.run(inputs, {})
+    np.testing.assert_allclose(out["z"].double().numpy(), want, rtol=1e-5, atol=1e-4, err_msg=config.key())
 
 
 def test_the_sweep_checks_a_shuffle_against_float64():
