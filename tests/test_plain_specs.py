@@ -200,9 +200,9 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "einsum_implicit": ((2, 0, 2), einsum_implicit),
     "instance_norm": ((0, 1, 0), instance_norm),
     "logsoftmax_misc": ((0, 2, 6), logsoftmax_misc),  # log-softmax and np.min: two normalizations
-    # rotate_half: one einsum with the front end's constant matrix per rotated tensor; the halves put
-    # back in place (np.concatenate((lo, hi))) are k itself
-    "rope_rotate_half": ((5, 0, 8), rope_rotate_half),
+    # rotate_half: one einsum with the front end's constant matrix per rotated tensor, an element-wise
+    # operator (a shuffle, dataflow.shuffle); the halves put back in place (np.concatenate((lo, hi))) are k itself
+    "rope_rotate_half": ((3, 0, 10), rope_rotate_half),
     "gqa_repeat": ((8, 1, 1), gqa_repeat),  # np.repeat of K and V: an einsum each with a 0/1 matrix
     "gqa_groups": ((6, 1, 2), gqa_groups),  # query heads as (kv head, group): K and V read once
     "causal_tril": ((6, 1, 2), causal_tril),  # np.where(mask == 0, -inf, s): s + an additive constant
