@@ -147,3 +147,46 @@ def test_the_tuning_measures_the_attention_with_its_bias_add_folded_in():
     # and in the one its stacked projection writes (h, e outermost: "hebs")
     gpt2 = dict(B=4, H=12, L=1024, P=64, dropout_p=0.1, bias=True, causal=True)
     assert attention_setups(stored_fused()["gpt2"], "bfloat16") == [dict(gpt2, layout="bhjp"), dict(gpt2, layout="hpbj")]
+
+
+def test_cublas_other_algorithms_are_timed_on_each_gemms_fastest_layouts(monkeypatch):
+    """``tune``: every layout of a GEMM with cuBLAS's first algorithm, then cuBLASLt's other
+    algorithms on the ``ALGORITHM_LAYOUTS`` layouts where the first was fastest (replayed here with
+    made-up times on BERT's training GEMMs, four algorithms per call)."""
+    import zlib
+
+    from datamove import tuning
+    from datamove.dataflow.snapshot import stored_fused
+    from datamove.harness import contraction_variants
+    from datamove.harness.tuning_db import canonical_json
+
+    monkeypatch.setattr(contraction_variants, "cublas_algorithms", lambda *args, **kwargs: 4)
+    ms = lambda v: zlib.crc32((v.op + canonical_json(v.layout) + str(v.algorithm)).encode()) % 1000  # noqa: E731
+
+    class Ranker:
+        def ranked(self, variants):
+            return sorted(variants, key=ms)
+
+    class Recorder:
+        ranker, report = Ranker(), tuning.TuningReport()
+        sweeps: list = []
+
+        def measure(self, variants, **timing):
+            self.sweeps.append(list(variants))
+
+    tuner = Recorder()
+    fused = stored_fused()["bert"]
+    tuning.tune(tuner, fused, [], spec="bert", dtype="bfloat16", attention=[])
+    cublas = [v for sweep in tuner.sweeps for v in sweep
+              if isinstance(v, contraction_variants.GemmVariant) and v.config is None and not v.residual]
+    last = [sweep for sweep in tuner.sweeps if sweep][-1]  # the other algorithms come last (no attention, no spaces)
+    assert all(isinstance(v, contraction_variants.GemmVariant) and v.algorithm > 0 for v in last)
+    for g in contraction_variants.training_gemms(fused):
+        mine = [v for v in cublas if v.op == g.op and v.dims == dict(g.sizes)]
+        layouts = {canonical_json(v.layout) for v in mine}
+        first_algorithm = sorted((v for v in mine if v.algorithm == 0), key=ms)
+        fastest = list(dict.fromkeys(canonical_json(v.layout) for v in first_algorithm))[:tuning.ALGORITHM_LAYOUTS]
+        first_layout = canonical_json(mine[0].layout)  # its every algorithm timed in the first sweep
+        others = {canonical_json(v.layout) for v in mine if v.algorithm > 0}
+        assert others == set(fastest) | {first_layout} or len(layouts) <= tuning.ALGORITHM_LAYOUTS, g.name
+        assert {v.algorithm for v in mine} == {0, 1, 2, 3}

@@ -81,6 +81,7 @@ class _Groups:
 def _group_normalizations(graph: PrimitiveGraph, groups: _Groups) -> set[str]:
     """Union each reduction with its statistics, apply, bridge and affine maps; returns their names."""
     producer, consumers = graph.producer(), graph.consumers()
+    outer = _outer_maps(graph)
     member: set[str] = set()
     spaces: dict[str, tuple[frozenset, frozenset]] = {}  # group root -> (D, R)
     for prim in graph.primitives:
@@ -112,7 +113,8 @@ def _group_normalizations(graph: PrimitiveGraph, groups: _Groups) -> set[str]:
             if source.kind != "map" or frozenset(source.output.letters) != space:
                 break
             chain.append(source.name)
-            nonconstant = list(dict.fromkeys(op.tensor for op in source.inputs if op.tensor in producer))
+            nonconstant = list(dict.fromkeys(op.tensor for op in source.inputs
+                                             if op.tensor in producer and op.tensor not in outer))
             if len(nonconstant) != 1:
                 break
             tensor = nonconstant[0]
@@ -142,6 +144,17 @@ def _group_normalizations(graph: PrimitiveGraph, groups: _Groups) -> set[str]:
                     changed = True
                     break
     return member
+
+
+def _outer_maps(graph: PrimitiveGraph) -> set[str]:
+    """Tensors that maps compute from the graph's inputs alone: in a backward subgraph, forward
+    values recomputed there (``dataflow.recompute``), which a bridge between two reductions reads
+    as it reads the forward tensors themselves, as constants of its chain."""
+    producer, outer = graph.producer(), set()
+    for prim in graph.primitives:
+        if prim.kind == "map" and all(op.tensor not in producer or op.tensor in outer for op in prim.inputs):
+            outer.add(prim.output.tensor)
+    return outer
 
 
 def _group_elementwise_chains(graph: PrimitiveGraph, groups: _Groups, taken: set[str]) -> None:

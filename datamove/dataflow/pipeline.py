@@ -1,5 +1,6 @@
 """The stages of ``optimize-layer`` chained: spec -> SDFG -> primitive graph -> operators ->
-training graph -> fused graph -> analysis."""
+training graph (with cheap element-wise forward values recomputed in the backward,
+``dataflow.recompute``) -> fused graph -> analysis."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -12,6 +13,7 @@ from datamove.dataflow.fusion import FusedGraph, fuse
 from datamove.dataflow.graph import PrimitiveGraph
 from datamove.dataflow.lowering.lowered_module import lower_spec
 from datamove.dataflow.operators import Operator, group_operators
+from datamove.dataflow.recompute import recompute_elementwise
 from datamove.dataflow.sdfg import build_sdfg
 from datamove.dataflow.sdfg_reader import walk_sdfg
 from datamove.dataflow.spec import LayerSpec, load_spec
@@ -21,7 +23,9 @@ from datamove.dataflow.spec import LayerSpec, load_spec
 class Analysis:
     """``graph`` / ``operators`` / ``rows``: the forward pass on its own; ``training_rows``: the
     unfused training operators (forward then backward, counted in the training graph, so forward
-    operators also output what the backward reads); ``fused_rows``: the fused training graph."""
+    operators also output what the backward reads); ``training``: the derived training graph with
+    ``dataflow.recompute``'s copies in its backward, the graph ``fused`` fuses; ``fused_rows``: the
+    fused training graph."""
 
     spec: LayerSpec
     graph: PrimitiveGraph
@@ -60,7 +64,7 @@ def forward_graph(path, dims: dict[str, int] | None = None, options: dict[str, s
 def analyse_spec(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None) -> Analysis:
     spec, graph = forward_graph(path, dims, options)
     operators = group_operators(graph, "forward")
-    training = build_training_graph(graph)
+    training = recompute_elementwise(build_training_graph(graph))
     fused = fuse(training)
     return Analysis(spec, graph, operators, analyse(graph, operators), training, analyse(training.graph, fused.unfused),
                     fused, analyse(fused.graph, fused.operators), attention_candidates(fused))
