@@ -128,13 +128,17 @@ def test_generated_shuffle_matches_numpy(value, backward):
         + [c for c in configs if c.layouts["x"] != "rce"][:1]
     assert len(chosen) == 3
     for config in chosen:
-        compiled = compile_operator(graph, op, config)
-        tensors = {}
-        for name, v in (("x", x), ("s", s)):
-            tensors[name] = allocate(graph, name, config.layouts[name], torch.float32)
-            tensors[name].copy_(torch.from_numpy(v))
-        out = compiled.run(tensors, {})
+        out = _run(graph, op, config, {"x": x, "s": s})
         np.testing.assert_allclose(out["y"].double().numpy(), want, rtol=1e-5, atol=1e-5, err_msg=config.key())
+
+
+def _run(graph, op, config, arrays: dict) -> dict:
+    """The generated kernel of ``op`` in ``config`` on ``arrays`` (float32, each stored in its layout)."""
+    inputs = {}
+    for name, value in arrays.items():
+        inputs[name] = allocate(graph, name, config.layouts[name], torch.float32)
+        inputs[name].copy_(torch.from_numpy(value))
+    return compile_operator(graph, op, config).run(inputs, {})
 
 
 @pytest.mark.parametrize("mode", ["row", "loop"])
@@ -156,12 +160,7 @@ def test_generated_shuffle_inside_a_normalization(mode):
     want = y * y.sum(axis=2, keepdims=True)
     row = next(c for c in configurations(graph, op) if c.knobs["mode"] == "row" and c.knobs["vector"] == "e")
     config = row if mode == "row" else Configuration(row.layouts, {**row.knobs, "mode": "loop", "block_col": 4})
-    compiled = compile_operator(graph, op, config)
-    inputs = {}
-    for name, v in (("x", x), ("s", s)):
-        inputs[name] = allocate(graph, name, config.layouts[name], torch.float32)
-        inputs[name].copy_(torch.from_numpy(v))
-    out = compiled.run(inputs, {})
+    out = _run(graph, op, config, {"x": x, "s": s})
     np.testing.assert_allclose(out["z"].double().numpy(), want, rtol=1e-5, atol=1e-4, err_msg=config.key())
 
 

@@ -39,6 +39,7 @@ from datamove.dataflow.autodiff import TrainingGraph
 from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
 from datamove.dataflow.operators import CONTRACTION, NORMALIZATION, Operator, classify, make_operator
 from datamove.dataflow.shuffle import shuffle_of
+from datamove.dataflow.union_find import UnionFind
 
 
 @dataclass(frozen=True)
@@ -265,26 +266,16 @@ def _naming(state: FusionState, gid: int) -> dict[tuple[str, str], str]:
     order.  (Primitives of a group mostly name a dim alike; a shuffle's output letter differs from
     the one its array is read under, rotate_half's gradient writing over ``a`` what it reads over ``e``.)"""
     names = state.groups[gid].prims
-    parent: dict = {}
-
-    def find(x):
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    classes = UnionFind()
     for name in names:
         for op in (*state.reads[name], state.prim[name].output):
             for axis, letter in enumerate(op.letters):
-                a, b = find(("t", op.tensor, axis)), find(("p", name, letter))
-                if a != b:
-                    parent[a] = b
+                classes.union(("t", op.tensor, axis), ("p", name, letter))
     first: dict = {}
     result = {}
     for name in names:
         for letter in state.letters(name):
-            result[(name, letter)] = first.setdefault(find(("p", name, letter)), letter)
+            result[(name, letter)] = first.setdefault(classes.find(("p", name, letter)), letter)
     return result
 
 

@@ -100,18 +100,23 @@ def permutation_pieces(value: str) -> tuple[Piece, ...] | None:
         tree = ast.parse(value, mode="eval").body
     except SyntaxError:
         return None
-    terms = []
-    while isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.Add):
-        terms.append(tree.right)
-        tree = tree.left
-    terms.append(tree)
     pieces = []
-    for term in reversed(terms):
+    for term in _operands(tree, ast.Add):
         piece = _piece(term)
         if piece is None:
             return None
         pieces.append(piece)
     return tuple(pieces)
+
+
+def _operands(tree, kind) -> list:
+    """The operands of a left-nested chain of binary operators ``kind`` (``a + b + c``), in order."""
+    terms = []
+    while isinstance(tree, ast.BinOp) and isinstance(tree.op, kind):
+        terms.append(tree.right)
+        tree = tree.left
+    terms.append(tree)
+    return terms[::-1]
 
 
 def _name(node, name: str) -> bool:
@@ -128,11 +133,7 @@ def _piece(node) -> Piece | None:
         return None
     if not isinstance(factor, (int, float)) or zero != 0:
         return None
-    parts = []
-    while isinstance(cond, ast.BinOp) and isinstance(cond.op, ast.BitAnd):
-        parts.append(cond.right)
-        cond = cond.left
-    parts.append(cond)
+    parts = _operands(cond, ast.BitAnd)[::-1]
     if len(parts) != 3 or not all(isinstance(p, ast.Compare) and len(p.ops) == 1 for p in parts):
         return None
     moved, upper, lower = parts  # (start <= i1) & (i1 < end) & (i0 == i1 + shift), reversed

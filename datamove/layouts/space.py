@@ -78,6 +78,7 @@ from typing import NamedTuple
 from datamove.dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from datamove.dataflow.operators import ELEMENTWISE, NORMALIZATION, make_operator
 from datamove.dataflow.shuffle import shuffle_of
+from datamove.dataflow.union_find import UnionFind
 
 MAX_TILE = 16384  # fp32 elements per program tile (register budget)
 # Modes a first stage measures an access pattern with (one pass over the data, enough programs):
@@ -240,19 +241,8 @@ def element_operands(graph, prim) -> tuple:
 def operator_letters(graph, op) -> OperatorLetters:
     """Unify the letters of ``op``'s primitives (see ``OperatorLetters``; a shuffle's as
     ``element_operands`` gives them)."""
-    parent: dict = {}
-
-    def find(x):
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(a, b):
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[rb] = ra
+    classes = UnionFind()
+    find, union = classes.find, classes.union
 
     elements = {prim.name: element_operands(graph, prim) for prim in op.primitives}
     for prim in op.primitives:
