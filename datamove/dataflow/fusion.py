@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from datamove.dataflow.autodiff import TrainingGraph
 from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
 from datamove.dataflow.operators import CONTRACTION, NORMALIZATION, Operator, classify, make_operator
-from datamove.dataflow.shuffle import shuffle_of
+from datamove.dataflow.shuffle import element_inputs, shuffle_of
 from datamove.dataflow.union_find import UnionFind
 
 
@@ -104,8 +104,7 @@ class FusionState:
         self.producer = {p.output.tensor: p.name for p in self.graph.primitives}
         self.shuffles = {p.name: s for p in self.graph.primitives if (s := shuffle_of(self.graph, p)) is not None}
         # what each primitive reads, element-wise: a shuffle its array under its output's letters, not its constant
-        self.reads = {p.name: p.inputs if p.name not in self.shuffles else (self.shuffles[p.name].view(p),)
-                      for p in self.graph.primitives}
+        self.reads = {p.name: element_inputs(self.graph, p) for p in self.graph.primitives}
         self.readers: dict[str, list[str]] = {}
         for p in self.graph.primitives:
             for op in self.reads[p.name]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from datamove.dataflow.graph import Primitive, PrimitiveGraph
-from datamove.dataflow.shuffle import shuffle_of
+from datamove.dataflow.shuffle import element_inputs, shuffle_of
 
 CONTRACTION, NORMALIZATION, ELEMENTWISE = "contraction", "normalization", "elementwise"
 FORWARD, BACKWARD = "forward", "backward"  # the phases of a training graph (``dataflow.autodiff``)
@@ -205,9 +205,7 @@ def make_operator(graph: PrimitiveGraph, prims: list[Primitive], phase: str, nam
     consumers = graph.consumers()
     produced = [p.output.tensor for p in prims]
     inside = {p.name for p in prims}
-    shuffles = {p.name: shuffle_of(graph, p) for p in prims if p.kind == "einsum"}
-    inputs = list(dict.fromkeys(op.tensor for p in prims for k, op in enumerate(p.inputs) if op.tensor not in produced
-                                and not (shuffles.get(p.name) and k != shuffles[p.name].source)))
+    inputs = list(dict.fromkeys(op.tensor for p in prims for op in element_inputs(graph, p) if op.tensor not in produced))
     outputs = [t for t in produced
                if t in graph.outputs or any(c.name not in inside for c in consumers.get(t, []))]
     if cls is None:

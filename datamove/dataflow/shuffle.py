@@ -171,6 +171,13 @@ def _permutes(pieces: tuple[Piece, ...], dims: tuple, extent: int) -> bool:
     return len(written) == extent
 
 
+def element_inputs(graph, prim) -> tuple[Operand, ...]:
+    """What ``prim`` reads as values, element-wise: a shuffle its array under its output's letters
+    (``Shuffle.view``; never its constant), any other primitive its inputs."""
+    shuffle = shuffle_of(graph, prim)
+    return prim.inputs if shuffle is None else (shuffle.view(prim),)
+
+
 def shuffle_of(graph, prim) -> Shuffle | None:
     """``prim`` as a shuffle (module doc), or None: an einsum of one array and a constant over
     (read letter, written letter) whose value is a signed permutation at the graph's dims, the

@@ -77,7 +77,7 @@ from typing import NamedTuple
 
 from datamove.dataflow.dropout_mask import DECISION_GROUP, DECISIONS_PER_CALL
 from datamove.dataflow.operators import ELEMENTWISE, NORMALIZATION, make_operator
-from datamove.dataflow.shuffle import shuffle_of
+from datamove.dataflow.shuffle import element_inputs, shuffle_of
 from datamove.dataflow.union_find import UnionFind
 
 MAX_TILE = 16384  # fp32 elements per program tile (register budget)
@@ -232,10 +232,9 @@ def element_operands(graph, prim) -> tuple:
     letters (the kernel loads it at the moved index) and not its constant; a contraction is refused."""
     if prim.kind != "einsum":
         return (*prim.inputs, prim.output), prim.letters
-    shuffle = shuffle_of(graph, prim)
-    if shuffle is None:
+    if shuffle_of(graph, prim) is None:
         raise ValueError(f"{prim.name}: contraction primitives have no generated kernel here")
-    return (shuffle.view(prim), prim.output), prim.output.letters
+    return (*element_inputs(graph, prim), prim.output), prim.output.letters
 
 
 def operator_letters(graph, op) -> OperatorLetters:

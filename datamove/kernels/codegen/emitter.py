@@ -15,7 +15,7 @@ an array the operator computes is recomputed there from its maps' operands loade
 """
 from __future__ import annotations
 
-from datamove.dataflow.shuffle import shuffle_of, source
+from datamove.dataflow.shuffle import element_inputs, shuffle_of, source
 from datamove.kernels.codegen.expressions import describe, describe_shuffle, triton_expression
 from datamove.kernels.codegen.part_plan import plan_part
 from datamove.kernels.interpreter import interpreted
@@ -58,19 +58,13 @@ def _inside(value: str, neutral: str) -> str:
     return f"tl.where(row_ok & col_ok, {value}, {neutral})"
 
 
-def _levels(op, shuffles: dict) -> tuple[dict, int]:
+def _levels(graph, op) -> tuple[dict, int]:
     """({tensor: its depth of chained reductions}, the deepest reduction's depth)."""
     level: dict[str, int] = {t: 0 for t in op.inputs}
     for prim in op.primitives:
-        deps = max(level[o.tensor] for o in _reads(prim, shuffles))
+        deps = max(level[o.tensor] for o in element_inputs(graph, prim))
         level[prim.output.tensor] = deps + 1 if prim.kind == "reduce" else deps
     return level, max((level[p.output.tensor] for p in op.primitives if p.kind == "reduce"), default=0)
-
-
-def _reads(prim, shuffles: dict) -> tuple:
-    """The operands a primitive reads as values: a shuffle its array (at the moved index), not its constant."""
-    shuffle = shuffles.get(prim.name)
-    return prim.inputs if shuffle is None else (prim.inputs[shuffle.source],)
 
 
 class PartEmitter:
@@ -93,7 +87,7 @@ class PartEmitter:
         self.reduced_letters = plan.cols if plan.reduce_axis == 1 else plan.rows if plan.reduce_axis == 0 else ""
         self.loop_axis = "cols" if plan.reduce_axis == 1 else "rows"  # the reduced axis (modes "row", "loop")
         self.kept = "[:, None]" if plan.reduce_axis == 1 else "[None, :]"  # a reduced row's shape in the tile
-        self.level, self.n_pass = _levels(op, self.shuffles)
+        self.level, self.n_pass = _levels(graph, op)
         self.done: set[str] = set()  # mode "loop": values computed outside the passes' loops
         self.stored: set[str] = set()  # mode "loop": outputs stored
 
