@@ -545,3 +545,41 @@ def test_a_forward_layout_copy_read_again_by_the_backward(tmp_path):
     assert "x1@bji" in layer.program(True).kept  # the forward's copy, returned for the backward
     randomize(layer, 4)
     check_against_executor(layer, {"x": None})
+
+
+QKV_GRADIENTS_CHANGED = {"d_v": "whkb", "d_k": "phkb", "d_q": "phjb"}  # the stacked backward GEMMs read these
+
+
+def _stacked_gradients_changed(fused, spec: str):
+    """The spec-order plan at B=1 with both stacked backward GEMMs (d_W and d_x of Q/K/V) reading
+    d_q, d_k and d_v with the batch letter innermost: three layout changes after the last of them
+    is written, each member's copy (Llama's plan does this with its K/V gradients).  Only at B=1
+    can those GEMMs read that order (x is stored ibj), and the copies' bytes are the originals'."""
+    steps = []
+    for step in spec_order_plan(fused, spec).steps:
+        if step.name.startswith(("stack(d_wv", "stack(d_x_via")):
+            step = replace(step, reads={**step.reads, **QKV_GRADIENTS_CHANGED})
+        steps.append(step)
+        if step.name == "d_q":
+            steps += [Step(f"layout({t}:{source}->{target})#{n}", "backward", LAYOUT_CHANGE, (), {t: source}, {},
+                           LayoutChangeConfig(t, source, target), 0.0, "predicted")
+                      for n, (t, target) in enumerate(QKV_GRADIENTS_CHANGED.items())
+                      for source in [fused.graph.tensors[t].letters]]
+    return replace(spec_order_plan(fused, spec), steps=steps)
+
+
+def test_stacked_gemms_read_the_copies_of_one_buffer(tmp_path, monkeypatch):
+    """A stacked GEMM reading every member through a layout change reads the changes' copies as
+    one buffer, a view: no stacking copy per GEMM (two GEMMs, a copy of every member each, before)."""
+    from datamove.runtime import steps as launchers
+
+    layer = load(write(tmp_path, "bert", dict(BERT_DIMS, B=1), _stacked_gradients_changed))
+    assert ["d_q@phjb", "d_k@phkb", "d_v@whkb"] in launchers.stack_groups(layer.plan.steps)  # the weights' order
+    stacked_view = launchers.stacked_view
+
+    def viewed(members):
+        assert launchers._spacing(members) is not None, "a stacked operand was copied"
+        return stacked_view(members)
+    monkeypatch.setattr(launchers, "stacked_view", viewed)
+    randomize(layer, 4)
+    check_against_executor(layer, {"x": None})

@@ -29,6 +29,11 @@ def copy_name(tensor: str, layout: str) -> str:
     return f"{tensor}@{layout}"
 
 
+def copied_tensor(name: str) -> str:
+    """The graph tensor a store name holds: ``name`` itself, or the tensor a ``copy_name`` copies."""
+    return name.partition("@")[0]
+
+
 @dataclass
 class Run:
     """The per-call values a launcher reads: the dropout ``seed`` of this call (Philox key, an int or
@@ -50,8 +55,10 @@ class Run:
 class Buffers:
     """Allocation of a plan's tensors in their layouts, stacked groups as one buffer each.
 
-    ``groups``: lists of tensors stored as one buffer (stack order = list order); every member
-    has the same letters and layout."""
+    ``groups``: lists of store names stored as one buffer (stack order = list order): tensors, or
+    the copies layout changes make of them (``copy_name``: the members a stacked GEMM reads are
+    those copies where it reads every one of them in another layout); every member has the same
+    letters and layout."""
 
     def __init__(self, graph, groups: list[list[str]], dtype: torch.dtype, device):
         self.graph, self.dtype, self.device = graph, dtype, device
@@ -59,19 +66,19 @@ class Buffers:
         self._strided: dict[tuple, tuple] = {}  # (tensor, layout) -> how it is allocated (``allocate``), found once
 
     def allocate(self, store: dict, tensor: str, layout: str) -> torch.Tensor:
-        """``tensor`` (its slice of its group's buffer, allocated on first use) in ``layout``."""
+        """``tensor`` (a store name: its slice of its group's buffer, allocated on first use) in ``layout``."""
         group = self.group_of.get(tensor)
         if group is None:
             strided = self._strided.get((tensor, layout))
             if strided is None:
-                meta = allocate(self.graph, tensor, layout, self.dtype, "meta")
+                meta = allocate(self.graph, copied_tensor(tensor), layout, self.dtype, "meta")
                 strided = self._strided[(tensor, layout)] = (meta.shape, meta.stride())
             return torch.empty_strided(*strided, dtype=self.dtype, device=self.device)
         if tensor in store:
             return store[tensor]
         stacked = self._strided.get((tensor, layout))
         if stacked is None:  # the buffer's shape, then each member's (shape, strides, offset) in it
-            letters = self.graph.tensors[tensor].letters
+            letters = self.graph.tensors[copied_tensor(tensor)].letters
             buffer = torch.empty([len(group), *[self.graph.size(letter) for letter in layout]], device="meta")
             member = buffer[0].permute([layout.index(letter) for letter in letters])
             stacked = self._strided[(tensor, layout)] = (
@@ -111,8 +118,13 @@ class Launcher:
         self.replay: StepReplay | None = None
         self.recorded = False  # whether ``replay`` comes from a whole recording (None there: not repeatable)
 
+    @property
+    def writes(self) -> dict[str, str]:
+        """The store names this launcher writes, with their layouts."""
+        return self.step.writes
+
     def output(self, store: dict, tensor: str) -> torch.Tensor:
-        return self.buffers.allocate(store, tensor, self.step.writes[tensor])
+        return self.buffers.allocate(store, tensor, self.writes[tensor])
 
     def __call__(self, store: dict, run: Run) -> None:
         if run.replay and self.replay is not None:

@@ -97,8 +97,9 @@ class StepReplay:
             group = launcher.buffers.group_of.get(name)
             if name in covered:
                 continue
-            if group and name in launcher.step.writes:  # its group's buffer, every member a slice of it
-                outputs.append((name, None))
+            written = [m for m in group or () if m in launcher.writes]
+            if written:  # its group's buffer, allocated for a member the step writes, every member a slice of it
+                outputs.append((written[0], None))
                 covered.update(group)
             elif not group and name in argued:
                 tensor = new[name]
