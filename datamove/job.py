@@ -201,6 +201,8 @@ def run_job(o: JobOptions) -> int:
             data.meta["shapes"] = [{"dims": label, "total_ms": plan.total_ms, "timing": plan.timing}
                                    for label, plan in zip(shaped, plans)]
             data.meta["options"] = dict(o.options)
+            if tunings:
+                data.meta["tuning"] = tunings[0].to_json()
             data.meta["plan_id"] = read_manifest(manifest)["plan_id"]
             paths = {kind: out / path.name for kind, path in write_report(data, folder).items()}
     except OSError as err:
@@ -263,10 +265,8 @@ def summary(plans, labels: list[str], out: Path, paths: dict, tunings: list, sta
                  f"{plan.search.get('seconds')} s")
     lines.append("Shapes tuned: " + "; ".join(f"{label} ({each.total_ms:.4f} ms {each.timing})"
                                               for label, each in zip(labels, plans)))
-    for tuning in tunings:
-        counts = ", ".join(f"{n} {s}" for s, n in tuning.counts.items() if n)
-        lines.append(f"Tuning: {counts} in {tuning.wall_s:.0f} s" + (f"; stopped: {tuning.stopped} (rerun to go on)"
-                                                                      if tuning.stopped else ""))
+    for tuning in {id(t): t for t in tunings}.values():  # the shapes' sweeps share one tuner
+        lines += tuning.lines()
     lines += [f"Artifact: {out}/ (plan.json, graph.json, manifest.json, kernels/)",
               f"Report: {paths['html']} (also {paths['markdown'].name}, {paths['png'].name}, {paths['json'].name})",
               "Load it:  from datamove.export import load_layer; layer = load_layer(\"" + str(out) + "\")",

@@ -56,7 +56,9 @@ class ReportData:
     the report details the first); ``ceilings``: ``bandwidth`` (bytes/s), ``flops`` (flop/s) and where they come
     from (``source``); ``chosen``: the plan's steps; ``pytorch``: PyTorch eager per fused operator
     (the unfused operators it replaces); ``movement``: unfused vs fused minimal data movement
-    (elements, ``dataflow.analysis.movement_summary``); ``plan``: ``total_ms``, ``best_sum_ms``."""
+    (elements, ``dataflow.analysis.movement_summary``); ``plan``: ``total_ms``, ``best_sum_ms``;
+    ``meta["tuning"]`` where the job measured: what its tuning cost per stage
+    (``datamove.tuning.TuningReport.to_json``)."""
 
     meta: dict
     ceilings: dict
@@ -206,6 +208,26 @@ def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+TUNING_HEADER = ["tuning stage", "timed", "failed, too slow or wrong", "read back", "pruned", "left by the budget", "s"]
+
+
+def tuning_rows(tuning: dict) -> list[list[str]]:
+    """One row per stage of the job's tuning (``datamove.tuning.TuningReport.to_json``), then the total."""
+    def row(name, counts, pruned, left, seconds):
+        bad = sum(counts.get(k, 0) for k in ("failed", "too slow", "wrong"))
+        return [name, str(counts.get("ok", 0) + counts.get("checked", 0)), str(bad), str(counts.get("skipped", 0)),
+                pruned, str(left), f"{seconds:.0f}"]
+    rows = [row(s["stage"], s["counts"], f"{s['pruned']} ({s['pruned_why']})" if s["pruned"] else "0", s["left"], s["wall_s"])
+            for s in tuning["stages"]]
+    return rows + [row("total", tuning["counts"], str(sum(s["pruned"] for s in tuning["stages"])), tuning["left"],
+                       tuning["wall_s"])]
+
+
+def _tuning_note(tuning: dict) -> str:
+    return (f"Budget {tuning['budget_s']:g} s; " if tuning.get("budget_s") is not None else "") + \
+        (tuning["stopped"] if tuning.get("stopped") else "every stage finished") + "."
+
+
 def markdown(data: ReportData) -> str:
     m = data.meta
     parts = [f"# {m['spec']}: tuned layer report", "",
@@ -213,8 +235,10 @@ def markdown(data: ReportData) -> str:
     parts += [line + "\n" for line in _definitions(data)]
     parts += ["## Chosen kernels (Table III style)", "", _markdown_table(HEADER, _table(data.chosen, data)), "",
               "Totals per class:", "", _markdown_table(TOTALS_HEADER, class_totals(data.chosen)), "",
-              "## PyTorch eager per fused operator", "", _markdown_table(SPEEDUP_HEADER, speedups(data)), "",
-              "## Roofline", "", "![roofline](roofline.png)", ""]
+              "## PyTorch eager per fused operator", "", _markdown_table(SPEEDUP_HEADER, speedups(data)), ""]
+    if m.get("tuning"):
+        parts += ["## Tuning cost", "", _tuning_note(m["tuning"]), "", _markdown_table(TUNING_HEADER, tuning_rows(m["tuning"])), ""]
+    parts += ["## Roofline", "", "![roofline](roofline.png)", ""]
     return "\n".join(parts)
 
 
@@ -240,7 +264,9 @@ def html_page(data: ReportData, png: bytes) -> str:
             f"<h2>Chosen kernels (Table III style)</h2>{_html_table(HEADER, _table(data.chosen, data))}"
             f"<p>Totals per class:</p>{_html_table(TOTALS_HEADER, class_totals(data.chosen))}"
             f"<h2>PyTorch eager per fused operator</h2>{_html_table(SPEEDUP_HEADER, speedups(data))}"
-            f"<h2>Roofline</h2><img alt='roofline' src='data:image/png;base64,{image}'></body></html>")
+            + (f"<h2>Tuning cost</h2><p>{html.escape(_tuning_note(m['tuning']))}</p>"
+               f"{_html_table(TUNING_HEADER, tuning_rows(m['tuning']))}" if m.get("tuning") else "")
+            + f"<h2>Roofline</h2><img alt='roofline' src='data:image/png;base64,{image}'></body></html>")
 
 
 def write_report(data: ReportData, out_dir) -> dict[str, Path]:

@@ -39,17 +39,91 @@ FIRST_CONFIGS = ("128x256x64 g8 s3 w8 tma", "256x128x64 g8 s3 w8 tma", "128x128x
 
 
 @dataclass
+class StageCost:
+    """What one stage of the tuning cost: its variants by outcome (``counts``: 'ok' measured,
+    'failed', 'too slow', 'wrong', 'skipped' read back from the database), those its rule left out
+    unmeasured (``pruned``, ``pruned_why``), those the budget left (``left``: not measured, not in
+    the database) and its wall time (s)."""
+
+    name: str
+    counts: dict = field(default_factory=dict)
+    pruned: int = 0
+    pruned_why: str = ""
+    left: int = 0
+    wall_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"stage": self.name, "counts": {k: n for k, n in self.counts.items() if n}, "pruned": self.pruned,
+                "pruned_why": self.pruned_why, "left": self.left, "wall_s": round(self.wall_s, 1)}
+
+
+@dataclass
 class TuningReport:
-    """What the sweeps did: counts by status, wall time, and why they stopped early (None: finished)."""
+    """What the sweeps of one job did (``budget_s``: its budget): counts by status, wall time, why
+    they stopped early (None: finished), and the same per stage (``stages``, in the order they ran)."""
 
     counts: dict = field(default_factory=dict)
     wall_s: float = 0.0
     stopped: str | None = None
+    stages: dict = field(default_factory=dict)  # name -> StageCost
+    budget_s: float | None = None
 
-    def add(self, report) -> None:
+    def stage(self, name: str) -> StageCost:
+        return self.stages.setdefault(name, StageCost(name))
+
+    def add(self, report, stage: StageCost) -> None:
         for status, n in report.counts.items():
             self.counts[status] = self.counts.get(status, 0) + n
+            stage.counts[status] = stage.counts.get(status, 0) + n
+        stage.left += report.remaining if report.stopped else 0
         self.stopped = self.stopped or report.stopped
+
+    def left(self) -> int:
+        return sum(s.left for s in self.stages.values())
+
+    def to_json(self) -> dict:
+        return {"budget_s": self.budget_s, "wall_s": round(self.wall_s, 1), "counts": {k: n for k, n in self.counts.items() if n},
+                "stopped": self.stop_message() or None, "left": self.left(),
+                "stages": [s.to_json() for s in self.stages.values()]}
+
+    def lines(self) -> list[str]:
+        """The job's summary of the tuning: the totals, why it stopped, then one line per stage."""
+        lines = [f"Tuning: {describe(self.counts)} in {self.wall_s:.0f} s"
+                 + (f"; {self.stop_message()}" if self.stopped else "")]
+        for s in self.stages.values():
+            lines.append(f"  {s.name}: {describe(s.counts) or 'nothing'}"
+                         + (f"; {s.pruned} pruned ({s.pruned_why})" if s.pruned else "")
+                         + (f"; {s.left} left by the budget" if s.left else "") + f"; {s.wall_s:.0f} s")
+        return lines
+
+    def rate_s(self) -> float | None:
+        """Seconds of the stages that measured per variant measured (None: none was)."""
+        measured = sum(n for s in self.stages.values() for status, n in s.counts.items() if status != "skipped")
+        seconds = sum(s.wall_s for s in self.stages.values() if any(n for k, n in s.counts.items() if k != "skipped"))
+        return seconds / measured if measured else None
+
+    def stop_message(self) -> str:
+        """Why the tuning stopped and what finishing it takes ('' where it finished)."""
+        if not self.stopped:
+            return ""
+        left, rate = self.left(), self.rate_s()
+        text = f"stopped: {self.stopped}; {left} variant(s) not measured"
+        if rate is not None and left:
+            more = left * rate
+            text += f" (about {more:.0f} s more at this run's {rate:.2f} s a variant)"
+            if self.budget_s is not None:
+                text += f": rerun to go on, or give --budget-s {self.budget_s + more:.0f}"
+                return text
+        return text + ": rerun to go on"
+
+
+OUTCOMES = {"ok": "timed", "checked": "checked", "failed": "failed", "too slow": "too slow", "wrong": "wrong",
+            "skipped": "read back"}  # a sweep's counts (``harness.bench.SweepReport``) as the summary names them
+
+
+def describe(counts: dict) -> str:
+    """``counts`` (status -> variants) as '12 timed, 3 failed, 40 read back'."""
+    return ", ".join(f"{n} {OUTCOMES.get(status, status)}" for status, n in counts.items() if n)
 
 
 class Tuner:
@@ -62,24 +136,33 @@ class Tuner:
         self.db, self.budget_s, self.progress, self.compile_workers = db, budget_s, progress, compile_workers
         self.retry_failed = retry_failed
         self.started = time.monotonic()
-        self.report = TuningReport()
+        self.report = TuningReport(budget_s=budget_s)
         self.ranker = Sweep(db, [], progress=False, processes=gpus)
         self.gpus = self.ranker.processes
 
     def left(self) -> float | None:
         return None if self.budget_s is None else max(0.0, self.budget_s - (time.monotonic() - self.started))
 
-    def measure(self, variants, *, past_budget: bool = False, **timing) -> None:
-        """Sweep ``variants`` within what is left of the budget (nothing once it is spent), or, with
-        ``past_budget``, whatever is left (the plan's own layout changes: ``measure_layout_changes``)."""
+    def measure(self, variants, *, stage: str, pruned: int = 0, pruned_why: str = "", past_budget: bool = False,
+                **timing) -> None:
+        """Sweep ``variants`` within what is left of the budget (once it is spent, only count those
+        not measured yet), or, with ``past_budget``, whatever is left (the plan's own layout
+        changes: ``measure_layout_changes``); their cost goes to ``stage`` (``StageCost``), with
+        the ``pruned`` variants its rule left out and why."""
+        cost = self.report.stage(stage)
+        cost.pruned += pruned
+        cost.pruned_why = pruned_why or cost.pruned_why
         if self.report.stopped and not past_budget:
+            cost.left += self.ranker.unmeasured(variants)
             return
+        started = time.monotonic()
         swept = Sweep(self.db, variants, budget_s=None if past_budget else self.left(), progress=self.progress,
                       compile_workers=self.compile_workers, processes=self.gpus, retry_failed=self.retry_failed,
                       **timing).run()
         if swept.stopped and self.left() == 0.0:  # the job's budget, not what was left of it for this sweep
             swept.stopped = f"time budget of {self.budget_s:g} s used"
-        self.report.add(swept)
+        cost.wall_s += time.monotonic() - started
+        self.report.add(swept, cost)
         self.report.wall_s = time.monotonic() - self.started
 
 
@@ -109,12 +192,12 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     afterwards (``measure_layout_changes``), once the selection has said which it wants.  ``dtype``:
     any spelling (``dtypes.parse``); the sweeps run in its torch dtype."""
     dtype = parse_dtype(dtype).torch
-    tuner.measure([v for s in spaces for v in s.first_stage()])
+    tuner.measure([v for s in spaces for v in s.first_stage()], stage="fused operators: every access pattern")
 
     configs = first_gemm_configs(dtype, first_configs)
     gemms = training_gemms(fused)
     first = {g.name: gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs) for g in gemms}
-    tuner.measure([v for vs in first.values() for v in vs])
+    tuner.measure([v for vs in first.values() for v in vs], stage="GEMMs: first layout, cuBLAS and Triton")
     later: dict[tuple, list] = {(): []}  # Tuner.measure's keywords -> the variants measured so
     deferred: dict[str, tuple] = {}  # GEMM -> (its variants timed, cuBLASLt's other algorithms on its other layouts)
     for g in gemms:
@@ -130,12 +213,19 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
                 later.setdefault(tuple(sorted(family.timing.items())), []).extend(
                     family.variants(fused, g, pattern, tuning))
     for timing, variants in later.items():
-        tuner.measure(variants, **dict(timing))
-    tuner.measure([v for g in gemms for v in fastest_layouts_algorithms(tuner.ranker, *deferred[g.name])])
+        tuner.measure(variants, stage="GEMMs: other layouts, fused epilogues", **dict(timing))
+    algorithms = [v for g in gemms for v in fastest_layouts_algorithms(tuner.ranker, *deferred[g.name])]
+    tuner.measure(algorithms, stage="GEMMs: cuBLASLt's other algorithms",
+                  pruned=sum(len(deferred[g.name][1]) for g in gemms) - len(algorithms),
+                  pruned_why=f"timed on each GEMM's {ALGORITHM_LAYOUTS} fastest layouts only")
 
     ATTENTION.measure(tuner, attention, dtype)
 
-    tuner.measure([v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)])
+    knobs = [v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)]
+    considered = {id(v) for v in knobs} | {id(v) for s in spaces for v in s.first_stage()}
+    tuner.measure(knobs, stage="fused operators: knobs of the fastest patterns",
+                  pruned=sum(id(v) not in considered for s in spaces for v in s.variants()),
+                  pruned_why=f"every knob setting of each operator's {top} fastest access pattern(s) only")
     return tuner.report
 
 
@@ -210,7 +300,7 @@ def tune_chosen(tuner: Tuner, spaces: list, plan) -> int:
     first-stage layout; the selection may take another for the layout changes it saves); returns
     how many variants were measured, not read back."""
     before = sum(n for status, n in tuner.report.counts.items() if status != "skipped")
-    tuner.measure(chosen_patterns(spaces, plan))
+    tuner.measure(chosen_patterns(spaces, plan), stage="plan: knobs of its layouts")
     return sum(n for status, n in tuner.report.counts.items() if status != "skipped") - before
 
 
@@ -222,5 +312,5 @@ def measure_layout_changes(tuner: Tuner, graph, changes, dtype) -> int:
         letters = graph.tensors[tensor].letters
         sizes = {x: graph.size(x) for x in letters}
         variants[(letters, source, target)] = LayoutChangeVariant(letters, sizes, source, target, dtype, "cuda")
-    tuner.measure(list(variants.values()), past_budget=True)
+    tuner.measure(list(variants.values()), stage="plan: its layout changes", past_budget=True)
     return len(variants)

@@ -208,5 +208,37 @@ def test_a_job_stopped_by_its_budget_names_that_budget(tmp_path):
     with TuningDB(tmp_path / "t.db") as db:
         tuner = Tuner(db, budget_s=2.0, progress=False, compile_workers=0, gpus=1)
         time.sleep(0.5)
-        tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)])
+        tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="fakes")
         assert tuner.report.stopped == "time budget of 2 s used"
+
+
+def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
+    """Each stage's variants by outcome, those its rule pruned and those the budget left; once the
+    budget is spent a stage measures nothing but counts what it would have measured (not what the
+    database holds), and the summary says how much more budget finishing takes."""
+    from datamove.report import tuning_rows
+    from datamove.tuning import Tuner
+
+    log = tmp_path / "builds.log"
+    with TuningDB(tmp_path / "t.db") as db:
+        sweep(db, [FakeVariant("known", log)])
+        tuner = Tuner(db, budget_s=4.0, progress=False, compile_workers=0, gpus=1)
+        tuner.measure([FakeVariant("one", log), FakeVariant("known", log)], stage="first", pruned=5, pruned_why="a rule")
+        tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="second")
+        tuner.measure([FakeVariant(name, log) for name in ("x", "y", "known")], stage="third")
+        report = tuner.report
+        first, second, third = report.stages.values()
+        assert first.counts == {"ok": 0, "checked": 1, "failed": 0, "too slow": 0, "wrong": 0, "skipped": 1}
+        assert (first.pruned, first.pruned_why, first.left) == (5, "a rule", 0)
+        assert second.left == 2 and not any(second.counts.values())  # the hung one abandoned unrecorded, then "after"
+        assert third.left == 2 and not any(third.counts.values()) and third.wall_s == 0.0
+        assert report.left() == 4 and "after" not in measured(log) and "x" not in measured(log)
+        lines = report.lines()
+        assert lines[0].startswith("Tuning: 1 checked, 1 read back in ")
+        assert "stopped: time budget of 4 s used; 4 variant(s) not measured (about " in lines[0]
+        assert lines[0].endswith(f"rerun to go on, or give --budget-s {4 + 4 * report.rate_s():.0f}")
+        assert lines[1].startswith("  first: 1 checked, 1 read back; 5 pruned (a rule); ")
+        assert [s["left"] for s in report.to_json()["stages"]] == [0, 2, 2]
+    rows = tuning_rows(report.to_json())  # the report's table: stage, timed, failed, read back, pruned, left, s
+    assert [row[:6] for row in rows] == [["first", "1", "0", "1", "5 (a rule)", "0"], ["second", "0", "0", "0", "0", "2"],
+                                         ["third", "0", "0", "0", "0", "2"], ["total", "1", "0", "1", "5", "4"]]

@@ -412,7 +412,7 @@ class Sweep:
             self.console.print(f"[bold yellow]No GPU ({self.no_gpu_reason}): nothing will be timed.[/] "
                                "Variants are built and checked through the Triton interpreter and recorded as 'checked'.", soft_wrap=True)
         started = time.monotonic()
-        pending = self._pending(report)
+        pending = self._pending(report, self.variants)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[counts]}"),
                    TimeElapsedColumn(), TextColumn("{task.fields[budget]}"))
         with Progress(*columns, console=self.console, disable=not self.progress) as bar:
@@ -437,10 +437,14 @@ class Sweep:
         self.console.print(report.summary(), soft_wrap=True)
         return report
 
-    def _pending(self, report: SweepReport) -> list[tuple[Key, object]]:
-        """(key, variant) of each variant to measure; the others are counted 'skipped'."""
+    def unmeasured(self, variants) -> int:
+        """How many of ``variants`` a sweep of them would measure (the rest it reads back)."""
+        return len(self._pending(SweepReport(self.device, self.measured), variants))
+
+    def _pending(self, report: SweepReport, variants: list) -> list[tuple[Key, object]]:
+        """(key, variant) of each of ``variants`` to measure; the others are counted 'skipped'."""
         pending, keys = [], set()
-        for variant in self.variants:
+        for variant in variants:
             key = self.key(variant)
             record = self.db.lookup(key)
             if key.columns() in keys or (record is not None and not (self.retry_failed and record.status == "failed")):

@@ -35,6 +35,9 @@ def attention_setups(fused, pattern: AttentionPattern) -> list[dict]:
             for q in orders for kv in kv_heads]
 
 
+STAGE = "attention: fused configurations, cuDNN's"  # the tuning's stage (``datamove.tuning.StageCost``)
+
+
 def measure(tuner, setups: list[dict], dtype) -> None:
     """Every configuration of the fused kernels, and cuDNN's attention where it takes the case, at
     each of ``setups`` (``attention_setups``) through ``tuner`` (``datamove.tuning.Tuner``), from
@@ -49,10 +52,11 @@ def measure(tuner, setups: list[dict], dtype) -> None:
         workspace = Workspace(AttentionCase(**setup, dtype=dtype), "cuda")
         measured.add(workspace.case)
         variants = config_variants(workspace)
-        tuner.measure(variants + library_variants(workspace), cuda_graph=True)
+        tuner.measure(variants + library_variants(workspace), stage=STAGE, cuda_graph=True)
         if biased:
-            tuner.measure(biased_variants(tuner.ranker.ranked(variants), BIASED_ATTENTION_CONFIGS), cuda_graph=True)
+            tuner.measure(biased_variants(tuner.ranker.ranked(variants), BIASED_ATTENTION_CONFIGS), stage=STAGE,
+                          cuda_graph=True)
         for order in LIBRARY_ORDERS:
             library_cases.setdefault(replace(workspace.case, layout=order), None)
     tuner.measure([v for case in library_cases if case not in measured
-                   for v in library_variants(Workspace(case, "cuda"))], cuda_graph=True)
+                   for v in library_variants(Workspace(case, "cuda"))], stage=STAGE, cuda_graph=True)
