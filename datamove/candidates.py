@@ -142,6 +142,35 @@ def _timing_key(op: str, dims: dict, layout) -> tuple:
 NO_TIMINGS = Timings([], "", None)
 
 
+def gemm_layouts(graph, op, g) -> tuple[dict, dict, list[tuple[dict, dict, tuple]]]:
+    """(members, renames, layouts) of training GEMM ``g`` (``op``: its fused operator): ``members``
+    {"a", "b", "out": [tensor, ...]} (a stacked operand's members), ``renames`` {tensor: {einsum
+    letter: the tensor's own letter}}, and per layout combination its plan can run (a stacked
+    operand's stack letter outermost) the tensors' reads and writes ({tensor: layout}) and the
+    (a, b, out) storage orders it is timed as (``same_call_layouts``)."""
+    einsums = [p for p in op.primitives if p.kind == "einsum"]
+    stack = next((x for x in STACK_LETTERS if x in g.spec and x not in einsums[0].expr), None)
+    members = {}
+    for key, index in (("a", 0), ("b", 1)):
+        tensors = [e.inputs[index].tensor for e in einsums]
+        members[key] = tensors if len(set(tensors)) > 1 else tensors[:1]
+    stacked_out = len(einsums) > 1 and (len(members["a"]) == 1 or len(members["b"]) == 1)
+    members["out"] = [e.output.tensor for e in einsums] if stacked_out else list(op.outputs)
+    # a member's own letters for the einsum's letters, axis by axis (every member has the
+    # first's axes; the summed output, the first einsum's output's)
+    first = {"a": einsums[0].inputs[0].letters, "b": einsums[0].inputs[1].letters, "out": einsums[0].output.letters}
+    renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
+    result = []
+    for plan_layouts, timed_as in same_call_layouts(g).items():
+        layouts = dict(zip(("a", "b", "out"), plan_layouts))
+        if any(len(members[k]) > 1 and layouts[k][0] != stack for k in layouts):
+            continue  # a stacked operand's members are views of one buffer, stack letter outermost
+        reads = {t: "".join(renames[t][x] for x in layouts[k] if x != stack) for k in ("a", "b") for t in members[k]}
+        writes = {t: "".join(renames[t][x] for x in layouts["out"] if x != stack) for t in members["out"]}
+        result.append((reads, writes, timed_as))
+    return members, renames, result
+
+
 class CandidateBuilder:
     """Candidates of one fused graph for one dtype, timed by ``timings`` or ``figures``."""
 
@@ -267,30 +296,14 @@ class CandidateBuilder:
         """Per training GEMM, its plain candidates (run ``<gemm>``) and those of each family of
         ``GEMM_FAMILIES`` whose pattern it has, where the pattern's consumer runs right after it
         (run ``<gemm>+<family>``)."""
-        graph, ops = self.graph, {op.name: op for op in self.fused.operators}
+        ops = {op.name: op for op in self.fused.operators}
         result: dict[str, list[Candidate]] = {}
         for g in training_gemms(self.fused):
             op = ops[g.name]
-            einsums = [p for p in op.primitives if p.kind == "einsum"]
             c = parse(g.spec)
-            stack = next((x for x in STACK_LETTERS if x in g.spec and x not in einsums[0].expr), None)
-            members = {}
-            for key, index in (("a", 0), ("b", 1)):
-                tensors = [e.inputs[index].tensor for e in einsums]
-                members[key] = tensors if len(set(tensors)) > 1 else tensors[:1]
-            stacked_out = len(einsums) > 1 and (len(members["a"]) == 1 or len(members["b"]) == 1)
-            members["out"] = [e.output.tensor for e in einsums] if stacked_out else list(op.outputs)
-            # a member's own letters for the einsum's letters, axis by axis (every member has the
-            # first's axes; the summed output, the first einsum's output's)
-            first = {"a": einsums[0].inputs[0].letters, "b": einsums[0].inputs[1].letters, "out": einsums[0].output.letters}
-            renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
+            members, renames, layouts_of = gemm_layouts(self.graph, op, g)
             candidates, plain = [], []
-            for plan_layouts, timed_as in same_call_layouts(g).items():
-                layouts = dict(zip(("a", "b", "out"), plan_layouts))
-                if any(len(members[k]) > 1 and layouts[k][0] != stack for k in layouts):
-                    continue  # a stacked operand's members are views of one buffer, stack letter outermost
-                reads = {t: "".join(renames[t][x] for x in layouts[k] if x != stack) for k in ("a", "b") for t in members[k]}
-                writes = {t: "".join(renames[t][x] for x in layouts["out"] if x != stack) for t in members["out"]}
+            for reads, writes, timed_as in layouts_of:
                 found = self.timings.lookup(g.op, g.sizes, dict(zip(("a", "b", "out"), timed_as)))
                 if found is None and self.timings.broken(g.op, g.sizes, dict(zip(("a", "b", "out"), timed_as))):
                     continue

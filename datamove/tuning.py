@@ -304,6 +304,43 @@ def tune_chosen(tuner: Tuner, spaces: list, plan) -> int:
     return sum(n for status, n in tuner.report.counts.items() if status != "skipped") - before
 
 
+def change_free_algorithms(fused, plan, dtype) -> list:
+    """cuBLASLt's algorithms of every plain GEMM step of ``plan`` that reads a tensor through a
+    layout change, on the layouts where it reads that tensor as written (its other tensors as the
+    step has them): ``tune`` times the other algorithms on each GEMM's fastest layouts by the first
+    only, and one of them can make the change unnecessary (Llama-8B at B=1: ``d_w_down`` reading
+    the SwiGLU product fbs had only its first algorithm, 0.696 ms, while bsf with the second took
+    0.604, so the plan copied the product to bsf, 0.061 ms).  ``dtype``: torch."""
+    from datamove.candidates import gemm_layouts
+    from datamove.layouts.plan import GEMM, LAYOUT_CHANGE
+
+    sources = {(s.config.tensor, s.config.target): s.config.source for s in plan.steps if s.kind == LAYOUT_CHANGE}
+    gemms, ops = {g.name: g for g in training_gemms(fused)}, {op.name: op for op in fused.operators}
+    variants = []
+    for step in plan.steps:
+        if step.kind != GEMM or step.name not in gemms or step.config.residual or step.config.epilogue:
+            continue
+        unchanged = {t: sources[(t, layout)] for t, layout in step.reads.items() if (t, layout) in sources}
+        if not unchanged:
+            continue
+        g = gemms[step.name]
+        wanted = {**step.reads, **unchanged}
+        timed = [dict(zip(("a", "b", "out"), timed_as)) for reads, writes, timed_as in gemm_layouts(fused.graph, ops[g.name], g)[2]
+                 if reads == wanted and writes == step.writes]
+        variants += [v for v in gemm_variants(g, "cuda", dtype=dtype, layouts=None, first_configs=[], other_configs=[])
+                     if v.layout in timed]
+    return variants
+
+
+def measure_change_free_algorithms(tuner: Tuner, fused, plan, dtype) -> int:
+    """Time ``change_free_algorithms`` of ``plan``, past the budget (a few variants a change);
+    returns how many were new."""
+    variants = change_free_algorithms(fused, plan, dtype)
+    new = tuner.ranker.unmeasured(variants)
+    tuner.measure(variants, stage="plan: GEMM algorithms without its layout changes", past_budget=True)
+    return new
+
+
 def measure_layout_changes(tuner: Tuner, graph, changes, dtype) -> int:
     """Time the layout changes ``changes`` ((tensor, from, to), ...) of ``graph``, past the budget
     (``job.refine_plan`` says why); returns how many."""

@@ -125,7 +125,7 @@ def test_selection_rounds_measure_what_the_plan_chose_until_nothing_is_new(capsy
                          lambda p: calls.append(("knobs", len(p.steps))) or (5 if len(calls) == 1 else 0),
                          lambda wanted: calls.append(("changes", sorted(wanted))))
     assert calls == [("knobs", 1), ("changes", [("v", "ab", "ba")]), ("knobs", 1)]  # round 2: nothing new, done
-    assert chosen.steps[0].source == "measured" and "5 knob setting(s)" in capsys.readouterr().out
+    assert chosen.steps[0].source == "measured" and "5 variant(s) of the chosen layouts" in capsys.readouterr().out
 
     calls.clear()  # the budget spent: the knobs are not tuned (measure_chosen measures nothing), the changes are
     plans = iter([plan(("v", "measured")), plan(("v", "measured"))])
@@ -190,3 +190,45 @@ def test_cublas_other_algorithms_are_timed_on_each_gemms_fastest_layouts(monkeyp
         others = {canonical_json(v.layout) for v in mine if v.algorithm > 0}
         assert others == set(fastest) | {first_layout} or len(layouts) <= tuning.ALGORITHM_LAYOUTS, g.name
         assert {v.algorithm for v in mine} == {0, 1, 2, 3}
+
+
+def test_a_gemm_read_through_a_layout_change_is_timed_without_it(monkeypatch):
+    """``tuning.change_free_algorithms``: a plain GEMM step reading a tensor through a layout change
+    gets every cuBLASLt algorithm timed on the layouts reading that tensor as written (its other
+    tensors as the step has them), so the selection can drop the change (Llama-8B's d_w_down)."""
+    from dataclasses import replace
+
+    import torch
+
+    from datamove import tuning
+    from datamove.candidates import gemm_layouts
+    from datamove.dataflow.snapshot import stored_fused
+    from datamove.harness import contraction_variants
+    from datamove.layouts.plan import LAYOUT_CHANGE, Step
+    from datamove.layouts.step_config import LayoutChangeConfig
+    from plans import spec_order_plan
+
+    monkeypatch.setattr(contraction_variants, "cublas_algorithms", lambda *args, **kwargs: 4)
+    fused = stored_fused()["bert"]
+    plan = spec_order_plan(fused, "bert")
+    steps = []
+    for step in plan.steps:  # the FFN's GEMMs read x1 (ibj) as bji through one change
+        steps.append(replace(step, reads={**step.reads, "x1": "bji"}) if step.name in ("w1_x1", "d_w1") else step)
+        if step.name == "x1":
+            steps.append(Step("layout(x1:ibj->bji)#0", "forward", LAYOUT_CHANGE, (), {"x1": "ibj"}, {},
+                              LayoutChangeConfig("x1", "ibj", "bji"), 0.0, "predicted"))
+    plan = replace(plan, steps=steps)
+    variants = tuning.change_free_algorithms(fused, plan, torch.bfloat16)
+    gemms = {g.name: g for g in contraction_variants.training_gemms(fused)}
+    ops = {op.name: op for op in fused.operators}
+    found = {}
+    for v in variants:
+        name = next(n for n, g in gemms.items() if g.op == v.op and g.sizes == v.dims and n in ("w1_x1", "d_w1"))
+        step = next(s for s in plan.steps if s.name == name)
+        reads = [r for r, w, timed in gemm_layouts(fused.graph, ops[name], gemms[name])[2]
+                 if dict(zip(("a", "b", "out"), timed)) == v.layout and w == step.writes]
+        assert {**step.reads, "x1": "ibj"} in reads, (name, v.layout)
+        assert v.config is None  # cuBLAS
+        found.setdefault(name, set()).add(v.algorithm)
+    assert found == {"w1_x1": {0, 1, 2, 3}, "d_w1": {0, 1, 2, 3}}
+    assert tuning.change_free_algorithms(fused, spec_order_plan(fused, "bert"), torch.bfloat16) == []  # no change
