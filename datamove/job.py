@@ -138,8 +138,8 @@ def run_job(o: JobOptions) -> int:
     timings = NO_TIMINGS
     tunings = []
     if measured:
-        from datamove.tuning import (Tuner, fused_spaces, measure_change_free_algorithms, measure_layout_changes, tune,
-                                     tune_chosen)
+        from datamove.tuning import (Tuner, fused_spaces, measure_layout_changes, tune, tune_chosen,
+                                     tune_chosen_gemms)
         from datamove.harness.bench import measure_ceilings
         from datamove.harness.tuning_db import TuningDB
 
@@ -184,7 +184,7 @@ def run_job(o: JobOptions) -> int:
 
             plan = refine_plan(plan, choose_again,
                                lambda chosen, spaces=spaces, each=each: tune_chosen(tuner, spaces, chosen)
-                               + measure_change_free_algorithms(tuner, each, chosen, dtype),
+                               + tune_chosen_gemms(tuner, each, chosen, dtype),
                                lambda wanted, each=each: measure_layout_changes(tuner, each.graph, wanted, dtype))
         if not plans:  # every later plan stores the parameters and constants as the first one does
             boundary = {**boundary, **{t: plan.layouts[t] for t in interface.parameters + interface.constants}}
@@ -236,9 +236,8 @@ def shapes_of(fused, shapes: list[dict], interface) -> dict:
 def refine_plan(plan, choose, measure_chosen, measure_changes, rounds: int = SELECTION_ROUNDS):
     """Measure what ``plan`` chose without a measurement and choose again, at most ``rounds`` times:
     ``measure_chosen(plan)`` tunes the knobs of the layouts its generated operators run (nothing
-    once the budget is spent) and times cuBLASLt's algorithms of its GEMMs on the layouts that would
-    read their inputs without its layout changes (``tuning.change_free_algorithms``), and returns
-    how many variants were new, ``measure_changes(wanted)`` times
+    once the budget is spent) and its GEMMs where a measurement can change it
+    (``tuning.tune_chosen_gemms``), and returns how many variants were new, ``measure_changes(wanted)`` times
     the layout changes it inserts unmeasured ((tensor, from, to) set), also past the budget: a few
     seconds each, and the cost model's price of one was 20x off where its tile fell on a dim of
     size 1 (Llama-8B at B=1: six changes, 5.35 ms of a 14 ms layer, priced 0.2); ``choose()`` selects again from

@@ -20,7 +20,7 @@ from datamove.harness.bench import Sweep
 from datamove.harness.tuning_db import canonical_json
 from datamove.families import ATTENTION, GEMM_FAMILIES
 from datamove.families.base import Tuning
-from datamove.harness.contraction_variants import gemm_variants, training_gemms
+from datamove.harness.contraction_variants import gemm_variants, layout_variants, training_gemms
 from datamove.kernels.gemm import valid_configs
 from datamove.harness.layout_change_variants import LayoutChangeVariant
 from datamove.harness.sweep_variants import sweep_variants
@@ -33,6 +33,8 @@ from datamove.layouts.space import Configuration, access_pattern, configurations
 # The persistent ones: the same tiles looping over output tiles on one program per multiprocessor,
 # storing C by TMA (where C's layout allows).
 ALGORITHM_LAYOUTS = 3  # per GEMM: the layouts (fastest by cuBLAS's first algorithm) whose other algorithms are timed
+CHOSEN_LAYOUT_CONFIGS = 3  # Triton configurations timed on the layouts a plan runs (``chosen_layout_configs``)
+COMPETITIVE = 1.02  # ... for GEMMs where the template came within this factor of cuBLAS on the first layout
 FIRST_CONFIGS = ("128x256x64 g8 s3 w8 tma", "256x128x64 g8 s3 w8 tma", "128x128x64 g8 s2 w4 tma",
                  "64x128x64 g8 s4 w4 tma", "128x256x64 g8 s3 w8", "64x128x64 g8 s4 w4",
                  "128x256x64 g8 s3 w8 tma store-tma persistent", "128x256x64 g8 s4 w8 tma store-tma e2 persistent")
@@ -312,32 +314,65 @@ def change_free_algorithms(fused, plan, dtype) -> list:
     the SwiGLU product fbs had only its first algorithm, 0.696 ms, while bsf with the second took
     0.604, so the plan copied the product to bsf, 0.061 ms).  ``dtype``: torch."""
     from datamove.candidates import gemm_layouts
-    from datamove.layouts.plan import GEMM, LAYOUT_CHANGE
+    from datamove.layouts.plan import LAYOUT_CHANGE
 
     sources = {(s.config.tensor, s.config.target): s.config.source for s in plan.steps if s.kind == LAYOUT_CHANGE}
     gemms, ops = {g.name: g for g in training_gemms(fused)}, {op.name: op for op in fused.operators}
     variants = []
-    for step in plan.steps:
-        if step.kind != GEMM or step.name not in gemms or step.config.residual or step.config.epilogue:
-            continue
+    for step in _plain_gemm_steps(plan, gemms):
         unchanged = {t: sources[(t, layout)] for t, layout in step.reads.items() if (t, layout) in sources}
         if not unchanged:
             continue
         g = gemms[step.name]
         wanted = {**step.reads, **unchanged}
-        timed = [dict(zip(("a", "b", "out"), timed_as)) for reads, writes, timed_as in gemm_layouts(fused.graph, ops[g.name], g)[2]
-                 if reads == wanted and writes == step.writes]
-        variants += [v for v in gemm_variants(g, "cuda", dtype=dtype, layouts=None, first_configs=[], other_configs=[])
-                     if v.layout in timed]
+        timed = {timed_as for reads, writes, timed_as in gemm_layouts(fused.graph, ops[g.name], g)[2]
+                 if reads == wanted and writes == step.writes}
+        variants += [v for timed_as in timed for v in layout_variants(g, "cuda", timed_as, dtype=dtype)]
     return variants
 
 
-def measure_change_free_algorithms(tuner: Tuner, fused, plan, dtype) -> int:
-    """Time ``change_free_algorithms`` of ``plan``, past the budget (a few variants a change);
-    returns how many were new."""
-    variants = change_free_algorithms(fused, plan, dtype)
-    new = tuner.ranker.unmeasured(variants)
-    tuner.measure(variants, stage="plan: GEMM algorithms without its layout changes", past_budget=True)
+def chosen_layout_configs(ranker, fused, plan, dtype) -> list:
+    """The Triton template on the layouts ``plan``'s plain GEMM steps run, with the
+    ``CHOSEN_LAYOUT_CONFIGS`` configurations fastest on the GEMM's first layout, for each GEMM where
+    the template came within ``COMPETITIVE`` of cuBLAS there (``ranker``: ``Sweep.ranked`` over the
+    database): ``tune`` times it on each GEMM's first layout only, and on the H200 it beat cuBLAS
+    at the large MLP GEMMs (Llama-1B's up/gate weight gradients 0.704 ms against 0.759, Llama-8B's
+    SwiGLU input gradient 0.631 against 0.675) while the plan ran them in other layouts.  ``dtype``: torch."""
+    from datamove.candidates import gemm_layouts
+
+    gemms, ops = {g.name: g for g in training_gemms(fused)}, {op.name: op for op in fused.operators}
+    configs = first_gemm_configs(dtype, len(FIRST_CONFIGS))
+    variants = []
+    for step in _plain_gemm_steps(plan, gemms):
+        g = gemms[step.name]
+        first = gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs)
+        ranked = ranker.ranked(first)
+        triton, cublas = [v for v in ranked if v.config is not None], [v for v in ranked if v.config is None]
+        fastest = [ranker.time_ms(v[0]) for v in (triton, cublas) if v]
+        if len(fastest) < 2 or None in fastest or fastest[0] > COMPETITIVE * fastest[1]:
+            continue
+        timed = {timed_as for reads, writes, timed_as in gemm_layouts(fused.graph, ops[g.name], g)[2]
+                 if reads == step.reads and writes == step.writes and timed_as != first[0].plan.layouts}
+        variants += [v for timed_as in timed for v in layout_variants(
+            g, "cuda", timed_as, dtype=dtype, algorithms=False, configs=[v.config for v in triton[:CHOSEN_LAYOUT_CONFIGS]])]
+    return variants
+
+
+def _plain_gemm_steps(plan, gemms: dict) -> list:
+    """``plan``'s steps that run one training GEMM of ``gemms`` alone (no residual, no epilogue)."""
+    from datamove.layouts.plan import GEMM
+
+    return [s for s in plan.steps if s.kind == GEMM and s.name in gemms and not s.config.residual and not s.config.epilogue]
+
+
+def tune_chosen_gemms(tuner: Tuner, fused, plan, dtype) -> int:
+    """Time ``plan``'s GEMMs where a measurement can change it: ``change_free_algorithms`` past the
+    budget (a few variants a change), ``chosen_layout_configs`` within it; returns how many
+    variants were new."""
+    algorithms, configs = change_free_algorithms(fused, plan, dtype), chosen_layout_configs(tuner.ranker, fused, plan, dtype)
+    new = tuner.ranker.unmeasured(algorithms) + (tuner.ranker.unmeasured(configs) if tuner.left() != 0.0 else 0)
+    tuner.measure(algorithms, stage="plan: GEMM algorithms without its layout changes", past_budget=True)
+    tuner.measure(configs, stage="plan: Triton GEMMs on its layouts")
     return new
 
 

@@ -232,3 +232,46 @@ def test_a_gemm_read_through_a_layout_change_is_timed_without_it(monkeypatch):
         found.setdefault(name, set()).add(v.algorithm)
     assert found == {"w1_x1": {0, 1, 2, 3}, "d_w1": {0, 1, 2, 3}}
     assert tuning.change_free_algorithms(fused, spec_order_plan(fused, "bert"), torch.bfloat16) == []  # no change
+
+
+def test_the_triton_template_is_timed_on_the_layouts_a_plan_runs_where_it_competes(monkeypatch):
+    """``tuning.chosen_layout_configs``: where the Triton template came within ``COMPETITIVE`` of
+    cuBLAS on a GEMM's first layout, its fastest ``CHOSEN_LAYOUT_CONFIGS`` configurations there are
+    timed on the layouts the plan's step runs; nothing for a GEMM where it did not compete, nor for
+    a step on the first layout (replayed with made-up times)."""
+    import zlib
+    from dataclasses import replace
+
+    import torch
+
+    from datamove import tuning
+    from datamove.dataflow.snapshot import stored_fused
+    from datamove.harness.tuning_db import canonical_json
+    from plans import spec_order_plan
+
+    def ms(v):
+        if v.config is None:
+            return 1.0
+        slower = 0.5 if v.op == "gemm:ubj,ibj->ui" else 0.0  # the FFN's weight gradient: no competition
+        return 0.95 + slower + zlib.crc32(canonical_json(v.knobs).encode()) % 100 / 1000
+
+    class Ranker:
+        def ranked(self, variants):
+            return sorted(variants, key=ms)
+
+        def time_ms(self, variant):
+            return ms(variant)
+
+    fused = stored_fused()["bert"]
+    plan = spec_order_plan(fused, "bert")
+    steps = {s.name: s for s in plan.steps}
+    moved = {"w1_x1": {**steps["w1_x1"].reads, "x1": "bji"}, "d_w1": {**steps["d_w1"].reads, "x1": "bji"}}
+    plan = replace(plan, steps=[replace(s, reads=moved[s.name]) if s.name in moved else s for s in plan.steps])
+    variants = tuning.chosen_layout_configs(Ranker(), fused, plan, torch.bfloat16)
+    gemms = {g.name: g for g in tuning.training_gemms(fused)}
+    assert {v.op for v in variants} == {gemms["w1_x1"].op}, sorted({v.op for v in variants})
+    first = [v for v in tuning.gemm_variants(gemms["w1_x1"], "cuda", dtype=torch.bfloat16, layouts=1,
+                                             first_configs=tuning.first_gemm_configs(torch.bfloat16, 8)) if v.config]
+    fastest = {canonical_json(v.knobs) for v in sorted(first, key=ms)[:tuning.CHOSEN_LAYOUT_CONFIGS]}
+    assert variants and all(v.config is not None and canonical_json(v.knobs) in fastest for v in variants)
+    assert all(v.layout != first[0].layout for v in variants)

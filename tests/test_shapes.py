@@ -327,7 +327,7 @@ def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_
     monkeypatch.setattr(tuning, "tune", tune)
     monkeypatch.setattr(tuning, "tune_chosen", lambda tuner, spaces, plan: 0)
     monkeypatch.setattr(tuning, "measure_layout_changes", lambda tuner, graph, wanted, dtype: 0)
-    monkeypatch.setattr(tuning, "measure_change_free_algorithms", lambda tuner, fused, plan, dtype: 0)
+    monkeypatch.setattr(tuning, "tune_chosen_gemms", lambda tuner, fused, plan, dtype: 0)
     dims = ",".join(f"{k}={v}" for k, v in SMALL.items())
     out = tmp_path / "bert"
     assert main(["configs/bert.py", "--dims", dims + ",L=64|32", "--out", str(out), "--db", str(tmp_path / "t.db")]) == 0

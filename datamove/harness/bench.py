@@ -391,6 +391,11 @@ class Sweep:
         return Key(device=self.device, versions=versions(), op=variant.op, dims=variant.dims, dtype=variant.dtype,
                    layout=variant.layout, knobs=variant.knobs)
 
+    def time_ms(self, variant) -> float | None:
+        """``variant``'s median time in the DB (ms), or None where it has no 'ok' record."""
+        record = self.db.lookup(self.key(variant))
+        return record.median_ms if record is not None and record.status == "ok" else None
+
     def ranked(self, variants) -> list:
         """``variants`` ordered by their 'ok' times in the DB, fastest first; with no 'ok' record
         among them (no GPU), those recorded 'checked', in list order.  Failed, wrong and missing

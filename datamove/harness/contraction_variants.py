@@ -295,6 +295,20 @@ def gemm_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | Non
     return variants
 
 
+def layout_variants(gemm: TrainingGemm, device, timed_as: tuple, *, dtype=DTYPE, algorithms: bool = True,
+                    configs=(), seed: int = 0) -> list[GemmVariant]:
+    """``gemm``'s variants on the ``pick_layouts`` plan whose (A, B, C) layouts are ``timed_as``:
+    cuBLAS with each of ``cublas_algorithms`` (``algorithms``) and the Triton template with each of
+    ``configs`` its layouts allow (none where no picked plan has them)."""
+    plan = next((p for p in pick_layouts(gemm, None) if p.layouts == tuple(timed_as)), None)
+    if plan is None:
+        return []
+    operands = Operands(gemm, device, dtype, seed)
+    variants = [GemmVariant(operands, plan, algorithm=n)
+                for n in range(cublas_algorithms(plan, gemm.sizes, dtype, device))] if algorithms else []
+    return variants + [GemmVariant(operands, plan, cfg) for cfg in runnable(plan, dtype, list(configs))]
+
+
 def residual_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | None = 3, seed: int = 0) -> list[GemmVariant]:
     """``gemm`` adding a residual (``ResidualAdd``) through cuBLASLt, each of ``cublas_algorithms``,
     over ``pick_layouts(gemm, layouts)`` where cuBLASLt takes the call (none off CUDA)."""
