@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--retry-failed", action="store_true",
                         help="measure again the variants the tuning database records as failed (crashed, hung, "
                              "too slow, did not compile) instead of skipping them")
+    # measure what the tuning's rules prune too: the reference benchmarks/tuning_cost.py compares the
+    # default plan with (far longer than the default; not for users, so not in the help)
+    parser.add_argument("--exhaustive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cost-model-device", default="H100",
                         help="device whose figures the cost model uses where nothing is measured (default: H100)")
     parser.add_argument("--analyze", action="store_true",
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_job(JobOptions(spec=Path(args.spec), dims=dims, options=options, dtype=parse_dtype(args.dtype),
                                   out=args.out, budget_s=args.budget_s, db=args.db,
                                   cost_model_device=args.cost_model_device, gpus=args.gpus,
-                                  retry_failed=args.retry_failed))
+                                  retry_failed=args.retry_failed, exhaustive=args.exhaustive))
     except (SpecError, TuningDBError, UsageError, OutputError) as err:
         print(f"optimize-layer: error: {err}", file=sys.stderr)
         return 2

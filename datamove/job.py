@@ -40,6 +40,7 @@ class JobOptions:
     cost_model_device: str = "H100"
     gpus: int | None = None  # measuring processes, one per GPU (None: all)
     retry_failed: bool = False
+    exhaustive: bool = False  # measure what the tuning's rules prune too (``tuning.tune``; a benchmark's reference)
 
     def __post_init__(self):
         self.dtype = parse(self.dtype)
@@ -167,7 +168,8 @@ def run_job(o: JobOptions) -> int:
         if measured:
             stages(f"tuning {label}")
             spaces = fused_spaces(each, spec_name, dtype)
-            tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype, attention=attention_setups(each, o.dtype)))
+            tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype, attention=attention_setups(each, o.dtype),
+                                exhaustive=o.exhaustive))
             timings = Timings(db.query(device=facts.name, dtype=o.dtype.name, versions=versions()), facts.name, o.dtype)
         stages(f"selection {label}")
 

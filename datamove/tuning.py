@@ -177,7 +177,7 @@ def first_gemm_configs(dtype, count: int) -> list:
 
 
 def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list, top: int = 1,
-         layouts: int | None = None, first_configs: int = len(FIRST_CONFIGS)) -> TuningReport:
+         layouts: int | None = None, first_configs: int = len(FIRST_CONFIGS), exhaustive: bool = False) -> TuningReport:
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``; ``spaces``: its fused
     operators' variants, ``fused_spaces``) into ``db``, the most
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
@@ -192,8 +192,12 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     the fastest again with the biases: ``AttentionFamily.measure``); last, every knob setting of
     each fused operator's ``top`` fastest patterns.  The layout changes a plan inserts are measured
     afterwards (``measure_layout_changes``), once the selection has said which it wants.  ``dtype``:
-    any spelling (``dtypes.parse``); the sweeps run in its torch dtype."""
+    any spelling (``dtypes.parse``); the sweeps run in its torch dtype.  ``exhaustive``: what those
+    rules prune is measured too (the reference ``benchmarks/tuning_cost.py`` compares the default
+    plan with): cuBLASLt's algorithms on every layout, the Triton template's ``CHOSEN_LAYOUT_CONFIGS``
+    fastest configurations of the first layout on every other, every knob of every access pattern."""
     dtype = parse_dtype(dtype).torch
+    top, algorithm_layouts = (None, None) if exhaustive else (top, ALGORITHM_LAYOUTS)
     tuner.measure([v for s in spaces for v in s.first_stage()], stage="fused operators: every access pattern")
 
     configs = first_gemm_configs(dtype, first_configs)
@@ -205,7 +209,7 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     for g in gemms:
         ranked = [v.config for v in tuner.ranker.ranked(first[g.name]) if v.config is not None]
         others = gemm_variants(g, "cuda", dtype=dtype, layouts=layouts, first_configs=configs,
-                               other_configs=[])[len(first[g.name]):]
+                               other_configs=ranked[:CHOSEN_LAYOUT_CONFIGS] if exhaustive else [])[len(first[g.name]):]
         later[()] += [v for v in others if v.algorithm == 0]
         deferred[g.name] = (first[g.name] + [v for v in others if v.algorithm == 0], [v for v in others if v.algorithm])
         tuning = Tuning(spec, dtype, "cuda", ranked, layouts)
@@ -216,7 +220,7 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
                     family.variants(fused, g, pattern, tuning))
     for timing, variants in later.items():
         tuner.measure(variants, stage="GEMMs: other layouts, fused epilogues", **dict(timing))
-    algorithms = [v for g in gemms for v in fastest_layouts_algorithms(tuner.ranker, *deferred[g.name])]
+    algorithms = [v for g in gemms for v in fastest_layouts_algorithms(tuner.ranker, *deferred[g.name], algorithm_layouts)]
     tuner.measure(algorithms, stage="GEMMs: cuBLASLt's other algorithms",
                   pruned=sum(len(deferred[g.name][1]) for g in gemms) - len(algorithms),
                   pruned_why=f"timed on each GEMM's {ALGORITHM_LAYOUTS} fastest layouts only")
@@ -231,7 +235,7 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     return tuner.report
 
 
-def fastest_layouts_algorithms(ranker, timed: list, deferred: list, keep: int = ALGORITHM_LAYOUTS) -> list:
+def fastest_layouts_algorithms(ranker, timed: list, deferred: list, keep: int | None = ALGORITHM_LAYOUTS) -> list:
     """The variants of ``deferred`` (a GEMM's cuBLASLt algorithms after the heuristic's first) on
     the ``keep`` layouts where ``timed``'s algorithm 0 of that GEMM is fastest (``ranker``:
     ``Sweep.ranked``).  Replayed on the H200 tuning database of the Llama 1B and 8B layers

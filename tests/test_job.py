@@ -275,3 +275,52 @@ def test_the_triton_template_is_timed_on_the_layouts_a_plan_runs_where_it_compet
     fastest = {canonical_json(v.knobs) for v in sorted(first, key=ms)[:tuning.CHOSEN_LAYOUT_CONFIGS]}
     assert variants and all(v.config is not None and canonical_json(v.knobs) in fastest for v in variants)
     assert all(v.layout != first[0].layout for v in variants)
+
+
+def test_the_exhaustive_tuning_measures_what_the_rules_prune(monkeypatch):
+    """``tune(..., exhaustive=True)`` (the reference of ``benchmarks/tuning_cost.py``): cuBLASLt's
+    other algorithms on every layout of every GEMM, the Triton template's fastest
+    ``CHOSEN_LAYOUT_CONFIGS`` configurations of the first layout on every other, and nothing
+    reported pruned (made-up times, four algorithms per call)."""
+    import zlib
+
+    from datamove import tuning
+    from datamove.dataflow.snapshot import stored_fused
+    from datamove.harness import contraction_variants
+    from datamove.harness.tuning_db import canonical_json
+
+    monkeypatch.setattr(contraction_variants, "cublas_algorithms", lambda *args, **kwargs: 4)
+    ms = lambda v: zlib.crc32((v.op + canonical_json(v.layout) + canonical_json(v.knobs)).encode()) % 1000  # noqa: E731
+
+    class Ranker:
+        def ranked(self, variants):
+            return sorted(variants, key=ms)
+
+    class Recorder:
+        ranker, report = Ranker(), tuning.TuningReport()
+        sweeps: list = []
+        pruned = 0
+
+        def measure(self, variants, pruned=0, **timing):
+            self.sweeps.append(list(variants))
+            self.pruned += pruned
+
+    tuner = Recorder()
+    fused = stored_fused()["bert"]
+    tuning.tune(tuner, fused, [], spec="bert", dtype="bfloat16", attention=[], exhaustive=True)
+    assert tuner.pruned == 0
+    measured = [v for sweep in tuner.sweeps for v in sweep
+                if isinstance(v, contraction_variants.GemmVariant) and not v.residual]
+    for g in contraction_variants.training_gemms(fused):
+        mine = [v for v in measured if v.op == g.op and v.dims == dict(g.sizes)]
+        layouts = {canonical_json(v.layout) for v in mine}
+        for layout in layouts:
+            assert {v.algorithm for v in mine if v.config is None and canonical_json(v.layout) == layout} == {0, 1, 2, 3}
+        first = canonical_json(mine[0].layout)
+        triton_first = sorted((v for v in mine if v.config is not None and canonical_json(v.layout) == first), key=ms)
+        fastest = {canonical_json(v.knobs) for v in triton_first[:tuning.CHOSEN_LAYOUT_CONFIGS]}
+        for layout in layouts - {first}:
+            others = {canonical_json(v.knobs) for v in mine if v.config is not None and canonical_json(v.layout) == layout}
+            assert others <= fastest, (g.name, layout)
+        assert any(v.config is not None and canonical_json(v.layout) != first for v in mine) or len(layouts) == 1 \
+            or not triton_first, g.name

@@ -316,7 +316,8 @@ def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_
         def __init__(self, db, **options):
             self.gpus, self.report = 1, tuning.TuningReport()
 
-    def tune(tuner, fused, spaces, *, spec, dtype, attention):
+    def tune(tuner, fused, spaces, *, spec, dtype, attention, exhaustive):
+        assert exhaustive is False  # the job's default
         assert spaces and all(set(space.op.name.split("+")) <= {op.name for op in fused.operators} for space in spaces)
         tuned.append((dict(fused.graph.dim_values), dtype, len(attention)))
         return tuning.TuningReport({"measured": 3}, 1.5, None)
