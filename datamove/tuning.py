@@ -44,15 +44,19 @@ FIRST_CONFIGS = ("128x256x64 g8 s3 w8 tma", "256x128x64 g8 s3 w8 tma", "128x128x
 class StageCost:
     """What one stage of the tuning cost: its variants by outcome (``counts``: 'ok' measured,
     'failed', 'too slow', 'wrong', 'skipped' read back from the database), those its rule left out
-    unmeasured (``pruned``, ``pruned_why``), those the budget left (``left``: not measured, not in
-    the database) and its wall time (s)."""
+    unmeasured (``pruned``, ``pruned_why``), those the budget left (``left_keys``: their database
+    keys, not measured and not in the database) and its wall time (s)."""
 
     name: str
     counts: dict = field(default_factory=dict)
     pruned: int = 0
     pruned_why: str = ""
-    left: int = 0
+    left_keys: set = field(default_factory=set)
     wall_s: float = 0.0
+
+    @property
+    def left(self) -> int:
+        return len(self.left_keys)
 
     def to_json(self) -> dict:
         return {"stage": self.name, "counts": {k: n for k, n in self.counts.items() if n}, "pruned": self.pruned,
@@ -77,11 +81,11 @@ class TuningReport:
         for status, n in report.counts.items():
             self.counts[status] = self.counts.get(status, 0) + n
             stage.counts[status] = stage.counts.get(status, 0) + n
-        stage.left += report.remaining if report.stopped else 0
         self.stopped = self.stopped or report.stopped
 
     def left(self) -> int:
-        return sum(s.left for s in self.stages.values())
+        """Variants the budget left, each once (a selection round may ask for one again)."""
+        return len(set().union(*(s.left_keys for s in self.stages.values())))
 
     def to_json(self) -> dict:
         return {"budget_s": self.budget_s, "wall_s": round(self.wall_s, 1), "counts": {k: n for k, n in self.counts.items() if n},
@@ -155,7 +159,7 @@ class Tuner:
         cost.pruned += pruned
         cost.pruned_why = pruned_why or cost.pruned_why
         if self.report.stopped and not past_budget:
-            cost.left += self.ranker.unmeasured(variants)
+            cost.left_keys |= self.ranker.unmeasured(variants)
             return
         started = time.monotonic()
         swept = Sweep(self.db, variants, budget_s=None if past_budget else self.left(), progress=self.progress,
@@ -165,6 +169,8 @@ class Tuner:
             swept.stopped = f"time budget of {self.budget_s:g} s used"
         cost.wall_s += time.monotonic() - started
         self.report.add(swept, cost)
+        if swept.stopped:
+            cost.left_keys |= self.ranker.unmeasured(variants)
         self.report.wall_s = time.monotonic() - self.started
 
 
@@ -374,7 +380,7 @@ def tune_chosen_gemms(tuner: Tuner, fused, plan, dtype) -> int:
     budget (a few variants a change), ``chosen_layout_configs`` within it; returns how many
     variants were new."""
     algorithms, configs = change_free_algorithms(fused, plan, dtype), chosen_layout_configs(tuner.ranker, fused, plan, dtype)
-    new = tuner.ranker.unmeasured(algorithms) + (tuner.ranker.unmeasured(configs) if tuner.left() != 0.0 else 0)
+    new = len(tuner.ranker.unmeasured(algorithms)) + (len(tuner.ranker.unmeasured(configs)) if tuner.left() != 0.0 else 0)
     tuner.measure(algorithms, stage="plan: GEMM algorithms without its layout changes", past_budget=True)
     tuner.measure(configs, stage="plan: Triton GEMMs on its layouts")
     return new

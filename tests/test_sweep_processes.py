@@ -226,6 +226,7 @@ def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
         tuner.measure([FakeVariant("one", log), FakeVariant("known", log)], stage="first", pruned=5, pruned_why="a rule")
         tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="second")
         tuner.measure([FakeVariant(name, log) for name in ("x", "y", "known")], stage="third")
+        tuner.measure([FakeVariant("x", log)], stage="third")  # asked for again (a later selection round): once
         report = tuner.report
         first, second, third = report.stages.values()
         assert first.counts == {"ok": 0, "checked": 1, "failed": 0, "too slow": 0, "wrong": 0, "skipped": 1}

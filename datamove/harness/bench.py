@@ -442,9 +442,10 @@ class Sweep:
         self.console.print(report.summary(), soft_wrap=True)
         return report
 
-    def unmeasured(self, variants) -> int:
-        """How many of ``variants`` a sweep of them would measure (the rest it reads back)."""
-        return len(self._pending(SweepReport(self.device, self.measured), variants))
+    def unmeasured(self, variants) -> set:
+        """The keys (``Key.columns()``) of the ``variants`` a sweep of them would measure (the rest
+        it reads back)."""
+        return {key.columns() for key, _ in self._pending(SweepReport(self.device, self.measured), variants)}
 
     def _pending(self, report: SweepReport, variants: list) -> list[tuple[Key, object]]:
         """(key, variant) of each of ``variants`` to measure; the others are counted 'skipped'."""
