@@ -149,6 +149,34 @@ def test_the_tuning_measures_the_attention_with_its_bias_add_folded_in():
     assert attention_setups(stored_fused()["gpt2"], "bfloat16") == [dict(gpt2, layout="bhjp"), dict(gpt2, layout="hpbj")]
 
 
+def _recorded_tuning(monkeypatch, ms, **options):
+    """``tuning.tune`` of BERT's training graph (no fused operators, no attention) with a tuner that
+    records the sweeps it is given and the variants their rules pruned, the database replaced by
+    made-up times ``ms(variant)``, four cuBLASLt algorithms per call."""
+    from datamove import tuning
+    from datamove.dataflow.snapshot import stored_fused
+    from datamove.harness import contraction_variants
+
+    monkeypatch.setattr(contraction_variants, "cublas_algorithms", lambda *args, **kwargs: 4)
+
+    class Ranker:
+        def ranked(self, variants):
+            return sorted(variants, key=ms)
+
+    class Recorder:
+        ranker, report = Ranker(), tuning.TuningReport()
+        sweeps: list = []
+        pruned = 0
+
+        def measure(self, variants, pruned=0, **timing):
+            self.sweeps.append(list(variants))
+            self.pruned += pruned
+
+    tuner = Recorder()
+    tuning.tune(tuner, stored_fused()["bert"], [], spec="bert", dtype="bfloat16", attention=[], **options)
+    return tuner
+
+
 def test_cublas_other_algorithms_are_timed_on_each_gemms_fastest_layouts(monkeypatch):
     """``tune``: every layout of a GEMM with cuBLAS's first algorithm, then cuBLASLt's other
     algorithms on the ``ALGORITHM_LAYOUTS`` layouts where the first was fastest (replayed here with
@@ -160,23 +188,9 @@ def test_cublas_other_algorithms_are_timed_on_each_gemms_fastest_layouts(monkeyp
     from datamove.harness import contraction_variants
     from datamove.harness.tuning_db import canonical_json
 
-    monkeypatch.setattr(contraction_variants, "cublas_algorithms", lambda *args, **kwargs: 4)
     ms = lambda v: zlib.crc32((v.op + canonical_json(v.layout) + str(v.algorithm)).encode()) % 1000  # noqa: E731
-
-    class Ranker:
-        def ranked(self, variants):
-            return sorted(variants, key=ms)
-
-    class Recorder:
-        ranker, report = Ranker(), tuning.TuningReport()
-        sweeps: list = []
-
-        def measure(self, variants, **timing):
-            self.sweeps.append(list(variants))
-
-    tuner = Recorder()
+    tuner = _recorded_tuning(monkeypatch, ms)
     fused = stored_fused()["bert"]
-    tuning.tune(tuner, fused, [], spec="bert", dtype="bfloat16", attention=[])
     cublas = [v for sweep in tuner.sweeps for v in sweep
               if isinstance(v, contraction_variants.GemmVariant) and v.config is None and not v.residual]
     last = [sweep for sweep in tuner.sweeps if sweep][-1]  # the other algorithms come last (no attention, no spaces)
@@ -289,25 +303,9 @@ def test_the_exhaustive_tuning_measures_what_the_rules_prune(monkeypatch):
     from datamove.harness import contraction_variants
     from datamove.harness.tuning_db import canonical_json
 
-    monkeypatch.setattr(contraction_variants, "cublas_algorithms", lambda *args, **kwargs: 4)
     ms = lambda v: zlib.crc32((v.op + canonical_json(v.layout) + canonical_json(v.knobs)).encode()) % 1000  # noqa: E731
-
-    class Ranker:
-        def ranked(self, variants):
-            return sorted(variants, key=ms)
-
-    class Recorder:
-        ranker, report = Ranker(), tuning.TuningReport()
-        sweeps: list = []
-        pruned = 0
-
-        def measure(self, variants, pruned=0, **timing):
-            self.sweeps.append(list(variants))
-            self.pruned += pruned
-
-    tuner = Recorder()
+    tuner = _recorded_tuning(monkeypatch, ms, exhaustive=True)
     fused = stored_fused()["bert"]
-    tuning.tune(tuner, fused, [], spec="bert", dtype="bfloat16", attention=[], exhaustive=True)
     assert tuner.pruned == 0
     measured = [v for sweep in tuner.sweeps for v in sweep
                 if isinstance(v, contraction_variants.GemmVariant) and not v.residual]
