@@ -33,6 +33,7 @@ from datamove.layouts.space import Configuration, access_pattern, configurations
 # The persistent ones: the same tiles looping over output tiles on one program per multiprocessor,
 # storing C by TMA (where C's layout allows).
 ALGORITHM_LAYOUTS = 3  # per GEMM: the layouts (fastest by cuBLAS's first algorithm) whose other algorithms are timed
+PLAN_SHARE = 0.25  # of the budget, kept from ``tune``'s sweeps for measuring what the plan chose (knobs of its layouts)
 CHOSEN_LAYOUT_CONFIGS = 3  # Triton configurations timed on the layouts a plan runs (``chosen_layout_configs``)
 COMPETITIVE = 1.02  # ... for GEMMs where the template came within this factor of cuBLAS on the first layout
 FIRST_CONFIGS = ("128x256x64 g8 s3 w8 tma", "256x128x64 g8 s3 w8 tma", "128x128x64 g8 s2 w4 tma",
@@ -118,7 +119,7 @@ class TuningReport:
             more = left * rate
             text += f" (about {more:.0f} s more at this run's {rate:.2f} s a variant)"
             if self.budget_s is not None:
-                text += f": rerun to go on, or give --budget-s {self.budget_s + more:.0f}"
+                text += f": rerun to go on, or give --budget-s {self.budget_s + more / (1 - PLAN_SHARE):.0f}"
                 return text
         return text + ": rerun to go on"
 
@@ -146,32 +147,40 @@ class Tuner:
         self.ranker = Sweep(db, [], progress=False, processes=gpus)
         self.gpus = self.ranker.processes
 
-    def left(self) -> float | None:
-        return None if self.budget_s is None else max(0.0, self.budget_s - (time.monotonic() - self.started))
+    def left(self, reserve: bool = False) -> float | None:
+        """Seconds of the budget left (None: no budget); ``reserve``: less ``PLAN_SHARE`` of it."""
+        if self.budget_s is None:
+            return None
+        kept = PLAN_SHARE * self.budget_s if reserve else 0.0
+        return max(0.0, self.budget_s - kept - (time.monotonic() - self.started))
 
-    def measure(self, variants, *, stage: str, pruned: int = 0, pruned_why: str = "", past_budget: bool = False,
-                **timing) -> None:
-        """Sweep ``variants`` within what is left of the budget (once it is spent, only count those
-        not measured yet), or, with ``past_budget``, whatever is left (the plan's own layout
-        changes: ``measure_layout_changes``); their cost goes to ``stage`` (``StageCost``), with
-        the ``pruned`` variants its rule left out and why."""
+    def measure(self, variants, *, stage: str, pruned: int = 0, pruned_why: str = "", reserve: bool = True,
+                past_budget: bool = False, **timing) -> None:
+        """Sweep ``variants`` within what is left of the budget, less ``PLAN_SHARE`` of it where
+        ``reserve`` (``tune``'s sweeps: the rest is for what the plan chose, ``tune_chosen`` and
+        ``tune_chosen_gemms``), only counting those not measured yet where nothing is left; with
+        ``past_budget``, whatever is left (the plan's own layout changes: ``measure_layout_changes``).
+        Their cost goes to ``stage`` (``StageCost``), with the ``pruned`` variants its rule left out and why."""
         cost = self.report.stage(stage)
         cost.pruned += pruned
         cost.pruned_why = pruned_why or cost.pruned_why
-        if self.report.stopped and not past_budget:
+        limit = None if past_budget else self.left(reserve)
+        if limit == 0.0:
             cost.left_keys |= self.ranker.unmeasured(variants)
+            self.report.stopped = self.report.stopped or self._used()
             return
         started = time.monotonic()
-        swept = Sweep(self.db, variants, budget_s=None if past_budget else self.left(), progress=self.progress,
-                      compile_workers=self.compile_workers, processes=self.gpus, retry_failed=self.retry_failed,
-                      **timing).run()
-        if swept.stopped and self.left() == 0.0:  # the job's budget, not what was left of it for this sweep
-            swept.stopped = f"time budget of {self.budget_s:g} s used"
+        swept = Sweep(self.db, variants, budget_s=limit, progress=self.progress, compile_workers=self.compile_workers,
+                      processes=self.gpus, retry_failed=self.retry_failed, **timing).run()
+        if swept.stopped:  # by the time limit: the job's budget, not what was left of it for this sweep
+            swept.stopped = self._used()
+            cost.left_keys |= self.ranker.unmeasured(variants)
         cost.wall_s += time.monotonic() - started
         self.report.add(swept, cost)
-        if swept.stopped:
-            cost.left_keys |= self.ranker.unmeasured(variants)
         self.report.wall_s = time.monotonic() - self.started
+
+    def _used(self) -> str:
+        return f"time budget of {self.budget_s:g} s used ({PLAN_SHARE:.0%} of it kept for what the plan chose)"
 
 
 def first_gemm_configs(dtype, count: int) -> list:
@@ -312,7 +321,7 @@ def tune_chosen(tuner: Tuner, spaces: list, plan) -> int:
     first-stage layout; the selection may take another for the layout changes it saves); returns
     how many variants were measured, not read back."""
     before = sum(n for status, n in tuner.report.counts.items() if status != "skipped")
-    tuner.measure(chosen_patterns(spaces, plan), stage="plan: knobs of its layouts")
+    tuner.measure(chosen_patterns(spaces, plan), stage="plan: knobs of its layouts", reserve=False)
     return sum(n for status, n in tuner.report.counts.items() if status != "skipped") - before
 
 
@@ -382,7 +391,7 @@ def tune_chosen_gemms(tuner: Tuner, fused, plan, dtype) -> int:
     algorithms, configs = change_free_algorithms(fused, plan, dtype), chosen_layout_configs(tuner.ranker, fused, plan, dtype)
     new = len(tuner.ranker.unmeasured(algorithms)) + (len(tuner.ranker.unmeasured(configs)) if tuner.left() != 0.0 else 0)
     tuner.measure(algorithms, stage="plan: GEMM algorithms without its layout changes", past_budget=True)
-    tuner.measure(configs, stage="plan: Triton GEMMs on its layouts")
+    tuner.measure(configs, stage="plan: Triton GEMMs on its layouts", reserve=False)
     return new
 
 
