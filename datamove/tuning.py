@@ -166,8 +166,10 @@ class Tuner:
         cost.pruned_why = pruned_why or cost.pruned_why
         limit = None if past_budget else self.left(reserve)
         if limit == 0.0:
-            cost.left_keys |= self.ranker.unmeasured(variants)
-            self.report.stopped = self.report.stopped or self._used()
+            left = self.ranker.unmeasured(variants)
+            cost.left_keys |= left
+            if left:  # a stage the database answers whole is not cut short
+                self.report.stopped = self.report.stopped or self._used()
             return
         started = time.monotonic()
         swept = Sweep(self.db, variants, budget_s=limit, progress=self.progress, compile_workers=self.compile_workers,

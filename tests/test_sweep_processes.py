@@ -227,9 +227,11 @@ def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
         tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="second")
         tuner.measure([FakeVariant(name, log) for name in ("x", "y", "known")], stage="third")
         tuner.measure([FakeVariant("x", log)], stage="third")  # asked for again (a later selection round): once
+        tuner.measure([FakeVariant("known", log)], stage="read back")  # nothing to measure: no time needed
         tuner.measure([FakeVariant("chosen", log)], stage="plan", reserve=False)  # the share kept for the plan
         report = tuner.report
-        first, second, third, plan = report.stages.values()
+        first, second, third, read_back, plan = report.stages.values()
+        assert read_back.counts == {} and read_back.left == 0
         assert plan.counts["checked"] == 1 and "chosen" in measured(log)
         assert first.counts == {"ok": 0, "checked": 1, "failed": 0, "too slow": 0, "wrong": 0, "skipped": 1}
         assert (first.pruned, first.pruned_why, first.left) == (5, "a rule", 0)
@@ -241,8 +243,24 @@ def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
         assert "stopped: time budget of 4 s used (25% of it kept for what the plan chose); 4 variant(s) not measured (about " in lines[0]
         assert lines[0].endswith(f"rerun to go on, or give --budget-s {4 + 4 * report.rate_s() / 0.75:.0f}")
         assert lines[1].startswith("  first: 1 checked, 1 read back; 5 pruned (a rule); ")
-        assert [s["left"] for s in report.to_json()["stages"]] == [0, 2, 2, 0]
+        assert [s["left"] for s in report.to_json()["stages"]] == [0, 2, 2, 0, 0]
     rows = tuning_rows(report.to_json())  # the report's table: stage, timed, failed, read back, pruned, left, s
     assert [row[:6] for row in rows] == [["first", "1", "0", "1", "5 (a rule)", "0"], ["second", "0", "0", "0", "0", "2"],
-                                         ["third", "0", "0", "0", "0", "2"], ["plan", "1", "0", "0", "0", "0"],
+                                         ["third", "0", "0", "0", "0", "2"], ["read back", "0", "0", "0", "0", "0"],
+                                         ["plan", "1", "0", "0", "0", "0"],
                                          ["total", "2", "0", "1", "5", "4"]]
+
+
+def test_a_spent_budget_does_not_stop_what_the_database_answers(tmp_path):
+    """A warm re-run past its budget's sweeps share measures nothing and is not reported stopped."""
+    from datamove.tuning import Tuner
+
+    log = tmp_path / "builds.log"
+    with TuningDB(tmp_path / "t.db") as db:
+        sweep(db, [FakeVariant("known", log)])
+        tuner = Tuner(db, budget_s=0.2, progress=False, compile_workers=0, gpus=1)
+        time.sleep(0.3)
+        tuner.measure([FakeVariant("known", log)], stage="warm")
+        assert tuner.report.stopped is None and tuner.report.left() == 0
+        tuner.measure([FakeVariant("new", log)], stage="cold")
+        assert tuner.report.stopped.startswith("time budget of 0.2 s used") and tuner.report.left() == 1
