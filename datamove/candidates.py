@@ -50,7 +50,7 @@ from datamove.layouts.plan import GEMM, GENERATED, MEASURED, PREDICTED, Plan
 from datamove.layouts.select import Candidate, best_sum, select, to_plan
 from datamove.layouts.step_config import ContractionConfig, GeneratedConfig
 from datamove.layouts.space import (column_sum_joins, configurations, default_configuration, join_members, masks_grouped,
-                                    parts, representatives)
+                                    parts, representatives, size_one_first)
 
 # candidates kept per operator run (fastest; ties: spec order first): bounds the search.  48: with
 # cuBLASLt's other algorithms timed, BERT-large's 1024-wide GEMMs have 8 layouts within 0.3 us of each
@@ -160,14 +160,18 @@ def gemm_layouts(graph, op, g) -> tuple[dict, dict, list[tuple[dict, dict, tuple
     # first's axes; the summed output, the first einsum's output's)
     first = {"a": einsums[0].inputs[0].letters, "b": einsums[0].inputs[1].letters, "out": einsums[0].output.letters}
     renames = {t: dict(zip(first[key], graph.tensors[t].letters)) for key, tensors in members.items() for t in tensors}
-    result = []
+    result, seen = [], set()
     for plan_layouts, timed_as in same_call_layouts(g).items():
         layouts = dict(zip(("a", "b", "out"), plan_layouts))
         if any(len(members[k]) > 1 and layouts[k][0] != stack for k in layouts):
             continue  # a stacked operand's members are views of one buffer, stack letter outermost
-        reads = {t: "".join(renames[t][x] for x in layouts[k] if x != stack) for k in ("a", "b") for t in members[k]}
-        writes = {t: "".join(renames[t][x] for x in layouts["out"] if x != stack) for t in members["out"]}
-        result.append((reads, writes, timed_as))
+        own = lambda t, k: size_one_first(graph, "".join(renames[t][x] for x in layouts[k] if x != stack))  # noqa: E731
+        reads = {t: own(t, k) for k in ("a", "b") for t in members[k]}
+        writes = {t: own(t, "out") for t in members["out"]}
+        key = (canonical_json(reads), canonical_json(writes))
+        if key not in seen:  # layouts apart only where a letter of size 1 sits: the same call
+            seen.add(key)
+            result.append((reads, writes, timed_as))
     return members, renames, result
 
 
@@ -453,6 +457,9 @@ def plan_layer(fused, spec: str, *, dtype: Precision | str, figures: DeviceFigur
             for run, offered in family.offer(builder, pattern, runs, lambda cs: _keep(cs, spec_letters)).items():
                 runs.setdefault(run, []).extend(offered)
         family_facts[family.name] = family.fact(pattern, why)
+    for run, offered in runs.items():  # a letter of size 1 outermost: each memory layout one name (``size_one_first``)
+        runs[run] = [replace(c, reads={t: size_one_first(graph, l) for t, l in c.reads.items()},
+                             writes={t: size_one_first(graph, l) for t, l in c.writes.items()}) for c in offered]
     written: dict[str, set] = {}
     for c in (c for cs in runs.values() for c in cs):
         for t, layout in c.writes.items():
@@ -465,7 +472,7 @@ def plan_layer(fused, spec: str, *, dtype: Precision | str, figures: DeviceFigur
     missing = [op.name for op in fused.operators if not any(op.name in c.operators for c in candidates)]
     if missing:
         raise ValueError(f"operators without a candidate that runs: {', '.join(missing)}")
-    boundary = dict(boundary or {})
+    boundary = {t: size_one_first(graph, layout) for t, layout in (boundary or {}).items()}
     outputs = tuple(t for t, info in graph.tensors.items() if info.role in ("output", "gradient"))
     produced = {t for op in fused.operators for t in op.outputs} | {t for c in candidates for t in c.writes}
     steps, facts = select(order, candidates, produced=produced, boundary=boundary, change_cost=builder.layout_change,

@@ -25,15 +25,15 @@ REPEATED = {"k_2", "v_2", "d_k_2", "d_v_2"}  # K/V and their gradients over the 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
 
 
-def job(out, monkeypatch=None, change=None):
-    """The main job's artifact at ``DIMS`` (the cost model's plan); ``change``: a wrapper of
+def job(out, monkeypatch=None, change=None, dims: str = DIMS):
+    """The main job's artifact at ``dims`` (the cost model's plan); ``change``: a wrapper of
     ``CandidateBuilder.attention``'s result (candidates -> candidates) while it runs."""
     if change is not None:
         offered = candidates.CandidateBuilder.attention
         monkeypatch.setattr(candidates.CandidateBuilder, "attention", lambda *a, **k: change(offered(*a, **k)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert main([SPEC, "--out", str(out), "--dims", DIMS]) == 0
+        assert main([SPEC, "--out", str(out), "--dims", dims]) == 0
     return out
 
 
@@ -92,6 +92,21 @@ def test_grouped_layer_matches_the_executor(grouped, backend):
     """The layer of the grouped plan, float32, against the float64 executor: y, d_x and every weight's gradient."""
     layer = load(grouped, backend=backend, allow_mismatch=True)
     randomize(layer, 1)
+    set_constants(layer)
+    check_against_executor(layer, {"x": None})
+
+
+def test_a_batch_of_one_names_each_layout_once_and_matches_the_executor(tmp_path):
+    """At B=1 layouts apart only in where b sits are the same memory: the plan names each with b
+    outermost (``layouts.space.size_one_first``), whatever the kernel that writes it (a GEMM
+    storing b anywhere, a generated kernel), and the layer matches the float64 executor."""
+    from datamove.layouts.space import size_one_outermost
+
+    layer = load(job(tmp_path / "out", dims=DIMS.replace("B=2", "B=1")), backend="kernels", allow_mismatch=True)
+    steps = layer.plan.steps
+    named = {(t, layout) for s in steps for t, layout in {**s.reads, **s.writes}.items()} | set(layer.plan.layouts.items())
+    assert all(size_one_outermost(layer.graph, t, layout) for t, layout in named), sorted(named)
+    randomize(layer, 2)
     set_constants(layer)
     check_against_executor(layer, {"x": None})
 

@@ -413,10 +413,11 @@ def _dim_strides(plan: GemmPlan, letters: str, tensor: torch.Tensor, what: str) 
             continue
         if len(held) != len(group):
             raise ValueError(f"{what} over {letters!r} covers part of the GEMM group {''.join(group)!r}")
-        for outer, inner in zip(group, group[1:]):
+        spanned = [x for x in group if sizes[x] != 1] or list(group[-1:])  # a letter of size 1 has any stride
+        for outer, inner in zip(spanned, spanned[1:]):
             if strides[outer] != strides[inner] * sizes[inner]:
                 raise ValueError(f"{what}: letters {''.join(group)!r} do not flatten to one stride in it")
-        result.append(strides[group[-1]])
+        result.append(strides[spanned[-1]])
     return tuple(result)
 
 

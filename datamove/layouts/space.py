@@ -456,7 +456,12 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
     fixed = fixed or {}
     has_mask = any(graph.tensors[t].role == "dropout" for t in op.inputs)
     terminal = terminal_reductions(op)
-    vectors = letters.letters
+    # letters of size 1 (a batch of one): where they sit changes no address, so they sit outermost
+    # (``size_one_outermost``) and are no vector, unless a fixed layout has them elsewhere
+    ones = [l for l in letters.letters if _extent(graph, letters, l) == 1]
+    if any(not size_one_outermost(graph, t, layout) for t, layout in fixed.items()) or len(ones) == len(letters.letters):
+        ones = []
+    vectors = [l for l in letters.letters if l not in ones]
     seen, result = set(), []
 
     def emit(layouts, knobs):
@@ -473,19 +478,36 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
             continue  # column sums run over the tile's rows, along which nothing else reduces
         others = [l for l in letters.letters if l != vector]
         if exhaustive:
-            perms = [["".join(p) for p in itertools.permutations(graph.tensors[t].letters)] for t in externals]
+            perms = [["".join(p) for p in itertools.permutations(graph.tensors[t].letters)
+                      if not ones or size_one_outermost(graph, t, "".join(p))] for t in externals]
             for layouts in itertools.product(*perms):
                 layouts = dict(zip(externals, layouts))
                 order = _order_from(graph, letters, op.outputs[0], layouts[op.outputs[0]], vector)
                 for knobs in knob_choices(graph, letters, vector, order, exhaustive=True, terminal=terminal, masked=has_mask):
                     emit(layouts, knobs)
         else:
+            outermost = [l for l in others if l in ones]
             for outer in itertools.permutations(others):
+                if list(outer[:len(outermost)]) != outermost:
+                    continue
                 order = "".join(outer) + vector
                 layouts = {t: _restrict(order, graph.tensors[t].letters, letters.tensor_axes[t]) for t in externals}
                 for knobs in knob_choices(graph, letters, vector, order, terminal=terminal, masked=has_mask):
                     emit(layouts, knobs)
     return result
+
+
+def size_one_outermost(graph, tensor: str, layout: str) -> bool:
+    """Whether ``layout`` of ``tensor`` has its letters of size 1 before all others (in any order
+    among themselves): the one of the layouts equal to it in memory that ``configurations`` offers."""
+    sizes = [graph.size(letter) for letter in layout]
+    return all(size == 1 for size in sizes[:sum(size == 1 for size in sizes)])
+
+
+def size_one_first(graph, layout: str) -> str:
+    """``layout`` with its letters of size 1 moved outermost (in their order): the same addresses,
+    as ``configurations`` names them (a GEMM may store a batch of one anywhere)."""
+    return "".join(sorted(layout, key=lambda letter: graph.size(letter) != 1))
 
 
 def combine_parts(configs: list[Configuration], num_warps: int, dropout: str) -> Configuration:
