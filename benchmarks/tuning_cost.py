@@ -14,7 +14,10 @@ For each case (a name, a spec, its dims; bf16):
 - the default plan's layer and the exhaustive plan's timed here in alternating rounds: fwd+bwd
   GPU busy time per call (profiler sums, ``benchmarks/layer.py``'s ``kernel_profile``), medians,
   and the default's gap to the exhaustive one.
-The results (``OUT/tuning_cost.md`` and ``.json``) are rewritten after every case.
+Each step's result is kept in ``WORK/<name>/<step>.json`` and a step already done is not run
+again (``--steps`` picks some; the exhaustive run, when its budget stops it, goes on from its
+database on the next call): the steps fit device calls of a few minutes each, WORK carried along.
+The results (``OUT/tuning_cost.md`` and ``.json``) are rewritten after every case, with what is done.
 """
 from __future__ import annotations
 
@@ -92,21 +95,51 @@ def compare_plans(default: Path, exhaustive: Path) -> dict:
     return result
 
 
-def run_case(work: Path, name: str, spec: str, dims: str, budget_s: float | None, exhaustive_budget_s: float | None) -> dict:
+STEPS = ("cold", "warm", "exhaustive", "compare")
+
+
+def run_case(work: Path, name: str, spec: str, dims: str, budget_s: float | None, exhaustive_budget_s: float | None,
+             steps=STEPS) -> dict:
+    """The case's ``steps`` not done yet in ``work`` (each kept as ``WORK/<name>/<step>.json``; the
+    exhaustive run done only once its tuning finished: a run stopped by its budget is run again,
+    going on from its database), then everything done so far.  A cold run starts from an empty
+    database: only in a new ``work`` folder (or after deleting the case's)."""
     folder = work / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    db = folder / "tuning.db"
-    case = {"name": name, "spec": spec, "dims": dims, "date": utc_stamp()}
-    case["cold"] = optimize(spec, dims, db, folder / "default", budget_s)
-    case["warm"] = optimize(spec, dims, db, folder / "default", budget_s)
-    exhaustive_db = folder / "exhaustive.db"
-    shutil.copy(db, exhaustive_db)
-    case["exhaustive"] = optimize(spec, dims, exhaustive_db, folder / "exhaustive", exhaustive_budget_s, exhaustive=True)
-    if case["cold"]["rc"] == 0 and case["exhaustive"]["rc"] == 0:
-        case["kernel_ms"] = compare_plans(folder / "default", folder / "exhaustive")
+    folder.mkdir(parents=True, exist_ok=True)
+    db, exhaustive_db = folder / "tuning.db", folder / "exhaustive.db"
+    case = {"name": name, "spec": spec, "dims": dims}
+    for step in STEPS:
+        record = folder / f"{step}.json"
+        done = json.loads(record.read_text()) if record.exists() else None
+        if step in steps and not _finished(step, done):
+            if step == "cold" and db.exists():
+                raise SystemExit(f"{db}: a cold run needs an empty database; use a new --work folder")
+            if step in ("warm", "exhaustive", "compare") and not (folder / "cold.json").exists():
+                raise SystemExit(f"{name}: {step} needs the cold run first (--steps cold)")
+            if step == "exhaustive" and not exhaustive_db.exists():
+                shutil.copy(db, exhaustive_db)
+            if step == "compare":
+                exhaustive_record = folder / "exhaustive.json"
+                if not _finished("exhaustive", json.loads(exhaustive_record.read_text()) if exhaustive_record.exists() else None):
+                    print(f"{name}: the exhaustive tuning has not finished: plans not compared yet", file=sys.stderr)
+                    continue
+                done = compare_plans(folder / "default", folder / "exhaustive")
+            else:
+                exhaustive = step == "exhaustive"
+                done = optimize(spec, dims, exhaustive_db if exhaustive else db, folder / ("exhaustive" if exhaustive else "default"),
+                                exhaustive_budget_s if exhaustive else budget_s, exhaustive=exhaustive)
+                done["date"] = utc_stamp()
+            record.write_text(json.dumps(done, indent=1))
+        if done is not None:
+            case["kernel_ms" if step == "compare" else step] = done
     return case
+
+
+def _finished(step: str, done: dict | None) -> bool:
+    """Whether a step's record says it needs no new run (an exhaustive run: its tuning finished)."""
+    if done is None:
+        return False
+    return step != "exhaustive" or (done.get("rc") == 0 and not (done.get("tuning") or {}).get("stopped"))
 
 
 def _stopped(run: dict) -> str:
@@ -125,13 +158,15 @@ def markdown(report: dict) -> str:
              "", "| case | cold s | cold tuning | warm s | exhaustive s | default plan ms | exhaustive plan ms | gap |",
              "|---|---|---|---|---|---|---|---|"]
     for case in report["cases"]:
-        kernel = case.get("kernel_ms", {})
-        lines.append(f"| {case['name']} {case['dims']} | {case['cold']['wall_s']} | {_stopped(case['cold'])} | "
-                     f"{case['warm']['wall_s']} | {case['exhaustive']['wall_s']} | {kernel.get('default', '')} | "
-                     f"{kernel.get('exhaustive', '')} | "
+        kernel, missing = case.get("kernel_ms", {}), {"wall_s": "not run"}
+        cold, warm, exhaustive = (case.get(step, missing) for step in ("cold", "warm", "exhaustive"))
+        lines.append(f"| {case['name']} {case['dims']} | {cold['wall_s']} | {_stopped(cold) if 'rc' in cold else ''} | "
+                     f"{warm['wall_s']} | {exhaustive['wall_s']}"
+                     + (f" ({_stopped(exhaustive)})" if "rc" in exhaustive and _stopped(exhaustive) != "finished" else "")
+                     + f" | {kernel.get('default', '')} | {kernel.get('exhaustive', '')} | "
                      + (f"{kernel['gap_percent']:+.2f}%" if kernel else "") + " |")
     for case in report["cases"]:
-        tuning = case["cold"].get("tuning")
+        tuning = case.get("cold", {}).get("tuning")
         if not tuning:
             continue
         lines += ["", f"## {case['name']}: the cold tuning per stage", "",
@@ -151,7 +186,10 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("out/tuning_cost"), help="the jobs' databases and artifacts")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--budget-s", type=float, default=None, help="the default runs' budget (default: the job's)")
-    parser.add_argument("--exhaustive-budget-s", type=float, default=3600.0)
+    parser.add_argument("--exhaustive-budget-s", type=float, default=3600.0,
+                        help="the exhaustive run's budget; a run it stops goes on when this is run again")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                        help="the steps to run where not done yet in --work (one device call each, say)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/tuning_cost.py needs a CUDA GPU: nothing measured", file=sys.stderr)
@@ -159,7 +197,7 @@ def main() -> int:
     report = {"date": utc_stamp(), "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(),
               "versions": versions(), "cases": []}
     for name, spec, dims in args.case:  # the results rewritten after each case: what was measured stays
-        report["cases"].append(run_case(args.work, name, spec, dims, args.budget_s, args.exhaustive_budget_s))
+        report["cases"].append(run_case(args.work, name, spec, dims, args.budget_s, args.exhaustive_budget_s, args.steps))
         write_results(args.out, "tuning_cost", report, markdown(report))
     print(markdown(report))
     return 0

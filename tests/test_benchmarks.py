@@ -160,5 +160,39 @@ def test_the_tuning_cost_table_names_each_runs_wall_time_stop_and_the_plans_gap(
               "cases": [case, {"name": "llama", "dims": "B=4", "cold": stopped, "warm": finished, "exhaustive": failed}]}
     lines = tuning_cost.markdown(report).splitlines()
     assert "| bert B=8,L=512 | 281.0 | finished | 14.2 | 1900.0 | 0.7124 | 0.7098 | +0.37% |" in lines
-    assert "| llama B=4 | 610.0 | stopped: time budget of 600 s used; 7 variant(s) ... | 281.0 | 3.0 |  |  |  |" in lines
+    assert ("| llama B=4 | 610.0 | stopped: time budget of 600 s used; 7 variant(s) ... | 281.0 | "
+            "3.0 (failed (exit 2: optimize-layer: error: no)) |  |  |  |") in lines
+    partial = tuning_cost.markdown({**report, "cases": [{"name": "gpt2", "dims": "B=4", "cold": finished}]}).splitlines()
+    assert "| gpt2 B=4 | 281.0 | finished | not run | not run |  |  |  |" in partial
     assert "| GEMMs: cuBLASLt's other algorithms | 40 | 1 | 3 | 120 | 0 | 12.5 |" in lines
+
+
+def test_the_tuning_cost_steps_run_once_each_and_the_exhaustive_one_until_it_finishes(tmp_path, monkeypatch):
+    """``benchmarks/tuning_cost.py`` split over device calls: each step's record kept in the work
+    folder, a step done not run again, the exhaustive run again while its budget stops it, the
+    plans compared only once it finished, a cold run refused over a database."""
+    tuning_cost = _load("tuning_cost")
+    runs = []
+
+    def optimize(spec, dims, db, out, budget_s, exhaustive=False):
+        runs.append(("exhaustive" if exhaustive else "default", db.name))
+        db.write_text("records")
+        stopped = exhaustive and sum(kind == "exhaustive" for kind, _ in runs) == 1  # its first run stopped
+        return {"wall_s": 1.0, "rc": 0, "tuning": {"stopped": "stopped: budget" if stopped else None, "stages": []}}
+    monkeypatch.setattr(tuning_cost, "optimize", optimize)
+    monkeypatch.setattr(tuning_cost, "compare_plans", lambda default, exhaustive: {"default": 1.0, "exhaustive": 1.0,
+                                                                                 "gap_percent": 0.0})
+    case = lambda steps: tuning_cost.run_case(tmp_path, "bert", "configs/bert.py", "B=8,L=512", None, 60.0, steps)  # noqa: E731
+    with pytest.raises(SystemExit, match="needs the cold run first"):
+        case(["warm"])
+    assert set(case(["cold"])) == {"name", "spec", "dims", "cold"}
+    done = case(list(tuning_cost.STEPS))  # warm, the exhaustive run stopped, no comparison
+    assert "kernel_ms" not in done and done["exhaustive"]["tuning"]["stopped"]
+    done = case(list(tuning_cost.STEPS))  # the exhaustive run goes on, then the comparison
+    assert done["kernel_ms"]["gap_percent"] == 0.0 and not done["exhaustive"]["tuning"]["stopped"]
+    case(list(tuning_cost.STEPS))  # all done: nothing runs
+    assert runs == [("default", "tuning.db"), ("default", "tuning.db"), ("exhaustive", "exhaustive.db"),
+                    ("exhaustive", "exhaustive.db")]
+    (tmp_path / "bert" / "cold.json").unlink()
+    with pytest.raises(SystemExit, match="needs an empty database"):
+        case(["cold"])
