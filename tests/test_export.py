@@ -523,6 +523,20 @@ def test_a_batch_of_one_runs_the_selected_plan(tmp_path, spec, dims):
     check_against_executor(layer, {"x": None})  # GPT-2's causal constant as the layer sets it
 
 
+def test_a_batch_of_one_is_read_in_place_whatever_its_batch_stride(tmp_path):
+    """The stride of a dim of size 1 says nothing: an input of one sequence whose batch stride is
+    not the plan's is read in place, not copied, and gives the same output."""
+    layer = load(write(tmp_path, "bert", dict(BERT_DIMS, B=1), selected_plan))
+    randomize(layer, 5)
+    program = layer.program(True)
+    x = torch.randn(program.torch_shapes["x"], generator=torch.Generator().manual_seed(3))
+    odd = x.as_strided(x.shape, (x.stride(0) + 7, *x.stride()[1:]))  # the same elements, batch stride apart
+    assert odd.stride() != x.stride() and program.to_spec("x", odd, "x").data_ptr() == odd.data_ptr()
+    layer.eval()
+    with torch.no_grad():
+        assert torch.equal(layer(odd), layer(x))
+
+
 def _one_copy_for_two_phases(fused, spec: str):
     """The spec-order plan with the FFN's GEMMs reading x1 (ibj) as bji: one layout change after
     x1 is written, whose copy w1_x1 reads in the forward and d_w1 in the backward (the runtime
