@@ -334,21 +334,15 @@ def change_free_algorithms(fused, plan, dtype) -> list:
     only, and one of them can make the change unnecessary (Llama-8B at B=1: ``d_w_down`` reading
     the SwiGLU product fbs had only its first algorithm, 0.696 ms, while bsf with the second took
     0.604, so the plan copied the product to bsf, 0.061 ms).  ``dtype``: torch."""
-    from datamove.candidates import gemm_layouts
     from datamove.layouts.plan import LAYOUT_CHANGE
 
     sources = {(s.config.tensor, s.config.target): s.config.source for s in plan.steps if s.kind == LAYOUT_CHANGE}
-    gemms, ops = {g.name: g for g in training_gemms(fused)}, {op.name: op for op in fused.operators}
     variants = []
-    for step in _plain_gemm_steps(plan, gemms):
+    for step, g, layouts in _plain_gemm_steps(fused, plan):
         unchanged = {t: sources[(t, layout)] for t, layout in step.reads.items() if (t, layout) in sources}
-        if not unchanged:
-            continue
-        g = gemms[step.name]
-        wanted = {**step.reads, **unchanged}
-        timed = {timed_as for reads, writes, timed_as in gemm_layouts(fused.graph, ops[g.name], g)[2]
-                 if reads == wanted and writes == step.writes}
-        variants += [v for timed_as in timed for v in layout_variants(g, "cuda", timed_as, dtype=dtype)]
+        if unchanged:
+            variants += [v for timed_as in layouts({**step.reads, **unchanged})
+                         for v in layout_variants(g, "cuda", timed_as, dtype=dtype)]
     return variants
 
 
@@ -359,31 +353,37 @@ def chosen_layout_configs(ranker, fused, plan, dtype) -> list:
     database): ``tune`` times it on each GEMM's first layout only, and on the H200 it beat cuBLAS
     at the large MLP GEMMs (Llama-1B's up/gate weight gradients 0.704 ms against 0.759, Llama-8B's
     SwiGLU input gradient 0.631 against 0.675) while the plan ran them in other layouts.  ``dtype``: torch."""
-    from datamove.candidates import gemm_layouts
-
-    gemms, ops = {g.name: g for g in training_gemms(fused)}, {op.name: op for op in fused.operators}
     configs = first_gemm_configs(dtype, len(FIRST_CONFIGS))
     variants = []
-    for step in _plain_gemm_steps(plan, gemms):
-        g = gemms[step.name]
+    for step, g, layouts in _plain_gemm_steps(fused, plan):
         first = gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs)
         ranked = ranker.ranked(first)
         triton, cublas = [v for v in ranked if v.config is not None], [v for v in ranked if v.config is None]
         fastest = [ranker.time_ms(v[0]) for v in (triton, cublas) if v]
         if len(fastest) < 2 or None in fastest or fastest[0] > COMPETITIVE * fastest[1]:
             continue
-        timed = {timed_as for reads, writes, timed_as in gemm_layouts(fused.graph, ops[g.name], g)[2]
-                 if reads == step.reads and writes == step.writes and timed_as != first[0].plan.layouts}
-        variants += [v for timed_as in timed for v in layout_variants(
-            g, "cuda", timed_as, dtype=dtype, algorithms=False, configs=[v.config for v in triton[:CHOSEN_LAYOUT_CONFIGS]])]
+        chosen = [v.config for v in triton[:CHOSEN_LAYOUT_CONFIGS]]
+        variants += [v for timed_as in layouts(step.reads) - {first[0].plan.layouts}
+                     for v in layout_variants(g, "cuda", timed_as, dtype=dtype, algorithms=False, configs=chosen)]
     return variants
 
 
-def _plain_gemm_steps(plan, gemms: dict) -> list:
-    """``plan``'s steps that run one training GEMM of ``gemms`` alone (no residual, no epilogue)."""
+def _plain_gemm_steps(fused, plan) -> list:
+    """(step, training GEMM, layouts) of each step of ``plan`` that runs one GEMM alone (no
+    residual, no epilogue); ``layouts(reads)``: the (a, b, out) storage orders the GEMM is timed as
+    where it reads ``reads`` and writes as the step does (``candidates.gemm_layouts``)."""
+    from datamove.candidates import gemm_layouts
     from datamove.layouts.plan import GEMM
 
-    return [s for s in plan.steps if s.kind == GEMM and s.name in gemms and not s.config.residual and not s.config.epilogue]
+    gemms, ops = {g.name: g for g in training_gemms(fused)}, {op.name: op for op in fused.operators}
+    result = []
+    for step in plan.steps:
+        if step.kind == GEMM and step.name in gemms and not step.config.residual and not step.config.epilogue:
+            g = gemms[step.name]
+            found = gemm_layouts(fused.graph, ops[g.name], g)[2]
+            result.append((step, g, lambda reads, step=step, found=found: {
+                timed_as for r, w, timed_as in found if r == reads and w == step.writes}))
+    return result
 
 
 def tune_chosen_gemms(tuner: Tuner, fused, plan, dtype) -> int:

@@ -34,6 +34,12 @@ def copied_tensor(name: str) -> str:
     return name.partition("@")[0]
 
 
+def stored_alike(value: torch.Tensor, strides: tuple) -> bool:
+    """Whether ``value`` is stored with ``strides``, a dim of size 1 with any stride (it moves no
+    address: a batch of one passed in another order than the plan's, a library's output)."""
+    return all(a == b or n == 1 for a, b, n in zip(value.stride(), strides, value.shape))
+
+
 @dataclass
 class Run:
     """The per-call values a launcher reads: the dropout ``seed`` of this call (Philox key, an int or

@@ -457,9 +457,9 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
     has_mask = any(graph.tensors[t].role == "dropout" for t in op.inputs)
     terminal = terminal_reductions(op)
     # letters of size 1 (a batch of one): where they sit changes no address, so they sit outermost
-    # (``size_one_outermost``) and are no vector, unless a fixed layout has them elsewhere
+    # (``size_one_first``) and are no vector, unless a fixed layout has them elsewhere
     ones = [l for l in letters.letters if _extent(graph, letters, l) == 1]
-    if any(not size_one_outermost(graph, t, layout) for t, layout in fixed.items()) or len(ones) == len(letters.letters):
+    if any(size_one_first(graph, layout) != layout for layout in fixed.values()) or len(ones) == len(letters.letters):
         ones = []
     vectors = [l for l in letters.letters if l not in ones]
     seen, result = set(), []
@@ -478,8 +478,8 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
             continue  # column sums run over the tile's rows, along which nothing else reduces
         others = [l for l in letters.letters if l != vector]
         if exhaustive:
-            perms = [["".join(p) for p in itertools.permutations(graph.tensors[t].letters)
-                      if not ones or size_one_outermost(graph, t, "".join(p))] for t in externals]
+            perms = [[layout for layout in map("".join, itertools.permutations(graph.tensors[t].letters))
+                      if not ones or size_one_first(graph, layout) == layout] for t in externals]
             for layouts in itertools.product(*perms):
                 layouts = dict(zip(externals, layouts))
                 order = _order_from(graph, letters, op.outputs[0], layouts[op.outputs[0]], vector)
@@ -497,16 +497,10 @@ def configurations(graph, op, *, exhaustive: bool = False, fixed: dict | None = 
     return result
 
 
-def size_one_outermost(graph, tensor: str, layout: str) -> bool:
-    """Whether ``layout`` of ``tensor`` has its letters of size 1 before all others (in any order
-    among themselves): the one of the layouts equal to it in memory that ``configurations`` offers."""
-    sizes = [graph.size(letter) for letter in layout]
-    return all(size == 1 for size in sizes[:sum(size == 1 for size in sizes)])
-
-
 def size_one_first(graph, layout: str) -> str:
     """``layout`` with its letters of size 1 moved outermost (in their order): the same addresses,
-    as ``configurations`` names them (a GEMM may store a batch of one anywhere)."""
+    the name ``configurations`` gives them (a GEMM may store a batch of one anywhere); a layout
+    already so named is its own."""
     return "".join(sorted(layout, key=lambda letter: graph.size(letter) != 1))
 
 

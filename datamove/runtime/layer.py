@@ -29,6 +29,7 @@ from datamove.families.attention import saved_mask_name
 from datamove.kernels.blas import DEFAULT_SETTINGS as DEFAULT_BLAS_SETTINGS, settings as blas_settings
 from datamove.kernels.codegen import allocate
 from datamove.kernels.launch import hooked
+from datamove.kernels.launcher import stored_alike
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
 from datamove.layouts.space import generated_operators
 from datamove.runtime.steps import Buffers, Run, build_launcher, copy_name, stack_groups
@@ -156,14 +157,14 @@ class LayerProgram:
         (a copy only where the caller's strides differ from it)."""
         check(value, what, self.torch_shapes[tensor], self.dtype, self.device, self.interface.torch_order[tensor])
         view = value.permute(self._to_spec_axes[tensor])
-        if _same_strides(view, self._stored_strides[tensor]):
+        if stored_alike(view, self._stored_strides[tensor]):
             return view
         return allocate(self.graph, tensor, self.layouts[tensor], self.dtype, self.device).copy_(view)
 
     def stored_as_planned(self, tensor: str, value: torch.Tensor) -> bool:
         """Whether ``value`` (PyTorch order, the checked shape, dtype and device) is laid out as the
         plan stores ``tensor``: ``to_spec`` then reads it in place."""
-        return _same_strides(value.permute(self._to_spec_axes[tensor]), self._stored_strides[tensor])
+        return stored_alike(value.permute(self._to_spec_axes[tensor]), self._stored_strides[tensor])
 
     def leaving_value(self, store: dict, tensor: str) -> torch.Tensor:
         """An output or gradient as it leaves the layer: its copy in PyTorch's order where the plan makes one."""
@@ -349,9 +350,3 @@ def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.devi
         raise TypeError(f"{what}: dtype {value.dtype}, expected {dtype}")
     if value.device.type != device.type or (device.index is not None and value.device.index not in (None, device.index)):
         raise ValueError(f"{what}: on device {value.device}, expected {device}")
-
-
-def _same_strides(value: torch.Tensor, strides: tuple) -> bool:
-    """Whether ``value`` is stored with ``strides`` (a dim of size 1 with any: a batch of one
-    passed in another order than the plan's is read in place)."""
-    return all(a == b or n == 1 for a, b, n in zip(value.stride(), strides, value.shape))

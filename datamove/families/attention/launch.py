@@ -19,7 +19,7 @@ from datamove.dataflow.initial_values import MASKED_SCORE
 from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
 from datamove.kernels.attention.library import cudnn_backward, cudnn_forward
 from datamove.kernels.codegen import allocate
-from datamove.kernels.launcher import Buffers, Launcher, Run, read
+from datamove.kernels.launcher import Buffers, Launcher, Run, read, stored_alike
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, Step
 from datamove.layouts.step_config import AttentionConfig
 
@@ -101,7 +101,7 @@ class _AttentionLauncher(Launcher):
             if planned is None:
                 meta = allocate(self.graph, name, self.step.writes[name], result.dtype, "meta")
                 planned = self._planned_strides[name] = meta.stride()
-            if all(a == b or n == 1 for a, b, n in zip(spec_order.stride(), planned, spec_order.shape)):
+            if stored_alike(spec_order, planned):
                 return spec_order.as_strided(spec_order.shape, planned)  # a dim of size 1 may have any stride
         out = self.output(store, name)
         self.view(out, role).copy_(result)
