@@ -45,11 +45,13 @@ from datamove.kernels.device import query_device, versions  # noqa: E402
 ROUNDS = 5  # alternating rounds of the two plans' layers
 
 
-def optimize(spec: str, dims: str, db: Path, out: Path, budget_s: float | None, exhaustive: bool = False) -> dict:
-    """One ``optimize-layer`` run: its wall time (s), exit status, the tuning's summary line and its
-    cost per stage from the report."""
+def optimize(spec: str, dims: str, db: Path, out: Path, budget_s: float | None, exhaustive: bool = False,
+             gpus: int | None = None) -> dict:
+    """One ``optimize-layer`` run (``gpus``: measuring on the first that many, default all): its wall
+    time (s), exit status, the tuning's summary line and its cost per stage from the report."""
     command = [sys.executable, "-m", "datamove.cli", spec, "--dims", dims, "--db", str(db), "--out", str(out)]
     command += (["--budget-s", f"{budget_s:g}"] if budget_s is not None else []) + (["--exhaustive"] if exhaustive else [])
+    command += ["--gpus", str(gpus)] if gpus is not None else []
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     wall = time.monotonic() - started

@@ -12,6 +12,7 @@ swept) the selection prices with the cost model.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from datamove.layouts.space import Configuration, access_pattern, configurations
 # The persistent ones: the same tiles looping over output tiles on one program per multiprocessor,
 # storing C by TMA (where C's layout allows).
 ALGORITHM_LAYOUTS = 3  # per GEMM: the layouts (fastest by cuBLAS's first algorithm) whose other algorithms are timed
+MIN_COMPILE_WORKERS = 8
 PLAN_SHARE = 0.25  # of the budget, kept from ``tune``'s sweeps for measuring what the plan chose (knobs of its layouts)
 CHOSEN_LAYOUT_CONFIGS = 3  # Triton configurations timed on the layouts a plan runs (``chosen_layout_configs``)
 COMPETITIVE = 1.02  # ... for GEMMs where the template came within this factor of cuBLAS on the first layout
@@ -128,6 +130,13 @@ OUTCOMES = {"ok": "timed", "checked": "checked", "failed": "failed", "too slow":
             "skipped": "read back"}  # a sweep's counts (``harness.bench.SweepReport``) as the summary names them
 
 
+def default_compile_workers() -> int:
+    """Processes compiling kernels ahead of the measuring ones: half the host's CPU cores, at least
+    ``MIN_COMPILE_WORKERS``: the more GPUs a host measures on, the more cores it has to compile for
+    them (the GPU hosts lent here: 16 cores a GPU)."""
+    return max(MIN_COMPILE_WORKERS, (os.cpu_count() or 1) // 2)
+
+
 def describe(counts: dict) -> str:
     """``counts`` (status -> variants) as '12 timed, 3 failed, 40 read back'."""
     return ", ".join(f"{n} {OUTCOMES.get(status, status)}" for status, n in counts.items() if n)
@@ -135,12 +144,14 @@ def describe(counts: dict) -> str:
 
 class Tuner:
     """The sweeps of one job over one database and one budget.  ``gpus``: measuring processes, one
-    per GPU (None: every GPU of the model of GPU 0); ``retry_failed``: measure again the variants
+    per GPU (None: every GPU of the model of GPU 0); ``compile_workers``: processes compiling
+    kernels ahead of them (None: ``default_compile_workers()``); ``retry_failed``: measure again the variants
     recorded 'failed' (e.g. timed out on a loaded machine) instead of skipping them."""
 
-    def __init__(self, db, *, budget_s: float | None, progress: bool = True, compile_workers: int = 8,
+    def __init__(self, db, *, budget_s: float | None, progress: bool = True, compile_workers: int | None = None,
                  gpus: int | None = None, retry_failed: bool = False):
-        self.db, self.budget_s, self.progress, self.compile_workers = db, budget_s, progress, compile_workers
+        self.db, self.budget_s, self.progress = db, budget_s, progress
+        self.compile_workers = default_compile_workers() if compile_workers is None else compile_workers
         self.retry_failed = retry_failed
         self.started = time.monotonic()
         self.report = TuningReport(budget_s=budget_s)

@@ -196,3 +196,39 @@ def test_the_tuning_cost_steps_run_once_each_and_the_exhaustive_one_until_it_fin
     (tmp_path / "bert" / "cold.json").unlink()
     with pytest.raises(SystemExit, match="needs an empty database"):
         case(["cold"])
+
+
+def test_the_tuning_scaling_table_gives_variants_per_second_per_gpu_count_and_stage(tmp_path, monkeypatch):
+    """``benchmarks/tuning_scaling.py``: variants measured (every outcome but read back) over the
+    seconds of the stages that measured, the speed-up over one GPU, plans compared only where every
+    run finished, and a count done not run again."""
+    scaling = _load("tuning_scaling")
+
+    def run(gpus, seconds, stopped=None):
+        stages = [{"stage": "fused operators", "counts": {"ok": 90, "too slow": 10}, "wall_s": seconds[0]},
+                  {"stage": "attention", "counts": {"ok": 8, "failed": 2}, "wall_s": seconds[1]},
+                  {"stage": "layout changes", "counts": {"skipped": 4}, "wall_s": 0.5}]
+        tuning = {"stopped": stopped, "stages": stages}
+        return {"gpus": gpus, "wall_s": 100.0, "rc": 0, "tuning": tuning, "plan_ms": 0.75,
+                "throughput": scaling.throughput(tuning)}
+
+    one, two = run(1, (50.0, 5.0)), run(2, (25.0, 5.0))
+    assert one["throughput"]["measured"] == 110 and one["throughput"]["measuring_s"] == 55.0
+    assert one["throughput"]["per_s"] == 2.0 and two["throughput"]["per_s"] == 3.67
+    report = {"device": "GPU", "date": "today", "versions": {"torch": "x"}, "spec": "configs/bert.py",
+              "dims": "B=8,L=512", "budget_s": None, "runs": [one, two]}
+    lines = scaling.markdown(report).splitlines()
+    assert "| 1 | 100.0 | finished | 110 | 55.0 | 2.0 | 1.00x | 0.75 |" in lines
+    assert "| 2 | 100.0 | finished | 110 | 30.0 | 3.67 | 1.83x | 0.75 |" in lines
+    assert "| fused operators | 100 / 50.0 (2.0) | 100 / 25.0 (4.0) |" in lines
+    assert "| layout changes | 0 / 0.5 | 0 / 0.5 |" in lines
+    cut = scaling.markdown({**report, "runs": [one, run(2, (25.0, 5.0), stopped="stopped: budget")]}).splitlines()
+    assert "| 2 | 100.0 | stopped: budget | 110 | 30.0 | 3.67 | 1.83x |  |" in cut
+
+    calls = []
+    for variable in scaling.COLD_CACHES:  # restored after the test: run_count sets them for its job
+        monkeypatch.setenv(variable, "unset")
+    monkeypatch.setattr(scaling, "optimize", lambda spec, dims, db, out, budget_s, gpus: calls.append(gpus) or
+                        {"wall_s": 1.0, "rc": 0, "tuning": one["tuning"], "plan_ms": 0.75})
+    assert scaling.run_count(tmp_path, "configs/bert.py", "B=8,L=512", 2, 90.0)["throughput"]["per_s"] == 2.0
+    assert scaling.run_count(tmp_path, "configs/bert.py", "B=8,L=512", 2, 90.0)["gpus"] == 2 and calls == [2]
