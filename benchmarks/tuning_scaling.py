@@ -41,9 +41,18 @@ def measured(counts: dict) -> int:
     return sum(n for status, n in counts.items() if status != READ_BACK)
 
 
+def busy_share(stage: dict, kind: str) -> float | None:
+    """The share of a stage's wall time its ``kind`` ('compile', 'measure') workers were busy, all together."""
+    workers = stage.get(f"{kind}_workers")
+    return round(stage[f"{kind}_busy_s"] / (workers * stage["wall_s"]), 2) if workers and stage["wall_s"] else None
+
+
 def throughput(tuning: dict) -> dict:
-    """Variants measured, seconds of the stages that measured, variants per second; per stage too."""
-    stages = [{"stage": s["stage"], "measured": measured(s["counts"]), "wall_s": s["wall_s"]} for s in tuning["stages"]]
+    """Variants measured, seconds of the stages that measured, variants per second; per stage too,
+    with its seconds to a first result and how busy it kept its measuring and compile workers."""
+    stages = [{"stage": s["stage"], "measured": measured(s["counts"]), "wall_s": s["wall_s"],
+               "startup_s": s.get("startup_s"), "measure_busy": busy_share(s, "measure"), "compile_busy": busy_share(s, "compile")}
+              for s in tuning["stages"]]
     busy = [s for s in stages if s["measured"]]
     variants, seconds = sum(s["measured"] for s in busy), sum(s["wall_s"] for s in busy)
     for s in stages:
@@ -53,7 +62,8 @@ def throughput(tuning: dict) -> dict:
 
 
 def run_count(work: Path, spec: str, dims: str, gpus: int, budget_s: float | None) -> dict:
-    """The cold job measuring on ``gpus`` GPUs, kept as ``WORK/gpus<N>.json`` (not run again when there)."""
+    """The cold job measuring on ``gpus`` GPUs, kept as ``WORK/gpus<N>.json`` where it ran to the end
+    (not run again then)."""
     record = work / f"gpus{gpus}.json"
     if record.exists():
         return json.loads(record.read_text())
@@ -65,8 +75,10 @@ def run_count(work: Path, spec: str, dims: str, gpus: int, budget_s: float | Non
         os.environ[variable] = str(folder / cache)
     run = optimize(spec, dims, folder / "tuning.db", folder / "artifact", budget_s, gpus=gpus)
     run.update(gpus=gpus, date=utc_stamp())
-    if run["tuning"]:
-        run["throughput"] = throughput(run["tuning"])
+    if run["rc"]:  # not kept: the next call runs it again, cold
+        (folder / "tuning.db").unlink(missing_ok=True)
+        return run
+    run["throughput"] = throughput(run["tuning"])
     record.write_text(json.dumps(run, indent=1))
     return run
 
@@ -99,7 +111,21 @@ def markdown(report: dict) -> str:
                 s = next((s for s in (r.get("throughput") or {}).get("stages", []) if s["stage"] == name), None)
                 cells.append("" if s is None else f"{s['measured']} / {s['wall_s']}" + (f" ({s['per_s']})" if s["per_s"] else ""))
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += ["", "Per stage: seconds before a first result (workers starting, first compiles) / measuring "
+                  "processes busy / compile workers busy (shares of the stage's wall time).", "",
+                  "| stage | " + " | ".join(f"{r['gpus']} GPU(s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+        for name in names:
+            cells = []
+            for r in runs:
+                s = next((s for s in (r.get("throughput") or {}).get("stages", []) if s["stage"] == name), None)
+                cells.append("" if s is None or not s["measured"] else
+                             f"{s['startup_s']} s / {_share(s['measure_busy'])} / {_share(s['compile_busy'])}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%}"
 
 
 def main() -> int:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from datamove.dtypes import parse as parse_dtype
-from datamove.harness.bench import Sweep
+from datamove.harness.bench import PoolLoad, Sweep
 from datamove.harness.tuning_db import canonical_json
 from datamove.families import ATTENTION, GEMM_FAMILIES
 from datamove.families.base import Tuning
@@ -48,7 +48,10 @@ class StageCost:
     """What one stage of the tuning cost: its variants by outcome (``counts``: 'ok' measured,
     'failed', 'too slow', 'wrong', 'skipped' read back from the database), those its rule left out
     unmeasured (``pruned``, ``pruned_why``), those the budget left (``left_keys``: their database
-    keys, not measured and not in the database) and its wall time (s)."""
+    keys, not measured and not in the database) and its wall time (s); where that time went: its
+    sweeps' compile workers and measuring processes (``compiling`` / ``measuring``, ``PoolLoad``s
+    summed: the most workers of a sweep, busy seconds) and their seconds before a first result
+    (``startup_s``)."""
 
     name: str
     counts: dict = field(default_factory=dict)
@@ -56,6 +59,17 @@ class StageCost:
     pruned_why: str = ""
     left_keys: set = field(default_factory=set)
     wall_s: float = 0.0
+    compiling: PoolLoad = field(default_factory=PoolLoad)
+    measuring: PoolLoad = field(default_factory=PoolLoad)
+    startup_s: float = 0.0
+
+    def add_loads(self, report) -> None:
+        """A sweep's ``harness.bench.SweepReport`` loads and startup into the stage's."""
+        for mine, theirs in ((self.compiling, report.compiling), (self.measuring, report.measuring)):
+            mine.workers = max(mine.workers, theirs.workers)
+            mine.tasks += theirs.tasks
+            mine.busy_s += theirs.busy_s
+        self.startup_s += report.first_result_s if report.first_result_s is not None else report.wall_s
 
     @property
     def left(self) -> int:
@@ -63,7 +77,11 @@ class StageCost:
 
     def to_json(self) -> dict:
         return {"stage": self.name, "counts": {k: n for k, n in self.counts.items() if n}, "pruned": self.pruned,
-                "pruned_why": self.pruned_why, "left": self.left, "wall_s": round(self.wall_s, 1)}
+                "pruned_why": self.pruned_why, "left": self.left, "wall_s": round(self.wall_s, 1),
+                "startup_s": round(self.startup_s, 1),
+                **{f"{name}_{key}": round(value, 1) if key == "busy_s" else value
+                   for name, load in (("compile", self.compiling), ("measure", self.measuring))
+                   for key, value in (("workers", load.workers), ("busy_s", load.busy_s))}}
 
 
 @dataclass
@@ -189,6 +207,7 @@ class Tuner:
             swept.stopped = self._used()
             cost.left_keys |= self.ranker.unmeasured(variants)
         cost.wall_s += time.monotonic() - started
+        cost.add_loads(swept)
         self.report.add(swept, cost)
         self.report.wall_s = time.monotonic() - self.started
 

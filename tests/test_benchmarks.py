@@ -205,7 +205,9 @@ def test_the_tuning_scaling_table_gives_variants_per_second_per_gpu_count_and_st
     scaling = _load("tuning_scaling")
 
     def run(gpus, seconds, stopped=None):
-        stages = [{"stage": "fused operators", "counts": {"ok": 90, "too slow": 10}, "wall_s": seconds[0]},
+        stages = [{"stage": "fused operators", "counts": {"ok": 90, "too slow": 10}, "wall_s": seconds[0],
+                   "startup_s": 5.0, "measure_workers": gpus, "measure_busy_s": 20.0 * gpus, "compile_workers": 8,
+                   "compile_busy_s": 20.0 * 8},
                   {"stage": "attention", "counts": {"ok": 8, "failed": 2}, "wall_s": seconds[1]},
                   {"stage": "layout changes", "counts": {"skipped": 4}, "wall_s": 0.5}]
         tuning = {"stopped": stopped, "stages": stages}
@@ -222,6 +224,7 @@ def test_the_tuning_scaling_table_gives_variants_per_second_per_gpu_count_and_st
     assert "| 2 | 100.0 | finished | 110 | 30.0 | 3.67 | 1.83x | 0.75 |" in lines
     assert "| fused operators | 100 / 50.0 (2.0) | 100 / 25.0 (4.0) |" in lines
     assert "| layout changes | 0 / 0.5 | 0 / 0.5 |" in lines
+    assert "| fused operators | 5.0 s / 40% / 40% | 5.0 s / 80% / 80% |" in lines
     cut = scaling.markdown({**report, "runs": [one, run(2, (25.0, 5.0), stopped="stopped: budget")]}).splitlines()
     assert "| 2 | 100.0 | stopped: budget | 110 | 30.0 | 3.67 | 1.83x |  |" in cut
 
@@ -232,3 +235,8 @@ def test_the_tuning_scaling_table_gives_variants_per_second_per_gpu_count_and_st
                         {"wall_s": 1.0, "rc": 0, "tuning": one["tuning"], "plan_ms": 0.75})
     assert scaling.run_count(tmp_path, "configs/bert.py", "B=8,L=512", 2, 90.0)["throughput"]["per_s"] == 2.0
     assert scaling.run_count(tmp_path, "configs/bert.py", "B=8,L=512", 2, 90.0)["gpus"] == 2 and calls == [2]
+    monkeypatch.setattr(scaling, "optimize", lambda spec, dims, db, out, budget_s, gpus: calls.append(gpus) or
+                        {"wall_s": 0.1, "rc": 1, "tuning": None, "error": "ModuleNotFoundError"})
+    for _ in range(2):  # a failed run is not kept
+        assert scaling.run_count(tmp_path, "configs/bert.py", "B=8,L=512", 4, 90.0)["rc"] == 1
+    assert calls == [2, 4, 4]

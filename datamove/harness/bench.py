@@ -299,8 +299,25 @@ def _gpu_ids(name: str) -> list[str]:
 
 
 @dataclass
+class PoolLoad:
+    """How busy a sweep kept one kind of worker: ``workers`` processes (0: the sweep's own process),
+    ``tasks`` ended, ``busy_s`` the seconds from each task's hand-out to its end, summed."""
+
+    workers: int = 0
+    tasks: int = 0
+    busy_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.tasks += 1
+        self.busy_s += seconds
+
+
+@dataclass
 class SweepReport:
-    """What a sweep did.  ``measured`` False: no GPU, nothing was timed."""
+    """What a sweep did.  ``measured`` False: no GPU, nothing was timed.  ``compiling`` /
+    ``measuring``: how busy it kept its compile workers and measuring processes; ``first_result_s``:
+    seconds from its start to its first measured variant (workers starting, the first compiles;
+    None: nothing measured); ``wall_s``: its whole time."""
 
     device: str
     measured: bool
@@ -308,6 +325,10 @@ class SweepReport:
         ("ok", "checked", "failed", TOO_SLOW, "wrong", "skipped"), 0))  # TOO_SLOW: failed as RunTooLong
     remaining: int = 0
     stopped: str | None = None  # None: all variants done; else why the sweep stopped early
+    compiling: PoolLoad = field(default_factory=PoolLoad)
+    measuring: PoolLoad = field(default_factory=PoolLoad)
+    first_result_s: float | None = None
+    wall_s: float = 0.0
 
     def summary(self) -> str:
         counts = ", ".join(f"{n} {status}" for status, n in self.counts.items())
@@ -439,6 +460,7 @@ class Sweep:
                 raise
             bar.update(task, description="sweep")
         report.remaining = len(self.variants) - sum(report.counts.values())
+        report.wall_s = time.monotonic() - started
         self.console.print(report.summary(), soft_wrap=True)
         return report
 
@@ -473,9 +495,11 @@ class Sweep:
         compiler = measurers = None
         try:
             if tasks:
-                compiler = Pool("compile", min(self.compile_workers, len(tasks)), _compiling, env=self._env)
+                report.compiling.workers = min(self.compile_workers, len(tasks))
+                compiler = Pool("compile", report.compiling.workers, _compiling, env=self._env)
             if self.processes and pending:
-                measurers = Pool("measure", min(self.processes, len(pending)), _measuring,
+                report.measuring.workers = min(self.processes, len(pending))
+                measurers = Pool("measure", report.measuring.workers, _measuring,
                                  ([v for _, v in pending], self.measured, self.timing), env=self._env)
             pools = [p for p in (compiler, measurers) if p is not None]
             while left:
@@ -490,20 +514,26 @@ class Sweep:
                 if ready and measurers is None:
                     key, variant = pending[heapq.heappop(ready)]
                     show(variant)
+                    measuring = time.monotonic()
                     status, fields = measure(variant, measured=self.measured, timing=self.timing,
                                              limit=self._run_limit(key))
+                    report.measuring.add(time.monotonic() - measuring)
+                    self._measured(report, started)
                     self._record(report, key, status, fields)
                     left -= 1
                     if status == "failed" and not _cuda_context_alive(self.measured):
                         return "CUDA context lost; rerun in a new process to continue"
                 wait(pools, 0 if ready and measurers is None else TICK_S)
                 for event in compiler.collect() if compiler is not None else []:
+                    report.compiling.add(event.seconds)
                     if event.kind == "done":
                         heapq.heappush(ready, event.task)
                     else:
                         self._failed(report, *pending[event.task], _compile_failure(event))
                         left -= 1
                 for event in measurers.collect() if measurers is not None else []:
+                    report.measuring.add(event.seconds)
+                    self._measured(report, started)
                     if event.kind == "done":
                         self._record(report, pending[event.task][0], *event.value)
                     else:
@@ -517,6 +547,11 @@ class Sweep:
             for pool in (compiler, measurers):
                 if pool is not None:
                     pool.close()
+
+    @staticmethod
+    def _measured(report: SweepReport, started: float) -> None:
+        if report.first_result_s is None:
+            report.first_result_s = time.monotonic() - started
 
     def _env(self, index: int) -> dict:
         """Environment of worker ``index``: on a GPU, the one GPU it sees (in turn)."""
