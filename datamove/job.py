@@ -164,33 +164,37 @@ def run_job(o: JobOptions) -> int:
             print(f"Not used without a GPU (nothing is measured): {', '.join(unused)}.", flush=True)
     boundary = boundary_layouts(torch_order)
     plans = []
-    for label, each in shaped.items():
-        if measured:
-            stages(f"tuning {label}")
-            spaces = fused_spaces(each, spec_name, dtype)
-            tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype, attention=attention_setups(each, o.dtype),
-                                exhaustive=o.exhaustive))
-            timings = Timings(db.query(device=facts.name, dtype=o.dtype.name, versions=versions()), facts.name, o.dtype)
-        stages(f"selection {label}")
-
-        def choose(each=each, boundary=boundary):
-            return plan_layer(each, spec_name, dtype=o.dtype, figures=figures, timings=timings, boundary=boundary,
-                              device=device)
-
-        plan = choose()
-        if measured:
-            def choose_again(choose=choose):
-                nonlocal timings
+    try:
+        for label, each in shaped.items():
+            if measured:
+                stages(f"tuning {label}")
+                spaces = fused_spaces(each, spec_name, dtype)
+                tunings.append(tune(tuner, each, spaces, spec=spec_name, dtype=dtype, attention=attention_setups(each, o.dtype),
+                                    exhaustive=o.exhaustive))
                 timings = Timings(db.query(device=facts.name, dtype=o.dtype.name, versions=versions()), facts.name, o.dtype)
-                return choose()
+            stages(f"selection {label}")
 
-            plan = refine_plan(plan, choose_again,
-                               lambda chosen, spaces=spaces, each=each: tune_chosen(tuner, spaces, chosen)
-                               + tune_chosen_gemms(tuner, each, chosen, dtype),
-                               lambda wanted, each=each: measure_layout_changes(tuner, each.graph, wanted, dtype))
-        if not plans:  # every later plan stores the parameters and constants as the first one does
-            boundary = {**boundary, **{t: plan.layouts[t] for t in interface.parameters + interface.constants}}
-        plans.append(plan)
+            def choose(each=each, boundary=boundary):
+                return plan_layer(each, spec_name, dtype=o.dtype, figures=figures, timings=timings, boundary=boundary,
+                                  device=device)
+
+            plan = choose()
+            if measured:
+                def choose_again(choose=choose):
+                    nonlocal timings
+                    timings = Timings(db.query(device=facts.name, dtype=o.dtype.name, versions=versions()), facts.name, o.dtype)
+                    return choose()
+
+                plan = refine_plan(plan, choose_again,
+                                   lambda chosen, spaces=spaces, each=each: tune_chosen(tuner, spaces, chosen)
+                                   + tune_chosen_gemms(tuner, each, chosen, dtype),
+                                   lambda wanted, each=each: measure_layout_changes(tuner, each.graph, wanted, dtype))
+            if not plans:  # every later plan stores the parameters and constants as the first one does
+                boundary = {**boundary, **{t: plan.layouts[t] for t in interface.parameters + interface.constants}}
+            plans.append(plan)
+    finally:  # the sweeps' worker processes, kept from one sweep to the next
+        if measured:
+            tuner.close()
     try:  # everything into a temporary sibling folder, which replaces out at the end (datamove.output)
         with whole_folder(out) as folder:
             stages("export")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from datamove.dtypes import parse as parse_dtype
-from datamove.harness.bench import PoolLoad, Sweep
+from datamove.harness.bench import PoolLoad, Sweep, WorkerPools
 from datamove.harness.tuning_db import canonical_json
 from datamove.families import ATTENTION, GEMM_FAMILIES
 from datamove.families.base import Tuning
@@ -161,7 +161,8 @@ def describe(counts: dict) -> str:
 
 
 class Tuner:
-    """The sweeps of one job over one database and one budget.  ``gpus``: measuring processes, one
+    """The sweeps of one job over one database and one budget, sharing their worker processes
+    (``pools``, ``harness.bench.WorkerPools``: ``close()`` ends them).  ``gpus``: measuring processes, one
     per GPU (None: every GPU of the model of GPU 0); ``compile_workers``: processes compiling
     kernels ahead of them (None: ``default_compile_workers()``); ``retry_failed``: measure again the variants
     recorded 'failed' (e.g. timed out on a loaded machine) instead of skipping them."""
@@ -175,6 +176,11 @@ class Tuner:
         self.report = TuningReport(budget_s=budget_s)
         self.ranker = Sweep(db, [], progress=False, processes=gpus)
         self.gpus = self.ranker.processes
+        self.pools = WorkerPools(self.compile_workers, self.gpus, self.ranker.measured, self.ranker._env)
+
+    def close(self) -> None:
+        """End the worker processes the sweeps shared."""
+        self.pools.close()
 
     def left(self, reserve: bool = False) -> float | None:
         """Seconds of the budget left (None: no budget); ``reserve``: less ``PLAN_SHARE`` of it."""
@@ -202,7 +208,7 @@ class Tuner:
             return
         started = time.monotonic()
         swept = Sweep(self.db, variants, budget_s=limit, progress=self.progress, compile_workers=self.compile_workers,
-                      processes=self.gpus, retry_failed=self.retry_failed, **timing).run()
+                      processes=self.gpus, retry_failed=self.retry_failed, pools=self.pools, **timing).run()
         if swept.stopped:  # by the time limit: the job's budget, not what was left of it for this sweep
             swept.stopped = self._used()
             cost.left_keys |= self.ranker.unmeasured(variants)

@@ -20,7 +20,7 @@ from rich.console import Console
 
 import sweep_script
 from fake_variants import FakeVariant, broken_setup, measured, pid_server
-from datamove.harness.bench import Sweep
+from datamove.harness.bench import Sweep, WorkerPools
 from datamove.harness.tuning_db import TuningDB
 from datamove.harness.workers import Pool, WorkerStartError, wait
 
@@ -129,10 +129,40 @@ def test_budget_is_honoured_while_a_variant_hangs(tmp_path, where):
     assert budget_s <= seconds < budget_s + 3
 
 
+def test_sweeps_sharing_worker_pools_reuse_their_processes_and_drop_a_stopped_sweeps_tasks(tmp_path):
+    """``Sweep(pools=)`` (a job's tuning): the measuring processes of one sweep measure the next
+    (each given the new sweep's variants), a sweep stopped by its budget leaves no task of its own
+    to the next (the hung variant's process replaced), and ``close()`` ends every process."""
+    log = tmp_path / "builds.log"
+    pools = WorkerPools(compile_workers=1, processes=2, measured=False, env=lambda index: {})
+    try:
+        with TuningDB(tmp_path / "t.db") as db:
+            first, _ = sweep(db, [FakeVariant(n, log, compile="ok", build="pause") for n in "abcd"], processes=2,
+                             compile_workers=1, pools=pools)
+            second, _ = sweep(db, [FakeVariant(n, log, build="pause") for n in "efgh"], processes=2, pools=pools)
+            stopped, _ = sweep(db, [FakeVariant("hung", log, build="hang"), FakeVariant("x", log, build="hang")],
+                               budget_s=1.0, processes=2, pools=pools, variant_timeout_s=600)
+            last, _ = sweep(db, [FakeVariant(n, log, build="pause") for n in "ijkl"], processes=2, pools=pools)
+            got = details(db)
+        builds = measured(log)
+        processes = [w.process for pool in (pools.compiler, pools.measurers) for w in pool.workers]
+    finally:
+        pools.close()
+    pids = {name: set(pid_list) for name, pid_list in builds.items()}
+    first_pids = set().union(*(pids[n] for n in "abcd"))
+    last_pids = set().union(*(pids[n] for n in "ijkl"))
+    assert first.counts["checked"] == 4 and first.first_result_s is not None and first.compiling.tasks == 4
+    assert second.counts["checked"] == 4 and set().union(*(pids[n] for n in "efgh")) <= first_pids
+    assert stopped.stopped and stopped.counts["checked"] == 0 and pids["hung"] | pids["x"] <= first_pids
+    assert last.counts["checked"] == 4 and set(got) == set("abcdefghijkl") and last.compiling.workers == 0
+    assert len(first_pids) == 2 and not last_pids & first_pids  # the hung ones' processes replaced
+    assert not any(process.is_alive() for process in processes)
+
+
 SWEEP = textwrap.dedent("""
     import sys
     from fake_variants import FakeVariant
-    from datamove.harness.bench import Sweep
+    from datamove.harness.bench import Sweep, WorkerPools
     from datamove.harness.tuning_db import TuningDB
     variants = [FakeVariant(f"v{i}", sys.argv[2], compile="ok" if i % 3 == 0 else None, build="pause") for i in range(12)]
     Sweep(TuningDB(sys.argv[1]), variants, processes=2, compile_workers=1, progress=False).run()

@@ -14,8 +14,10 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
+import itertools
 import math
 import os
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
@@ -256,13 +258,20 @@ def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = N
                   "n_reps": times.n, "cuda_graph": times.cuda_graph}
 
 
-def _measuring(variants: list, measured: bool, timing: dict):
-    """Setup of a measuring process (``harness.workers.Pool``): the handler of tasks ``(index, limit)``,
-    which measures ``variants[index]`` (``measure``) and lets it go.  A failure that left the CUDA
-    context unusable retires the process (a fresh one takes its place)."""
+def _measuring(measured: bool):
+    """Setup of a measuring process (``harness.workers.Pool``): the handler of tasks ``(sweep,
+    variants, index, limit)``, which measures the sweep's ``variants[index]`` (``measure``) and lets
+    it go.  ``variants``: the sweep's variants and timing settings, pickled, sent with the first task
+    of each sweep the process takes (None afterwards; the previous sweep's are dropped then).  A
+    failure that left the CUDA context unusable retires the process (a fresh one takes its place)."""
+    held = {}
 
     def handle(task: tuple) -> tuple[str, dict]:
-        index, limit = task
+        sweep, blob, index, limit = task
+        if blob is not None:
+            held.clear()
+            held[sweep] = pickle.loads(blob)
+        variants, timing = held[sweep]
         variant, variants[index] = variants[index], None
         status, fields = measure(variant, measured=measured, timing=timing, limit=limit)
         if status == "failed" and not _cuda_context_alive(measured):
@@ -340,6 +349,43 @@ class SweepReport:
         return text
 
 
+class WorkerPools:
+    """The compile workers and measuring processes of a series of sweeps (a job's tuning: ``Sweep(pools=)``),
+    each pool started on first use and kept from one sweep to the next, so that a sweep does not
+    wait for processes to start, import and make a CUDA context (seconds each, the most of a short
+    sweep): ``compile_workers`` and ``processes`` of them, worker ``i`` with ``env(i)`` in its
+    environment; ``close()`` ends them.  A sweep that stops with tasks in flight abandons them
+    (``harness.workers.Pool.abandon``)."""
+
+    def __init__(self, compile_workers: int, processes: int, measured: bool, env):
+        self.compile_workers, self.processes, self.measured, self.env = compile_workers, processes, measured, env
+        self.compiler: Pool | None = None
+        self.measurers: Pool | None = None
+        self.sweeps = itertools.count()  # each sweep's number, telling a measuring process to load its variants
+
+    def compiling(self) -> Pool:
+        if self.compiler is None:
+            self.compiler = Pool("compile", self.compile_workers, _compiling, env=self.env)
+        return self.compiler
+
+    def measuring(self) -> Pool:
+        if self.measurers is None:
+            self.measurers = Pool("measure", self.processes, _measuring, (self.measured,), env=self.env)
+        return self.measurers
+
+    def settle(self) -> None:
+        """Drop the tasks still running (a stopped sweep's), keeping the pools."""
+        for pool in (self.compiler, self.measurers):
+            if pool is not None:
+                pool.abandon()
+
+    def close(self) -> None:
+        for pool in (self.compiler, self.measurers):
+            if pool is not None:
+                pool.close()
+        self.compiler = self.measurers = None
+
+
 class Sweep:
     """Build, check and time ``variants`` into ``db``, skipping those already recorded.
 
@@ -371,13 +417,15 @@ class Sweep:
       current variant); the unfinished variants are left for the next run (``stopped``).  Ctrl-C:
       the same, then the interrupt is re-raised.
     - Progress (``progress``): variants done / total, counts by status, the budget left.
+    - Worker processes: ``pools`` (``WorkerPools``) kept by the caller over several sweeps, or (None)
+      the sweep's own, as many as it has tasks for up to ``compile_workers`` / ``processes``, ended with it.
     """
 
     def __init__(self, db: TuningDB, variants: list, *, budget_s: float | None = None, warmup_ms: float = 25.0,
                  rep_ms: float = 100.0, flush_l2: bool = True, cuda_graph: bool | None = None,
                  progress: bool = True, console=None, compile_workers: int = 0, processes: int | None = None,
                  compile_timeout_s: float = 120.0, variant_timeout_s: float = 120.0,
-                 slow_factor: float = SLOW_FACTOR, retry_failed: bool = False):
+                 slow_factor: float = SLOW_FACTOR, retry_failed: bool = False, pools: WorkerPools | None = None):
         from rich.console import Console
 
         from datamove.kernels.interpreter import interpreted
@@ -389,7 +437,7 @@ class Sweep:
         self.progress = progress
         self.compile_workers = compile_workers
         self.compile_timeout_s, self.variant_timeout_s = compile_timeout_s, variant_timeout_s
-        self.slow_factor, self.retry_failed = slow_factor, retry_failed
+        self.slow_factor, self.retry_failed, self.pools = slow_factor, retry_failed, pools
         self.console = console or Console(stderr=True)
         facts = query_device()
         interpreting = interpreted()
@@ -492,16 +540,25 @@ class Sweep:
         to_compile = collections.deque(tasks)
         ready = [n for n in range(len(pending)) if n not in tasks]  # ascending: a heap
         left = len(pending)
-        compiler = measurers = None
+        pools = self.pools or WorkerPools(min(self.compile_workers, len(tasks)), min(self.processes, len(pending)),
+                                          self.measured, self._env)
+        sweep, blob = next(pools.sweeps), None
+        compiler = pools.compiling() if tasks else None
+        measurers = pools.measuring() if self.processes and pending else None
+        report.compiling.workers = len(compiler.workers) if compiler is not None else 0
+        report.measuring.workers = len(measurers.workers) if measurers is not None else 0
+
+        def measuring(state: dict, n: int) -> tuple:
+            """Task ``n`` for a measuring process, with this sweep's variants where it lacks them."""
+            nonlocal blob
+            fresh = state.get("sweep") != sweep
+            if fresh and blob is None:
+                blob = pickle.dumps(([v for _, v in pending], self.timing))
+            state["sweep"] = sweep
+            return sweep, blob if fresh else None, n, self._run_limit(pending[n][0])
+
         try:
-            if tasks:
-                report.compiling.workers = min(self.compile_workers, len(tasks))
-                compiler = Pool("compile", report.compiling.workers, _compiling, env=self._env)
-            if self.processes and pending:
-                report.measuring.workers = min(self.processes, len(pending))
-                measurers = Pool("measure", report.measuring.workers, _measuring,
-                                 ([v for _, v in pending], self.measured, self.timing), env=self._env)
-            pools = [p for p in (compiler, measurers) if p is not None]
+            pools_used = [p for p in (compiler, measurers) if p is not None]
             while left:
                 if self.budget_s is not None and time.monotonic() - started > self.budget_s:
                     return f"time budget of {self.budget_s:g} s used"
@@ -509,7 +566,7 @@ class Sweep:
                     if compiler.submit(to_compile[0], tasks[to_compile[0]], self.compile_timeout_s):
                         to_compile.popleft()
                 while ready and measurers is not None and measurers.idle():
-                    if measurers.submit(ready[0], (ready[0], self._run_limit(pending[ready[0]][0])), self.variant_timeout_s):
+                    if measurers.submit(ready[0], functools.partial(measuring, n=ready[0]), self.variant_timeout_s):
                         show(pending[heapq.heappop(ready)][1])
                 if ready and measurers is None:
                     key, variant = pending[heapq.heappop(ready)]
@@ -523,7 +580,7 @@ class Sweep:
                     left -= 1
                     if status == "failed" and not _cuda_context_alive(self.measured):
                         return "CUDA context lost; rerun in a new process to continue"
-                wait(pools, 0 if ready and measurers is None else TICK_S)
+                wait(pools_used, 0 if ready and measurers is None else TICK_S)
                 for event in compiler.collect() if compiler is not None else []:
                     report.compiling.add(event.seconds)
                     if event.kind == "done":
@@ -544,9 +601,10 @@ class Sweep:
         except WorkerStartError as exc:
             return str(exc)
         finally:
-            for pool in (compiler, measurers):
-                if pool is not None:
-                    pool.close()
+            if self.pools is None:
+                pools.close()
+            else:
+                pools.settle()
 
     @staticmethod
     def _measured(report: SweepReport, started: float) -> None:

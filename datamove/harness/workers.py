@@ -152,6 +152,7 @@ class _Worker:
         self.unready_reason: str | None = None
         self.task = None  # (id, handed out at, time limit or None)
         self.note: str | None = None
+        self.state: dict = {}  # the parent's notes on what this process holds (``Pool.submit``'s payload)
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -184,8 +185,12 @@ class Pool:
     def submit(self, task, payload, timeout_s: float | None = None) -> bool:
         """Hand ``(task, payload)`` to a free ready worker (``idle()`` must be True); the task ends
         as an ``Event`` of ``collect()``, at the latest ``timeout_s`` seconds from now.  False: that
-        worker had died meanwhile (nothing handed out; it is replaced at the next ``collect``)."""
+        worker had died meanwhile (nothing handed out; it is replaced at the next ``collect``).
+        A callable ``payload`` is called with the chosen worker's ``state`` (a dict the parent keeps
+        per process, empty for a new one: what it was sent before) and what it returns is sent."""
         worker = next(w for w in self.workers if self._free(w))
+        if callable(payload):
+            payload = payload(worker.state)
         try:
             worker.connection.send((task, payload))
         except OSError:
@@ -257,6 +262,14 @@ class Pool:
         if self.failed_starts >= START_FAILURES:
             raise WorkerStartError(f"{self.failed_starts} {self.name} processes in a row could not start; "
                                    f"the last: {reason}")
+
+    def abandon(self) -> None:
+        """Kill the workers that are on a task and start others in their place: the tasks are
+        dropped, with no event (a sweep stopped by its budget leaves the pool to the next)."""
+        for index, worker in enumerate(self.workers):
+            if worker.task is not None:
+                worker.kill()
+                self.workers[index] = _Worker(self, index)
 
     def close(self) -> None:
         """Kill every worker (tasks still running are dropped)."""
