@@ -13,6 +13,7 @@ from pathlib import Path
 from datamove.dataflow.spec import SpecError, parse_assignments
 from datamove.dtypes import BF16, FP16, parse as parse_dtype
 from datamove.harness.tuning_db import TuningDBError
+from datamove.layouts.plan import PlanNotRunnable
 from datamove.output import OutputError, check_default_parent, check_out
 
 DTYPE_CHOICES = (BF16, FP16)  # what --dtype offers, by short name (float32: the CPU checks', not tuned)
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                                   out=args.out, budget_s=args.budget_s, db=args.db,
                                   cost_model_device=args.cost_model_device, gpus=args.gpus,
                                   retry_failed=args.retry_failed, exhaustive=args.exhaustive))
-    except (SpecError, TuningDBError, UsageError, OutputError) as err:
+    except (SpecError, TuningDBError, UsageError, OutputError, PlanNotRunnable) as err:
         print(f"optimize-layer: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,6 +17,10 @@ without re-tuning:
   dims) with its kernel sources in ``kernels/<shape>/``; the manifest's ``shapes`` lists them
   ({"dims": the call dims' sizes, "plan": file}), the first shape first.
 
+Before anything is written, each plan's program is built and run forward and backward dry
+(``datamove.runtime.runnable.check_runnable``): a plan that cannot run is refused
+(``layouts.plan.PlanNotRunnable``, naming the step), a bug of the selection.
+
 ``load_layer(out_dir)`` returns a ``datamove.runtime.module.TunedLayer``.  Loading checks the manifest
 against this machine: an artifact whose times were measured on another GPU model, or a dtype or
 device the caller asks for that differs, is refused, naming both, unless ``allow_mismatch=True``
@@ -49,6 +53,7 @@ from datamove.layouts.space import Configuration, generated_operators
 from datamove.layouts.step_config import GradientEpilogueConfig
 from datamove.runtime.layer import tensor_interface
 from datamove.runtime.module import TunedLayer
+from datamove.runtime.runnable import check_runnable
 from datamove.runtime.shapes import call_dims, check_plans, file_stem
 from datamove.runtime.weights import from_spec, to_spec
 
@@ -91,13 +96,15 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
     """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
     ``options``: the spec options it was built with (``--set``), recorded in the manifest;
     ``plan``: the plan at ``graph``'s dims, ``other_plans``: those of the other tuned shapes
-    (checked: ``datamove.runtime.shapes.check_plans``); ``inputs``: the spec's ``INPUTS`` (None:
-    ``dataflow.layer_inputs``' default rule), written as the layer's data inputs (checked with
-    ``torch_order`` against the graph)."""
+    (checked: ``datamove.runtime.shapes.check_plans``; and, before anything is written, that each
+    one's program runs forward and backward: ``datamove.runtime.runnable.check_runnable``, else
+    ``PlanNotRunnable``); ``inputs``: the spec's ``INPUTS`` (None: ``dataflow.layer_inputs``' default
+    rule), written as the layer's data inputs (checked with ``torch_order`` against the graph)."""
     out = Path(out_dir)
     plans = [plan, *other_plans]
     interface = tensor_interface(graph, torch_order, inputs)
     check_plans(plans, graph, interface)
+    check_runnable(plans, graph, operators, interface)
     dims = call_dims(graph, interface)
     shapes = []
     for n, each in enumerate(plans):

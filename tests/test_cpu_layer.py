@@ -19,7 +19,7 @@ import torch
 
 from datamove.cli import main
 from datamove.export import load_layer
-from plans import selected_plan, spec_order_plan
+from plans import selected_plan, spec_module, spec_order_plan
 from test_export import BERT_DIMS, GPT2_DIMS, check_against_executor, load, randomize, write
 
 ROOT = Path(__file__).parent.parent
@@ -131,9 +131,19 @@ def test_constants_are_refused_until_set_and_norm_weights_start_at_one(tmp_path)
 
 
 def test_gpt2_causal_mask_is_set_whatever_runs_it(tmp_path):
-    """GPT-2's additive ``causal`` constant is a causal mask by structure: set on load, fused or not."""
-    for plan_for in (spec_order_plan, selected_plan):
-        layer = load(write(tmp_path / plan_for.__name__, "gpt2", GPT2_DIMS, plan_for), backend="torch")
-        T = GPT2_DIMS["T"]
+    """GPT-2's additive ``causal`` constant is a causal mask by structure: set on load, fused or not
+    (unfused: the spec-order plan, built as a layer of the torch backend; no artifact of it is
+    written, as its kernels could not run: its Q/K/V GEMM would write bhse, b and s apart)."""
+    from datamove.dataflow.snapshot import stored_fused
+    from datamove.runtime.layer import tensor_interface
+    from datamove.runtime.module import TunedLayer
+
+    fused = stored_fused()["gpt2"].with_dims(GPT2_DIMS)
+    interface = tensor_interface(fused.graph, getattr(spec_module("gpt2"), "TORCH_ORDER", {}))
+    unfused = TunedLayer(spec_order_plan(fused, "gpt2"), fused.graph, fused.operators, interface, torch.float32, "cpu",
+                         backend="torch")
+    fused_attention = load(write(tmp_path, "gpt2", GPT2_DIMS, selected_plan), backend="torch")
+    T = GPT2_DIMS["T"]
+    for layer in (unfused, fused_attention):
         assert torch.equal(layer.spec_view("causal"), torch.triu(torch.full((T, T), -1e4), diagonal=1))
 

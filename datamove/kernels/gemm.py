@@ -67,7 +67,7 @@ from datamove.dataflow.dropout_mask import DECISION_GROUP
 from datamove.kernels.interpreter import interpreted, round_bf16
 from datamove.kernels import philox
 from datamove.kernels.device import source_id
-from datamove.kernels.launch import ceil_div
+from datamove.kernels.launch import ceil_div, through_jit
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -683,7 +683,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
     if sums is not None:  # one row per (batch, tile along the summed dim[, epilogue slice]): _tile_epilogue
         rows = batches * (ceil_div(shape.n, config.block_n) * split if sums_along == "m" else ceil_div(shape.m, config.block_m))
         partial = torch.empty((rows, shape.m if sums_along == "m" else shape.n), dtype=torch.float32, device=c.device)
-    _gemm_kernel[grid](
+    through_jit(_gemm_kernel, grid)(
         a_src, b_src, c, c_desc, c if bias is None else bias, c if saved is None else saved,
         c if factor is None else factor, factor_desc, partial,
         shape.b1, batches, shape.m, shape.n, shape.k,
@@ -705,7 +705,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
     )
     if sums is not None:
         columns = partial.shape[1]
-        _sum_partials_kernel[(ceil_div(columns, SUM_PARTIAL_COLUMNS),)](
+        through_jit(_sum_partials_kernel, (ceil_div(columns, SUM_PARTIAL_COLUMNS),))(
             partial, sums, partial.shape[0], columns, sums_stride, ROUND_BF16=interpreted() and sums.dtype == torch.bfloat16,
             BLOCK_COLUMNS=SUM_PARTIAL_COLUMNS, BLOCK_ROWS=SUM_PARTIAL_ROWS)
     return c

@@ -40,7 +40,7 @@ from datamove.kernels.device import source_id
 from datamove.kernels.gemm import (DTYPES, GemmConfig, GemmShape, _main_loop, _operand_sources, _programs,
                                    _slice_descriptor, _tile_coords, fitted, pair_fits, valid_configs)
 from datamove.kernels.interpreter import interpreted, round_bf16
-from datamove.kernels.launch import ceil_div
+from datamove.kernels.launch import ceil_div, through_jit
 
 # the source a timing of a join epilogue's GEMM holds for (``kernels.gemm.TEMPLATE_ID``, with this module)
 JOIN_TEMPLATE_ID = source_id(template.__file__, template.philox.__file__, __file__)
@@ -140,7 +140,7 @@ def gemm_join(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, shape: G
     tiles, batches = ceil_div(shape.m, config.block_m) * ceil_div(shape.n, config.block_n), shape.b0 * shape.b1
     grid = (min(tiles * batches, _programs(a.device)), 1) if config.persistent else (tiles, batches)
     placeholder = a  # for a pointer that is never read or written
-    _join_kernel[grid](
+    through_jit(_join_kernel, grid)(
         a_src, b_src, b1_src, placeholder if c is None else c, placeholder if c_desc is None else c_desc,
         placeholder if join.acc1 is None else join.acc1, tuple(join.loads), tuple(join.stores),
         shape.b1, batches, shape.m, shape.n, shape.k, *a_strides, *b_strides,

@@ -15,9 +15,16 @@ kernel, grid and keyword arguments, for callers that launch a kernel as ``kernel
 ``recording()`` collects the launches made inside it (each one's ``DirectLaunch``, compiled kernel,
 device and arguments), for a caller that repeats them later with new tensors through
 ``DirectLaunch.fire`` and skips everything else (``datamove.kernels.replay``).
+
+``dry_launches()`` launches nothing: every launch made inside it through this module (a
+``DirectLaunch``, ``launch``, or ``through_jit``, which the GEMM templates launch by) has its
+arguments bound to the kernel's parameters and its grid held to CUDA's limits, and is listed; so a
+plan's program runs its host side whole, on tensors of the meta device, without a GPU
+(``datamove.runtime.runnable``).
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -65,6 +72,9 @@ class DirectLaunch:
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, args: list) -> None:
+        if _DRY is not None:
+            _DRY.check(self.kernel, self.grid, args, self.kwargs)
+            return
         device = torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1  # the JIT compiles per current device
         key = (device, _key(args if self.varying is None else [args[i] for i in self.varying]))
         compiled = self.compiled.get(key)
@@ -120,6 +130,57 @@ def recording():
         yield result
     finally:
         _RECORDING = None
+
+
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's largest grid, (x, y, z) programs
+
+
+class DryLaunches:
+    """The launches made inside ``dry_launches``: ``launches`` [(kernel name, (x, y, z) grid)], each
+    checked by ``check`` and not launched."""
+
+    def __init__(self):
+        self.launches: list[tuple[str, tuple[int, int, int]]] = []
+
+    def check(self, kernel, grid: tuple, args: list, kwargs: dict) -> None:
+        """Refuse a launch of ``kernel`` on ``grid`` whose grid is not whole numbers within
+        ``GRID_LIMITS`` (``ValueError``) or whose ``args`` and ``kwargs`` (less launch options such as
+        ``num_warps``) do not bind to its parameters (``TypeError``), both naming the kernel."""
+        name = kernel.fn.__name__
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        if not all(isinstance(n, int) and 0 <= n <= limit for n, limit in zip(grid, GRID_LIMITS)):
+            raise ValueError(f"kernel {name}: grid {grid} is outside CUDA's limits {GRID_LIMITS}")
+        parameters = set(kernel.arg_names)
+        try:
+            inspect.signature(kernel.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in parameters})
+        except TypeError as err:
+            raise TypeError(f"kernel {name}: its arguments do not fit its parameters ({err})") from None
+        self.launches.append((name, grid))
+
+
+_DRY: DryLaunches | None = None
+
+
+@contextmanager
+def dry_launches():
+    """``with dry_launches() as dry``: no kernel is launched inside; each launch is checked and
+    listed in ``dry.launches`` instead (``DryLaunches``; not nested)."""
+    global _DRY
+    if _DRY is not None:
+        raise RuntimeError("launches are dry already")
+    _DRY = result = DryLaunches()
+    try:
+        yield result
+    finally:
+        _DRY = None
+
+
+def through_jit(kernel, grid: tuple):
+    """``kernel[grid]``: called with the kernel's arguments, it launches through Triton's JIT (which
+    binds and specialises them on every call); inside ``dry_launches`` it checks them instead."""
+    if _DRY is None:
+        return kernel[grid]
+    return lambda *args, **kwargs: _DRY.check(kernel, grid, list(args), kwargs)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -63,13 +63,15 @@ class Buffers:
 
     ``groups``: lists of store names stored as one buffer (stack order = list order): tensors, or
     the copies layout changes make of them (``copy_name``: the members a stacked GEMM reads are
-    those copies where it reads every one of them in another layout); every member has the same
-    letters and layout."""
+    those copies where it reads every one of them in another layout); every member is stored in the
+    same layout, the same order of its own letters (checked: a member asked for in another one is
+    refused, as the buffer could not hold it so)."""
 
     def __init__(self, graph, groups: list[list[str]], dtype: torch.dtype, device):
         self.graph, self.dtype, self.device = graph, dtype, device
         self.group_of = {t: group for group in groups for t in group}
         self._strided: dict[tuple, tuple] = {}  # (tensor, layout) -> how it is allocated (``allocate``), found once
+        self._arranged: dict[str, tuple] = {}  # a group's first member -> (member, layout, order) first asked for
 
     def allocate(self, store: dict, tensor: str, layout: str) -> torch.Tensor:
         """``tensor`` (a store name: its slice of its group's buffer, allocated on first use) in ``layout``."""
@@ -80,20 +82,30 @@ class Buffers:
                 meta = allocate(self.graph, copied_tensor(tensor), layout, self.dtype, "meta")
                 strided = self._strided[(tensor, layout)] = (meta.shape, meta.stride())
             return torch.empty_strided(*strided, dtype=self.dtype, device=self.device)
+        stacked = self._strided.get((tensor, layout))
+        if stacked is None:
+            stacked = self._strided[(tensor, layout)] = self._stacked(group, tensor, layout)
         if tensor in store:
             return store[tensor]
-        stacked = self._strided.get((tensor, layout))
-        if stacked is None:  # the buffer's shape, then each member's (shape, strides, offset) in it
-            letters = self.graph.tensors[copied_tensor(tensor)].letters
-            buffer = torch.empty([len(group), *[self.graph.size(letter) for letter in layout]], device="meta")
-            member = buffer[0].permute([layout.index(letter) for letter in letters])
-            stacked = self._strided[(tensor, layout)] = (
-                buffer.shape, [(member.shape, member.stride(), n * buffer.stride(0)) for n in range(len(group))])
         shape, members = stacked
         buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
         for member, strided in zip(group, members):  # one view each (an index then a permute were two)
             store.setdefault(member, buffer.as_strided(*strided))
         return store[tensor]
+
+    def _stacked(self, group: list[str], tensor: str, layout: str) -> tuple:
+        """(the shape of ``group``'s buffer, each member's (shape, strides, offset) in it) for
+        ``tensor`` in ``layout``; ``ValueError`` where an earlier member was asked for in another
+        order of its letters."""
+        letters = self.graph.tensors[copied_tensor(tensor)].letters
+        order = tuple(letters.index(letter) for letter in layout)
+        first, first_layout, first_order = self._arranged.setdefault(group[0], (tensor, layout, order))
+        if order != first_order:
+            raise ValueError(f"{tensor} is written in layout {layout}, but its stack group {group} is one buffer "
+                             f"laid out as {first} in {first_layout}: every member must be in the same order of its letters")
+        buffer = torch.empty([len(group), *[self.graph.size(letter) for letter in layout]], device="meta")
+        member = buffer[0].permute([layout.index(letter) for letter in letters])
+        return buffer.shape, [(member.shape, member.stride(), n * buffer.stride(0)) for n in range(len(group))]
 
 
 def read_key(step: Step, store: dict, tensor: str) -> str:

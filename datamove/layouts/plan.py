@@ -31,6 +31,19 @@ KINDS = tuple(CONFIGS)
 MEASURED, PREDICTED = "measured", "predicted"
 
 
+class PlanNotRunnable(Exception):
+    """A plan whose program cannot be built or run forward and backward, found before its artifact
+    is written (``datamove.runtime.runnable.check_runnable``): a bug of the selection, whose
+    constraints should have kept it runnable.  ``shape``: its call dims, described; ``step``: the
+    step that failed (None where no one step did); ``reason``: the error, one line."""
+
+    def __init__(self, shape: str, step: str | None, reason: str):
+        self.shape, self.step, self.reason = shape, step, reason
+        where = f"step {step}" if step else "its program"
+        super().__init__(f"the plan at {shape} cannot run: {where}: {reason}: "
+                         "this is a bug in datamove's selection: please report it; no artifact was written")
+
+
 @dataclass(frozen=True)
 class Step:
     """One kernel launch of the plan.

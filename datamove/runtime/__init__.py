@@ -19,7 +19,10 @@ the ``Launcher`` base, the replay of recorded launches) lies below the families,
 - ``module``: ``TunedLayer``, the ``torch.nn.Module``, and the custom ops ``datamove::layer_forward``
   and ``datamove::layer_backward`` that run a program under autograd and ``torch.compile``.
 - ``weights``: a PyTorch module's state dict <-> the layer's parameters, by the spec's ``WEIGHTS``.
+- ``runnable``: ``check_runnable``, each plan's programs built and run forward and backward dry on
+  the meta device, no kernel launched: what ``datamove.export.write_artifact`` checks before writing.
 
 Import order inside: ``steps`` <- ``layer`` <- ``graphs`` <- ``module``; ``module`` also imports
-``shapes`` and ``torch_program``; ``weights`` imports nothing of ``datamove``.
+``shapes`` and ``torch_program``; ``runnable`` imports ``steps``, ``layer`` and ``shapes``;
+``weights`` imports nothing of ``datamove``.
 """

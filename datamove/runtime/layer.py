@@ -32,7 +32,7 @@ from datamove.kernels.launch import hooked
 from datamove.kernels.launcher import stored_alike
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
 from datamove.layouts.space import generated_operators
-from datamove.runtime.steps import Buffers, Run, build_launcher, copy_name, stack_groups
+from datamove.runtime.steps import Buffers, Run, build_launcher, copy_name, name_step, stack_groups
 
 SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
 
@@ -86,6 +86,15 @@ def tensor_interface(graph, torch_order: dict[str, str] | None = None,
     return TensorInterface(activations, parameters, constants, outputs, grad_outputs, input_grads, order)
 
 
+def held_tensors(plan: Plan, graph, names, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """{name -> tensor} of the parameters and constants ``names`` as a ``TunedLayer`` holds them
+    (uninitialised): each over its spec letters, stored densely in ``plan.layouts``, the members of
+    a stack group (``stack_groups``, e.g. Q/K/V's weights) as slices of one buffer (``Buffers``)."""
+    store: dict = {}
+    buffers = Buffers(graph, stack_groups(plan.steps), dtype, device)
+    return {t: buffers.allocate(store, t, plan.layouts[t]) for t in names}
+
+
 def without_dropout(graph: PrimitiveGraph) -> PrimitiveGraph:
     """The graph with every dropout probability 0 (evaluation mode: masks of ones)."""
     tensors = {t: replace(info, p=0.0) if info.role == "dropout" else info for t, info in graph.tensors.items()}
@@ -99,11 +108,20 @@ class LayerProgram:
         self.plan, self.graph, self.interface, self.dtype, self.device = plan, graph, interface, dtype, torch.device(device)
         ops = generated_operators(graph, operators)
         self.buffers = Buffers(graph, stack_groups(plan.steps), dtype, self.device)
-        self.saves_mask = any(s.kind == ATTENTION_BACKWARD and s.config.knobs.get("dropout_mask") == "saved"
-                              for s in plan.steps)
-        launchers = [(s.phase, build_launcher(s, graph, ops, self.buffers, self.saves_mask)) for s in plan.steps]
+        reads_saved = any(s.kind == ATTENTION_BACKWARD and s.config.knobs.get("dropout_mask") == "saved"
+                          for s in plan.steps)
+        launchers = []
+        for step in plan.steps:
+            try:
+                launchers.append((step.phase, build_launcher(step, graph, ops, self.buffers, reads_saved)))
+            except Exception as err:
+                name_step(err, step)
+                raise
         self.forward_steps = [launcher for phase, launcher in launchers if phase == "forward"]
         self.backward_steps = [launcher for phase, launcher in launchers if phase == "backward"]
+        # whether the attention forward saves its dropout mask for the backward (where it has one to save)
+        self.saves_mask = any(launcher.saves_mask for launcher in self.forward_steps
+                              if launcher.step.kind == ATTENTION_FORWARD)
         self.backward_writes = {t: layout for launcher in self.backward_steps for t, layout in launcher.step.writes.items()}
         self.layouts = plan.layouts
         self.name = ""  # the custom ops' name for it: set by datamove.runtime.module.register
@@ -242,14 +260,12 @@ class LayerProgram:
         """Run the forward steps on ``store`` (activations, parameters, constants as spec-order
         views); returns the store with every tensor they wrote."""
         self._allow_replays("forward", store, run)
-        for launcher in self.forward_steps:
-            launcher(store, run)
+        _launch(self.forward_steps, store, run)
         return store
 
     def backward(self, store: dict, run: Run) -> dict:
         self._allow_replays("backward", store, run)
-        for launcher in self.backward_steps:
-            launcher(store, run)
+        _launch(self.backward_steps, store, run)
         return store
 
     def _allow_replays(self, phase: str, store: dict, run: Run) -> None:
@@ -300,6 +316,16 @@ class LayerProgram:
         self.backward(store, run)
         return [self.to_torch(t, self.leaving_value(store, face.input_grads[t])) if t in face.activations
                 else self.leaving_value(store, face.input_grads[t]) for t in face.activations + face.parameters]
+
+
+def _launch(launchers: list, store: dict, run: Run) -> None:
+    """Each launcher on ``store`` in turn; an error names the step it was raised in (``name_step``)."""
+    for launcher in launchers:
+        try:
+            launcher(store, run)
+        except Exception as err:
+            name_step(err, launcher.step)
+            raise
 
 
 @dataclass(frozen=True)

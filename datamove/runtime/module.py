@@ -34,9 +34,9 @@ from datamove.families.attention import check_causal_constant
 from datamove.kernels.interpreter import interpreted
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 from datamove.runtime.graphs import LayerGraphs
-from datamove.runtime.layer import SEED_RANGE, LayerProgram, TensorInterface, check, without_dropout
+from datamove.runtime.layer import SEED_RANGE, LayerProgram, TensorInterface, check, held_tensors, without_dropout
 from datamove.runtime.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
-from datamove.runtime.steps import Buffers, Run, stack_groups
+from datamove.runtime.steps import Run
 from datamove.runtime.torch_program import TorchProgram
 
 KERNELS, TORCH = "kernels", "torch"  # what runs a layer's plan: its kernels, or its computation in PyTorch operations
@@ -241,13 +241,13 @@ class TunedLayer(torch.nn.Module):
     def _allocate_parameters(self) -> None:
         """Parameters and constants, each a contiguous tensor over its letters in the plan's layout
         (stacked groups as slices of one storage), initialised; ``spec_view`` gives the spec's order."""
-        store: dict = {}
-        buffers = Buffers(self.graph, stack_groups(self.plan.steps), self.dtype, self.device_)
+        names = self.interface.parameters + self.interface.constants
+        held = held_tensors(self.plan, self.graph, names, self.dtype, self.device_)
         self._spec_axes: dict[str, tuple[int, ...]] = {}  # stored (layout order) -> spec letter order
         self._views: dict[str, tuple] = {}  # name -> (what it was made of, its spec-order view): ``_spec_tensors``
-        for t in self.interface.parameters + self.interface.constants:
+        for t in names:
             layout, letters = self.plan.layouts[t], self.graph.tensors[t].letters
-            stored = buffers.allocate(store, t, layout).permute([letters.index(x) for x in layout])
+            stored = held[t].permute([letters.index(x) for x in layout])
             self._spec_axes[t] = tuple(layout.index(x) for x in letters)
             if t in self.interface.parameters:
                 self.register_parameter(t, torch.nn.Parameter(stored))

@@ -306,33 +306,47 @@ def stack_groups(steps: list[Step]) -> list[list[str]]:
         layout = step.reads.get(member)
         return copy_name(member, layout) if (member, layout) in changed else member
 
-    links = [[[stored(step, t) for t in m] for m in step.config.operands.values() if len(m) > 1] for step in steps
-             if isinstance(step.config, ContractionConfig)]
-    pairs: dict[frozenset, list[tuple[list[str], list[str]]]] = {}  # members -> (as listed, a list paired with it)
-    for lists in links:
+    links = [(step, [[stored(step, t) for t in m] for m in step.config.operands.values() if len(m) > 1])
+             for step in steps if isinstance(step.config, ContractionConfig)]
+    pairs: dict[frozenset, list[tuple[list[str], list[str], Step]]] = {}  # members -> (as listed, a list paired
+    # with it, the step pairing them)
+    for step, lists in links:
         for members in lists:
-            pairs.setdefault(frozenset(members), []).extend((members, other) for other in lists if other is not members)
+            pairs.setdefault(frozenset(members), []).extend((members, other, step) for other in lists if other is not members)
     groups: list[list[str]] = []
 
     def group_of(members):
         return next((g for g in groups if set(g) == set(members)), None)
 
-    for members in (m for lists in links for m in lists):
+    def check_apart(members, step):
+        overlapped = next((g for g in groups if set(members) & set(g)), None)
+        if overlapped is not None:
+            err = ValueError(f"stacked operand {members} overlaps another stack group {overlapped}")
+            name_step(err, step)
+            raise err
+
+    for step, members in ((step, m) for step, lists in links for m in lists):
         if group_of(members) is not None:
             continue
-        if any(set(members) & set(g) for g in groups):
-            raise ValueError(f"stacked operand {members} overlaps another stack group")
+        check_apart(members, step)
         groups.append(list(members))
         reached = [members]
         while reached:
             order = group_of(reached.pop())
-            for listed, other in pairs[frozenset(order)]:
+            for listed, other, pairing in pairs[frozenset(order)]:
                 if group_of(other) is None:
-                    if any(set(other) & set(g) for g in groups):
-                        raise ValueError(f"stacked operand {other} overlaps another stack group")
+                    check_apart(other, pairing)
                     groups.append([other[listed.index(m)] for m in order])
                     reached.append(other)
     return groups
+
+
+def name_step(err: Exception, step: Step) -> None:
+    """Name ``step`` on ``err``, raised while its launcher was built or run, or its stacked operand
+    grouped (``stack_groups``): ``err.plan_step`` holds its name, for a caller that reports it
+    (``datamove.runtime.runnable``), and a note says it to the reader of the traceback."""
+    err.plan_step = step.name
+    err.add_note(f"(in the plan's step {step.name}: {step.kind}, {step.phase})")
 
 
 def build_launcher(step: Step, graph, ops: dict, buffers: Buffers, saves_mask: bool = False):

@@ -16,7 +16,8 @@ import torch
 
 from datamove.dataflow.executor import dropout_offsets
 from datamove.dataflow.initial_values import MASKED_SCORE
-from datamove.kernels.attention import attention_backward, attention_forward, dropout_strides_for, new_saved_mask
+from datamove.kernels.attention import (attention_backward, attention_forward, dropout_grouped, dropout_strides_for,
+                                        new_saved_mask)
 from datamove.kernels.attention.library import cudnn_backward, cudnn_forward
 from datamove.kernels.codegen import allocate
 from datamove.kernels.launcher import Buffers, Launcher, Run, read, stored_alike
@@ -113,9 +114,14 @@ class _AttentionLauncher(Launcher):
 
 
 class AttentionForwardLauncher(_AttentionLauncher):
+    """``saves_mask``: the plan's backward reads the dropout mask this forward saves (knob
+    ``dropout_mask`` "saved"); held only where the forward has one to save (``new_saved_mask``: a
+    dropout whose layout the kernels draw sixteen keys a call), as elsewhere (evaluation mode, a
+    shape whose rows do not start whole groups of counters) the backward draws the mask again."""
+
     def __init__(self, step: Step, graph, buffers: Buffers, saves_mask: bool):
         super().__init__(step, graph, buffers)
-        self.saves_mask = saves_mask
+        self.saves_mask = saves_mask and self.dropout_p > 0 and dropout_grouped(self.dropout_strides, self.offset)
 
     def launch(self, store: dict, run: Run) -> None:
         r = self.roles
