@@ -310,11 +310,15 @@ def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_
     monkeypatch.setattr(device, "query_device", lambda index=0: facts)
     monkeypatch.setattr(interpreter, "interpreted", lambda: False)
     monkeypatch.setattr(bench, "measure_ceilings", lambda db: Ceilings(facts.name, 3e12, 8e14, {}, {}, 0.0))
-    tuned, queries = [], []
+    tuned, queries, tuners = [], [], []
 
     class Tuner:
         def __init__(self, db, **options):
-            self.gpus, self.report = 1, tuning.TuningReport()
+            self.gpus, self.report, self.closed = 1, tuning.TuningReport(), False
+            tuners.append(self)
+
+        def close(self):
+            self.closed = True
 
     def tune(tuner, fused, spaces, *, spec, dtype, attention, exhaustive):
         assert exhaustive is False  # the job's default
@@ -333,6 +337,7 @@ def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_
     out = tmp_path / "bert"
     assert main(["configs/bert.py", "--dims", dims + ",L=64|32", "--out", str(out), "--db", str(tmp_path / "t.db")]) == 0
     assert [(d["L"], dtype) for d, dtype, _ in tuned] == [(64, torch.bfloat16), (32, torch.bfloat16)]
+    assert [t.closed for t in tuners] == [True]  # the sweeps' worker processes ended with the tuning
     assert all(n > 0 for _, _, n in tuned)  # the fused attention's setups go to each sweep
     assert len(queries) >= 4 and all(q["device"] == facts.name and q["dtype"] == "bfloat16" for q in queries)
     manifest = json.loads((out / "manifest.json").read_text())
