@@ -32,8 +32,9 @@ from benchmarks.tuning_cost import _stopped, optimize  # noqa: E402
 from datamove.harness.bench import utc_stamp, write_results  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
 
-READ_BACK = "skipped"
-COLD_CACHES = {"TRITON_CACHE_DIR": "triton-cache", "DATAMOVE_KERNEL_CACHE": "kernel-cache"}  # per run: each compiles all  # a sweep's count of variants read back from the database
+READ_BACK = "skipped"  # a sweep's count of variants read back from the database
+COLD_CACHES = {"TRITON_CACHE_DIR": "triton-cache", "DATAMOVE_KERNEL_CACHE": "kernel-cache"}  # per run: each compiles all
+PHASES = ("build", "check", "time")  # a measured variant's, as the tuning cost keeps them (harness.bench.PhaseClock)
 
 
 def measured(counts: dict) -> int:
@@ -51,7 +52,9 @@ def throughput(tuning: dict) -> dict:
     """Variants measured, seconds of the stages that measured, variants per second; per stage too,
     with its seconds to a first result and how busy it kept its measuring and compile workers."""
     stages = [{"stage": s["stage"], "measured": measured(s["counts"]), "wall_s": s["wall_s"],
-               "startup_s": s.get("startup_s"), "measure_busy": busy_share(s, "measure"), "compile_busy": busy_share(s, "compile")}
+               "startup_s": s.get("startup_s"), "measure_busy": busy_share(s, "measure"), "compile_busy": busy_share(s, "compile"),
+               "phase_ms": {phase: round(1e3 * seconds / measured(s["counts"]), 1)
+                            for phase, seconds in s.get("measure_phases_s", {}).items() if measured(s["counts"])}}
               for s in tuning["stages"]]
     busy = [s for s in stages if s["measured"]]
     variants, seconds = sum(s["measured"] for s in busy), sum(s["wall_s"] for s in busy)
@@ -120,6 +123,16 @@ def markdown(report: dict) -> str:
                 s = next((s for s in (r.get("throughput") or {}).get("stages", []) if s["stage"] == name), None)
                 cells.append("" if s is None or not s["measured"] else
                              f"{s['startup_s']} s / {_share(s['measure_busy'])} / {_share(s['compile_busy'])}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += ["", "Per stage: a measured variant's milliseconds in its measuring process, by phase: build "
+                  "(kernel loaded, inputs made) / check (against float64) / time (warm-up and timed repetitions).", "",
+                  "| stage | " + " | ".join(f"{r['gpus']} GPU(s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+        for name in names:
+            cells = []
+            for r in runs:
+                s = next((s for s in (r.get("throughput") or {}).get("stages", []) if s["stage"] == name), None)
+                ms = (s or {}).get("phase_ms") or {}
+                cells.append(" / ".join(str(ms.get(phase, "-")) for phase in PHASES) if ms else "")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

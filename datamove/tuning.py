@@ -50,8 +50,8 @@ class StageCost:
     unmeasured (``pruned``, ``pruned_why``), those the budget left (``left_keys``: their database
     keys, not measured and not in the database) and its wall time (s); where that time went: its
     sweeps' compile workers and measuring processes (``compiling`` / ``measuring``, ``PoolLoad``s
-    summed: the most workers of a sweep, busy seconds) and their seconds before a first result
-    (``startup_s``)."""
+    summed: the most workers of a sweep, busy seconds, the measuring's seconds per phase: build,
+    check, time) and their seconds before a first result (``startup_s``)."""
 
     name: str
     counts: dict = field(default_factory=dict)
@@ -69,6 +69,7 @@ class StageCost:
             mine.workers = max(mine.workers, theirs.workers)
             mine.tasks += theirs.tasks
             mine.busy_s += theirs.busy_s
+            mine.phases_add(theirs.phases)
         self.startup_s += report.first_result_s if report.first_result_s is not None else report.wall_s
 
     @property
@@ -81,7 +82,8 @@ class StageCost:
                 "startup_s": round(self.startup_s, 1),
                 **{f"{name}_{key}": round(value, 1) if key == "busy_s" else value
                    for name, load in (("compile", self.compiling), ("measure", self.measuring))
-                   for key, value in (("workers", load.workers), ("busy_s", load.busy_s))}}
+                   for key, value in (("workers", load.workers), ("busy_s", load.busy_s))},
+                "measure_phases_s": {phase: round(s, 2) for phase, s in self.measuring.phases.items()}}
 
 
 @dataclass

@@ -207,7 +207,7 @@ def test_the_tuning_scaling_table_gives_variants_per_second_per_gpu_count_and_st
     def run(gpus, seconds, stopped=None):
         stages = [{"stage": "fused operators", "counts": {"ok": 90, "too slow": 10}, "wall_s": seconds[0],
                    "startup_s": 5.0, "measure_workers": gpus, "measure_busy_s": 20.0 * gpus, "compile_workers": 8,
-                   "compile_busy_s": 20.0 * 8},
+                   "compile_busy_s": 20.0 * 8, "measure_phases_s": {"build": 5.0, "check": 10.0, "time": 15.0}},
                   {"stage": "attention", "counts": {"ok": 8, "failed": 2}, "wall_s": seconds[1]},
                   {"stage": "layout changes", "counts": {"skipped": 4}, "wall_s": 0.5}]
         tuning = {"stopped": stopped, "stages": stages}
@@ -225,6 +225,7 @@ def test_the_tuning_scaling_table_gives_variants_per_second_per_gpu_count_and_st
     assert "| fused operators | 100 / 50.0 (2.0) | 100 / 25.0 (4.0) |" in lines
     assert "| layout changes | 0 / 0.5 | 0 / 0.5 |" in lines
     assert "| fused operators | 5.0 s / 40% / 40% | 5.0 s / 80% / 80% |" in lines
+    assert "| fused operators | 50.0 / 100.0 / 150.0 | 50.0 / 100.0 / 150.0 |" in lines  # ms a variant, by phase
     cut = scaling.markdown({**report, "runs": [one, run(2, (25.0, 5.0), stopped="stopped: budget")]}).splitlines()
     assert "| 2 | 100.0 | stopped: budget | 110 | 30.0 | 3.67 | 1.83x |  |" in cut
 

@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 
 import sweep_script
-from fake_variants import FakeVariant, broken_setup, measured, pid_server
+from fake_variants import PAUSE_S, FakeVariant, broken_setup, measured, pid_server
 from datamove.harness.bench import Sweep, WorkerPools
 from datamove.harness.tuning_db import TuningDB
 from datamove.harness.workers import Pool, WorkerStartError, wait
@@ -152,6 +152,7 @@ def test_sweeps_sharing_worker_pools_reuse_their_processes_and_drop_a_stopped_sw
     first_pids = set().union(*(pids[n] for n in "abcd"))
     last_pids = set().union(*(pids[n] for n in "ijkl"))
     assert first.counts["checked"] == 4 and first.first_result_s is not None and first.compiling.tasks == 4
+    assert set(first.measuring.phases) == {"build", "check"} and first.measuring.phases["build"] >= 4 * PAUSE_S
     assert second.counts["checked"] == 4 and set().union(*(pids[n] for n in "efgh")) <= first_pids
     assert stopped.stopped and stopped.counts["checked"] == 0 and pids["hung"] | pids["x"] <= first_pids
     assert last.counts["checked"] == 4 and set(got) == set("abcdefghijkl") and last.compiling.workers == 0

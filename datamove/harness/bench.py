@@ -220,25 +220,54 @@ class RunTooLong(RuntimeError):
     """One run of the timed callable took longer than its ``RunLimit``."""
 
 
-def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = None) -> tuple[str, dict]:
-    """Build, check and (``measured``) time ``variant``: (status, the other fields of its ``Record``).
+class PhaseClock:
+    """The seconds measuring variants spent in each phase (``seconds``: name -> s, summed over
+    variants), each phase announced with ``harness.workers.note`` as it begins (what a measuring
+    process that dies or hangs is reported at)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._phase: str | None = None
+        self._since = 0.0
+
+    def enter(self, phase: str | None) -> None:
+        """``phase`` begins (None: the current one ends)."""
+        now = time.perf_counter()
+        if self._phase is not None:
+            self.seconds[self._phase] = self.seconds.get(self._phase, 0.0) + now - self._since
+        self._phase, self._since = phase, now
+        if phase is not None:
+            note(phase)
+
+
+def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = None,
+            clock: PhaseClock | None = None) -> tuple[str, dict]:
+    """Build, check and (``measured``) time ``variant``: (status, the other fields of its ``Record``);
+    each phase's seconds into ``clock`` (``PhaseClock``).
 
     ``build()`` or ``check()`` raising: 'failed' with the stage and the exception as the reason; a
     verdict that did not pass: 'wrong' (never timed); then ``time_cuda(variant.run, limit=limit,
     **timing)``: 'ok' with the times, or 'failed' (e.g. ``RunTooLong``).  Not ``measured`` (the
-    Triton interpreter): 'checked' instead of timing.  Each stage is announced with
-    ``harness.workers.note`` (what a measuring process that dies or hangs is reported at)."""
+    Triton interpreter): 'checked' instead of timing."""
+    clock = clock or PhaseClock()
+    try:
+        return _measure(variant, measured, timing, limit, clock)
+    finally:
+        clock.enter(None)
+
+
+def _measure(variant, measured: bool, timing: dict, limit: RunLimit | None, clock: PhaseClock) -> tuple[str, dict]:
     fields = {"bytes": getattr(variant, "bytes", None), "flop": getattr(variant, "flop", None)}
 
     def failed(stage: str, exc: Exception) -> tuple[str, dict]:
         return "failed", {**fields, "detail": f"{stage}: {type(exc).__name__}: {exc}"[:REASON_CHARS]}
 
-    note("build")
+    clock.enter("build")
     try:
         variant.build()
     except Exception as exc:  # compile errors, out of resources / shared memory, Triton errors, OOM
         return failed("build", exc)
-    note("check")
+    clock.enter("check")
     try:
         verdict = variant.check()
     except Exception as exc:
@@ -249,7 +278,7 @@ def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = N
         return "wrong", fields
     if not measured:
         return "checked", fields
-    note("time")
+    clock.enter("time")
     try:
         times = time_cuda(variant.run, limit=limit, **timing)
     except Exception as exc:
@@ -273,10 +302,11 @@ def _measuring(measured: bool):
             held[sweep] = pickle.loads(blob)
         variants, timing = held[sweep]
         variant, variants[index] = variants[index], None
-        status, fields = measure(variant, measured=measured, timing=timing, limit=limit)
+        clock = PhaseClock()
+        status, fields = measure(variant, measured=measured, timing=timing, limit=limit, clock=clock)
         if status == "failed" and not _cuda_context_alive(measured):
             retire()
-        return status, fields
+        return status, fields, clock.seconds
 
     return handle
 
@@ -310,15 +340,23 @@ def _gpu_ids(name: str) -> list[str]:
 @dataclass
 class PoolLoad:
     """How busy a sweep kept one kind of worker: ``workers`` processes (0: the sweep's own process),
-    ``tasks`` ended, ``busy_s`` the seconds from each task's hand-out to its end, summed."""
+    ``tasks`` ended, ``busy_s`` the seconds from each task's hand-out to its end, summed, and
+    ``phases`` the seconds of that the tasks spent in each phase they name (measuring: build, check,
+    time: ``PhaseClock``)."""
 
     workers: int = 0
     tasks: int = 0
     busy_s: float = 0.0
+    phases: dict = field(default_factory=dict)
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, phases: dict | None = None) -> None:
         self.tasks += 1
         self.busy_s += seconds
+        self.phases_add(phases or {})
+
+    def phases_add(self, phases: dict) -> None:
+        for name, seconds in phases.items():
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
 
 
 @dataclass
@@ -571,10 +609,10 @@ class Sweep:
                 if ready and measurers is None:
                     key, variant = pending[heapq.heappop(ready)]
                     show(variant)
-                    measuring = time.monotonic()
+                    measuring, clock = time.monotonic(), PhaseClock()
                     status, fields = measure(variant, measured=self.measured, timing=self.timing,
-                                             limit=self._run_limit(key))
-                    report.measuring.add(time.monotonic() - measuring)
+                                             limit=self._run_limit(key), clock=clock)
+                    report.measuring.add(time.monotonic() - measuring, clock.seconds)
                     self._measured(report, started)
                     self._record(report, key, status, fields)
                     left -= 1
@@ -592,7 +630,9 @@ class Sweep:
                     report.measuring.add(event.seconds)
                     self._measured(report, started)
                     if event.kind == "done":
-                        self._record(report, pending[event.task][0], *event.value)
+                        status, fields, phases = event.value
+                        report.measuring.phases_add(phases)
+                        self._record(report, pending[event.task][0], status, fields)
                     else:
                         self._failed(report, *pending[event.task], _measure_failure(event))
                     left -= 1
