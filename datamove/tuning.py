@@ -184,6 +184,12 @@ class Tuner:
         """End the worker processes the sweeps shared."""
         self.pools.close()
 
+    def __enter__(self) -> Tuner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def left(self, reserve: bool = False) -> float | None:
         """Seconds of the budget left (None: no budget); ``reserve``: less ``PLAN_SHARE`` of it."""
         if self.budget_s is None:

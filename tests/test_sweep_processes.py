@@ -237,10 +237,10 @@ def test_a_job_stopped_by_its_budget_names_that_budget(tmp_path):
 
     log = tmp_path / "builds.log"
     with TuningDB(tmp_path / "t.db") as db:
-        tuner = Tuner(db, budget_s=2.0, progress=False, compile_workers=0, gpus=1)
-        time.sleep(0.5)
-        tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="fakes")
-        assert tuner.report.stopped == "time budget of 2 s used (25% of it kept for what the plan chose)"
+        with Tuner(db, budget_s=2.0, progress=False, compile_workers=0, gpus=1) as tuner:
+            time.sleep(0.5)
+            tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="fakes")
+            assert tuner.report.stopped == "time budget of 2 s used (25% of it kept for what the plan chose)"
 
 
 def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
@@ -253,28 +253,28 @@ def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
     log = tmp_path / "builds.log"
     with TuningDB(tmp_path / "t.db") as db:
         sweep(db, [FakeVariant("known", log)])
-        tuner = Tuner(db, budget_s=4.0, progress=False, compile_workers=0, gpus=1)
-        tuner.measure([FakeVariant("one", log), FakeVariant("known", log)], stage="first", pruned=5, pruned_why="a rule")
-        tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="second")
-        tuner.measure([FakeVariant(name, log) for name in ("x", "y", "known")], stage="third")
-        tuner.measure([FakeVariant("x", log)], stage="third")  # asked for again (a later selection round): once
-        tuner.measure([FakeVariant("known", log)], stage="read back")  # nothing to measure: no time needed
-        tuner.measure([FakeVariant("chosen", log)], stage="plan", reserve=False)  # the share kept for the plan
-        report = tuner.report
-        first, second, third, read_back, plan = report.stages.values()
-        assert read_back.counts == {} and read_back.left == 0
-        assert plan.counts["checked"] == 1 and "chosen" in measured(log)
-        assert first.counts == {"ok": 0, "checked": 1, "failed": 0, "too slow": 0, "wrong": 0, "skipped": 1}
-        assert (first.pruned, first.pruned_why, first.left) == (5, "a rule", 0)
-        assert second.left == 2 and not any(second.counts.values())  # the hung one abandoned unrecorded, then "after"
-        assert third.left == 2 and not any(third.counts.values()) and third.wall_s == 0.0
-        assert report.left() == 4 and "after" not in measured(log) and "x" not in measured(log)
-        lines = report.lines()
-        assert lines[0].startswith("Tuning: 2 checked, 1 read back in ")
-        assert "stopped: time budget of 4 s used (25% of it kept for what the plan chose); 4 variant(s) not measured (about " in lines[0]
-        assert lines[0].endswith(f"rerun to go on, or give --budget-s {4 + 4 * report.rate_s() / 0.75:.0f}")
-        assert lines[1].startswith("  first: 1 checked, 1 read back; 5 pruned (a rule); ")
-        assert [s["left"] for s in report.to_json()["stages"]] == [0, 2, 2, 0, 0]
+        with Tuner(db, budget_s=4.0, progress=False, compile_workers=0, gpus=1) as tuner:
+            tuner.measure([FakeVariant("one", log), FakeVariant("known", log)], stage="first", pruned=5, pruned_why="a rule")
+            tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="second")
+            tuner.measure([FakeVariant(name, log) for name in ("x", "y", "known")], stage="third")
+            tuner.measure([FakeVariant("x", log)], stage="third")  # asked for again (a later selection round): once
+            tuner.measure([FakeVariant("known", log)], stage="read back")  # nothing to measure: no time needed
+            tuner.measure([FakeVariant("chosen", log)], stage="plan", reserve=False)  # the share kept for the plan
+            report = tuner.report
+            first, second, third, read_back, plan = report.stages.values()
+            assert read_back.counts == {} and read_back.left == 0
+            assert plan.counts["checked"] == 1 and "chosen" in measured(log)
+            assert first.counts == {"ok": 0, "checked": 1, "failed": 0, "too slow": 0, "wrong": 0, "skipped": 1}
+            assert (first.pruned, first.pruned_why, first.left) == (5, "a rule", 0)
+            assert second.left == 2 and not any(second.counts.values())  # the hung one abandoned unrecorded, then "after"
+            assert third.left == 2 and not any(third.counts.values()) and third.wall_s == 0.0
+            assert report.left() == 4 and "after" not in measured(log) and "x" not in measured(log)
+            lines = report.lines()
+            assert lines[0].startswith("Tuning: 2 checked, 1 read back in ")
+            assert "stopped: time budget of 4 s used (25% of it kept for what the plan chose); 4 variant(s) not measured (about " in lines[0]
+            assert lines[0].endswith(f"rerun to go on, or give --budget-s {4 + 4 * report.rate_s() / 0.75:.0f}")
+            assert lines[1].startswith("  first: 1 checked, 1 read back; 5 pruned (a rule); ")
+            assert [s["left"] for s in report.to_json()["stages"]] == [0, 2, 2, 0, 0]
     rows = tuning_rows(report.to_json())  # the report's table: stage, timed, failed, read back, pruned, left, s
     assert [row[:6] for row in rows] == [["first", "1", "0", "1", "5 (a rule)", "0"], ["second", "0", "0", "0", "0", "2"],
                                          ["third", "0", "0", "0", "0", "2"], ["read back", "0", "0", "0", "0", "0"],
@@ -289,9 +289,9 @@ def test_a_spent_budget_does_not_stop_what_the_database_answers(tmp_path):
     log = tmp_path / "builds.log"
     with TuningDB(tmp_path / "t.db") as db:
         sweep(db, [FakeVariant("known", log)])
-        tuner = Tuner(db, budget_s=0.2, progress=False, compile_workers=0, gpus=1)
-        time.sleep(0.3)
-        tuner.measure([FakeVariant("known", log)], stage="warm")
-        assert tuner.report.stopped is None and tuner.report.left() == 0
-        tuner.measure([FakeVariant("new", log)], stage="cold")
-        assert tuner.report.stopped.startswith("time budget of 0.2 s used") and tuner.report.left() == 1
+        with Tuner(db, budget_s=0.2, progress=False, compile_workers=0, gpus=1) as tuner:
+            time.sleep(0.3)
+            tuner.measure([FakeVariant("known", log)], stage="warm")
+            assert tuner.report.stopped is None and tuner.report.left() == 0
+            tuner.measure([FakeVariant("new", log)], stage="cold")
+            assert tuner.report.stopped.startswith("time budget of 0.2 s used") and tuner.report.left() == 1
