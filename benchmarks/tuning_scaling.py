@@ -106,35 +106,27 @@ def markdown(report: dict) -> str:
                      f"{t.get('per_s', '')} | {speedup} | {r.get('plan_ms') if plans_comparable else ''} |")
     names = [s["stage"] for s in next((r["throughput"]["stages"] for r in runs if r.get("throughput")), [])]
     if names:
-        lines += ["", "Per stage: variants measured / seconds (variants per second).", "",
-                  "| stage | " + " | ".join(f"{r['gpus']} GPU(s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
-        for name in names:
-            cells = []
-            for r in runs:
-                s = next((s for s in (r.get("throughput") or {}).get("stages", []) if s["stage"] == name), None)
-                cells.append("" if s is None else f"{s['measured']} / {s['wall_s']}" + (f" ({s['per_s']})" if s["per_s"] else ""))
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines += ["", "Per stage: seconds before a first result (workers starting, first compiles) / measuring "
-                  "processes busy / compile workers busy (shares of the stage's wall time).", "",
-                  "| stage | " + " | ".join(f"{r['gpus']} GPU(s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
-        for name in names:
-            cells = []
-            for r in runs:
-                s = next((s for s in (r.get("throughput") or {}).get("stages", []) if s["stage"] == name), None)
-                cells.append("" if s is None or not s["measured"] else
-                             f"{s['startup_s']} s / {_share(s['measure_busy'])} / {_share(s['compile_busy'])}")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines += ["", "Per stage: a measured variant's milliseconds in its measuring process, by phase: build "
-                  "(kernel loaded, inputs made) / check (against float64) / time (warm-up and timed repetitions).", "",
-                  "| stage | " + " | ".join(f"{r['gpus']} GPU(s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
-        for name in names:
-            cells = []
-            for r in runs:
-                s = next((s for s in (r.get("throughput") or {}).get("stages", []) if s["stage"] == name), None)
-                ms = (s or {}).get("phase_ms") or {}
-                cells.append(" / ".join(str(ms.get(phase, "-")) for phase in PHASES) if ms else "")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += _stage_table(runs, names, "Per stage: variants measured / seconds (variants per second).",
+                              lambda s: f"{s['measured']} / {s['wall_s']}" + (f" ({s['per_s']})" if s["per_s"] else ""))
+        lines += _stage_table(runs, names, "Per stage: seconds before a first result (workers starting, first compiles) / "
+                              "measuring processes busy / compile workers busy (shares of the stage's wall time).",
+                              lambda s: "" if not s["measured"] else
+                              f"{s['startup_s']} s / {_share(s['measure_busy'])} / {_share(s['compile_busy'])}")
+        lines += _stage_table(runs, names, "Per stage: a measured variant's milliseconds in its measuring process, by "
+                              "phase: build (kernel loaded, inputs made) / check (against float64) / time (warm-up "
+                              "and timed repetitions).",
+                              lambda s: " / ".join(str(s["phase_ms"].get(p, "-")) for p in PHASES) if s.get("phase_ms") else "")
     return "\n".join(lines) + "\n"
+
+
+def _stage_table(runs: list, names: list, title: str, cell) -> list[str]:
+    """A table of one row per stage (``names``) and one column per run: ``cell(stage)`` of the run's
+    stage of that name (empty where the run has none)."""
+    lines = ["", title, "", "| stage | " + " | ".join(f"{r['gpus']} GPU(s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    for name in names:
+        stages = [next((s for s in (r.get("throughput") or {}).get("stages", []) if s["stage"] == name), None) for r in runs]
+        lines.append(f"| {name} | " + " | ".join("" if s is None else cell(s) for s in stages) + " |")
+    return lines
 
 
 def _share(fraction: float | None) -> str:

@@ -72,8 +72,8 @@ class DirectLaunch:
         self.compiled: dict[tuple, object] = {}
 
     def __call__(self, args: list) -> None:
-        if _DRY is not None:
-            _DRY.check(self.kernel, self.grid, args, self.kwargs)
+        if _DRY.active is not None:
+            _DRY.active.check(self.kernel, self.grid, args, self.kwargs)
             return
         device = torch._C._cuda_getDevice() if torch.cuda.is_initialized() else -1  # the JIT compiles per current device
         key = (device, _key(args if self.varying is None else [args[i] for i in self.varying]))
@@ -82,11 +82,11 @@ class DirectLaunch:
             compiled = self.kernel[self.grid](*args, **self.kwargs)
             if self._direct(compiled, args):
                 self.compiled[key] = compiled
-            if _RECORDING is not None:
-                _RECORDING.complete = False  # a launch through the JIT: nothing to repeat directly
+            if _RECORDING.active is not None:
+                _RECORDING.active.complete = False  # a launch through the JIT: nothing to repeat directly
             return
-        if _RECORDING is not None:
-            _RECORDING.launches.append((self, compiled, device, list(args)))
+        if _RECORDING.active is not None:
+            _RECORDING.active.launches.append((self, compiled, device, list(args)))
         self.fire(compiled, device, args)
 
     def fire(self, compiled, device: int, args: list) -> None:
@@ -116,20 +116,30 @@ class Recording:
         self.complete = True
 
 
-_RECORDING: Recording | None = None
+class _During:
+    """What a ``with`` block of this module puts in force (``recording``, ``dry_launches``): ``active``
+    inside it, None outside; not nested (``what`` names it in the refusal)."""
+
+    def __init__(self, what: str):
+        self.what, self.active = what, None
+
+    @contextmanager
+    def holding(self, value):
+        if self.active is not None:
+            raise RuntimeError(f"{self.what} already")
+        self.active = value
+        try:
+            yield value
+        finally:
+            self.active = None
 
 
-@contextmanager
+_RECORDING = _During("launches are being recorded")
+
+
 def recording():
     """``with recording() as r``: r collects the direct launches made inside (not nested)."""
-    global _RECORDING
-    if _RECORDING is not None:
-        raise RuntimeError("launches are being recorded already")
-    _RECORDING = result = Recording()
-    try:
-        yield result
-    finally:
-        _RECORDING = None
+    return _RECORDING.holding(Recording())
 
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's largest grid, (x, y, z) programs
@@ -158,29 +168,22 @@ class DryLaunches:
         self.launches.append((name, grid))
 
 
-_DRY: DryLaunches | None = None
+_DRY = _During("launches are dry")
 
 
-@contextmanager
 def dry_launches():
     """``with dry_launches() as dry``: no kernel is launched inside; each launch is checked and
     listed in ``dry.launches`` instead (``DryLaunches``; not nested)."""
-    global _DRY
-    if _DRY is not None:
-        raise RuntimeError("launches are dry already")
-    _DRY = result = DryLaunches()
-    try:
-        yield result
-    finally:
-        _DRY = None
+    return _DRY.holding(DryLaunches())
 
 
 def through_jit(kernel, grid: tuple):
     """``kernel[grid]``: called with the kernel's arguments, it launches through Triton's JIT (which
     binds and specialises them on every call); inside ``dry_launches`` it checks them instead."""
-    if _DRY is None:
+    dry = _DRY.active
+    if dry is None:
         return kernel[grid]
-    return lambda *args, **kwargs: _DRY.check(kernel, grid, list(args), kwargs)
+    return lambda *args, **kwargs: dry.check(kernel, grid, list(args), kwargs)
 
 
 def ceil_div(a: int, b: int) -> int:
