@@ -65,11 +65,8 @@ class StageCost:
 
     def add_loads(self, report) -> None:
         """A sweep's ``harness.bench.SweepReport`` loads and startup into the stage's."""
-        for mine, theirs in ((self.compiling, report.compiling), (self.measuring, report.measuring)):
-            mine.workers = max(mine.workers, theirs.workers)
-            mine.tasks += theirs.tasks
-            mine.busy_s += theirs.busy_s
-            mine.phases_add(theirs.phases)
+        self.compiling.absorb(report.compiling)
+        self.measuring.absorb(report.measuring)
         self.startup_s += report.first_result_s if report.first_result_s is not None else report.wall_s
 
     @property

@@ -295,7 +295,7 @@ def _measuring(measured: bool):
     failure that left the CUDA context unusable retires the process (a fresh one takes its place)."""
     held = {}
 
-    def handle(task: tuple) -> tuple[str, dict]:
+    def handle(task: tuple) -> tuple[str, dict, dict]:
         sweep, blob, index, limit = task
         if blob is not None:
             held.clear()
@@ -357,6 +357,13 @@ class PoolLoad:
     def phases_add(self, phases: dict) -> None:
         for name, seconds in phases.items():
             self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    def absorb(self, other: PoolLoad) -> None:
+        """``other`` (another sweep's load) summed into this one; ``workers``: the more of the two."""
+        self.workers = max(self.workers, other.workers)
+        self.tasks += other.tasks
+        self.busy_s += other.busy_s
+        self.phases_add(other.phases)
 
 
 @dataclass
@@ -609,11 +616,11 @@ class Sweep:
                 if ready and measurers is None:
                     key, variant = pending[heapq.heappop(ready)]
                     show(variant)
-                    measuring, clock = time.monotonic(), PhaseClock()
+                    began, clock = time.monotonic(), PhaseClock()
                     status, fields = measure(variant, measured=self.measured, timing=self.timing,
                                              limit=self._run_limit(key), clock=clock)
-                    report.measuring.add(time.monotonic() - measuring, clock.seconds)
-                    self._measured(report, started)
+                    report.measuring.add(time.monotonic() - began, clock.seconds)
+                    self._first_result(report, started)
                     self._record(report, key, status, fields)
                     left -= 1
                     if status == "failed" and not _cuda_context_alive(self.measured):
@@ -628,7 +635,7 @@ class Sweep:
                         left -= 1
                 for event in measurers.collect() if measurers is not None else []:
                     report.measuring.add(event.seconds)
-                    self._measured(report, started)
+                    self._first_result(report, started)
                     if event.kind == "done":
                         status, fields, phases = event.value
                         report.measuring.phases_add(phases)
@@ -647,7 +654,7 @@ class Sweep:
                 pools.settle()
 
     @staticmethod
-    def _measured(report: SweepReport, started: float) -> None:
+    def _first_result(report: SweepReport, started: float) -> None:
         if report.first_result_s is None:
             report.first_result_s = time.monotonic() - started
 
