@@ -162,6 +162,19 @@ def check_arguments(args) -> None:
             check_out(args.out)
         else:
             check_default_parent(Path("out"))
+    if args.gpus is not None and not args.analyze:
+        _check_gpus(args.gpus)
+
+
+def _check_gpus(gpus: int) -> None:
+    """``--gpus`` within the GPUs of GPU 0's model here (without a GPU it is unused, as the job says)."""
+    from datamove.harness.bench import gpu_ids
+    from datamove.kernels.device import DeviceFacts, query_device
+
+    facts = query_device()
+    if isinstance(facts, DeviceFacts) and gpus > len(here := gpu_ids(facts.name)):
+        raise UsageError(f"--gpus {gpus}: this host has {len(here)} {facts.name} GPU(s) to measure on; "
+                         f"give at most {len(here)}, or leave --gpus out for all of them")
 
 
 def main(argv: list[str] | None = None) -> int:

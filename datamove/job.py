@@ -102,6 +102,25 @@ def attention_setups(fused, dtype: Precision | str) -> list[dict]:
 
 
 def run_job(o: JobOptions) -> int:
+    """The job (the module doc); on a GPU the tuning's worker processes start first and get ready
+    (imports, CUDA contexts: seconds) during the analysis and fusion, and end with the tuning."""
+    from datamove.kernels.device import DeviceFacts, query_device
+    from datamove.kernels.interpreter import interpreted
+
+    facts = query_device()
+    pools = None
+    if isinstance(facts, DeviceFacts) and not interpreted():
+        from datamove.tuning import tuning_pools
+
+        pools = tuning_pools(o.gpus).start()
+    try:
+        return _run(o, facts, pools)
+    finally:
+        if pools is not None:
+            pools.close()
+
+
+def _run(o: JobOptions, facts, pools) -> int:
     from datamove.dataflow.pipeline import analyse_spec
     from datamove.candidates import NO_TIMINGS, Timings, plan_layer
     from datamove.export import read_manifest, spec_hash, write_artifact
@@ -109,8 +128,7 @@ def run_job(o: JobOptions) -> int:
     from datamove.report import write_report
     from datamove.report_data import report_data
     from datamove.dataflow.spec import SpecError
-    from datamove.kernels.device import DeviceFacts, query_device, versions
-    from datamove.kernels.interpreter import interpreted
+    from datamove.kernels.device import DeviceFacts, versions
     from datamove.runtime.layer import tensor_interface
     from datamove.layouts.cost_model import DEVICES, device_figures
 
@@ -126,8 +144,7 @@ def run_job(o: JobOptions) -> int:
     except ValueError as err:
         raise SpecError(f"{o.spec}: {err}") from None
     shaped = shapes_of(fused, o.dims, interface)
-    facts = query_device()
-    measured = isinstance(facts, DeviceFacts) and not interpreted()
+    measured = pools is not None
     figures = device_figures(facts.name) if measured and any(k.lower() in facts.name.lower() for k in DEVICES) \
         else device_figures(o.cost_model_device)
     device = facts.name if measured else f"cost model: {figures.name}"
@@ -149,7 +166,7 @@ def run_job(o: JobOptions) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = TuningDB(path)
         ceilings = measure_ceilings(db)
-        tuner = Tuner(db, budget_s=o.budget_s, gpus=o.gpus, retry_failed=o.retry_failed)
+        tuner = Tuner(db, budget_s=o.budget_s, retry_failed=o.retry_failed, pools=pools)
         print(f"measuring on {tuner.gpus} GPU(s), one process each", flush=True)
         dtype = o.dtype.torch  # what the sweeps' tensors and kernels are made in
     else:

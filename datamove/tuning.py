@@ -35,6 +35,11 @@ from datamove.layouts.space import Configuration, access_pattern, configurations
 # storing C by TMA (where C's layout allows).
 ALGORITHM_LAYOUTS = 3  # per GEMM: the layouts (fastest by cuBLAS's first algorithm) whose other algorithms are timed
 MIN_COMPILE_WORKERS = 8
+# A generated kernel took 2.3 s to compile and a variant 0.24 s to measure (H200, BERT-large's
+# first sweep, 2026-11-28): about 10 compiles in flight keep one GPU measuring.
+COMPILE_WORKERS_PER_GPU = 12
+PRELOAD = ("datamove.harness.sweep_variants", "datamove.harness.contraction_variants",  # the variants' modules:
+           "datamove.families.attention.variants", "datamove.harness.layout_change_variants")  # workers import them first
 PLAN_SHARE = 0.25  # of the budget, kept from ``tune``'s sweeps for measuring what the plan chose (knobs of its layouts)
 CHOSEN_LAYOUT_CONFIGS = 3  # Triton configurations timed on the layouts a plan runs (``chosen_layout_configs``)
 COMPETITIVE = 1.02  # ... for GEMMs where the template came within this factor of cuBLAS on the first layout
@@ -147,11 +152,12 @@ OUTCOMES = {"ok": "timed", "checked": "checked", "failed": "failed", "too slow":
             "skipped": "read back"}  # a sweep's counts (``harness.bench.SweepReport``) as the summary names them
 
 
-def default_compile_workers() -> int:
-    """Processes compiling kernels ahead of the measuring ones: half the host's CPU cores, at least
-    ``MIN_COMPILE_WORKERS``: the more GPUs a host measures on, the more cores it has to compile for
-    them (the GPU hosts lent here: 16 cores a GPU)."""
-    return max(MIN_COMPILE_WORKERS, (os.cpu_count() or 1) // 2)
+def default_compile_workers(gpus: int) -> int:
+    """Processes compiling kernels ahead of ``gpus`` measuring ones: ``COMPILE_WORKERS_PER_GPU`` a
+    GPU, within the cores this process may run on less one for each measuring process and one for
+    this one; at least ``MIN_COMPILE_WORKERS``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(MIN_COMPILE_WORKERS, min(COMPILE_WORKERS_PER_GPU * gpus, cores - gpus - 1))
 
 
 def describe(counts: dict) -> str:
@@ -159,23 +165,34 @@ def describe(counts: dict) -> str:
     return ", ".join(f"{n} {OUTCOMES.get(status, status)}" for status, n in counts.items() if n)
 
 
+def tuning_pools(gpus: int | None = None, compile_workers: int | None = None) -> WorkerPools:
+    """The worker processes of a tuning (``harness.bench.WorkerPools``, not started): a measuring
+    process per GPU (``gpus``: the first that many; None: every GPU of the model of GPU 0) and
+    ``compile_workers`` (None: ``default_compile_workers``), importing ``PRELOAD`` as they start on
+    a GPU.  The main job starts them before its analysis, so they are ready by its first sweep."""
+    probe = Sweep(None, [], progress=False, processes=gpus)
+    workers = default_compile_workers(probe.processes) if compile_workers is None else compile_workers
+    return WorkerPools(workers, probe.processes, probe.measured, probe._env, preload=PRELOAD if probe.measured else ())
+
+
 class Tuner:
-    """The sweeps of one job over one database and one budget, sharing their worker processes
-    (``pools``, ``harness.bench.WorkerPools``: ``close()`` ends them).  ``gpus``: measuring processes, one
-    per GPU (None: every GPU of the model of GPU 0); ``compile_workers``: processes compiling
-    kernels ahead of them (None: ``default_compile_workers()``); ``retry_failed``: measure again the variants
-    recorded 'failed' (e.g. timed out on a loaded machine) instead of skipping them."""
+    """The sweeps of one job over one database and one budget (its clock starts here), sharing their
+    worker processes (``pools``: ``tuning_pools(gpus, compile_workers)`` unless given; ``close()`` ends
+    them).  ``gpus``: measuring processes, one per GPU (None: every GPU of the model of GPU 0);
+    ``compile_workers``: processes compiling kernels ahead of them (None: ``default_compile_workers``);
+    ``retry_failed``: measure again the variants recorded 'failed' (e.g. timed out on a loaded machine)
+    instead of skipping them."""
 
     def __init__(self, db, *, budget_s: float | None, progress: bool = True, compile_workers: int | None = None,
-                 gpus: int | None = None, retry_failed: bool = False):
+                 gpus: int | None = None, retry_failed: bool = False, pools: WorkerPools | None = None):
         self.db, self.budget_s, self.progress = db, budget_s, progress
-        self.compile_workers = default_compile_workers() if compile_workers is None else compile_workers
+        self.pools = pools or tuning_pools(gpus, compile_workers)
+        self.compile_workers = self.pools.compile_workers
         self.retry_failed = retry_failed
         self.started = time.monotonic()
         self.report = TuningReport(budget_s=budget_s)
-        self.ranker = Sweep(db, [], progress=False, processes=gpus)
+        self.ranker = Sweep(db, [], progress=False, processes=self.pools.processes)
         self.gpus = self.ranker.processes
-        self.pools = WorkerPools(self.compile_workers, self.gpus, self.ranker.measured, self.ranker._env)
 
     def close(self) -> None:
         """End the worker processes the sweeps shared."""

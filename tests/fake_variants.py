@@ -2,7 +2,7 @@
 
 ``FakeVariant(name, log, compile=..., build=..., check=...)``: ``compile`` is what its compile task
 does in a compile worker ("ok", "abort": ``os.abort()``, "hang": sleeps forever, "raise",
-"memory": raises MemoryError; None: no task); ``build`` what ``build()`` does (the same, or "pause": sleeps ``PAUSE_S``); ``check`` "ok" or
+"memory": raises MemoryError; None: no task); ``build`` what ``build()`` does (the same, or "pause": sleeps ``PAUSE_S``, "slow": ``SLOW_S``); ``check`` "ok" or
 "wrong".  Every ``build()`` first appends "<name> <pid>" to ``log``, so tests count measurements
 and see which process made them.  Picklable: tests measure them in measuring processes.
 """
@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 PAUSE_S = 0.2
+SLOW_S = 1.5
 
 
 def act(what: str, name: str) -> None:
@@ -24,6 +25,8 @@ def act(what: str, name: str) -> None:
         raise MemoryError(f"{name}: planted")
     elif what == "pause":
         time.sleep(PAUSE_S)
+    elif what == "slow":
+        time.sleep(SLOW_S)
 
 
 @dataclass(frozen=True)

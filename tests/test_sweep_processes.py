@@ -132,15 +132,16 @@ def test_budget_is_honoured_while_a_variant_hangs(tmp_path, where):
 def test_sweeps_sharing_worker_pools_reuse_their_processes_and_drop_a_stopped_sweeps_tasks(tmp_path):
     """``Sweep(pools=)`` (a job's tuning): the measuring processes of one sweep measure the next
     (each given the new sweep's variants), a sweep stopped by its budget leaves no task of its own
-    to the next (the hung variant's process replaced), and ``close()`` ends every process."""
+    to the next (a variant finishing within the grace unrecorded and its process kept, the hung
+    variant's process replaced), and ``close()`` ends every process."""
     log = tmp_path / "builds.log"
-    pools = WorkerPools(compile_workers=1, processes=2, measured=False, env=lambda index: {})
+    pools = WorkerPools(compile_workers=1, processes=2, measured=False, env=lambda index: {}, abandon_grace_s=2.0)
     try:
         with TuningDB(tmp_path / "t.db") as db:
             first, _ = sweep(db, [FakeVariant(n, log, compile="ok", build="pause") for n in "abcd"], processes=2,
                              compile_workers=1, pools=pools)
             second, _ = sweep(db, [FakeVariant(n, log, build="pause") for n in "efgh"], processes=2, pools=pools)
-            stopped, _ = sweep(db, [FakeVariant("hung", log, build="hang"), FakeVariant("x", log, build="hang")],
+            stopped, _ = sweep(db, [FakeVariant("hung", log, build="hang"), FakeVariant("slow", log, build="slow")],
                                budget_s=1.0, processes=2, pools=pools, variant_timeout_s=600)
             last, _ = sweep(db, [FakeVariant(n, log, build="pause") for n in "ijkl"], processes=2, pools=pools)
             got = details(db)
@@ -154,9 +155,10 @@ def test_sweeps_sharing_worker_pools_reuse_their_processes_and_drop_a_stopped_sw
     assert first.counts["checked"] == 4 and first.first_result_s is not None and first.compiling.tasks == 4
     assert set(first.measuring.phases) == {"build", "check"} and first.measuring.phases["build"] >= 4 * PAUSE_S
     assert second.counts["checked"] == 4 and set().union(*(pids[n] for n in "efgh")) <= first_pids
-    assert stopped.stopped and stopped.counts["checked"] == 0 and pids["hung"] | pids["x"] <= first_pids
+    assert stopped.stopped and stopped.counts["checked"] == 0 and pids["hung"] | pids["slow"] <= first_pids
     assert last.counts["checked"] == 4 and set(got) == set("abcdefghijkl") and last.compiling.workers == 0
-    assert len(first_pids) == 2 and not last_pids & first_pids  # the hung ones' processes replaced
+    assert len(first_pids) == 2 and pids["slow"] <= last_pids  # finished within the grace: its process kept
+    assert not pids["hung"] & last_pids  # the hung one's process replaced
     assert not any(process.is_alive() for process in processes)
 
 
@@ -206,7 +208,8 @@ def test_sweep_killed_at_a_random_moment_loses_nothing_and_repeats_nothing(tmp_p
 
 def test_real_variants_travel_pickled_without_their_tensors():
     """What a measuring process receives: the variants of one pickle share their workspace, which
-    arrives without the tensors computed here and builds and checks there."""
+    arrives without the tensors computed here and builds and checks there; a later sweep's copy of
+    the same workspace finds the float64 values the process evaluated for the first."""
     from datamove.dataflow import snapshot
     from datamove.families.attention import variants as av
     from datamove.harness import contraction_variants as cv
@@ -218,16 +221,22 @@ def test_real_variants_travel_pickled_without_their_tensors():
     gemm = cv.training_gemms(training)[0]
     gemms = cv.gemm_variants(gemm, "cpu", layouts=1, first_configs=[])
     attention = av.config_variants(av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2, dtype=torch.float32), "cpu"))[:2]
-    fused[0].ws.values, gemms[0].operands.tensors(), attention[0].ws.exact  # computed here
+    values = fused[0].ws.values
+    gemms[0].operands.tensors(), attention[0].ws.exact  # computed here
     fused[0].ws.activate(fused[0])
-    copies = pickle.loads(pickle.dumps(fused + gemms + attention))
+    blob = pickle.dumps(fused + gemms + attention)
+    sv._VALUES.clear()  # as in another process
+    copies = pickle.loads(blob)
     copied_fused, copied_gemm, copied_attention = copies[:len(fused)], copies[len(fused)], copies[len(fused) + 1:]
     assert all(v.ws is copied_fused[0].ws for v in copied_fused) and copied_attention[0].ws is copied_attention[1].ws
-    assert "values" not in copied_fused[0].ws.__dict__ and copied_fused[0].ws._active is None
+    assert len(blob) < sum(t.numel() * t.element_size() for t in values.values())  # the values did not travel
+    assert copied_fused[0].ws._active is None and copied_fused[0].ws.token == fused[0].ws.token
     assert copied_gemm.operands._tensors is None and "exact" not in copied_attention[0].ws.__dict__
     for variant in (copied_fused[1], copied_gemm, copied_attention[1]):
         variant.build()
         assert variant.check().passed
+    evaluated = copied_fused[0].ws.values
+    assert pickle.loads(blob)[0].ws.values is evaluated  # the next sweep's copy: evaluated once per process
 
 
 def test_a_job_stopped_by_its_budget_names_that_budget(tmp_path):
@@ -254,6 +263,7 @@ def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
     with TuningDB(tmp_path / "t.db") as db:
         sweep(db, [FakeVariant("known", log)])
         with Tuner(db, budget_s=4.0, progress=False, compile_workers=0, gpus=1) as tuner:
+            tuner.pools.abandon_grace_s = 0.0  # the hung variant's process replaced at once, in time for "plan"
             tuner.measure([FakeVariant("one", log), FakeVariant("known", log)], stage="first", pruned=5, pruned_why="a rule")
             tuner.measure([FakeVariant("hung", log, build="hang"), FakeVariant("after", log)], stage="second")
             tuner.measure([FakeVariant(name, log) for name in ("x", "y", "known")], stage="third")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
+import importlib
 import itertools
 import math
 import os
@@ -25,7 +26,7 @@ from typing import Callable, Protocol
 from datamove.dtypes import BF16
 from datamove.kernels.device import DeviceFacts, NoDevice, device_count, query_device, versions
 from datamove.harness.tuning_db import Ceilings, Key, Record, TuningDB
-from datamove.harness.workers import Event, Pool, WorkerStartError, note, retire, wait
+from datamove.harness.workers import ABANDON_GRACE_S, Event, Pool, WorkerStartError, note, retire, wait
 
 # Calls whose GPU time is under this are replayed from a CUDA graph when ``cuda_graph=None``: the
 # host's launch work (several microseconds per Triton launch, more for a callable that launches
@@ -287,12 +288,24 @@ def _measure(variant, measured: bool, timing: dict, limit: RunLimit | None, cloc
                   "n_reps": times.n, "cuda_graph": times.cuda_graph}
 
 
-def _measuring(measured: bool):
-    """Setup of a measuring process (``harness.workers.Pool``): the handler of tasks ``(sweep,
-    variants, index, limit)``, which measures the sweep's ``variants[index]`` (``measure``) and lets
-    it go.  ``variants``: the sweep's variants and timing settings, pickled, sent with the first task
-    of each sweep the process takes (None afterwards; the previous sweep's are dropped then).  A
+def _preload(modules: tuple, cuda: bool) -> None:
+    """Import ``modules`` (what the tasks will need) and, with ``cuda``, make the CUDA context now."""
+    for name in modules:
+        importlib.import_module(name)
+    if cuda:
+        import torch
+
+        torch.zeros(1, device="cuda")
+
+
+def _measuring(measured: bool, preload: tuple = ()):
+    """Setup of a measuring process (``harness.workers.Pool``): ``preload``'s modules imported and
+    (``measured``) its CUDA context made, then the handler of tasks ``(sweep, variants, index,
+    limit)``, which measures the sweep's ``variants[index]`` (``measure``) and lets it go.
+    ``variants``: the sweep's variants and timing settings, pickled, sent with the first task of
+    each sweep the process takes (None afterwards; the previous sweep's are dropped then).  A
     failure that left the CUDA context unusable retires the process (a fresh one takes its place)."""
+    _preload(preload, measured)
     held = {}
 
     def handle(task: tuple) -> tuple[str, dict, dict]:
@@ -311,8 +324,10 @@ def _measuring(measured: bool):
     return handle
 
 
-def _compiling():
-    """Setup of a compile worker: its tasks are variants' ``compile_task()``, (function, args)."""
+def _compiling(preload: tuple = ()):
+    """Setup of a compile worker (``preload``'s modules imported): its tasks are variants'
+    ``compile_task()``, (function, args)."""
+    _preload(preload, False)
     return lambda task: task[0](*task[1])
 
 
@@ -329,7 +344,7 @@ def _measure_failure(event: Event) -> str:
     return f"{stage}: {event.value}"
 
 
-def _gpu_ids(name: str) -> list[str]:
+def gpu_ids(name: str) -> list[str]:
     """``CUDA_VISIBLE_DEVICES`` value selecting each visible GPU named ``name``."""
     count = device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -396,33 +411,45 @@ class SweepReport:
 
 class WorkerPools:
     """The compile workers and measuring processes of a series of sweeps (a job's tuning: ``Sweep(pools=)``),
-    each pool started on first use and kept from one sweep to the next, so that a sweep does not
-    wait for processes to start, import and make a CUDA context (seconds each, the most of a short
-    sweep): ``compile_workers`` and ``processes`` of them, worker ``i`` with ``env(i)`` in its
-    environment; ``close()`` ends them.  A sweep that stops with tasks in flight abandons them
-    (``harness.workers.Pool.abandon``)."""
+    kept from one sweep to the next, so that a sweep does not wait for processes to start, import
+    and make a CUDA context (seconds each, the most of a short sweep): ``compile_workers`` and
+    ``processes`` of them, worker ``i`` with ``env(i)`` in its environment; ``start()`` starts both
+    pools at once (each otherwise starts on first use), their processes importing the modules named
+    in ``preload`` (and a measuring process making its CUDA context) before their first task;
+    ``close()`` ends them.  A sweep that stops with tasks in flight abandons them
+    (``harness.workers.Pool.abandon``: finished within ``abandon_grace_s``, or their process replaced)."""
 
-    def __init__(self, compile_workers: int, processes: int, measured: bool, env):
+    def __init__(self, compile_workers: int, processes: int, measured: bool, env, preload: tuple = (),
+                 abandon_grace_s: float = ABANDON_GRACE_S):
         self.compile_workers, self.processes, self.measured, self.env = compile_workers, processes, measured, env
+        self.preload, self.abandon_grace_s = tuple(preload), abandon_grace_s
         self.compiler: Pool | None = None
         self.measurers: Pool | None = None
         self.sweeps = itertools.count()  # each sweep's number, telling a measuring process to load its variants
 
+    def start(self) -> WorkerPools:
+        """Start both pools now (the processes get ready while the caller goes on)."""
+        if self.compile_workers:
+            self.compiling()
+        if self.processes:
+            self.measuring()
+        return self
+
     def compiling(self) -> Pool:
         if self.compiler is None:
-            self.compiler = Pool("compile", self.compile_workers, _compiling, env=self.env)
+            self.compiler = Pool("compile", self.compile_workers, _compiling, (self.preload,), env=self.env)
         return self.compiler
 
     def measuring(self) -> Pool:
         if self.measurers is None:
-            self.measurers = Pool("measure", self.processes, _measuring, (self.measured,), env=self.env)
+            self.measurers = Pool("measure", self.processes, _measuring, (self.measured, self.preload), env=self.env)
         return self.measurers
 
     def settle(self) -> None:
         """Drop the tasks still running (a stopped sweep's), keeping the pools."""
         for pool in (self.compiler, self.measurers):
             if pool is not None:
-                pool.abandon()
+                pool.abandon(self.abandon_grace_s)
 
     def close(self) -> None:
         for pool in (self.compiler, self.measurers):
@@ -495,7 +522,7 @@ class Sweep:
         else:
             raise RuntimeError(f"no CUDA device ({facts.reason}) and TRITON_INTERPRET is not 1: "
                                "variants can be neither timed nor run through the interpreter")
-        self.gpus = _gpu_ids(self.device) if self.measured else []
+        self.gpus = gpu_ids(self.device) if self.measured else []
         self.processes = (len(self.gpus) if self.measured else 0) if processes is None else processes
         if self.measured and self.processes > len(self.gpus):
             raise ValueError(f"{self.processes} measuring processes asked for: one per GPU, and there are "

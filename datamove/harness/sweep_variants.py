@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,9 @@ class Verdict:
         return "; ".join(f"{t}: {c}" for t, c in self.results)
 
 
+_VALUES: dict[str, dict] = {}  # Workspace.token -> its float64 values (the last workspace's, in this process)
+
+
 class Workspace:
     """Tensors shared by the variants of one graph on one device, computed on first use.
 
@@ -121,20 +125,23 @@ class Workspace:
         self.training, self.graph, self.dtype = training, training.graph, dtype
         self.device, self.seed, self.mask_seed = torch.device(device), seed, mask_seed
         self.offsets = dropout_offsets(self.graph)
+        self.token = uuid.uuid4().hex  # names its values in ``_VALUES``, in any process it travels to
         self._active = None
         self._baselines: dict[str, dict] = {}
 
     def __getstate__(self) -> dict:
-        """Pickled (for a measuring process) without what it computed or holds: rebuilt there on first use."""
-        state = dict(self.__dict__)
-        state.pop("values", None)
-        state["_active"] = None
-        state["_baselines"] = {}
-        return state
+        """Pickled (for a measuring process) without what it holds: rebuilt there on first use."""
+        return {**self.__dict__, "_active": None, "_baselines": {}}
 
-    @functools.cached_property
+    @property
     def values(self) -> dict:
-        return evaluate_training_graph(self.graph, self.training.operators, self.seed, self.device, self.mask_seed)
+        """Float64 value of every tensor of the training graph, evaluated once per process (``_VALUES``:
+        a measuring process keeps them from one sweep's copy of this workspace to the next's)."""
+        if self.token not in _VALUES:
+            _VALUES.clear()  # one workspace's at a time: the previous one's memory first
+            _VALUES[self.token] = evaluate_training_graph(self.graph, self.training.operators, self.seed, self.device,
+                                                          self.mask_seed)
+        return _VALUES[self.token]
 
     def baseline(self, op) -> dict:
         """``op``'s primitives in ``dtype`` on its inputs rounded to ``dtype`` (and its shuffles' constants,

@@ -40,6 +40,7 @@ from typing import Callable
 
 START_FAILURES = 3  # workers in a row that die before being ready: the pool gives up
 PARENT_CHECK_S = 0.5  # how often a worker checks that its parent is alive
+ABANDON_GRACE_S = 2.0  # an abandoned task may run this much longer before its worker is replaced
 _CONTEXT = multiprocessing.get_context("spawn")
 
 
@@ -151,6 +152,7 @@ class _Worker:
         self.lost = False  # found dead when handed a task: replaced at the next ``collect``
         self.unready_reason: str | None = None
         self.task = None  # (id, handed out at, time limit or None)
+        self.abandoned = False  # its task's end is not reported (``Pool.abandon``)
         self.note: str | None = None
         self.state: dict = {}  # the parent's notes on what this process holds (``Pool.submit``'s payload)
 
@@ -217,9 +219,9 @@ class Pool:
 
     def _inspect(self, worker: _Worker) -> tuple[Event | None, bool]:
         """(the event of ``worker``'s task if it ended, whether to replace the worker)."""
-        event = None
+        event, answered, retiring = None, False, False
         try:
-            while event is None and worker.connection.poll():
+            while not answered and worker.connection.poll():
                 message = worker.connection.recv()
                 if message[0] == "ready":
                     worker.ready, self.failed_starts = True, 0
@@ -229,10 +231,10 @@ class Pool:
                     worker.note = message[1]
                 else:
                     kind, task, value, retiring = message
-                    event = self._ended(worker, kind, value)
+                    event, answered = self._ended(worker, kind, value), True
         except Exception:  # noqa: BLE001 - the worker has gone (or went while writing): its process says how, below
             pass
-        if event is not None:
+        if answered:
             return event, retiring
         if worker.lost:
             return None, True
@@ -252,9 +254,13 @@ class Pool:
             return self._ended(worker, "timeout", f"timed out after {worker.task[2]:g} s"), True
         return None, False
 
-    def _ended(self, worker: _Worker, kind: str, value) -> Event:
+    def _ended(self, worker: _Worker, kind: str, value) -> Event | None:
+        """The event of ``worker``'s task, which ended; None for an abandoned task (``abandon``)."""
         task, handed_out, _ = worker.task
         worker.task = None
+        if worker.abandoned:
+            worker.abandoned = False
+            return None
         return Event(task, kind, value, worker.note, time.monotonic() - handed_out)
 
     def _failed_start(self, worker: _Worker, reason: str) -> None:
@@ -263,13 +269,18 @@ class Pool:
             raise WorkerStartError(f"{self.failed_starts} {self.name} processes in a row could not start; "
                                    f"the last: {reason}")
 
-    def abandon(self) -> None:
-        """Kill the workers that are on a task and start others in their place: the tasks are
-        dropped, with no event (a sweep stopped by its budget leaves the pool to the next)."""
-        for index, worker in enumerate(self.workers):
+    def abandon(self, grace_s: float = ABANDON_GRACE_S) -> None:
+        """Drop the tasks running, with no event (a sweep stopped by its budget leaves the pool to
+        the next): their workers may finish them within ``grace_s`` seconds (and are free again),
+        else are killed then and replaced; starting a process anew (imports, a CUDA context) costs
+        more than most tasks left to finish."""
+        now = time.monotonic()
+        for worker in self.workers:
             if worker.task is not None:
-                worker.kill()
-                self.workers[index] = _Worker(self, index)
+                task, handed_out, timeout_s = worker.task
+                deadline = now + grace_s - handed_out
+                worker.task = (task, handed_out, deadline if timeout_s is None else min(timeout_s, deadline))
+                worker.abandoned = True
 
     def close(self) -> None:
         """Kill every worker (tasks still running are dropped)."""
