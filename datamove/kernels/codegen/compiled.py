@@ -164,16 +164,22 @@ class CompiledOperator:
 
     def warmup(self, dtype: torch.dtype, seeds: dict) -> None:
         """Compile for ``dtype`` inputs and outputs stored in the configured layouts, without
-        running anything: fills Triton's on-disk cache, so that a later ``run`` in any process on
-        the same GPU model only loads the binary (``harness.bench.Sweep`` compiles ahead in worker
-        processes this way).  ``seeds`` as for ``run`` (their values take part in specialisation)."""
+        running anything: fills Triton's on-disk cache with the kernels and their launchers (C
+        modules Triton builds with the host compiler at a signature's first launch, 0.28 s each on
+        an H200 host: most of a measuring process's build time when it made them, 2026-11-28), so
+        that a later ``run`` in any process on the same GPU model only loads them
+        (``harness.bench.Sweep`` compiles ahead in worker processes this way).  ``seeds`` as for
+        ``run`` (their values take part in specialisation)."""
         stored = {t: allocate(self.graph, t, self.config.layouts.get(t, self.graph.tensors[t].letters), dtype, "meta")
                   for t in self.loads}
         outputs = {t: allocate(self.graph, t, self.config.layouts[t], dtype, "meta")
                    for plan in self.plans for t in plan.outputs}
         for launch, args in self._arguments(stored, outputs, seeds):
-            launch.kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args), grid=launch.grid,
-                                 **launch.kwargs)
+            compiled = launch.kernel.warmup(*(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
+                                            grid=launch.grid, **launch.kwargs)
+            make_launcher = getattr(compiled, "_init_handles", None)  # Triton 3.x: launcher built, binary loaded
+            if callable(make_launcher):
+                make_launcher()
 
     def _arguments(self, tensors: dict, outputs: dict, seeds: dict) -> list[tuple]:
         """[(launcher, positional args)] of the launches on ``tensors`` -> ``outputs`` (the kernel,
