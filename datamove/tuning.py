@@ -40,6 +40,7 @@ MIN_COMPILE_WORKERS = 8
 COMPILE_WORKERS_PER_GPU = 12
 PRELOAD = ("datamove.harness.sweep_variants", "datamove.harness.contraction_variants",  # the variants' modules:
            "datamove.families.attention.variants", "datamove.harness.layout_change_variants")  # workers import them first
+FIRST_STAGE = "fused operators: every access pattern; GEMMs: first layout, cuBLAS and Triton"
 PLAN_SHARE = 0.25  # of the budget, kept from ``tune``'s sweeps for measuring what the plan chose (knobs of its layouts)
 CHOSEN_LAYOUT_CONFIGS = 3  # Triton configurations timed on the layouts a plan runs (``chosen_layout_configs``)
 COMPETITIVE = 1.02  # ... for GEMMs where the template came within this factor of cuBLAS on the first layout
@@ -256,8 +257,9 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     """Run the sweeps on ``fused`` (a ``dataflow.snapshot.FusedTraining``; ``spaces``: its fused
     operators' variants, ``fused_spaces``) into ``db``, the most
     decisive first so that a budget cut leaves the least to the cost model: every access pattern
-    of the fused operators; every GEMM through cuBLAS and ``first_configs`` Triton configurations
-    (``first_gemm_configs``) on its first layout, then cuBLAS on the others (``layouts`` of
+    of the fused operators and every GEMM through cuBLAS and ``first_configs`` Triton configurations
+    (``first_gemm_configs``) on its first layout, in one sweep (``FIRST_STAGE``), then cuBLAS on the
+    GEMMs' other layouts (``layouts`` of
     ``pick_layouts``; None: one per transposition pattern) with the heuristic's first algorithm, and the
     variants of each kernel family of ``datamove.families.GEMM_FAMILIES`` its pattern matches
     (grouped by the family's timing keywords; ``spec``: the spec's name); cuBLASLt's other
@@ -273,12 +275,12 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     fastest configurations of the first layout on every other, every knob of every access pattern."""
     dtype = parse_dtype(dtype).torch
     top, algorithm_layouts = (None, None) if exhaustive else (top, ALGORITHM_LAYOUTS)
-    tuner.measure([v for s in spaces for v in s.first_stage()], stage="fused operators: every access pattern")
-
     configs = first_gemm_configs(dtype, first_configs)
     gemms = training_gemms(fused)
     first = {g.name: gemm_variants(g, "cuda", dtype=dtype, layouts=1, first_configs=configs) for g in gemms}
-    tuner.measure([v for vs in first.values() for v in vs], stage="GEMMs: first layout, cuBLAS and Triton")
+    # one sweep: the GPUs time cuBLAS's GEMMs while the compile workers have no fused kernel ready
+    tuner.measure([v for s in spaces for v in s.first_stage()] + [v for vs in first.values() for v in vs],
+                  stage=FIRST_STAGE)
     later: dict[tuple, list] = {(): []}  # Tuner.measure's keywords -> the variants measured so
     deferred: dict[str, tuple] = {}  # GEMM -> (its variants timed, cuBLASLt's other algorithms on its other layouts)
     for g in gemms:

@@ -87,6 +87,21 @@ def test_sweep_records_checked_failed_and_resumes(tmp_path):
         assert time.monotonic() - started < 5
 
 
+def test_triton_gemms_compile_ahead_in_a_compile_worker(tmp_path):
+    """A Triton configuration's compile task builds it in a compile worker (cuBLAS has none); one
+    that cannot compile is recorded failed there, never built by a measuring process."""
+    gemm = {g.name: g for g in cv.training_gemms(_training())}["k_q"]
+    broken = GemmConfig(16, 32, 24, 1, 1, 4)  # BLOCK_K not a power of two
+    variants = cv.gemm_variants(gemm, DEVICE, layouts=1, first_configs=[valid_configs()[0], broken])
+    assert [v.compile_task() is None for v in variants] == [v.config is None for v in variants]
+    with TuningDB(tmp_path / "tuning.db") as db:
+        report = Sweep(db, variants, progress=False, compile_workers=1).run()
+        failed = db.query(status="failed")
+        assert report.compiling.tasks == 2 and report.counts["failed"] == 1
+        assert failed[0].key.knobs["block_k"] == 24 and failed[0].detail.startswith("compile: ")
+        assert len(db.query(status="ok" if report.measured else "checked")) == len(variants) - 1
+
+
 def test_attention_with_biases_is_checked_against_biased_inputs(tmp_path):
     """A biased attention case (``AttentionCase(bias=True)``: q + bq, k + bk, v + bv inside the
     kernels) has its own keys and passes the float64 check on the biased reference; a variant that
