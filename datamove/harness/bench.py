@@ -47,6 +47,10 @@ REASON_CHARS = 4000  # failure reasons (Triton compile errors can be long) are k
 # its inputs) keeps a GPU waiting: on 2 x H200 (32 cores, 24 compile workers) a variant's build took
 # 158 ms against 94 with one GPU and 12 workers (2026-11-28).
 COMPILE_NICENESS = 10
+# A sweep's timing of each variant (``time_cuda``): about 500 repetitions of a 20 us kernel with its
+# L2 flush.  At 25 and 100 ms, timing was 114 of a variant's 142 ms in a measuring process once
+# kernels and launchers were compiled ahead (H200, BERT-large's first sweep, 2026-11-28).
+SWEEP_WARMUP_MS, SWEEP_REP_MS = 10.0, 40.0
 TICK_S = 0.5  # a sweep looks at its budget, its workers and their deadlines at least this often
 SLOW_FACTOR = 20.0  # a run this many times slower than its operator's best so far is abandoned
 
@@ -498,8 +502,8 @@ class Sweep:
       the sweep's own, as many as it has tasks for up to ``compile_workers`` / ``processes``, ended with it.
     """
 
-    def __init__(self, db: TuningDB, variants: list, *, budget_s: float | None = None, warmup_ms: float = 25.0,
-                 rep_ms: float = 100.0, flush_l2: bool = True, cuda_graph: bool | None = None,
+    def __init__(self, db: TuningDB, variants: list, *, budget_s: float | None = None, warmup_ms: float = SWEEP_WARMUP_MS,
+                 rep_ms: float = SWEEP_REP_MS, flush_l2: bool = True, cuda_graph: bool | None = None,
                  progress: bool = True, console=None, compile_workers: int = 0, processes: int | None = None,
                  compile_timeout_s: float = 120.0, variant_timeout_s: float = 120.0,
                  slow_factor: float = SLOW_FACTOR, retry_failed: bool = False, pools: WorkerPools | None = None):
