@@ -91,7 +91,9 @@ def markdown(report: dict) -> str:
     base = next((r["throughput"]["per_s"] for r in runs if r["gpus"] == 1 and r.get("throughput")), None)
     plans_comparable = runs and all(r["rc"] == 0 and _stopped(r) == "finished" for r in runs)
     lines = [f"# The main job's tuning over several GPUs ({report['device']}, {report['date']})", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + "."
+             + (f" Host: {report['host']['gpus']} GPUs, {report['host']['cpu_cores']} CPU cores." if "host" in report else ""),
+             "",
              f"`{report['spec']}` at {report['dims']}, bf16, each GPU count from a new tuning database"
              + (f", budget {report['budget_s']:g} s" if report["budget_s"] is not None else "")
              + ". Measured: variants timed, failed or too slow; variants/s: measured over the seconds of the stages "
@@ -149,7 +151,8 @@ def main() -> int:
         print(f"--gpus {max(args.gpus)}: this host has {torch.cuda.device_count()} GPU(s)", file=sys.stderr)
         return 2
     report = {"date": utc_stamp(), "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(),
-              "versions": versions(), "spec": args.spec, "dims": args.dims, "budget_s": args.budget_s, "runs": []}
+              "versions": versions(), "host": {"gpus": torch.cuda.device_count(), "cpu_cores": os.cpu_count()},
+              "spec": args.spec, "dims": args.dims, "budget_s": args.budget_s, "runs": []}
     args.work.mkdir(parents=True, exist_ok=True)
     for gpus in args.gpus:
         report["runs"].append(run_count(args.work, args.spec, args.dims, gpus, args.budget_s))

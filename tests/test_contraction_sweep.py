@@ -88,16 +88,23 @@ def test_sweep_records_checked_failed_and_resumes(tmp_path):
 
 
 def test_triton_gemms_compile_ahead_in_a_compile_worker(tmp_path):
-    """A Triton configuration's compile task builds it in a compile worker (cuBLAS has none); one
-    that cannot compile is recorded failed there, never built by a measuring process."""
-    gemm = {g.name: g for g in cv.training_gemms(_training())}["k_q"]
+    """A Triton configuration's compile task builds it in a compile worker (cuBLAS has none), as a
+    fused epilogue's (its Triton kernel, or its consumer's generated one; not cuBLAS + eager);
+    one that cannot compile is recorded failed there, never built by a measuring process."""
+    training = _training()
+    gemms = {g.name: g for g in cv.training_gemms(training)}
     broken = GemmConfig(16, 32, 24, 1, 1, 4)  # BLOCK_K not a power of two
-    variants = cv.gemm_variants(gemm, DEVICE, layouts=1, first_configs=[valid_configs()[0], broken])
+    variants = cv.gemm_variants(gemms["k_q"], DEVICE, layouts=1, first_configs=[valid_configs()[0], broken])
     assert [v.compile_task() is None for v in variants] == [v.config is None for v in variants]
+    epilogue = fe.epilogue_of(training, gemms["w1_x1"])
+    consumers = fe.consumer_configurations(training, epilogue)[:1]
+    fused = fe.epilogue_variants(cv.Operands(gemms["w1_x1"], DEVICE), epilogue, valid_configs()[:1], consumers)
+    assert [v.compile_task() is None for v in fused] == [v.config is None and v.consumer is None for v in fused]
+    variants += fused
     with TuningDB(tmp_path / "tuning.db") as db:
         report = Sweep(db, variants, progress=False, compile_workers=1).run()
         failed = db.query(status="failed")
-        assert report.compiling.tasks == 2 and report.counts["failed"] == 1
+        assert report.compiling.tasks == 2 + len(fused) - 1 and report.counts["failed"] == 1
         assert failed[0].key.knobs["block_k"] == 24 and failed[0].detail.startswith("compile: ")
         assert len(db.query(status="ok" if report.measured else "checked")) == len(variants) - 1
 

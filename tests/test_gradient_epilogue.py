@@ -134,9 +134,10 @@ def test_variants_pass_the_float64_check_through_the_sweep(spec, joined, tmp_pat
     assert bool(ep.rest) == joined
     if ep.rest:  # the rest reads the GEMM's B operand (d_ffn) in B's layout
         assert {ge.rest_layouts(training, gemm, ep, pair)["d_ffn"] for pair in pairs} == {b for _, b in pairs}
-    with TuningDB(tmp_path / "tuning.db") as db:
-        report = Sweep(db, variants, progress=False).run()
+    with TuningDB(tmp_path / "tuning.db") as db:  # the joined case compiled ahead in a compile worker
+        report = Sweep(db, variants, progress=False, compile_workers=int(joined)).run()
         assert report.counts["wrong"] == 0 and report.counts["failed"] == 0
+        assert report.compiling.tasks == (len(variants) if joined else 0)
         records = db.query(op=ge.gradient_op(spec, training, gemm, ep))
         assert len(records) == len(variants)
         checked = {name for r in records for name in (ep.output, ep.summed, *(["d_b2"] if ep.rest else []))

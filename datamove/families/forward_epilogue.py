@@ -26,7 +26,7 @@ from datamove.dataflow.activations import PROBE, activation, evaluate
 from datamove.dtypes import parse as parse_dtype
 from datamove.families.base import (EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs, gemm_config_of,
                                     operator_named)
-from datamove.harness.contraction_variants import (Operands, TrainingGemm, _layout_key, config_knobs, epilogue_inputs,
+from datamove.harness.contraction_variants import (build_ahead, Operands, TrainingGemm, _layout_key, config_knobs, epilogue_inputs,
                                                    numel, runnable, same_call_layouts)
 from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge
 from datamove.harness.torch_eval import dropout_offsets, keep_mask_torch
@@ -169,6 +169,11 @@ class EpilogueVariant:
         self.bytes = operands.dtype.itemsize * (numel(c.a, gemm.sizes) + numel(c.b, gemm.sizes)
                                                 + numel(epilogue.bias_letters, gemm.sizes) + outputs * numel(c.out, gemm.sizes))
         self.tensors = None
+
+    def compile_task(self) -> tuple | None:
+        """Built ahead in a compile worker (``harness.contraction_variants.build_ahead``) where it compiles a kernel:
+        the fused Triton GEMM, or the consumer's generated kernel; None for cuBLAS + eager."""
+        return None if self.config is None and self.consumer is None else (build_ahead, (self,))
 
     @functools.cached_property
     def _keep(self) -> torch.Tensor | None:

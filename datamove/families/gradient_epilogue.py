@@ -38,7 +38,7 @@ from datamove.dataflow.executor import dropout_offsets
 from datamove.dtypes import parse as parse_dtype
 from datamove.families.base import (ConsumerOperands, EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs,
                                     gemm_config_of, operator_named)
-from datamove.harness.contraction_variants import (DTYPE, TrainingGemm, config_knobs, epilogue_inputs, numel,
+from datamove.harness.contraction_variants import (build_ahead, DTYPE, TrainingGemm, config_knobs, epilogue_inputs, numel,
                                                    runnable)
 from datamove.harness.sweep_variants import MASK_SEED, Verdict, judge, op_signature, tensor_bytes
 from datamove.kernels.codegen import allocate, compile_operator
@@ -175,6 +175,11 @@ class GradientVariant:
         self.knobs = config_knobs(config) | ({"rest": self.rest_config.key()} if self.rest_config else {})
         self.flop, self.bytes = gemm.flop, moved_bytes(training, gemm, epilogue, dtype.itemsize)
         self.tensors = None
+
+    def compile_task(self) -> tuple:
+        """Built ahead in a compile worker (``harness.contraction_variants.build_ahead``): the Triton GEMM with its
+        epilogue and the rest's generated kernel compile there."""
+        return build_ahead, (self,)
 
     def build(self) -> None:
         graph, ep = self.training.graph, self.epilogue

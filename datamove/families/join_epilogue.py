@@ -34,7 +34,7 @@ import torch
 from datamove.dtypes import parse as parse_dtype
 from datamove.families.base import (ConsumerOperands, EpilogueLaunch, GemmFamily, GemmSite, Tuning, epilogue_configs,
                                     gemm_config_of, operator_named)
-from datamove.harness.contraction_variants import (TrainingGemm, config_knobs, numel, pick_layouts, runnable,
+from datamove.harness.contraction_variants import (build_ahead, TrainingGemm, config_knobs, numel, pick_layouts, runnable,
                                                    same_call_layouts)
 from datamove.harness.sweep_variants import Verdict, judge, op_signature
 from datamove.kernels.codegen.compiled import load_module
@@ -197,6 +197,10 @@ class JoinVariant:
         self.knobs = {**config_knobs(config), "template": JOIN_TEMPLATE_ID}  # the join's kernel is gemm_join's too
         self.flop, self.bytes = gemm.flop, moved_bytes(join, product, dtype.itemsize)
         self.tensors = None
+
+    def compile_task(self) -> tuple:
+        """Built ahead in a compile worker (``harness.contraction_variants.build_ahead``): the joined kernel compiles there."""
+        return build_ahead, (self,)
 
     def build(self) -> None:
         join, ops = self.join, self.operands

@@ -168,6 +168,13 @@ class SharedTensors:
     def make(self) -> dict:
         raise NotImplementedError
 
+    @staticmethod
+    def release() -> None:
+        """Let the tensors kept go (those of the object used last)."""
+        if SharedTensors._active is not None:
+            SharedTensors._active._tensors = None
+            SharedTensors._active = None
+
     def tensors(self) -> dict:
         if SharedTensors._active is not self:
             if SharedTensors._active is not None:
@@ -265,7 +272,7 @@ class GemmVariant:
         measuring (``harness.bench.Sweep``; built there once: the template compiles at its first
         launch into Triton's disk cache, 0.4 s a configuration that a measuring process no longer
         spends); None through cuBLAS (nothing to compile)."""
-        return None if self.config is None else (_build_ahead, (self,))
+        return None if self.config is None else (build_ahead, (self,))
 
     def run(self) -> torch.Tensor:
         if self.direct is not None:
@@ -285,10 +292,17 @@ class GemmVariant:
         return Verdict(((self.operands.c.out, judge(out, t["baseline"], t["reference"])),))
 
 
-def _build_ahead(variant: GemmVariant) -> None:
-    variant.build()
-    if variant.operands.device.type == "cuda":
-        torch.cuda.synchronize()
+def build_ahead(variant) -> None:
+    """The compile task (``compile_task``) of a GEMM variant whose kernels compile at their first
+    launch (a Triton configuration, a fused epilogue, a join): built once in a compile worker (on
+    its GPU), which leaves them and their launchers in Triton's disk cache for the measuring
+    process to load; the operands it made are let go."""
+    try:
+        variant.build()
+        if variant.operands.device.type == "cuda":
+            torch.cuda.synchronize()
+    finally:
+        SharedTensors.release()
 
 
 def gemm_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | None = 3, first_configs=None,
