@@ -42,6 +42,45 @@ def test_matches_the_executor_with_dropout_and_without(tmp_path, spec, dims, pla
     check_against_executor(layer, {"x": None}, p=0.0)
 
 
+@pytest.mark.parametrize("spec,dims", [("bert", BERT_DIMS), ("gpt2", GPT2_DIMS)])
+def test_reusing_memory_changes_no_result_and_no_tensor_of_the_callers(tmp_path, spec, dims, monkeypatch):
+    """The torch backend writes maps into memory its run made and let go (``TorchProgram._run``):
+    bit for bit the results of fresh tensors everywhere, the caller's input untouched, and the
+    forward's kept tensors too (a second backward through ``retain_graph`` gives the same gradients)."""
+    from datamove.runtime.torch_program import TorchProgram
+
+    layer = load(write(tmp_path, spec, dims, selected_plan), backend="torch")
+    randomize(layer, 1)
+    face = layer.interface
+    x = torch.randn(layer.program(True).shape(face.activations[0], face.torch_order[face.activations[0]]),
+                    generator=torch.Generator().manual_seed(5), requires_grad=True)
+    before = x.detach().clone()
+    taken = []
+    buffer = TorchProgram._buffer
+
+    def counted(self, *args):
+        found = buffer(self, *args)
+        taken.append(found[0] is not None)
+        return found
+
+    def run():
+        torch.manual_seed(11)
+        out = layer(x)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+        first = torch.autograd.grad(out, [x, *layer.parameters()], grad, retain_graph=True)
+        second = torch.autograd.grad(out, [x, *layer.parameters()], grad)
+        return out.detach(), first, second
+
+    monkeypatch.setattr(TorchProgram, "_buffer", counted)
+    out, first, second = run()
+    assert sum(taken) >= 4  # memory was reused, in the forward and the backward
+    assert torch.equal(x.detach(), before)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    monkeypatch.setattr(TorchProgram, "_buffer", lambda self, *args: (None, False))  # every tensor fresh
+    fresh_out, fresh, _ = run()
+    assert torch.equal(out, fresh_out) and all(torch.equal(a, b) for a, b in zip(first, fresh))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU, as the user's")
 @pytest.mark.parametrize("spec", CASES)
 def test_a_bf16_artifact_runs_as_a_user_runs_it(tmp_path, spec):

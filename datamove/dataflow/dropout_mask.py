@@ -30,6 +30,7 @@ DECISIONS_PER_CALL = 16  # keep decisions drawn from one Philox-4x32-10 call (it
 DECISION_GROUP = 64  # counters 64 G .. 64 G + 63: calls 4 G .. 4 G + 3
 CALLS_PER_GROUP = DECISION_GROUP // DECISIONS_PER_CALL
 DECISION_LEVELS = 1 << 8  # each decision compares an 8-bit value
+CHUNK_GROUPS = 4096  # groups drawn at a time: BERT-large's attention mask (33.5M) 0.15 s against 0.42 at once (2 cores)
 _KEY_A = np.uint32(0x9E3779B9)
 _KEY_B = np.uint32(0xBB67AE85)
 _ROUND_A = np.uint64(0xD2511F53)
@@ -93,10 +94,16 @@ def decision_values(seed: int, offset: int, shape: tuple[int, ...]) -> np.ndarra
         return np.zeros(shape, dtype=np.uint8)
     if offset % DECISION_GROUP == 0:  # whole groups: the bytes are a fixed permutation of each group's calls
         groups = -(-n // DECISION_GROUP)
-        calls = offset // DECISION_GROUP * CALLS_PER_GROUP + np.arange(groups * CALLS_PER_GROUP, dtype=np.int64)
-        # call 4 G + t, byte 2 i + e -> element 8 i + 2 t + e of group G
-        call_bytes = philox_words(seed, calls).astype("<u4").view(np.uint8).reshape(groups, CALLS_PER_GROUP, 8, 2)
-        return call_bytes.transpose(0, 2, 1, 3).reshape(-1)[:n].reshape(shape)
+        first = offset // DECISION_GROUP * CALLS_PER_GROUP
+        values = np.empty(groups * DECISION_GROUP, dtype=np.uint8)
+        for start in range(0, groups, CHUNK_GROUPS):  # a working set in cache, not arrays of every call
+            stop = min(groups, start + CHUNK_GROUPS)
+            calls = first + np.arange(start * CALLS_PER_GROUP, stop * CALLS_PER_GROUP, dtype=np.int64)
+            # call 4 G + t, byte 2 i + e -> element 8 i + 2 t + e of group G
+            call_bytes = philox_words(seed, calls).astype("<u4").view(np.uint8).reshape(-1, CALLS_PER_GROUP, 8, 2)
+            values[start * DECISION_GROUP:stop * DECISION_GROUP].reshape(-1, 8, CALLS_PER_GROUP, 2)[...] = \
+                call_bytes.transpose(0, 2, 1, 3)
+        return values[:n].reshape(shape)
     g = offset + np.arange(n, dtype=np.int64)
     call, byte = call_and_byte(g)
     first = call.min()

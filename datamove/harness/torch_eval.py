@@ -29,6 +29,7 @@ import triton.language as tl
 
 from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
 from datamove.dataflow.executor import dropout_offsets, known_value, tensor_shape
+from datamove.dataflow.expression import Binary, Call
 from datamove.dataflow.shuffle import shuffle_of
 from datamove.kernels.philox import dropout_keep, keep_threshold
 
@@ -94,11 +95,35 @@ def _aligned(value: torch.Tensor, letters: str, target: str) -> torch.Tensor:
     return value.reshape([value.shape[order.index(l)] if l in letters else 1 for l in target])
 
 
-def map_value(graph, prim, arrays: list, dtype) -> torch.Tensor:
-    """Evaluate map ``prim`` on ``arrays`` (its operands, spec order): a tensor over its output letters."""
+_INTO = {"+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div}  # a root operation that can write into a buffer
+_INTO_CALLS = {"exp": torch.exp}
+
+
+def _evaluate_into(expression, aligned: list, names: dict, into: torch.Tensor):
+    """``expression`` evaluated with its outermost operation writing into ``into`` (a buffer of the
+    output's shape and dtype that nothing reads afterwards, possibly one of ``aligned``), or None
+    where that operation cannot (its first operand not a tensor, or another operation)."""
+    if isinstance(expression, Binary) and expression.op in _INTO:
+        left, right = (side.evaluate(aligned, names, FUNCTIONS) for side in (expression.left, expression.right))
+        if isinstance(left, torch.Tensor) and torch.result_type(left, right) == into.dtype:
+            return _INTO[expression.op](left, right, out=into)
+    if isinstance(expression, Call) and expression.function in _INTO_CALLS and len(expression.args) == 1:
+        arg = expression.args[0].evaluate(aligned, names, FUNCTIONS)
+        if isinstance(arg, torch.Tensor) and arg.dtype == into.dtype:
+            return _INTO_CALLS[expression.function](arg, out=into)
+    return None
+
+
+def map_value(graph, prim, arrays: list, dtype, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Evaluate map ``prim`` on ``arrays`` (its operands, spec order): a tensor over its output
+    letters.  ``into``: a contiguous ``dtype`` buffer over the output letters that nothing reads
+    afterwards (it may be an operand), which the result is written into where the expression's
+    outermost operation allows (the CPU layer's working set: fewer fresh large tensors)."""
     out = prim.output.letters
     aligned = [_aligned(array, operand.letters, out) for operand, array in zip(prim.inputs, arrays)]
-    result = prim.expression.evaluate(aligned, graph.scalars(), FUNCTIONS)
+    result = None if into is None else _evaluate_into(prim.expression, aligned, graph.scalars(), into)
+    if result is None:
+        result = prim.expression.evaluate(aligned, graph.scalars(), FUNCTIONS)
     shape = [graph.dim_values[graph.letter_dims[l]] for l in out]
     device = arrays[0].device if arrays else "cpu"
     if not isinstance(result, torch.Tensor):
@@ -116,9 +141,11 @@ def reduce_value(prim, array: torch.Tensor) -> torch.Tensor:
     return result.permute([kept.index(l) for l in out])
 
 
-def run_primitive(graph, prim, values: dict, dtype, exact: frozenset = frozenset()) -> torch.Tensor:
+def run_primitive(graph, prim, values: dict, dtype, exact: frozenset = frozenset(),
+                  into: torch.Tensor | None = None) -> torch.Tensor:
     """The output of ``prim`` (over its output letters) from ``values`` (tensor -> spec-order
-    tensor, cast to ``dtype`` except the tensors named in ``exact``)."""
+    tensor, cast to ``dtype`` except the tensors named in ``exact``); a map's into ``into`` where
+    it can (``map_value``)."""
     arrays = []
     for operand in prim.inputs:
         if operand.tensor not in values:
@@ -130,7 +157,7 @@ def run_primitive(graph, prim, values: dict, dtype, exact: frozenset = frozenset
     if prim.kind == "reduce":
         return reduce_value(prim, arrays[0])
     if prim.kind == "map":
-        return map_value(graph, prim, arrays, dtype)
+        return map_value(graph, prim, arrays, dtype, into)
     raise ValueError(f"{prim.name}: unknown primitive kind {prim.kind!r}")
 
 

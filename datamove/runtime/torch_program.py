@@ -29,6 +29,23 @@ from datamove.harness.torch_eval import run_primitive
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 
 
+def _dead_after(primitives: list, needed: set) -> list[tuple[str, ...]]:
+    """Per primitive, the tensors it reads or writes that no later one reads and ``needed`` (read
+    after the run) does not hold."""
+    drops, later = [], set(needed)
+    for prim in reversed(primitives):
+        touched = [o.tensor for o in prim.inputs] + [prim.output.tensor]
+        drops.append(tuple(dict.fromkeys(t for t in touched if t not in later)))
+        later.update(o.tensor for o in prim.inputs)
+    return drops[::-1]
+
+
+def _shared(value: torch.Tensor, env: dict, name: str | None = None) -> bool:
+    """Whether a tensor of ``env`` (other than ``name``) shares ``value``'s memory."""
+    storage = value.untyped_storage().data_ptr()
+    return any(k != name and v is not None and v.untyped_storage().data_ptr() == storage for k, v in env.items())
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the primitives compute in for a layer of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -60,6 +77,8 @@ class TorchProgram:
                     kept.append(t)
             written.add(prim.output.tensor)
         self.kept = kept
+        self._forward_drops = _dead_after(self.forward_primitives, set(face.outputs) | set(kept))
+        self._backward_drops = _dead_after(self.backward_primitives, set(face.input_grads.values()))
         self.torch_shapes = {t: self.shape(t, order) for t, order in face.torch_order.items()}
         self._to_spec_axes = {t: [order.index(x) for x in graph.tensors[t].letters] for t, order in face.torch_order.items()}
         self.scores = self._scores(plan)
@@ -96,22 +115,53 @@ class TorchProgram:
         """A dropout tensor's multipliers (0 or ``dropout_scale(p)``; ones where ``p`` is 0)."""
         if keep is None:
             return torch.ones((), dtype=self.compute, device=self.device).expand(self.shape(name))
-        return keep.to(self.compute) * dropout_scale(self.graph.tensors[name].p)
+        return keep.to(self.compute).mul_(dropout_scale(self.graph.tensors[name].p))
 
-    def _run(self, primitives, env: dict, keeps: dict, key_padding_mask: torch.Tensor | None = None) -> dict:
-        """Evaluate ``primitives`` in order on ``env`` (spec-order tensors in the compute dtype)."""
-        for prim in primitives:
+    def _run(self, primitives, drops: list, env: dict, keeps: dict, key_padding_mask: torch.Tensor | None = None) -> dict:
+        """Evaluate ``primitives`` in order on ``env`` (spec-order tensors in the compute dtype),
+        letting go of each tensor nothing reads later (``drops[n]``: after primitive ``n``).  A
+        map writes into the memory of a tensor this run made and let go (or of its own operand
+        that dies with it) where its shape allows (``harness.torch_eval.map_value``'s ``into``):
+        large tensors are fresh memory less often (on a 2-core VM a fresh 134 MB tensor cost up to
+        0.2 s of page faults).  Tensors from outside (the caller's, the forward's kept ones) are
+        never written."""
+        made: set[str] = set()  # tensors this run wrote (or a dropout multiplier it made)
+        free: dict[tuple, list] = {}  # (shape, dtype) -> contiguous tensors let go, nothing else sharing them
+        for prim, dead in zip(primitives, drops):
             for operand in prim.inputs:
                 if operand.tensor not in env:  # a dropout mask, first read
                     env[operand.tensor] = self._multiplier(operand.tensor, keeps.get(operand.tensor))
-            value = run_primitive(self.graph, prim, env, self.compute)
+                    made.add(operand.tensor)
+            into, pooled = self._buffer(prim, dead, env, made, free) if prim.kind == "map" else (None, False)
+            value = run_primitive(self.graph, prim, env, self.compute, into=into)
+            if pooled and value.data_ptr() != into.data_ptr():
+                free[(tuple(into.shape), into.dtype)].append(into)  # not written: back to the pool
             if key_padding_mask is not None and self.scores and prim.output.tensor == self.scores[0]:
                 _, batch, keys = self.scores
                 shape = [1] * value.dim()
                 shape[batch], shape[keys] = key_padding_mask.shape
                 value = value.masked_fill(key_padding_mask.view(shape), torch.finfo(self.compute).min)
             env[prim.output.tensor] = value.contiguous()
+            made.add(prim.output.tensor)
+            for t in dead:
+                value = env.pop(t, None)
+                if t in made and value is not None and value.is_contiguous() and not _shared(value, env):
+                    free.setdefault((tuple(value.shape), value.dtype), []).append(value)
         return env
+
+    def _buffer(self, prim, dead: tuple, env: dict, made: set, free: dict) -> tuple[torch.Tensor | None, bool]:
+        """(memory for ``prim``'s output, whether it came from ``free``): an operand that this run
+        made and that dies with ``prim``, read over the output's letters wherever ``prim`` reads it
+        (nothing else sharing it), else a tensor let go before of the output's shape, else None (fresh)."""
+        shape = self.shape(prim.output.tensor)
+        for t in dict.fromkeys(o.tensor for o in prim.inputs):
+            value = env.get(t)
+            if (t in dead and t in made and all(o.letters == prim.output.letters for o in prim.inputs if o.tensor == t)
+                    and value.is_contiguous() and tuple(value.shape) == shape and value.dtype == self.compute
+                    and not _shared(value, env, t)):
+                return value, False
+        pool = free.get((shape, self.compute))
+        return (pool.pop(), True) if pool else (None, False)
 
     def _inputs(self, inputs: list[torch.Tensor]) -> dict:
         """The activations (PyTorch order), parameters and constants as spec-order compute-dtype tensors."""
@@ -136,7 +186,7 @@ class TorchProgram:
                                "a CUDA graph capture; capture the layer with its kernels (backend='kernels')")
         env = self._inputs(inputs)
         keeps = self._masks(int(run.seed))
-        self._run(self.forward_primitives, env, keeps, run.key_padding_mask)
+        self._run(self.forward_primitives, self._forward_drops, env, keeps, run.key_padding_mask)
         outputs = [self._leaving(t, env[t]) for t in self.interface.outputs]
         nothing_dropped = torch.empty(0, dtype=torch.bool, device=self.device)  # a kept mask of probability 0
         kept = [keeps[t] if t in keeps else nothing_dropped if self.graph.tensors[t].role == "dropout" else env[t]
@@ -159,7 +209,7 @@ class TorchProgram:
                 env[t] = value
         for t, grad in zip(face.outputs, grads):
             env[face.grad_outputs[t]] = grad.permute(self._to_spec_axes[t]).to(self.compute)
-        self._run(self.backward_primitives, env, keeps)
+        self._run(self.backward_primitives, self._backward_drops, env, keeps)
         return [self._leaving(t, env[face.input_grads[t]]) if t in face.activations
                 else env[face.input_grads[t]].to(self.dtype) for t in face.activations + face.parameters]
 
