@@ -102,8 +102,9 @@ def attention_setups(fused, dtype: Precision | str) -> list[dict]:
 
 
 def run_job(o: JobOptions) -> int:
-    """The job (the module doc); on a GPU the tuning's worker processes start first and get ready
-    (imports, CUDA contexts: seconds) during the analysis and fusion, and end with the tuning."""
+    """The job (the module doc); on a GPU the tuning's measuring processes start first and get
+    ready (imports, CUDA contexts: seconds) during the analysis and fusion; the tuning's processes
+    end with it."""
     from datamove.kernels.device import DeviceFacts, query_device
     from datamove.kernels.interpreter import interpreted
 

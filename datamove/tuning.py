@@ -170,7 +170,8 @@ def tuning_pools(gpus: int | None = None, compile_workers: int | None = None) ->
     """The worker processes of a tuning (``harness.bench.WorkerPools``, not started): a measuring
     process per GPU (``gpus``: the first that many; None: every GPU of the model of GPU 0) and
     ``compile_workers`` (None: ``default_compile_workers``), importing ``PRELOAD`` as they start on
-    a GPU.  The main job starts them before its analysis, so they are ready by its first sweep."""
+    a GPU.  The main job starts the measuring processes before its analysis, so they are ready by
+    its first sweep."""
     probe = Sweep(None, [], progress=False, processes=gpus)
     workers = default_compile_workers(probe.processes) if compile_workers is None else compile_workers
     return WorkerPools(workers, probe.processes, probe.measured, probe._env, preload=PRELOAD if probe.measured else ())

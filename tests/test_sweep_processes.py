@@ -162,6 +162,23 @@ def test_sweeps_sharing_worker_pools_reuse_their_processes_and_drop_a_stopped_sw
     assert not any(process.is_alive() for process in processes)
 
 
+def test_started_pools_have_measuring_processes_and_compile_workers_come_with_a_compile(tmp_path):
+    """``WorkerPools.start()`` (the job, before its analysis): measuring processes only; a sweep the
+    database answers starts no compile worker; the first sweep with something to compile does."""
+    log = tmp_path / "builds.log"
+    pools = WorkerPools(compile_workers=1, processes=2, measured=False, env=lambda index: {}).start()
+    try:
+        assert pools.compiler is None and len(pools.measurers.workers) == 2
+        with TuningDB(tmp_path / "t.db") as db:
+            sweep(db, [FakeVariant("a", log)], processes=2, pools=pools)
+            again, _ = sweep(db, [FakeVariant("a", log, compile="ok")], processes=2, compile_workers=1, pools=pools)
+            assert again.counts["skipped"] == 1 and pools.compiler is None
+            compiled, _ = sweep(db, [FakeVariant("b", log, compile="ok")], processes=2, compile_workers=1, pools=pools)
+            assert compiled.counts["checked"] == 1 and compiled.compiling.tasks == 1 and len(pools.compiler.workers) == 1
+    finally:
+        pools.close()
+
+
 SWEEP = textwrap.dedent("""
     import sys
     from fake_variants import FakeVariant

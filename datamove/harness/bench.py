@@ -422,10 +422,11 @@ class WorkerPools:
     """The compile workers and measuring processes of a series of sweeps (a job's tuning: ``Sweep(pools=)``),
     kept from one sweep to the next, so that a sweep does not wait for processes to start, import
     and make a CUDA context (seconds each, the most of a short sweep): ``compile_workers`` and
-    ``processes`` of them, worker ``i`` with ``env(i)`` in its environment; ``start()`` starts both
-    pools at once (each otherwise starts on first use), their processes importing the modules named
-    in ``preload`` (and a measuring process making its CUDA context) before their first task;
-    ``close()`` ends them.  A sweep that stops with tasks in flight abandons them
+    ``processes`` of them, worker ``i`` with ``env(i)`` in its environment, importing the modules
+    named in ``preload`` (and a measuring process making its CUDA context) before its first task.
+    The compile workers start with the first sweep that has something to compile (its measuring
+    processes meanwhile time what needs no compiling), the measuring processes then too or at
+    ``start()``; ``close()`` ends them.  A sweep that stops with tasks in flight abandons them
     (``harness.workers.Pool.abandon``: finished within ``abandon_grace_s``, or their process replaced)."""
 
     def __init__(self, compile_workers: int, processes: int, measured: bool, env, preload: tuple = (),
@@ -437,9 +438,8 @@ class WorkerPools:
         self.sweeps = itertools.count()  # each sweep's number, telling a measuring process to load its variants
 
     def start(self) -> WorkerPools:
-        """Start both pools now (the processes get ready while the caller goes on)."""
-        if self.compile_workers:
-            self.compiling()
+        """Start the measuring processes now (they get ready while the caller goes on; a job whose
+        sweeps the database answers whole starts nothing more)."""
         if self.processes:
             self.measuring()
         return self
