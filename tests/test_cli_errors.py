@@ -71,6 +71,20 @@ def test_a_bad_option_is_one_line_before_the_analysis(tmp_path, capsys, no_long_
     assert says in one_line_error(capsys)
 
 
+def test_more_gpus_than_the_host_has_is_one_line(tmp_path, capsys, no_long_stages, monkeypatch):
+    """``--gpus 4`` on a host of two H200s (the device query stood in for): refused before the analysis."""
+    import dataclasses
+
+    from datamove.kernels import device
+
+    fields = {f.name: 1 for f in dataclasses.fields(device.DeviceFacts)}
+    facts = device.DeviceFacts(**{**fields, "index": 0, "name": "NVIDIA H200", "compute_capability": (9, 0)})
+    monkeypatch.setattr(device, "query_device", lambda index=0: facts)
+    monkeypatch.setattr("datamove.harness.bench.gpu_ids", lambda name: ["0", "1"])
+    assert main([BERT, "--gpus", "4", "--out", str(tmp_path / "bert")]) == 2
+    assert "--gpus 4: this host has 2 NVIDIA H200 GPU(s) to measure on; give at most 2" in one_line_error(capsys)
+
+
 def test_an_analysis_json_under_a_file_is_one_line(tmp_path, capsys, no_long_stages):
     (tmp_path / "f").write_text("")
     assert main([BERT, "--analyze", "--json", str(tmp_path / "f" / "a.json")]) == 2
