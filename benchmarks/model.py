@@ -19,7 +19,9 @@ the other in one run:
   (``datamove.hf.replace_bert_layers`` / ``replace_llama_layers``), its own CUDA graphs on (the default);
 - ``datamove-plain``: the same with ``cuda_graphs=False`` (every kernel launched on every call);
 - ``hf-sdpa``: the model untouched;
-- ``compile``: ``torch.compile(model)`` (default mode);
+- ``compile``: ``torch.compile(model)`` (default mode); ``compile-reduce-overhead``: with CUDA graphs
+  (``mode="reduce-overhead"``, compile's best mode for wall time), each step starting with
+  ``torch.compiler.cudagraph_mark_step_begin()``;
 - Llama only, made last (Liger-Kernel patches HF's module): ``liger``, HF's model with Liger's
   RMSNorm, SwiGLU and RoPE (``benchmarks/layer.py``'s ``apply_liger``), and ``liger+compile``,
   ``torch.compile`` of it.
@@ -49,8 +51,9 @@ from datamove.kernels.device import versions
 
 WARMUP, STEPS, ROUNDS, PROFILED, BATCHES = 4, 10, 3, 5, 4
 TAGS = 7
-MODELS = {"bert": ("datamove", "datamove-plain", "hf-sdpa", "compile"),
-          "llama": ("datamove", "datamove-plain", "hf-sdpa", "compile", "liger", "liger+compile")}
+MODELS = {"bert": ("datamove", "datamove-plain", "hf-sdpa", "compile", "compile-reduce-overhead"),
+          "llama": ("datamove", "datamove-plain", "hf-sdpa", "compile", "compile-reduce-overhead", "liger",
+                    "liger+compile")}
 LAYERS = {"bert": 24, "llama": 16}  # --layers' default per spec
 TITLES = {"bert": "BertModel", "llama": "LlamaModel"}
 SETTINGS = {"bert": "dropout 0.1",  # the Markdown's description of a case
@@ -102,6 +105,8 @@ def build(name: str, artifact: Path, manifest: dict, layers: int, dtype: torch.d
             replace(model, artifact, allow_mismatch=True, cuda_graphs=name == "datamove")
     elif name.endswith("compile"):
         model = torch.compile(model)
+    elif name == "compile-reduce-overhead":
+        model = torch.compile(model, mode="reduce-overhead")
     return model, vocab
 
 
@@ -123,15 +128,17 @@ class Trainer:
     """``model`` + a tagging head (``hidden`` features in) + AdamW; ``step()`` is one training step on
     the next batch and returns its loss."""
 
-    def __init__(self, model, batches: list[tuple], hidden: int, dtype: torch.dtype, device):
+    def __init__(self, model, batches: list[tuple], hidden: int, dtype: torch.dtype, device, graphed: bool = False):
         torch.manual_seed(2)
-        self.model, self.batches, self.n = model, batches, 0
+        self.model, self.batches, self.n, self.graphed = model, batches, 0, graphed
         self.head = torch.nn.Linear(hidden, TAGS, device=device, dtype=dtype)
         self.optimizer = torch.optim.AdamW(list(model.parameters()) + list(self.head.parameters()), lr=1e-5)
 
     def step(self) -> torch.Tensor:
         ids, mask, tags = self.batches[self.n % len(self.batches)]
         self.n += 1
+        if self.graphed:  # compile's CUDA graphs: the previous step's outputs are not read again
+            torch.compiler.cudagraph_mark_step_begin()
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         logits = self.head(hidden).float()
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tags.flatten(), reduction="none")
@@ -194,7 +201,7 @@ def run_case(artifact: Path, layers: int, batch: int | None, models: list[str] |
         try:
             model, vocab = build(name, artifact, manifest, layers, dtype, "cuda", initial_weights)
             rows[name] = measure(name, Trainer(model, batches(dims, vocab, "cuda"), model.config.hidden_size, dtype,
-                                               "cuda"))
+                                               "cuda", graphed=name == "compile-reduce-overhead"))
         except Exception as exc:  # noqa: BLE001 - one failing model is reported, the rest go on
             rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             print(f"  {name}: {rows[name]['error']}", file=sys.stderr)
