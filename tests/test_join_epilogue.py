@@ -80,8 +80,12 @@ def test_every_variant_passes_its_check(llama, pattern):
     variants = join_variants("llama", llama, gemm, join, valid_configs(torch.float32), "cpu", torch.float32)
     assert variants
     compile_ahead, args = variants[0].compile_task()  # what a compile worker runs: built once, operands let go
+    made = []
+    make = variants[0].operands.make
+    variants[0].operands.make = lambda: made.append(make()) or made[-1]
     compile_ahead(*args)
-    assert variants[0].operands._tensors is None
+    del variants[0].operands.make
+    assert variants[0].operands._tensors is None and list(made[0]) == ["values"]  # no float64 reference made
     for variant in variants[:3]:
         variant.build()
         verdict = variant.check()

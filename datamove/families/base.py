@@ -154,9 +154,12 @@ class ConsumerOperands(SharedTensors):
         return [*ops[self.gemm.name].primitives, *ops[self.epilogue.consumer].primitives]
 
     def make(self) -> dict:
-        """{"values" (float64 inputs by tensor name), "reference" (float64), "baseline" (``dtype``)}."""
+        """{"values" (float64 inputs by tensor name), "reference" (float64), "baseline" (``dtype``)};
+        the first only with ``inputs_only``."""
         graph, prims = self.training.graph, self.primitives()
         values = graph_inputs(graph, prims, self.seed, self.device, torch.float64, MASK_SEED)
+        if self.inputs_only:
+            return {"values": values}
         return {"values": values, "reference": evaluate(graph, prims, values),
                 "baseline": evaluate(graph, prims, {t: v.to(self.dtype) for t, v in values.items()}, self.dtype)}
 
