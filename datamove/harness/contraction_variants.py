@@ -309,6 +309,8 @@ def build_ahead(variant) -> None:
     finally:
         SharedTensors.release()
         del variant.operands.inputs_only
+        if variant.operands.device.type == "cuda":
+            torch.cuda.empty_cache()  # a dozen workers a GPU hold no operands between tasks
 
 
 def gemm_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | None = 3, first_configs=None,
