@@ -312,9 +312,20 @@ def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_
     monkeypatch.setattr(bench, "measure_ceilings", lambda db: Ceilings(facts.name, 3e12, 8e14, {}, {}, 0.0))
     tuned, queries, tuners = [], [], []
 
+    class Pools:  # the worker processes, started before the analysis
+        def __init__(self, gpus=None):
+            self.events = []
+
+        def start(self):
+            self.events.append("started")
+            return self
+
+        def close(self):
+            self.events.append("closed")
+
     class Tuner:
         def __init__(self, db, **options):
-            self.gpus, self.report, self.closed = 1, tuning.TuningReport(), False
+            self.gpus, self.report, self.closed, self.pools = 1, tuning.TuningReport(), False, options["pools"]
             tuners.append(self)
 
         def close(self):
@@ -329,6 +340,7 @@ def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_
     query = TuningDB.query
     monkeypatch.setattr(TuningDB, "query", lambda self, **kw: queries.append(kw) or query(self, **kw))
     monkeypatch.setattr(tuning, "Tuner", Tuner)
+    monkeypatch.setattr(tuning, "tuning_pools", Pools)
     monkeypatch.setattr(tuning, "tune", tune)
     monkeypatch.setattr(tuning, "tune_chosen", lambda tuner, spaces, plan: 0)
     monkeypatch.setattr(tuning, "measure_layout_changes", lambda tuner, graph, wanted, dtype: 0)
@@ -338,6 +350,7 @@ def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_
     assert main(["configs/bert.py", "--dims", dims + ",L=64|32", "--out", str(out), "--db", str(tmp_path / "t.db")]) == 0
     assert [(d["L"], dtype) for d, dtype, _ in tuned] == [(64, torch.bfloat16), (32, torch.bfloat16)]
     assert [t.closed for t in tuners] == [True]  # the sweeps' worker processes ended with the tuning
+    assert tuners[0].pools.events[:1] == ["started"] and tuners[0].pools.events[-1] == "closed"  # and with the job
     assert all(n > 0 for _, _, n in tuned)  # the fused attention's setups go to each sweep
     assert len(queries) >= 4 and all(q["device"] == facts.name and q["dtype"] == "bfloat16" for q in queries)
     manifest = json.loads((out / "manifest.json").read_text())
