@@ -179,6 +179,22 @@ def test_started_pools_have_measuring_processes_and_compile_workers_come_with_a_
         pools.close()
 
 
+def test_a_workspace_too_large_to_keep_stays_with_its_object(monkeypatch):
+    """Values over ``KEPT_SHARE`` of the GPU's memory (Llama-8B's float64 graph on an H100) are not
+    kept for the process between sweeps: they stay with the workspace object and do not travel."""
+    from datamove.dataflow import snapshot
+    from datamove.harness import sweep_variants as sv
+
+    monkeypatch.setattr(sv, "_keepable", lambda values, device: False)
+    training = snapshot.stored_fused()["bert"].with_dims(dict(B=2, L=5, N=12, H=3, P=4, U=7))
+    ws = sv.sweep_variants("bert", training, "cpu", dtype=torch.float32, limit_configs=1)[0][0].variants()[0].ws
+    sv._VALUES.clear()
+    values = ws.values
+    assert ws.values is values and not sv._VALUES and ws._values is values
+    copy = pickle.loads(pickle.dumps(ws))
+    assert "_values" not in copy.__dict__ and copy.values is not values
+
+
 SWEEP = textwrap.dedent("""
     import sys
     from fake_variants import FakeVariant

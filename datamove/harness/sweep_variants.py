@@ -112,6 +112,15 @@ class Verdict:
 
 
 _VALUES: dict[str, dict] = {}  # Workspace.token -> its float64 values (the last workspace's, in this process)
+KEPT_SHARE = 0.25  # of a GPU's memory, the most a workspace's values hold between sweeps (Llama-8B's: more)
+
+
+def _keepable(values: dict, device: torch.device) -> bool:
+    """Whether ``values`` may stay in this process between sweeps (``KEPT_SHARE``; on the CPU: always)."""
+    if device.type != "cuda":
+        return True
+    held = sum(t.numel() * t.element_size() for t in values.values())
+    return held <= KEPT_SHARE * torch.cuda.get_device_properties(device).total_memory
 
 
 class Workspace:
@@ -131,17 +140,23 @@ class Workspace:
 
     def __getstate__(self) -> dict:
         """Pickled (for a measuring process) without what it holds: rebuilt there on first use."""
-        return {**self.__dict__, "_active": None, "_baselines": {}}
+        return {k: v for k, v in self.__dict__.items() if k != "_values"} | {"_active": None, "_baselines": {}}
 
     @property
     def values(self) -> dict:
-        """Float64 value of every tensor of the training graph, evaluated once per process (``_VALUES``:
-        a measuring process keeps them from one sweep's copy of this workspace to the next's)."""
-        if self.token not in _VALUES:
+        """Float64 value of every tensor of the training graph, evaluated on first use; kept for the
+        process (``_VALUES``: a measuring process then finds them in the next sweep's copy of this
+        workspace, through the other sweeps between) where they take at most ``KEPT_SHARE`` of the
+        device's memory, else with this object only."""
+        held = _VALUES.get(self.token, self.__dict__.get("_values"))
+        if held is None:
             _VALUES.clear()  # one workspace's at a time: the previous one's memory first
-            _VALUES[self.token] = evaluate_training_graph(self.graph, self.training.operators, self.seed, self.device,
-                                                          self.mask_seed)
-        return _VALUES[self.token]
+            held = evaluate_training_graph(self.graph, self.training.operators, self.seed, self.device, self.mask_seed)
+            if _keepable(held, self.device):
+                _VALUES[self.token] = held
+            else:
+                self._values = held
+        return held
 
     def baseline(self, op) -> dict:
         """``op``'s primitives in ``dtype`` on its inputs rounded to ``dtype`` (and its shuffles' constants,
