@@ -178,8 +178,7 @@ class SharedTensors:
 
     def tensors(self) -> dict:
         if SharedTensors._active is not self:
-            if SharedTensors._active is not None:
-                SharedTensors._active._tensors = None
+            SharedTensors.release()
             SharedTensors._active = self
         if self._tensors is None:
             self._tensors = self.make()
@@ -301,15 +300,16 @@ def build_ahead(variant) -> None:
     its GPU), which leaves them and their launchers in Triton's disk cache for the measuring
     process to load: its inputs only (``SharedTensors.inputs_only``: the GPU the worker shares with
     a measuring process computes no float64 reference), let go afterwards."""
+    on_gpu = variant.operands.device.type == "cuda"
     variant.operands.inputs_only = True
     try:
         variant.build()
-        if variant.operands.device.type == "cuda":
+        if on_gpu:
             torch.cuda.synchronize()
     finally:
         SharedTensors.release()
         del variant.operands.inputs_only
-        if variant.operands.device.type == "cuda":
+        if on_gpu:
             torch.cuda.empty_cache()  # a dozen workers a GPU hold no operands between tasks
 
 

@@ -46,6 +46,11 @@ def _shared(value: torch.Tensor, env: dict, name: str | None = None) -> bool:
     return any(k != name and v is not None and v.untyped_storage().data_ptr() == storage for k, v in env.items())
 
 
+def _let_go(free: dict, value: torch.Tensor) -> None:
+    """``value`` into the pool ``free`` ((shape, dtype) -> tensors whose memory a map may write)."""
+    free.setdefault((tuple(value.shape), value.dtype), []).append(value)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the primitives compute in for a layer of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -135,7 +140,7 @@ class TorchProgram:
             into, pooled = self._buffer(prim, dead, env, made, free) if prim.kind == "map" else (None, False)
             value = run_primitive(self.graph, prim, env, self.compute, into=into)
             if pooled and value.data_ptr() != into.data_ptr():
-                free[(tuple(into.shape), into.dtype)].append(into)  # not written: back to the pool
+                _let_go(free, into)  # not written: back to the pool
             if key_padding_mask is not None and self.scores and prim.output.tensor == self.scores[0]:
                 _, batch, keys = self.scores
                 shape = [1] * value.dim()
@@ -146,7 +151,7 @@ class TorchProgram:
             for t in dead:
                 value = env.pop(t, None)
                 if t in made and value is not None and value.is_contiguous() and not _shared(value, env):
-                    free.setdefault((tuple(value.shape), value.dtype), []).append(value)
+                    _let_go(free, value)
         return env
 
     def _buffer(self, prim, dead: tuple, env: dict, made: set, free: dict) -> tuple[torch.Tensor | None, bool]:
