@@ -185,7 +185,7 @@ def main() -> int:
         sweep([v for s in spaces for v in s.variants()])
     elif sweep([v for s in spaces for v in s.first_stage()]).stopped is None:
         ranker = Sweep(db, [], progress=False)
-        sweep([v for s in spaces for v in s.second_stage(ranker.ranked(s.first_stage()), args.top)])
+        sweep([v for s in spaces for group in s.fastest_patterns(ranker.ranked(s.first_stage()), args.top) for v in group])
     sweep_wall_s = time.monotonic() - started
     report = stages[0]
     for later in stages[1:]:

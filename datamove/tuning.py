@@ -25,6 +25,7 @@ from datamove.harness.contraction_variants import gemm_variants, layout_variants
 from datamove.kernels.gemm import valid_configs
 from datamove.harness.layout_change_variants import LayoutChangeVariant
 from datamove.harness.sweep_variants import sweep_variants
+from datamove.knob_climb import CLIMB_BEAM, next_round, variant_key
 from datamove.layouts.plan import GENERATED
 from datamove.layouts.space import Configuration, access_pattern, configurations, parts
 
@@ -267,13 +268,15 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
     algorithms on each GEMM's ``ALGORITHM_LAYOUTS`` fastest layouts (``fastest_layouts_algorithms``); the fused attention's
     configurations at each of ``attention`` (its family's setups, ``AttentionFamily.setups``, as
     ``datamove.job.attention_setups`` gives them; where the spec's Q/K/V bias add can fold into it,
-    the fastest again with the biases: ``AttentionFamily.measure``); last, every knob setting of
-    each fused operator's ``top`` fastest patterns.  The layout changes a plan inserts are measured
+    the fastest again with the biases: ``AttentionFamily.measure``); last, the knob settings of
+    each fused operator's ``top`` fastest patterns, climbed round by round from the first stage's
+    (``climb``).  The layout changes a plan inserts are measured
     afterwards (``measure_layout_changes``), once the selection has said which it wants.  ``dtype``:
     any spelling (``dtypes.parse``); the sweeps run in its torch dtype.  ``exhaustive``: what those
     rules prune is measured too (the reference ``benchmarks/tuning_cost.py`` compares the default
     plan with): cuBLASLt's algorithms on every layout, the Triton template's ``CHOSEN_LAYOUT_CONFIGS``
-    fastest configurations of the first layout on every other, every knob of every access pattern."""
+    fastest configurations of the first layout on every other, every knob setting of every access
+    pattern, in one sweep."""
     dtype = parse_dtype(dtype).torch
     top, algorithm_layouts = (None, None) if exhaustive else (top, ALGORITHM_LAYOUTS)
     configs = first_gemm_configs(dtype, first_configs)
@@ -305,12 +308,31 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
 
     ATTENTION.measure(tuner, attention, dtype)
 
-    knobs = [v for s in spaces for v in s.second_stage(tuner.ranker.ranked(s.first_stage()), top)]
-    considered = {id(v) for v in knobs} | {id(v) for s in spaces for v in s.first_stage()}
-    tuner.measure(knobs, stage="fused operators: knobs of the fastest patterns",
-                  pruned=sum(id(v) not in considered for s in spaces for v in s.variants()),
-                  pruned_why=f"every knob setting of each operator's {top} fastest access pattern(s) only")
+    groups = [group for s in spaces for group in s.fastest_patterns(tuner.ranker.ranked(s.first_stage()), top)]
+    stage = "fused operators: knobs of the fastest patterns"
+    if exhaustive:
+        tuner.measure([v for group in groups for v in group], stage=stage)
+        return tuner.report
+    offered = climb(tuner, groups, stage=stage)
+    considered = offered | {variant_key(v) for s in spaces for v in s.first_stage() if v is not s.eager}
+    tuner.report.stage(stage).pruned += sum(variant_key(v) not in considered for s in spaces for v in s.variants()
+                                            if v is not s.eager)
+    tuner.report.stage(stage).pruned_why = (f"only the knob settings next to the {CLIMB_BEAM} fastest found so far of "
+                                            f"each operator's {top} fastest access pattern(s), round by round")
     return tuner.report
+
+
+def climb(tuner: Tuner, groups: list[list], *, stage: str, reserve: bool = True) -> set:
+    """Climb each group's knob settings (one access pattern's variants; ``knob_climb``): sweep the
+    settings next to the fastest found so far, round by round, until a round has nothing new;
+    returns the keys of the variants offered (``knob_climb.variant_key``).  A spent budget ends it
+    (the round's settings counted as left)."""
+    offered: set = set()
+    while True:
+        new = next_round(groups, tuner.ranker.ranked, offered)
+        if not new:
+            return offered
+        tuner.measure(new, stage=stage, reserve=reserve)
 
 
 def fastest_layouts_algorithms(ranker, timed: list, deferred: list, keep: int | None = ALGORITHM_LAYOUTS) -> list:
@@ -329,21 +351,22 @@ def fastest_layouts_algorithms(ranker, timed: list, deferred: list, keep: int | 
     return [v for v in deferred if canonical_json(v.layout) in chosen]
 
 
-def chosen_patterns(spaces: list, plan) -> list:
-    """Every variant of the access patterns that ``plan``'s generated steps run (``spaces``:
-    ``sweep_variants``' ``OperatorSpace`` list); a step combining its parts' own configurations
-    (``composed``: in no pattern), at each warp count they were measured with and with each part's
-    every knob setting of its layouts in turn, the others as chosen (``composed_neighbours``)."""
+def chosen_patterns(spaces: list, plan) -> tuple[list[list], list]:
+    """(groups, composed): the variants of each access pattern that ``plan``'s generated steps run
+    (``spaces``: ``sweep_variants``' ``OperatorSpace`` list), one list a pattern; and for a step
+    combining its parts' own configurations (``composed``: in no pattern), that configuration at
+    each warp count they were measured with and with each part's every knob setting of its layouts
+    in turn, the others as chosen (``composed_neighbours``)."""
     chosen = {(s.name, access_pattern(_configuration(s))) for s in plan.steps if s.kind == GENERATED}
-    variants = [v for space in spaces for pattern, group in space.patterns.items() if (space.op.name, pattern) in chosen
-                for v in group]
+    groups = [group for space in spaces for pattern, group in space.patterns.items() if (space.op.name, pattern) in chosen]
     by_op = {space.op.name: space for space in spaces}
+    composed = []
     for s in plan.steps:
         if s.kind == GENERATED and s.config.composed and s.name in by_op:
             space = by_op[s.name]
-            variants += [space.variant(c) for c in composed_neighbours(space.ws.graph, space.op,
+            composed += [space.variant(c) for c in composed_neighbours(space.ws.graph, space.op,
                                                                        _configuration(s), s.config.composed)]
-    return variants
+    return groups, composed
 
 
 def composed_neighbours(graph, op, config: Configuration, warps) -> list[Configuration]:
@@ -379,12 +402,16 @@ def fused_spaces(fused, spec: str, dtype) -> list:
 
 
 def tune_chosen(tuner: Tuner, spaces: list, plan) -> int:
-    """Every knob setting of the layouts the plan chose for its generated operators (``spaces``:
+    """The knob settings of the layouts the plan chose for its generated operators (``spaces``:
     ``fused_spaces``), where ``tune`` measured only one (it tunes each operator's fastest
-    first-stage layout; the selection may take another for the layout changes it saves); returns
-    how many variants were measured, not read back."""
+    first-stage layout; the selection may take another for the layout changes it saves), climbed
+    from the fastest measured (``climb``), and its composed steps' neighbours (``chosen_patterns``);
+    returns how many variants were measured, not read back."""
     before = sum(n for status, n in tuner.report.counts.items() if status != "skipped")
-    tuner.measure(chosen_patterns(spaces, plan), stage="plan: knobs of its layouts", reserve=False)
+    groups, composed = chosen_patterns(spaces, plan)
+    stage = "plan: knobs of its layouts"
+    tuner.measure(composed, stage=stage, reserve=False)
+    climb(tuner, groups, stage=stage, reserve=False)
     return sum(n for status, n in tuner.report.counts.items() if status != "skipped") - before
 
 

@@ -173,10 +173,12 @@ def test_two_stage_search_covers_every_layout_then_tunes_the_best():
     assert [access_pattern(v.config) for v in first[1:]] == list(dict.fromkeys(access_pattern(c) for c in configs))
     assert len(space.variants()) == len(configs) + 1 and len(first) < len(configs)
     ranked = list(reversed(first[1:]))  # pretend the last pattern measured fastest
-    second = space.second_stage(ranked, top=2)
+    second = space.fastest_patterns(ranked, top=2)
     patterns = [access_pattern(v.config) for v in ranked[:2]]
-    assert {access_pattern(v.config) for v in second} == set(patterns)
-    assert len(second) == sum(access_pattern(c) in patterns for c in configs)
+    assert [access_pattern(group[0].config) for group in second] == patterns
+    assert all(v is first[1:][::-1][n] for n, v in enumerate(group[0] for group in second))
+    assert all(access_pattern(v.config) == patterns[n] for n, group in enumerate(second) for v in group)
+    assert sum(map(len, second)) == sum(access_pattern(c) in patterns for c in configs)
 
 
 def test_first_stage_draws_dropout_masks_in_groups_where_a_tile_can():
@@ -234,7 +236,9 @@ def test_the_main_job_tunes_the_layouts_its_plan_chose():
     fused = _training("bert")
     spaces, _ = sv.sweep_variants("bert", fused, "cpu", dtype=torch.float32)
     plan = plan_layer(fused, "bert", dtype="float32", figures=device_figures("H100"))
-    variants = chosen_patterns(spaces, plan)
+    groups, composed = chosen_patterns(spaces, plan)
+    variants = [v for group in groups for v in group] + composed
+    assert all(len({access_pattern(v.config) for v in group}) == 1 for group in groups)
     steps = {s.name: s for s in plan.steps if s.kind == GENERATED}
     assert {v.op_obj.name for v in variants} == set(steps)
     for space in (s for s in spaces if s.op.name in steps):  # the others run in the attention or a GEMM epilogue
@@ -273,7 +277,9 @@ def test_an_operator_of_parts_measures_its_defaults_first_and_a_composed_choice_
     step = Step(space.op.name, "backward", GENERATED, (space.op.name,),
                 {t: config.layouts[t] for t in space.op.inputs}, {t: config.layouts[t] for t in space.op.outputs},
                 GeneratedConfig(config.knobs, {}, (2, 4)), 0.01, "predicted")
-    variants = [v for v in chosen_patterns(spaces, SimpleNamespace(steps=[step])) if v.op_obj is space.op]
+    groups, composed = chosen_patterns(spaces, SimpleNamespace(steps=[step]))
+    assert groups == []
+    variants = [v for v in composed if v.op_obj is space.op]
     assert [(v.config.layouts, v.config.knobs) for v in variants[:2]] == \
         [(config.layouts, {**config.knobs, "num_warps": w}) for w in (2, 4)]
     assert isinstance(variants[0].config, Configuration)

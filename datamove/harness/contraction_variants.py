@@ -344,14 +344,6 @@ def layout_variants(gemm: TrainingGemm, device, timed_as: tuple, *, dtype=DTYPE,
     return variants + [GemmVariant(operands, plan, cfg) for cfg in runnable(plan, dtype, list(configs))]
 
 
-def residual_variants(gemm: TrainingGemm, device, *, dtype=DTYPE, layouts: int | None = 3, seed: int = 0) -> list[GemmVariant]:
-    """``gemm`` adding a residual (``ResidualAdd``) through cuBLASLt, each of ``cublas_algorithms``,
-    over ``pick_layouts(gemm, layouts)`` where cuBLASLt takes the call (none off CUDA)."""
-    operands = Operands(gemm, device, dtype, seed)
-    return [GemmVariant(operands, plan, algorithm=n, residual=True) for plan in pick_layouts(gemm, layouts)
-            for n in range(cublas_algorithms(plan, gemm.sizes, dtype, device, direct_only=True))]
-
-
 def cublas_algorithms(plan: GemmPlan, sizes: dict, dtype, device, direct_only: bool = False) -> int:
     """How many of cuBLASLt's heuristic's algorithms to time for ``plan``'s call at ``sizes``: up to
     ``kernels.blas.ALGORITHMS`` where it is one call cuBLASLt takes on a CUDA ``device``, else 1

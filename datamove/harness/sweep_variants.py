@@ -298,11 +298,12 @@ class OperatorSpace:
         """The eager baseline and one configuration per access pattern (every layout, default knobs)."""
         return [v for v in [self.eager] if v] + [group[0] for group in self.patterns.values()]
 
-    def second_stage(self, ranked: list, top: int) -> list:
-        """Every configuration of the ``top`` access patterns whose first-stage variants come first
-        in ``ranked`` (``harness.bench.Sweep.ranked`` of ``first_stage()``)."""
+    def fastest_patterns(self, ranked: list, top: int | None) -> list[list]:
+        """The variants of each of the ``top`` access patterns (None: all) whose first-stage
+        variants come first in ``ranked`` (``harness.bench.Sweep.ranked`` of ``first_stage()``),
+        one list a pattern, its first-stage variant first."""
         best = [access_pattern(v.config) for v in ranked if isinstance(v, FusedVariant)][:top]
-        return [v for pattern in best for v in self.patterns[pattern]]
+        return [self.patterns[pattern] for pattern in best]
 
 
 def sweep_variants(spec: str, training, device, *, dtype=DTYPE, exhaustive: bool = False,
