@@ -179,3 +179,54 @@ def test_a_run_far_slower_than_the_operators_best_is_abandoned(tmp_path):
     assert report.counts["too slow"] == 1 and report.counts["failed"] == 0 and record.status == "failed"
     assert record.detail.startswith("time: RunTooLong: ") and record.detail.endswith(
         f"ms per run, > {SLOW_FACTOR:g}x the operator's best 0.0001 ms")
+
+
+class _OutOfMemoryOnce(ScaleVariant):
+    """A ``ScaleVariant`` whose first ``failures`` builds raise PyTorch's out-of-memory error."""
+
+    def __init__(self, *args, failures: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failures, self.released = failures, 0
+
+    def build(self):
+        if self.failures:
+            self.failures -= 1
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        super().build()
+
+    def release(self):
+        self.released += 1
+
+
+def test_out_of_memory_is_tried_again_once_after_letting_memory_go(tmp_path):
+    """Memory a previous variant (or a sweep's kept workspace) held is not this variant's failure:
+    one out-of-memory failure, and the variant is built again once its buffers and the cached
+    blocks are let go; out of memory twice is recorded, said so, and read back after."""
+    from datamove.harness.bench import OOM_AGAIN
+
+    once = _OutOfMemoryOnce(N, 128, device=DEVICE, failures=1)
+    twice = _OutOfMemoryOnce(N, 256, device=DEVICE, failures=2)
+    with TuningDB(tmp_path / "t.db") as db:
+        report, _ = sweep(db, [once, twice])
+        assert report.counts[GOOD] == 1 and report.counts["failed"] == 1 and once.released == 1
+        records = {r.key.knobs["BLOCK"]: r for r in db.query(op=ScaleVariant.op)}
+        assert records[128].status == GOOD
+        assert records[256].status == "failed" and records[256].detail.startswith(OOM_AGAIN)
+        again, _ = sweep(db, [_OutOfMemoryOnce(N, 256, device=DEVICE, failures=0)])
+        assert again.counts["skipped"] == 1
+
+
+def test_a_variant_recorded_out_of_memory_on_one_try_is_measured_again(tmp_path):
+    """A database written before the second try (a variant failed out of memory once, e.g. a
+    measuring process that kept every sweep's workspace) gets those variants measured again;
+    other failures stay read back."""
+    from datamove.harness.tuning_db import Key
+
+    oom, other = ScaleVariant(N, 64, device=DEVICE), ScaleVariant(N, 128, device=DEVICE)
+    with TuningDB(tmp_path / "t.db") as db:
+        sweeper = Sweep(db, [], progress=False)
+        db.put(Record(sweeper.key(oom), "failed", detail="build: OutOfMemoryError: CUDA out of memory."))
+        db.put(Record(sweeper.key(other), "failed", detail="build: CompilationError: no"))
+        report, _ = sweep(db, [oom, other])
+        assert report.counts[GOOD] == 1 and report.counts["skipped"] == 1
+        assert {r.key.knobs["BLOCK"]: r.status for r in db.query(op=ScaleVariant.op)} == {64: GOOD, 128: "failed"}

@@ -257,12 +257,44 @@ def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = N
     ``build()`` or ``check()`` raising: 'failed' with the stage and the exception as the reason; a
     verdict that did not pass: 'wrong' (never timed); then ``time_cuda(variant.run, limit=limit,
     **timing)``: 'ok' with the times, or 'failed' (e.g. ``RunTooLong``).  Not ``measured`` (the
-    Triton interpreter): 'checked' instead of timing."""
+    Triton interpreter): 'checked' instead of timing.
+    A phase failing out of GPU memory is tried again once, after the variant's buffers, Python's
+    garbage and PyTorch's cached blocks are let go (memory a previous variant left is not this
+    one's failure; what fails again is recorded so)."""
     clock = clock or PhaseClock()
     try:
-        return _measure(variant, measured, timing, limit, clock)
+        status, fields = _measure(variant, measured, timing, limit, clock)
+        if status == "failed" and OUT_OF_MEMORY in (fields.get("detail") or ""):
+            _let_memory_go(variant)
+            status, fields = _measure(variant, measured, timing, limit, clock)
+            if status == "failed" and OUT_OF_MEMORY in (fields.get("detail") or ""):
+                fields["detail"] = (OOM_AGAIN + fields["detail"])[:REASON_CHARS]
+        return status, fields
     finally:
         clock.enter(None)
+
+
+OUT_OF_MEMORY = "OutOfMemoryError"  # torch.cuda.OutOfMemoryError's name in a failure's detail
+OOM_AGAIN = "again after letting memory go: "  # a failure's detail: out of memory on the second try too
+
+
+def retried_for_memory(record) -> bool:
+    """Whether a sweep measures ``record``'s variant again: failed out of memory on a first try
+    only (recorded before ``measure`` tried twice), which says nothing of the variant."""
+    detail = record.detail or ""
+    return record.status == "failed" and OUT_OF_MEMORY in detail and OOM_AGAIN not in detail
+
+
+def _let_memory_go(variant) -> None:
+    """Free what ``variant`` and earlier work hold on the GPU before a second try."""
+    import gc
+
+    import torch
+
+    getattr(variant, "release", lambda: None)()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _measure(variant, measured: bool, timing: dict, limit: RunLimit | None, clock: PhaseClock) -> tuple[str, dict]:
@@ -604,7 +636,8 @@ class Sweep:
         for variant in variants:
             key = self.key(variant)
             record = self.db.lookup(key)
-            if key.columns() in keys or (record is not None and not (self.retry_failed and record.status == "failed")):
+            again = record is not None and ((self.retry_failed and record.status == "failed") or retried_for_memory(record))
+            if key.columns() in keys or (record is not None and not again):
                 report.counts["skipped"] += 1
             else:
                 keys.add(key.columns())

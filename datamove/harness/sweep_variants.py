@@ -21,7 +21,6 @@ order}, ``knobs`` = the configuration's knobs (eager: {"impl": "torch-eager"}).
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import uuid
@@ -137,10 +136,11 @@ class Workspace:
         self.token = uuid.uuid4().hex  # names its values in ``_VALUES``, in any process it travels to
         self._active = None
         self._baselines: dict[str, dict] = {}
+        self._masks: dict[str, torch.Tensor] = {}
 
     def __getstate__(self) -> dict:
         """Pickled (for a measuring process) without what it holds: rebuilt there on first use."""
-        return {k: v for k, v in self.__dict__.items() if k != "_values"} | {"_active": None, "_baselines": {}}
+        return {k: v for k, v in self.__dict__.items() if k != "_values"} | {"_active": None, "_baselines": {}, "_masks": {}}
 
     @property
     def values(self) -> dict:
@@ -168,11 +168,14 @@ class Workspace:
             self._baselines[op.name] = evaluate(self.graph, op.primitives, inputs, self.dtype)
         return self._baselines[op.name]
 
-    @functools.lru_cache(maxsize=None)
     def keep(self, mask: str) -> torch.Tensor:
-        info = self.graph.tensors[mask]
-        shape = tuple(self.graph.dim_values[self.graph.letter_dims[l]] for l in info.letters)
-        return keep_mask_torch(self.mask_seed, self.offsets[mask], shape, info.p, self.device)
+        """Dropout mask ``mask``'s keep decisions (bool, its letters' order), drawn once per object
+        (held by it, not by a cache outside: a measuring process lets each sweep's copy go)."""
+        if mask not in self._masks:
+            info = self.graph.tensors[mask]
+            shape = tuple(self.graph.dim_values[self.graph.letter_dims[l]] for l in info.letters)
+            self._masks[mask] = keep_mask_torch(self.mask_seed, self.offsets[mask], shape, info.p, self.device)
+        return self._masks[mask]
 
     def seeds(self, op) -> dict:
         return {t: (self.mask_seed, self.offsets[t]) for t in op.inputs if self.graph.tensors[t].role == "dropout"}
