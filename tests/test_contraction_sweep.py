@@ -219,3 +219,45 @@ def test_an_epilogue_that_saves_gets_the_stages_that_fit(monkeypatch):
     assert gemm.fitted(GemmConfig(256, 256, 64, 8, 2, 8, tma=True, store_tma=True), torch.bfloat16, saves=True) is None
     assert epilogue_configs([halves, whole], slices=False, saves=True) == [gemm.replace(halves, num_stages=3),
                                                                            gemm.replace(whole, num_stages=2)]
+
+
+def test_attention_without_dropout_times_each_configuration_once():
+    """The dropout-mask option changes no kernel without dropout: a case with dropout_p 0 gets each
+    forward and backward configuration once (with the option's first value), one with dropout
+    each configuration per option its key blocks take."""
+    from datamove.harness.tuning_db import canonical_json
+    from datamove.kernels.attention import DROPOUT_MASK_OPTIONS
+
+    def option(v) -> str:  # a forward's among its knobs, a backward's in its configuration
+        return v.knobs.get("dropout_mask") or v.knobs["backward"]["dropout_mask"]
+
+    def configuration(v) -> str:
+        knobs = {k: x for k, x in v.knobs.items() if k != "dropout_mask"}
+        if "backward" in knobs:
+            knobs["backward"] = {k: x for k, x in knobs["backward"].items() if k != "dropout_mask"}
+        return canonical_json(knobs)
+
+    with_dropout = av.config_variants(av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.2), "cpu"))
+    without = av.config_variants(av.Workspace(av.AttentionCase(2, 3, 21, 16, 0.0), "cpu"))
+    assert {option(v) for v in with_dropout} == set(DROPOUT_MASK_OPTIONS)
+    assert {option(v) for v in without} == {DROPOUT_MASK_OPTIONS[0]}
+    assert len({configuration(v) for v in without}) == len(without)  # no two apart only in the option
+    assert {configuration(v) for v in without} == {configuration(v) for v in with_dropout}
+    assert len(without) < len(with_dropout)
+
+
+def test_the_tuning_times_only_attention_variants_a_plan_can_run():
+    """The job's attention stage measures the fused kernels regenerating the dropout mask (what a
+    plan runs, ``candidates._plannable``), not those saving it (half the stage, never chosen)."""
+    from types import SimpleNamespace
+
+    from datamove.families.attention import tuning as attention_tuning
+    from datamove.families.attention.candidates import _plannable
+
+    swept = []
+    tuner = SimpleNamespace(measure=lambda variants, **_: swept.extend(variants),
+                            ranker=SimpleNamespace(ranked=lambda variants: list(variants)))
+    attention_tuning.measure(tuner, [dict(B=2, H=3, L=21, P=16, dropout_p=0.2, layout="bjhp")], torch.float32)
+    fused = [v for v in swept if v.knobs.get("impl") == "fused"]
+    assert fused and all(_plannable(v.knobs) for v in fused)
+    assert {v.direction for v in fused} == {"forward", "backward"}

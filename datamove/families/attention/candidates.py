@@ -73,13 +73,16 @@ def _variants(graph, roles: AttentionRoles, case: AttentionCase, like: dict, bia
     return result
 
 
+PLANNED_MASK_OPTIONS = ("regenerate",)  # the dropout-mask options a plan runs (``kernels.attention``'s module doc)
+
+
 def _plannable(knobs: dict) -> bool:
     """A timing the plan can run: the fused kernels regenerating the dropout mask in the backward
-    (nothing saved), or cuDNN's attention (measured only without dropout)."""
+    (nothing saved: ``PLANNED_MASK_OPTIONS``), or cuDNN's attention (measured only without dropout)."""
     if knobs.get("impl") == "cudnn":
         return True
-    return knobs.get("impl") == "fused" and knobs.get("dropout_mask", "regenerate") == "regenerate" \
-        and (knobs.get("backward") or {}).get("dropout_mask", "regenerate") == "regenerate"
+    return knobs.get("impl") == "fused" and knobs.get("dropout_mask", "regenerate") in PLANNED_MASK_OPTIONS \
+        and (knobs.get("backward") or {}).get("dropout_mask", "regenerate") in PLANNED_MASK_OPTIONS
 
 
 def _step_knobs(knobs: dict | None, direction: str) -> dict:

@@ -1,5 +1,6 @@
 """The fused attention's tuning: the cases the main job measures (``attention_setups``) and how
-(``measure``): every configuration of the fused kernels (``variants.config_variants``) and cuDNN's
+(``measure``): every configuration of the fused kernels a plan can run (``variants.config_variants``
+with ``candidates.PLANNED_MASK_OPTIONS``: the dropout mask regenerated in the backward) and cuDNN's
 attention where it takes the case (``variants.library_variants``) at each setup, then, where the
 bias add before it folds in, the fastest fused configurations again with the biases added.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from datamove.families.attention.candidates import PLANNED_MASK_OPTIONS
 from datamove.families.attention.pattern import AttentionPattern, projection_layout
 from datamove.families.attention.variants import (AttentionCase, Workspace, biased_variants, config_variants,
                                                   library_variants)
@@ -39,7 +41,7 @@ STAGE = "attention: fused configurations, cuDNN's"  # the tuning's stage (``data
 
 
 def measure(tuner, setups: list[dict], dtype) -> None:
-    """Every configuration of the fused kernels, and cuDNN's attention where it takes the case, at
+    """Every configuration of the fused kernels a plan can run, and cuDNN's attention where it takes the case, at
     each of ``setups`` (``attention_setups``) through ``tuner`` (``datamove.tuning.Tuner``), from
     CUDA graphs; where a setup's ``bias`` says the bias add folds in, the ``BIASED_ATTENTION_CONFIGS``
     fastest of each direction again, adding the biases.  cuDNN's also in ``LIBRARY_ORDERS`` (two
@@ -51,7 +53,7 @@ def measure(tuner, setups: list[dict], dtype) -> None:
         biased = setup.pop("bias", False)
         workspace = Workspace(AttentionCase(**setup, dtype=dtype), "cuda")
         measured.add(workspace.case)
-        variants = config_variants(workspace)
+        variants = config_variants(workspace, PLANNED_MASK_OPTIONS)
         tuner.measure(variants + library_variants(workspace), stage=STAGE, cuda_graph=True)
         if biased:
             tuner.measure(biased_variants(tuner.ranker.ranked(variants), BIASED_ATTENTION_CONFIGS), stage=STAGE,
