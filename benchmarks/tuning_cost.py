@@ -153,17 +153,19 @@ def _stopped(run: dict) -> str:
 
 def markdown(report: dict) -> str:
     lines = [f"# The main job's tuning cost ({report['device']}, {report['date']})", "",
+             *[f"- {note}" for note in report.get("notes", [])], *([""] if report.get("notes") else []),
              "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".", "",
              "Cold: a new tuning database, the default budget; warm: the same command again; exhaustive: what the "
-             "tuning's rules prune measured too, over a copy of the cold database. Kernel: the plans' layers, fwd+bwd "
+             "tuning's rules prune measured too, over a copy of the cold database. Cold plan: its time as the job "
+             "measured it (the sum of its steps). Kernel: the plans' layers, fwd+bwd "
              "GPU busy time per call, medians of alternating rounds; gap: the default plan's over the exhaustive one's.",
-             "", "| case | cold s | cold tuning | warm s | exhaustive s | default plan ms | exhaustive plan ms | gap |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| case | cold s | cold tuning | cold plan ms (job) | warm s | exhaustive s | default plan ms | "
+             "exhaustive plan ms | gap |", "|---|---|---|---|---|---|---|---|---|"]
     for case in report["cases"]:
         kernel, missing = case.get("kernel_ms", {}), {"wall_s": "not run"}
         cold, warm, exhaustive = (case.get(step, missing) for step in ("cold", "warm", "exhaustive"))
         lines.append(f"| {case['name']} {case['dims']} | {cold['wall_s']} | {_stopped(cold) if 'rc' in cold else ''} | "
-                     f"{warm['wall_s']} | {exhaustive['wall_s']}"
+                     f"{format(cold['plan_ms'], '.4f') if cold.get('plan_ms') else ''} | {warm['wall_s']} | {exhaustive['wall_s']}"
                      + (f" ({_stopped(exhaustive)})" if "rc" in exhaustive and _stopped(exhaustive) != "finished" else "")
                      + f" | {kernel.get('default', '')} | {kernel.get('exhaustive', '')} | "
                      + (f"{kernel['gap_percent']:+.2f}%" if kernel else "") + " |")

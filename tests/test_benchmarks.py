@@ -150,7 +150,7 @@ def test_the_tuning_cost_table_names_each_runs_wall_time_stop_and_the_plans_gap(
     tuning_cost = _load("tuning_cost")
     stage = {"stage": "GEMMs: cuBLASLt's other algorithms", "counts": {"ok": 40, "skipped": 3, "too slow": 1},
              "pruned": 120, "pruned_why": "why", "left": 0, "wall_s": 12.5}
-    finished = {"wall_s": 281.0, "rc": 0, "tuning": {"stopped": None, "stages": [stage]}}
+    finished = {"wall_s": 281.0, "rc": 0, "tuning": {"stopped": None, "stages": [stage]}, "plan_ms": 0.71243}
     case = {"name": "bert", "dims": "B=8,L=512", "cold": finished, "warm": {"wall_s": 14.2, "rc": 0, "tuning": None},
             "exhaustive": {"wall_s": 1900.0, "rc": 0}, "kernel_ms": {"default": 0.7124, "exhaustive": 0.7098, "gap_percent": 0.37}}
     stopped = {"wall_s": 610.0, "rc": 0, "tuning": {"stopped": "stopped: time budget of 600 s used; 7 variant(s) ...",
@@ -159,11 +159,11 @@ def test_the_tuning_cost_table_names_each_runs_wall_time_stop_and_the_plans_gap(
     report = {"device": "GPU", "date": "today", "versions": {"torch": "x"},
               "cases": [case, {"name": "llama", "dims": "B=4", "cold": stopped, "warm": finished, "exhaustive": failed}]}
     lines = tuning_cost.markdown(report).splitlines()
-    assert "| bert B=8,L=512 | 281.0 | finished | 14.2 | 1900.0 | 0.7124 | 0.7098 | +0.37% |" in lines
-    assert ("| llama B=4 | 610.0 | stopped: time budget of 600 s used; 7 variant(s) ... | 281.0 | "
+    assert "| bert B=8,L=512 | 281.0 | finished | 0.7124 | 14.2 | 1900.0 | 0.7124 | 0.7098 | +0.37% |" in lines
+    assert ("| llama B=4 | 610.0 | stopped: time budget of 600 s used; 7 variant(s) ... |  | 281.0 | "
             "3.0 (failed (exit 2: optimize-layer: error: no)) |  |  |  |") in lines
     partial = tuning_cost.markdown({**report, "cases": [{"name": "gpt2", "dims": "B=4", "cold": finished}]}).splitlines()
-    assert "| gpt2 B=4 | 281.0 | finished | not run | not run |  |  |  |" in partial
+    assert "| gpt2 B=4 | 281.0 | finished | 0.7124 | not run | not run |  |  |  |" in partial
     assert "| GEMMs: cuBLASLt's other algorithms | 40 | 1 | 3 | 120 | 0 | 12.5 |" in lines
 
 
