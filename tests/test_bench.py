@@ -83,7 +83,7 @@ SWEEP = textwrap.dedent("""
     from datamove.harness.tuning_db import TuningDB
     from scale_variants import variants
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    Sweep(TuningDB(sys.argv[1]), variants(int(sys.argv[3]), device, log=sys.argv[2], build_pause_s=1.0),
+    Sweep(TuningDB(sys.argv[1]), variants(int(sys.argv[3]), device, log=sys.argv[2], build_pause_s=0.4),
           progress=False).run()
 """)
 
