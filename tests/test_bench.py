@@ -77,7 +77,9 @@ def test_time_budget_stops_cleanly_and_next_run_finishes(tmp_path):
 
 
 SWEEP = textwrap.dedent("""
+    import signal
     import sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C, even where started ignoring it
     import torch
     from datamove.harness.bench import Sweep
     from datamove.harness.tuning_db import TuningDB
