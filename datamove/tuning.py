@@ -315,10 +315,10 @@ def tune(tuner: Tuner, fused, spaces: list, *, spec: str, dtype, attention: list
         return tuner.report
     offered = climb(tuner, groups, stage=stage)
     considered = offered | {variant_key(v) for s in spaces for v in s.first_stage() if v is not s.eager}
-    tuner.report.stage(stage).pruned += sum(variant_key(v) not in considered for s in spaces for v in s.variants()
-                                            if v is not s.eager)
-    tuner.report.stage(stage).pruned_why = (f"only the knob settings next to the {CLIMB_BEAM} fastest found so far of "
-                                            f"each operator's {top} fastest access pattern(s), round by round")
+    cost = tuner.report.stage(stage)
+    cost.pruned += sum(variant_key(v) not in considered for s in spaces for v in s.variants() if v is not s.eager)
+    cost.pruned_why = (f"only the knob settings next to the {CLIMB_BEAM} fastest found so far of each operator's "
+                       f"{top} fastest access pattern(s), round by round")
     return tuner.report
 
 

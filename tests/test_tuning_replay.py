@@ -98,7 +98,7 @@ def test_a_climb_stopped_by_the_budget_ends():
     no setting offered twice."""
     from types import SimpleNamespace
 
-    group = [SimpleNamespace(op="x", config=SimpleNamespace(layouts={"x": "ab"}, knobs=dict(block_row=r, num_warps=w)))
+    group = [SimpleNamespace(op="x", layout={"x": "ab"}, knobs=dict(block_row=r, num_warps=w))
              for r in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)]
     offered: list = []
 

@@ -264,10 +264,10 @@ def measure(variant, *, measured: bool, timing: dict, limit: RunLimit | None = N
     clock = clock or PhaseClock()
     try:
         status, fields = _measure(variant, measured, timing, limit, clock)
-        if status == "failed" and OUT_OF_MEMORY in (fields.get("detail") or ""):
+        if _out_of_memory(status, fields.get("detail")):
             _let_memory_go(variant)
             status, fields = _measure(variant, measured, timing, limit, clock)
-            if status == "failed" and OUT_OF_MEMORY in (fields.get("detail") or ""):
+            if _out_of_memory(status, fields.get("detail")):
                 fields["detail"] = (OOM_AGAIN + fields["detail"])[:REASON_CHARS]
         return status, fields
     finally:
@@ -278,11 +278,15 @@ OUT_OF_MEMORY = "OutOfMemoryError"  # torch.cuda.OutOfMemoryError's name in a fa
 OOM_AGAIN = "again after letting memory go: "  # a failure's detail: out of memory on the second try too
 
 
+def _out_of_memory(status: str, detail: str | None) -> bool:
+    """Whether a measurement failed for want of GPU memory (``detail``: its reason)."""
+    return status == "failed" and OUT_OF_MEMORY in (detail or "")
+
+
 def retried_for_memory(record) -> bool:
     """Whether a sweep measures ``record``'s variant again: failed out of memory on a first try
     only (recorded before ``measure`` tried twice), which says nothing of the variant."""
-    detail = record.detail or ""
-    return record.status == "failed" and OUT_OF_MEMORY in detail and OOM_AGAIN not in detail
+    return _out_of_memory(record.status, record.detail) and OOM_AGAIN not in record.detail
 
 
 def _let_memory_go(variant) -> None:
