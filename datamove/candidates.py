@@ -104,6 +104,8 @@ class Timings:
         self._broken -= self.times.keys()
         for found in self.times.values():
             found.sort(key=lambda pair: pair[0])
+        # each key's knobs as canonical JSON, in the same order: ``exact`` compares strings, not encodings
+        self._knobs_json = {key: [canonical_json(knobs) for _, knobs in found] for key, found in self.times.items()}
         self.changes_by_size: dict[int, list[float]] = {}  # elements -> each measured layout change's time, ascending
         for (op, dims, _), found in self.times.items():
             if op.startswith("layout:"):
@@ -118,8 +120,9 @@ class Timings:
 
     def exact(self, op: str, dims: dict, config) -> tuple[float, dict] | None:
         """``lookup`` of ``config`` itself (a ``layouts.space.Configuration``): its layouts, its knobs."""
-        knobs = canonical_json(config.knobs)
-        return self.lookup(op, dims, config.layouts, lambda found: canonical_json(found) == knobs)
+        key, knobs = _timing_key(op, dims, config.layouts), canonical_json(config.knobs)
+        return next((pair for pair, text in zip(self.times.get(key, []), self._knobs_json.get(key, [])) if text == knobs),
+                    None)
 
     def broken(self, op: str, dims: dict, layout) -> bool:
         """Whether ``op`` at ``dims`` in ``layout`` failed (build, launch, time limit) or was wrong on

@@ -122,7 +122,7 @@ def run_job(o: JobOptions) -> int:
 
 
 def _run(o: JobOptions, facts, pools) -> int:
-    from datamove.dataflow.pipeline import analyse_spec
+    from datamove.dataflow.analysis_cache import cached_analysis
     from datamove.candidates import NO_TIMINGS, Timings, plan_layer
     from datamove.export import read_manifest, spec_hash, write_artifact
     from datamove.output import OutputError, check_out, whole_folder
@@ -135,7 +135,7 @@ def _run(o: JobOptions, facts, pools) -> int:
 
     stages = Stages()
     stages("analysis and fusion")
-    analysis = analyse_spec(o.spec, o.dims[0], o.options)
+    analysis = cached_analysis(o.spec, o.dims[0], o.options)
     fused = fused_training(analysis)
     spec_name = o.spec.stem
     module = analysis.spec.function.__globals__

@@ -4,11 +4,14 @@ TRITON_INTERPRET must be set before triton is first imported, so it is decided h
 the presence of a CUDA driver (torch.cuda), before any test module imports a kernel.
 """
 import os
+import tempfile
 
 import pytest
 import torch
 
 HAS_GPU = torch.cuda.is_available()
+# the jobs' kept analyses (datamove.dataflow.analysis_cache) in a folder of this run, not the user's
+os.environ.setdefault("DATAMOVE_ANALYSIS_CACHE", tempfile.mkdtemp(prefix="datamove-analysis-"))
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

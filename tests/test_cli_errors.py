@@ -115,7 +115,7 @@ def test_ctrl_c_during_the_analysis_is_one_line_and_130(tmp_path, capsys, monkey
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("datamove.dataflow.pipeline.analyse_spec", interrupted)
+    monkeypatch.setattr("datamove.dataflow.analysis_cache.cached_analysis", interrupted)
     out = tmp_path / "bert"
     assert main([BERT, "--out", str(out)]) == 130
     captured = capsys.readouterr()

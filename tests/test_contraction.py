@@ -10,7 +10,7 @@ import torch
 
 from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
 from datamove.harness.accuracy import assert_closer
-from datamove.kernels.contraction import (Epilogue, GemmPlan, NotAGemm, contract, dropout_digits, empty_in_layout, enumerate_variants,
+from datamove.kernels.contraction import (Epilogue, GemmPlan, NotAGemm, blas_plans, contract, dropout_digits, empty_in_layout, enumerate_variants,
                                  layout_of, map_layouts, parse, run_cublas, run_triton, stacked_projection, stacked_spec)
 from datamove.kernels.gemm import GemmConfig, GemmShape, _epilogue_split, _grouped, tma_compatible, valid_configs
 
@@ -94,6 +94,12 @@ def test_groups_of_bert_einsums():
     assert (c.batch, c.m, c.n, c.k) == ((), ("i",), ("b", "j"), ("s", "p", "h"))
     with pytest.raises(ValueError, match="one operand only"):
         parse("phi,ibj->phb")
+
+
+@pytest.mark.parametrize("spec", ["phi,ibj->phbj", "phbk,phbj->hbjk", "hbjk,phbk->phbj", "bji,ui->bju", "bji,bju->ui",
+                                  "phbk,hbjk->phbj"])
+def test_blas_plans_are_the_enumerations_without_trying_every_combination(spec):
+    assert blas_plans(spec, SMALL) == enumerate_variants(spec, SMALL).blas_plans
 
 
 def test_variant_counts_and_reasons():

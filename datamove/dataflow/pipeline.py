@@ -56,13 +56,28 @@ class Analysis:
 def forward_graph(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None
                   ) -> tuple[LayerSpec, PrimitiveGraph]:
     """Load a spec and read its SDFG into the forward primitive graph."""
-    spec = lower_spec(load_spec(path, dims, options))
+    spec = loaded_spec(path, dims, options)
+    return spec, spec_graph(spec)
+
+
+def loaded_spec(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None) -> LayerSpec:
+    """The spec file at ``path`` loaded with ``dims`` / ``options`` and lowered to what DaCe reads."""
+    return lower_spec(load_spec(path, dims, options))
+
+
+def spec_graph(spec: LayerSpec) -> PrimitiveGraph:
+    """A loaded spec's forward primitive graph, read from its SDFG (DaCe's parse: seconds)."""
     sdfg, einsums = build_sdfg(spec)
-    return spec, walk_sdfg(spec, sdfg, einsums)
+    return walk_sdfg(spec, sdfg, einsums)
 
 
 def analyse_spec(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None) -> Analysis:
-    spec, graph = forward_graph(path, dims, options)
+    return analyse_loaded(loaded_spec(path, dims, options))
+
+
+def analyse_loaded(spec: LayerSpec) -> Analysis:
+    """A loaded spec (``loaded_spec``) analysed: forward graph, training graph, fused graph, their rows."""
+    graph = spec_graph(spec)
     operators = group_operators(graph, "forward")
     training = recompute_elementwise(build_training_graph(graph))
     fused = fuse(training)

@@ -8,7 +8,7 @@ stacks several einsums of one pattern (Q/K/V, their dX and dW) gives the stacked
 graph's dims; the label is the graph's operator name.
 
 For one such ``TrainingGemm``, ``pick_layouts`` chooses mappable layout combinations
-(``enumerate_variants``): spec order first if it is a BLAS GEMM, then one BLAS plan (at most one
+(``contraction.blas_plans``): spec order first if it is a BLAS GEMM, then one BLAS plan (at most one
 batch dim) per new transposition pattern.  ``gemm_variants`` gives, per chosen plan, a
 ``GemmVariant`` for the cuBLAS path (``run_cublas``; on CUDA one per algorithm of cuBLASLt's
 heuristic, ``cublas_algorithms``) and one per Triton config (``run_triton``); with ``residual``,
@@ -42,7 +42,7 @@ import torch
 
 from datamove.dtypes import BF16, parse as parse_dtype
 from datamove.kernels.blas import LtMatmul, algorithm_count
-from datamove.kernels.contraction import (GemmPlan, cublas_views, empty_in_layout, enumerate_variants, flops, parse,
+from datamove.kernels.contraction import (GemmPlan, blas_plans, cublas_views, empty_in_layout, flops, parse,
                                           run_cublas, run_triton, stacked_spec)
 from datamove.kernels.gemm import TEMPLATE_ID, GemmConfig, GemmShape, tma_compatible, valid_configs
 from datamove.harness.sweep_variants import Verdict, judge
@@ -120,7 +120,7 @@ def training_gemms(training) -> list[TrainingGemm]:
 @functools.lru_cache(maxsize=64)
 def _blas_plans(spec: str, sizes: tuple) -> tuple[GemmPlan, ...]:
     """The BLAS plans with one batch dim at most of einsum ``spec`` at ``sizes`` ((letter, size), ...)."""
-    return tuple(p for p in enumerate_variants(parse(spec), dict(sizes)).blas_plans if p.batch_dims <= 1)
+    return tuple(p for p in blas_plans(parse(spec), dict(sizes)) if p.batch_dims <= 1)
 
 
 def pick_layouts(gemm: TrainingGemm, count: int | None) -> list[GemmPlan]:
