@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -52,8 +53,11 @@ def optimize(spec: str, dims: str, db: Path, out: Path, budget_s: float | None, 
     command = [sys.executable, "-m", "datamove.cli", spec, "--dims", dims, "--db", str(db), "--out", str(out)]
     command += (["--budget-s", f"{budget_s:g}"] if budget_s is not None else []) + (["--exhaustive"] if exhaustive else [])
     command += ["--gpus", str(gpus)] if gpus is not None else []
+    # as on a user's installation, whose packages have their bytecode (a GPU host of ours sets
+    # PYTHONDONTWRITEBYTECODE: every run compiled DaCe and datamove again, seconds of each warm run)
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
     started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.monotonic() - started
     log = out.parent / f"{out.name}{'-exhaustive' if exhaustive else ''}-{time.strftime('%H%M%S')}.log"
     log.write_text(done.stdout + done.stderr)
