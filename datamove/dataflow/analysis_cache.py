@@ -5,8 +5,8 @@ forward, training and fused graphs and their rows) takes 2.5-6 s of a warm job t
 reads every timing back from the tuning database.  It depends only on the spec's source, the
 sources of the local modules it imports, its dims and ``--set`` options, and the code that analyses
 it, so it is kept under a key made of all of those (``analysis_key``): the values of the spec
-module's plain constants (those it imports too), datamove's own source files, the DaCe, NumPy and
-Python versions.  Any change to one of them makes a new key.
+module's plain constants (those it imports too), datamove's own source files, the DaCe, SymPy, NumPy
+and Python versions.  Any change to one of them makes a new key.
 
 Each entry is one pickle file, ``<folder>/<key>.pkl`` (``DATAMOVE_ANALYSIS_CACHE``, default
 ``~/.cache/datamove/analysis``), written whole or not at all (a temporary file renamed over it).
@@ -67,14 +67,15 @@ def cached_analysis(path, dims: dict[str, int] | None = None, options: dict[str,
 def analysis_key(spec: LayerSpec) -> str:
     """Hex digest of what a loaded spec's analysis depends on: its file and the local modules its
     module refers to (not datamove's, not installed packages'), its dims, letters and options, its
-    module's plain constants, datamove's sources, and the DaCe / NumPy / Python versions."""
+    module's plain constants, datamove's sources, and the DaCe / SymPy / NumPy / Python versions."""
     import dace
     import numpy
+    import sympy
 
     digest = hashlib.sha256()
+    versions = (dace.__version__, sympy.__version__, numpy.__version__, platform.python_version())
     for part in (repr(sorted(spec.dim_values.items())), repr(sorted(spec.letter_dims.items())),
-                 repr(sorted(spec.options.items())), repr(plain_constants(spec)), dace.__version__, numpy.__version__, platform.python_version(),
-                 sources_digest()):
+                 repr(sorted(spec.options.items())), repr(plain_constants(spec)), *versions, sources_digest()):
         digest.update(part.encode() + b"\0")
     for file in [Path(spec.path).resolve(), *sorted(local_modules(spec))]:
         digest.update(str(file).encode() + b"\0" + file.read_bytes() + b"\0")
@@ -88,7 +89,8 @@ def local_modules(spec: LayerSpec) -> set[Path]:
     installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     files = set()
     for value in spec.function.__globals__.values():
-        module = value if isinstance(value, types.ModuleType) else sys.modules.get(getattr(value, "__module__", None) or "")
+        name = getattr(value, "__module__", None)
+        module = value if isinstance(value, types.ModuleType) else sys.modules.get(name) if isinstance(name, str) else None
         source = getattr(module, "__file__", None)
         if not source or not source.endswith(".py"):
             continue
