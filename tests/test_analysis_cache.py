@@ -81,3 +81,9 @@ def test_an_unwritable_folder_only_means_no_cache(tmp_path):
     blocked = tmp_path / "a file"
     blocked.write_text("")
     _same(analysis_cache.cached_analysis(SPEC, {}, {}, folder=blocked / "cache"), analyse_spec(SPEC))
+
+
+def test_a_local_module_that_cannot_be_read_means_no_cache(tmp_path):
+    with mock.patch.object(analysis_cache, "analysis_key", side_effect=FileNotFoundError("gone")):
+        _same(analysis_cache.cached_analysis(SPEC, {}, {}, folder=tmp_path), analyse_spec(SPEC))
+    assert not list(tmp_path.iterdir())

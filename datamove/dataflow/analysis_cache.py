@@ -43,7 +43,10 @@ def cached_analysis(path, dims: dict[str, int] | None = None, options: dict[str,
     """``dataflow.pipeline.analyse_spec(path, dims, options)``, read from ``folder`` (default
     ``cache_folder()``) where an earlier run kept it, else analysed and kept there."""
     spec = loaded_spec(path, dims, options)
-    entry = (folder or cache_folder()) / f"{analysis_key(spec)}.pkl"
+    try:
+        entry = (folder or cache_folder()) / f"{analysis_key(spec)}.pkl"
+    except OSError:  # a module the spec reads is not a file that can be read (a zip import): nothing kept
+        return analyse_loaded(spec)
     try:
         kept = pickle.loads(entry.read_bytes())
         return Analysis(spec=spec, **kept)
