@@ -111,7 +111,7 @@ def _evaluate_into(expression, aligned: list, names: dict, into: torch.Tensor):
         op = _INTO[expression.op]
         for nested, other, nested_left in ((expression.right, expression.left, False),
                                            (expression.left, expression.right, True)):
-            if not _nestable(nested) or _reads(other, aligned, into):
+            if not _nestable(nested, aligned, into) or _reads(other, aligned, into):
                 continue
             inner = _evaluate_into(nested, aligned, names, into)
             if inner is None:
@@ -125,21 +125,24 @@ def _evaluate_into(expression, aligned: list, names: dict, into: torch.Tensor):
         if isinstance(left, torch.Tensor) and _fits(into, left, right):
             return op(left, right, out=into)
     if isinstance(expression, Call) and expression.function in _INTO_CALLS and len(expression.args) == 1:
-        (argument,) = expression.args
-        inner = _evaluate_into(argument, aligned, names, into) if _nestable(argument) else None
+        (argument,), call = expression.args, _INTO_CALLS[expression.function]
+        inner = _evaluate_into(argument, aligned, names, into) if _nestable(argument, aligned, into) else None
         if inner is not None:
-            in_place = inner.data_ptr() == into.data_ptr() and _fits(into, inner)
-            return _INTO_CALLS[expression.function](inner, out=into) if in_place else _INTO_CALLS[expression.function](inner)
+            return call(inner, out=into) if inner.data_ptr() == into.data_ptr() and _fits(into, inner) else call(inner)
         arg = argument.evaluate(aligned, names, FUNCTIONS)
         if isinstance(arg, torch.Tensor) and _fits(into, arg):
-            return _INTO_CALLS[expression.function](arg, out=into)
+            return call(arg, out=into)
     return None
 
 
-def _nestable(expression) -> bool:
-    """Whether ``expression`` is an operation ``_evaluate_into`` may write into a buffer."""
-    return (isinstance(expression, Binary) and expression.op in _INTO) or (
+def _nestable(expression, aligned: list, into: torch.Tensor) -> bool:
+    """Whether ``expression`` is an operation ``_evaluate_into`` may write into ``into``: one it
+    handles, over inputs that broadcast to exactly ``into``'s shape (checked before evaluating it:
+    a smaller one would be evaluated, found not to fit, and evaluated again)."""
+    handled = (isinstance(expression, Binary) and expression.op in _INTO) or (
         isinstance(expression, Call) and expression.function in _INTO_CALLS and len(expression.args) == 1)
+    shapes = [aligned[i].shape for i in expression.inputs] if handled else []
+    return bool(shapes) and torch.broadcast_shapes(*shapes) == into.shape
 
 
 def _reads(expression, aligned: list, buffer: torch.Tensor) -> bool:

@@ -305,16 +305,17 @@ def blas_plans(contraction: Contraction | str, sizes: Mapping[str, int]) -> list
     def orders(letters: str, inner: str) -> list[str]:
         return ["".join(p) for p in itertools.permutations(letters) if p[-1] in inner]
 
+    b_orders, out_orders = orders(c.b, c.k + c.n), orders(c.out, c.m + c.n)
     plans = []
     for la in orders(c.a, c.m + c.k):
         m, k = (tuple(x for x in la if x in group) for group in (c.m, c.k))
         if not (_run_in(la, m) and _run_in(la, k)):
             continue
-        for lb in orders(c.b, c.k + c.n):
+        for lb in b_orders:
             n = tuple(x for x in lb if x in c.n)
             if not (_run_in(lb, k) and _run_in(lb, n)):
                 continue
-            for lo in orders(c.out, c.m + c.n):
+            for lo in out_orders:
                 if _run_in(lo, m) and _run_in(lo, n):
                     result = map_layouts(c, (la, lb, lo), sizes)
                     if isinstance(result, GemmPlan) and result.blas:
