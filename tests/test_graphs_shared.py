@@ -37,10 +37,10 @@ def test_siblings_copy_their_parameters_into_one_static_copy_laid_out_as_theirs(
     shared = shared_statics(program)
     assert shared_statics(twin.program(True)) is shared
     assert shared_statics(layer.program(False)) is not shared
-    assert layout(shared.tensors) == layout(layer._spec_tensors())
+    assert layout(shared.tensors) == layout(layer._spec_tensors(layer._held()))
     assert any(len(group) > 1 and group[0] in layer.interface.parameters for group in program.buffers.group_of.values())
     for source in (layer, twin):
-        values = source._spec_tensors()  # views autograd records, as a training call's
+        values = source._spec_tensors(source._held())  # the views a training call reads
         shared.copy_in(values)
         for static, value in zip(shared.tensors, values):
             torch.testing.assert_close(static, value.detach(), rtol=0, atol=0)
@@ -55,7 +55,7 @@ def test_gradient_sets_are_laid_out_as_the_backward_writes_and_handed_out_while_
     program = layer.program(True)
     x = torch.randn(*program.torch_shapes["x"], generator=torch.Generator().manual_seed(1))
     run = Run(torch.randint(0, SEED_RANGE, (1,)), None)
-    inputs = [x, *layer._spec_tensors()]
+    inputs = [x, *layer._spec_tensors(layer._held())]
     with torch.no_grad():
         outputs, kept = program.call_forward(inputs, run)
         written = program.call_backward(inputs, kept, [torch.ones_like(y) for y in outputs], run)

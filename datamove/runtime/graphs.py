@@ -360,26 +360,29 @@ class _Replayed(torch.autograd.Function):
     """One replayed layer call as an autograd node: saves the replayer's dropout key (busy until
     the backward ran or the graph was dropped), the activations the graphs read in place and,
     where the replayer copies parameters in (FSDP2), the call's parameters and constants (as a
-    plain launch does: views of the storages FSDP2 frees after the forward and gathers again
-    before the backward), and replays the backward graph."""
+    plain launch does: the storages FSDP2 frees after the forward and gathers again before the
+    backward), and replays the backward graph.  Its inputs are the activations and the parameters
+    and constants as the layer holds them, read as ``views`` (spec order; ``order``: the
+    ``runtime.layer.SpecOrder`` between the two)."""
 
     @staticmethod
-    def forward(ctx, graphs: LayerGraphs, replayer: Replayer, mask, *tensors):
-        ctx.graphs, ctx.inputs, ctx.activation_count = graphs, len(tensors), len(replayer.statics)
+    def forward(ctx, graphs: LayerGraphs, replayer: Replayer, mask, views: list, order, *tensors):
+        ctx.graphs, ctx.order, ctx.inputs, ctx.activation_count = graphs, order, len(tensors), len(replayer.statics)
         ctx.set_materialize_grads(False)
-        activations, others = tensors[:ctx.activation_count], tensors[ctx.activation_count:]
-        outputs = replayer.forward(activations, mask, others)
+        activations, held = tensors[:ctx.activation_count], tensors[ctx.activation_count:]
+        outputs = replayer.forward(activations, mask, views)
         ctx.save_for_backward(replayer.seed.detach(),
                               *[x if ptr is not None else None for x, ptr in zip(activations, replayer.reads)],
-                              *(others if replayer.shared is not None else ()))
+                              *(held if replayer.shared is not None else ()))
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
         seed, *saved = ctx.saved_tensors  # under non-reentrant checkpointing: the recomputation's
-        activations, others = tuple(saved[:ctx.activation_count]), saved[ctx.activation_count:]
-        result = ctx.graphs.owner(seed).backward(grads, activations, others)
-        return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
+        activations, held = tuple(saved[:ctx.activation_count]), saved[ctx.activation_count:]
+        result = ctx.graphs.owner(seed).backward(grads, activations, ctx.order.spec(held))
+        result = ctx.order.held_grads(list(result), ctx.activation_count)
+        return (None, None, None, None, None, *result, *[None] * (ctx.inputs - len(result)))
 
 
 class LayerGraphs:
@@ -452,12 +455,14 @@ class LayerGraphs:
         raise RuntimeError("datamove: a replayed layer's backward found no graph of its forward (its parameters "
                            "moved between the forward and the backward)")
 
-    def __call__(self, replayer: Replayer, activations: tuple, tensors: list[torch.Tensor],
-                 mask: torch.Tensor | None) -> list[torch.Tensor]:
-        """Replay ``replayer``'s forward: through autograd when a gradient is wanted."""
-        if torch.is_grad_enabled() and (any(x.requires_grad for x in activations) or any(t.requires_grad for t in tensors)):
-            return list(_Replayed.apply(self, replayer, mask, *activations, *tensors))
-        return replayer.forward(activations, mask, tensors)
+    def __call__(self, replayer: Replayer, activations: tuple, held: list[torch.Tensor], views: list[torch.Tensor],
+                 order, mask: torch.Tensor | None) -> list[torch.Tensor]:
+        """Replay ``replayer``'s forward: through autograd when a gradient is wanted.  ``held``: the
+        layer's parameters and constants as it holds them, ``views``: the same in spec order (``order``:
+        the ``runtime.layer.SpecOrder`` between the two)."""
+        if torch.is_grad_enabled() and (any(x.requires_grad for x in activations) or any(t.requires_grad for t in held)):
+            return list(_Replayed.apply(self, replayer, mask, views, order, *activations, *held))
+        return replayer.forward(activations, mask, views)
 
     def held_bytes(self) -> int:
         """Bytes of static buffers the layer's graphs hold (``Replayer.nbytes``, summed; under FSDP2

@@ -86,6 +86,29 @@ def tensor_interface(graph, torch_order: dict[str, str] | None = None,
     return TensorInterface(activations, parameters, constants, outputs, grad_outputs, input_grads, order)
 
 
+class SpecOrder:
+    """The parameters and constants as a layer holds them (each contiguous over its letters in the
+    plan's layout) against the spec letter order its program reads them in.  The layer's autograd
+    nodes take the held tensors as inputs and read them through views made without autograd
+    (``spec``), and give their gradients back in the held order (``held_grads``): autograd then
+    records no permute node per parameter and call (16 nodes a BERT layer, about 11 us of host
+    each, forward and backward).  ``axes``: per held tensor, the permutation to its spec order."""
+
+    def __init__(self, axes: list[tuple[int, ...]]):
+        self.axes = axes
+        self.inverse = [tuple(sorted(range(len(a)), key=a.__getitem__)) for a in axes]
+
+    def spec(self, held) -> list[torch.Tensor]:
+        """``held`` (the parameters and constants as held, in the interface's order) in spec order."""
+        return [t.permute(a) for t, a in zip(held, self.axes)]
+
+    def held_grads(self, grads: list, activations: int) -> list:
+        """``grads`` (the activations' ``activations`` gradients, then the parameters' in spec order)
+        with the parameters' in their held order."""
+        return grads[:activations] + [None if g is None else g.permute(a)
+                                      for g, a in zip(grads[activations:], self.inverse)]
+
+
 def held_tensors(plan: Plan, graph, names, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """{name -> tensor} of the parameters and constants ``names`` as a ``TunedLayer`` holds them
     (uninitialised): each over its spec letters, stored densely in ``plan.layouts``, the members of

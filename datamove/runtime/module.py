@@ -34,7 +34,7 @@ from datamove.families.attention import check_causal_constant
 from datamove.kernels.interpreter import interpreted
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 from datamove.runtime.graphs import LayerGraphs
-from datamove.runtime.layer import SEED_RANGE, LayerProgram, TensorInterface, check, held_tensors, without_dropout
+from datamove.runtime.layer import SEED_RANGE, LayerProgram, SpecOrder, TensorInterface, check, held_tensors, without_dropout
 from datamove.runtime.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
 from datamove.runtime.steps import Run
 from datamove.runtime.torch_program import TorchProgram
@@ -137,23 +137,28 @@ torch.library.register_autograd("datamove::layer_forward", _backward, setup_cont
 class _Launched(torch.autograd.Function):
     """A plain eager call: the program's steps launched directly, one autograd node, without the
     custom ops' dispatch (their argument flattening and aliasing checks cost host time on every
-    call); the custom ops remain what ``torch.compile`` traces."""
+    call); the custom ops remain what ``torch.compile`` traces.  Its inputs are the activations and
+    the parameters and constants as the layer holds them, which the program reads as ``views``
+    (spec order; ``order``: the ``SpecOrder`` between the two)."""
 
     @staticmethod
-    def forward(ctx, program: LayerProgram, seed, mask, *tensors):
-        outputs, kept = program.call_forward(list(tensors), Run(seed, mask))
-        ctx.program, ctx.inputs = program, len(tensors)
+    def forward(ctx, program: LayerProgram, seed, mask, views: list, order: SpecOrder, *tensors):
+        activations = len(tensors) - len(views)
+        outputs, kept = program.call_forward([*tensors[:activations], *views], Run(seed, mask))
+        ctx.program, ctx.order, ctx.counts = program, order, (len(tensors), activations)
         ctx.save_for_backward(seed, mask, *tensors, *kept)
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        program = ctx.program
+        program, (inputs, activations) = ctx.program, ctx.counts
         seed, mask, *saved = ctx.saved_tensors
-        tensors, kept = saved[:ctx.inputs], saved[ctx.inputs:]
-        result = program.call_backward(tensors, kept, _output_grads(program, grads, tensors[0].device), Run(seed, mask))
-        return (None, None, None, *result, *[None] * (ctx.inputs - len(result)))
+        tensors, kept = saved[:inputs], saved[inputs:]
+        spec = [*tensors[:activations], *ctx.order.spec(tensors[activations:])]
+        result = program.call_backward(spec, kept, _output_grads(program, grads, spec[0].device), Run(seed, mask))
+        result = ctx.order.held_grads(list(result), activations)
+        return (None, None, None, None, None, *result, *[None] * (inputs - len(result)))
 
 
 def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -253,6 +258,7 @@ class TunedLayer(torch.nn.Module):
                 self.register_parameter(t, torch.nn.Parameter(stored))
             else:
                 self.register_buffer(t, stored)
+        self._order = SpecOrder([self._spec_axes[t] for t in names])
         self.register_load_state_dict_pre_hook(_stored_as_planned)
         self.reset_parameters()
 
@@ -261,27 +267,21 @@ class TunedLayer(torch.nn.Module):
         over its spec letters in their order (``layer.wq`` itself is over the plan's layout)."""
         return (getattr(self, name) if value is None else value).permute(self._spec_axes[name])
 
-    def _spec_tensors(self) -> list[torch.Tensor]:
-        """The parameters and constants as the program reads them, in spec letter order.  A view
-        autograd records (a parameter's, training) is made on every call: its backward node belongs
-        to this call's graph and runs on this call's stream (one kept from an earlier call ran its
-        backward on the stream of that call, the legacy stream, which broke a caller's CUDA-graph
-        capture of fwd+bwd).  Views autograd does not record are made once and kept while the
-        tensor and its storage stay the same."""
-        names = self.interface.parameters + self.interface.constants
-        if torch.compiler.is_compiling():
-            return [self.spec_view(t) for t in names]
-        recording = torch.is_grad_enabled()
+    def _held(self) -> list[torch.Tensor]:
+        """The parameters and constants as this layer holds them (the interface's order)."""
+        return [self._parameters[t] if t in self._parameters else self._buffers[t]
+                for t in self.interface.parameters + self.interface.constants]
+
+    def _spec_tensors(self, held: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``held`` as the program reads them, in spec letter order: views autograd does not record
+        (the layer's autograd nodes take ``held`` and give their gradients back in its order,
+        ``SpecOrder``), each made once and kept while the tensor and its storage stay the same."""
         result = []
-        for t in names:
-            value = self._parameters[t] if t in self._parameters else self._buffers[t]
-            if recording and value.requires_grad:
-                result.append(value.permute(self._spec_axes[t]))
-                continue
+        for t, value, axes in zip(self.interface.parameters + self.interface.constants, held, self._order.axes):
             made_of = (id(value), value.data_ptr())
             kept = self._views.get(t)
             if kept is None or kept[0] != made_of:
-                kept = self._views[t] = (made_of, value.permute(self._spec_axes[t]))
+                kept = self._views[t] = (made_of, value.detach().permute(axes))
             result.append(kept[1])
         return result
 
@@ -456,15 +456,18 @@ class TunedLayer(torch.nn.Module):
             self._check_mask(key_padding_mask, program)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t])
-        tensors = self._spec_tensors()
+        if torch.compiler.is_compiling():  # traced: the views as autograd records them
+            seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)
+            tensors = [self.spec_view(t) for t in face.parameters + face.constants]
+            outputs = layer_forward(program.name, seed, [*activations, *tensors], key_padding_mask)[:len(face.outputs)]
+            return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        held = self._held()
+        tensors = self._spec_tensors(held)
         if self.cuda_graphs and self.graphs.usable() and self._graphed_shape(shape):
             replayer = self.graphs.replayer(program, tensors, key_padding_mask, activations, copy_in=self._sharded())
             if replayer is not None:
-                outputs = self.graphs(replayer, activations, tensors, key_padding_mask)
+                outputs = self.graphs(replayer, activations, held, tensors, self._order, key_padding_mask)
                 return outputs[0] if len(outputs) == 1 else tuple(outputs)
         seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)  # graph-safe: a new key per replay
-        if torch.compiler.is_compiling():
-            outputs = layer_forward(program.name, seed, [*activations, *tensors], key_padding_mask)[:len(face.outputs)]
-        else:
-            outputs = _Launched.apply(program, seed, key_padding_mask, *activations, *tensors)
+        outputs = _Launched.apply(program, seed, key_padding_mask, tensors, self._order, *activations, *held)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
