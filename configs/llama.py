@@ -9,7 +9,7 @@ query groups, as HF's ``repeat_kv``), causal attention (a mask built with ``np.t
 d model dim (D), h query heads (H), k key/value heads (KV), e head dim (E), f MLP dim (F).
 
 ``cos`` and ``sin`` ([T, E], HF's ``position_embeddings`` for positions 0..T-1) are constants of
-the layer whose value comes from the model (``layer.cos.copy_(...)``); the rotation of
+the layer whose value comes from the model (``layer.set_constant("cos", table)``); the rotation of
 ``rotate_half``, the repetition of ``np.repeat`` and the causal mask are constants the front end
 makes with their values (``datamove.dataflow.numpy_lowering``).
 """

@@ -170,7 +170,8 @@ def test_llama_main_job_and_exported_layer(tmp_path, capsys):
     layer = load_layer(out, dtype=torch.float32, allow_mismatch=True)
     graph = layer.graph
     x = torch.randn(2, 6, 12, requires_grad=True)
-    with pytest.raises(ValueError, match=r"constant\(s\) not set: layer.cos .*layer.sin"):
+    with pytest.raises(ValueError, match=r"constant\(s\) not set: 'cos' \(over s, e: \(6, 16\)\); 'sin' .*"
+                                         r"layer.set_constant\('cos', values\)"):
         layer(x)
     rng = np.random.default_rng(5)
     constants = {}

@@ -221,7 +221,7 @@ class TunedLayer(torch.nn.Module):
 
     Parameters start as ``dataflow.initial_values`` reads the graph (``reset_parameters``); a
     constant whose value the graph does not tell (anything but a causal mask) starts as NaN, and
-    the layer refuses to run until it is set (``layer.<name>.copy_(...)``)."""
+    the layer refuses to run until it is set (``set_constant``)."""
 
     def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device,
                  cuda_graphs: bool = True, plans: list[Plan] | None = None, backend: str | None = None):
@@ -381,12 +381,13 @@ class TunedLayer(torch.nn.Module):
             if name in program.causal_constants:  # (queries, keys): the spec adds it over those letters
                 check_causal_constant(name, value)
             elif bool(value.isnan().any()):
-                unset.append(f"layer.{name} ({', '.join(self.graph.tensors[name].letters)}: {tuple(value.shape)})")
+                unset.append(f"{name!r} (over {', '.join(self.graph.tensors[name].letters)}: {tuple(value.shape)})")
                 continue
             self._constants_checked[key] = value._version
         if unset:
             raise ValueError(f"constant(s) not set: {'; '.join(unset)}: the spec's structure gives them no value; set "
-                             f"each before calling the layer, e.g. {unset[0].split(' ')[0]}.copy_(values)")
+                             f"each before calling the layer, e.g. layer.set_constant({unset[0].split(' ')[0]}, values) "
+                             "with values over the letters named (not layer.<name>.copy_: it is stored in the plan's layout)")
 
     @torch.no_grad()
     def set_constant(self, name: str, value: torch.Tensor) -> None:
