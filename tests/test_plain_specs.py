@@ -164,6 +164,14 @@ def causal_tril(t, m):
     return _causal_heads(t)
 
 
+def sliding_window(t, m):
+    q, k, v = (torch.einsum("bsd,dhe->bhse", t["x"], t[w]) for w in ("wq", "wk", "wv"))
+    T = q.shape[2]
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~((j <= i) & (i - j < 3)), float("-inf"))
+    return torch.einsum("bhse,hed->bsd", torch.softmax(scores, dim=-1) @ v, t["wo"])
+
+
 def causal_arange(t, m):
     return _causal_heads(t, window=3)
 
@@ -207,6 +215,7 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "gqa_groups": ((6, 1, 2), gqa_groups),  # query heads as (kv head, group): K and V read once
     "causal_tril": ((6, 1, 2), causal_tril),  # np.where(mask == 0, -inf, s): s + an additive constant
     "causal_arange": ((6, 1, 3), causal_arange),
+    "sliding_window": ((6, 1, 2), sliding_window),  # a mask of positions, not causal: the attention is not fused
     "silu_forms": ((4, 1, 7), silu_forms),  # each SiLU one chain; the RMSNorm's square stays apart
     "helper_einsum_arg": ((2, 0, 3), helper_einsum_arg),
     "helper_matmul_twice": ((4, 0, 4), helper_matmul_twice),  # x @ w1 computed once, its uses share it
@@ -365,6 +374,27 @@ def test_causal_mask_built_in_the_layer_is_the_causal_mask_the_attention_replace
         assert roles is None and "reads ['q_k', 'recent']" in why, why
     else:
         assert roles is not None and roles.causal == mask, why
+
+
+def test_a_sliding_window_mask_is_not_taken_for_the_causal_mask(analyses):
+    """Mistral's sliding window (np.where of position comparisons) is an additive constant over (s, t)
+    added to the scores, as a causal mask is, but of another value: it keeps that value
+    (``KnownValue``) and the fused attention, which applies only a causal mask, is not used, with
+    the reason given (it was taken, and the layer then refused to run unless the constant was
+    overwritten with the causal mask)."""
+    from datamove.families.attention import attention_roles
+    from datamove.job import fused_training
+
+    analysis = analyses("sliding_window")
+    graph = analysis.fused.graph
+    (mask,) = [t for t, info in graph.tensors.items() if info.role == "constant" and len(info.letters) == 2]
+    assert isinstance(initial_values(graph, [], [mask])[mask], KnownValue)
+    s, t = np.indices((graph.size("s"), graph.size("t")))
+    assert np.array_equal(known_value(graph, mask), np.where((t <= s) & (s - t < 3), 0.0, -np.inf))
+    roles, why = attention_roles(fused_training(analysis).with_dims({"E": 16}))
+    assert roles is None and "holds a mask that is not causal" in why, why
+    causal, why = attention_roles(fused_training(analyses("causal_tril")).with_dims({"E": 16}))
+    assert causal is not None, why
 
 
 def test_group_letter_attention_is_not_fused_for_the_right_reason(analyses):

@@ -24,7 +24,9 @@ Checks, in order; the first that fails is the reason given (``AttentionRoles`` o
 9. the scores carry one head letter (two: grouped-query attention written over a group letter,
    not fused);
 10. a constant added to the scores is over (query, key) positions (it becomes the causal mask,
-    which ``datamove.families.attention.check_causal_constant`` checks it holds at run time);
+    which ``datamove.families.attention.check_causal_constant`` checks it holds at run time), and
+    where the front end knows its value (``np.triu``, ``np.where`` of positions), that value is the
+    causal mask (not a sliding window);
 11. (with ``takes_head_dim``) the kernels take both head dims;
 12. the gradients of q, k, v and o exist; the backward operators on paths from d_o to d_q, d_k,
     d_v run consecutively; nothing outside reads what the forward or backward keeps inside.
@@ -34,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from datamove.dataflow.initial_values import CausalMask, holds_causal_mask
 from datamove.dataflow.layer_inputs import batch_letters
 from datamove.dataflow.operators import CONTRACTION, FORWARD, make_operator
 
@@ -177,6 +180,11 @@ def attention_roles(fused, takes_head_dim: Callable[[int], bool] | None = None,
         if graph.tensors[scores.tensor].letters != graph.tensors[softmax.input].letters \
                 or constant.letters != scores.letters[c.index(rows_letter)] + scores.letters[c.index(keys_letter)]:
             return None, f"the constant {constant.tensor} added to the scores is not over (query, key) positions"
+        own = own_letters(constant, graph)
+        mask = CausalMask(rows=own[constant.letters[0]], keys=own[constant.letters[1]])
+        if getattr(graph.tensors[constant.tensor], "value", "") and not holds_causal_mask(graph, constant.tensor, mask):
+            return None, (f"the constant {constant.tensor} added to the scores holds a mask that is not causal (a "
+                          "sliding window, say): the fused attention applies only a causal mask")
         causal = constant.tensor
     head_dims = sorted({graph.size(letters[f]) for f in ("features", "value_features")})
     if takes_head_dim is not None and not all(map(takes_head_dim, head_dims)):

@@ -70,14 +70,14 @@ def initial_values(graph, parameters, constants) -> dict:
     for name in constants:
         mask = _causal_mask(graph, forward, name)
         known = getattr(graph.tensors[name], "value", "")
-        if mask is not None and (not known or _is_causal(graph, name, mask)):
+        if mask is not None and (not known or holds_causal_mask(graph, name, mask)):
             result[name] = mask
         elif known:
             result[name] = KnownValue(known)
     return result
 
 
-def _is_causal(graph, name: str, mask: CausalMask) -> bool:
+def holds_causal_mask(graph, name: str, mask: CausalMask) -> bool:
     """Whether the known value of ``name`` is the causal mask ``mask``: 0 where the key is at or before the
     query, ``MASKED_SCORE`` or less after."""
     after = mask.array(graph, name) < 0
