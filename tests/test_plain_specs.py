@@ -60,6 +60,10 @@ def rmsnorm(t, m):
     return _rms(t["x"], t["g"], 1e-6)
 
 
+def gemma_rmsnorm(t, m):
+    return _rms(t["x"], 1.0 + t["g"], 1e-6) @ t["w"]
+
+
 def swiglu_mlp(t, m):
     return (F.silu(t["x"] @ t["w_gate"]) * (t["x"] @ t["w_up"])) @ t["w_down"]
 
@@ -197,6 +201,7 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "mlp_softmax": ((3, 1, 5), mlp_softmax),  # bias and ReLU each one map; the softmax one operator
     "layernorm_linear_gelu": ((1, 1, 2), layernorm_linear_gelu),  # LN, Linear, bias, GELU
     "rmsnorm": ((0, 1, 1), rmsnorm),  # the square before the first reduction stays element-wise
+    "gemma_rmsnorm": ((1, 1, 3), gemma_rmsnorm),  # 1 + g its own map: g's gradient is that map's, copied
     "swiglu_mlp": ((3, 0, 2), swiglu_mlp),  # SiLU one chain, the gate's product another
     "gelu_mlp": ((2, 0, 4), gelu_mlp),
     "attention_transpose": ((6, 1, 3), attention_transpose),  # scale, mask, residual
@@ -301,6 +306,37 @@ def test_plain_spec_letters_come_from_annotations(analyses):
     assert einsums == ["sd,de->se"] * 3 + ["se,te->st", "st,te->se", "se,ed->sd"]
     assert all(p.kind != "map" or p.expr != "in0" for p in graph.primitives)
     assert graph.tensors["y"].letters == "sd"
+
+
+def test_a_parameter_read_through_an_identity_has_its_own_gradient(tmp_path, capsys):
+    """Gemma's (1 + g): the gradient of g is the gradient of 1 + g, which autodiff aliases; the
+    training graph still names it d_g (a copy), so the layer exports (it stopped at "the training
+    graph has no gradient tensor 'd_g'"), g starts at 0 (the identity) and the layer's output and
+    gradients match torch's in float64."""
+    from datamove.cli import main
+    from datamove.export import load_layer
+
+    out = tmp_path / "gemma"
+    assert main([str(SPECS / "gemma_rmsnorm.py"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(out, device="cpu", dtype=torch.float64, allow_mismatch=True)
+    assert layer.interface.input_grads["g"] == "d_g" and torch.equal(layer.g, torch.zeros(7, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        layer.g.copy_(torch.randn(7, generator=gen, dtype=torch.float64))
+    x = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    theirs = {n: layer.spec_view(n).detach().clone().requires_grad_() for n in ("g", "w")}
+    dy = torch.randn(3, 5, 6, generator=gen, dtype=torch.float64)
+    y = layer(x)
+    expected = gemma_rmsnorm({"x": x, **theirs}, None)
+    torch.testing.assert_close(y, expected)
+    (mine_x, mine_g, mine_w) = torch.autograd.grad(y, [x, layer.g, layer.w], dy)
+    (ref_x, ref_g, ref_w) = torch.autograd.grad(expected, [x, theirs["g"], theirs["w"]], dy)
+    torch.testing.assert_close(mine_x, ref_x)
+    torch.testing.assert_close(layer.spec_view("g", mine_g), ref_g)
+    torch.testing.assert_close(layer.spec_view("w", mine_w), ref_w)
 
 
 def test_analyze_command_on_a_plain_spec(tmp_path, capsys):

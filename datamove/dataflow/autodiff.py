@@ -28,7 +28,8 @@ A tensor read by several primitives (residual connections, Q/K/V sharing x) rece
 gradient contribution per reader; they are summed by one n-ary map ``in0 + in1 + ...``.
 Gradient tensors are named ``d_<tensor>`` and stored in the order of ``<tensor>``'s letters;
 single contributions that are identities (a residual's ``+``) alias the incoming gradient
-instead of copying it.
+instead of copying it, except for an input (a parameter read only through ``1 + w``, Gemma's
+RMSNorm weight), whose gradient is copied under its own name, as the layer's interface reads it.
 """
 from __future__ import annotations
 
@@ -188,10 +189,15 @@ class _Backward:
         parts = self.contributions.get(tensor, [])
         if not parts:
             return None
-        if len(parts) == 1:
+        letters = self.graph.tensors[tensor].letters
+        if len(parts) == 1 and (self.graph.tensors[tensor].role != "input" or parts[0] == f"d_{tensor}"):
             self.grads[tensor] = parts[0]
             return parts[0]
-        letters = self.graph.tensors[tensor].letters
+        if len(parts) == 1:  # an input's one contribution aliases another gradient (Gemma's 1 + w): copied to its name
+            name = self._new_tensor(f"d_{tensor}", letters, "gradient")
+            self._emit("map", [Operand(parts[0], letters)], Operand(name, letters), "in0")
+            self.grads[tensor] = name
+            return name
         role = "gradient" if self.graph.tensors[tensor].role == "input" else "intermediate"
         name = self._new_tensor(f"d_{tensor}", letters, role)
         self._emit("map", [Operand(p, letters) for p in parts], Operand(name, letters),
