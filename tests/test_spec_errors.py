@@ -181,6 +181,11 @@ REFUSED = {
         def layer(x: Tensor("bln")):
             return np.tril(x)
         ''', "np.tril(x)", "np.tril(np.ones((T, T)))"),
+    "np.split unpacked": ('''
+        def layer(x: Tensor("bln")):
+            x1, x2 = np.split(x, 2, axis=-1)
+            return x1 * x2
+        ''', "np.split(x, 2, axis=-1)", "slice the axis into its parts"),
 }
 INTERNAL = re.compile(r"__\w+|\btmp\d|\w+_(plus|times|minus|div)_\w+|einsum_\w+|\bexpr\b")  # DaCe's temporaries
 
@@ -192,6 +197,25 @@ def test_refused_construct_names_line_and_hint(tmp_path, capsys, case):
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if construct in text)
     assert f"{path}:{line}: " in err and construct in err and hint in err, err
     assert not INTERNAL.search(err), err
+
+
+def test_index_letter_over_an_expression_of_dims_is_named(tmp_path, capsys):
+    """A letter over N // 2 (half-size RoPE tables) cannot be given with --dims: the refusal says to
+    declare a dim of its own (it said "missing dims: floor(N/2) (give them with --dims ...)")."""
+    header = GOOD_HEADER.replace('"m": N}', '"m": N // 2}')
+    _, err = _run(tmp_path, capsys, SCALE_LAYER, header=header)
+    assert "INDEX letter 'm' maps to floor(N/2), not a dim" in err and "M in dims(M=...)" in err, err
+
+
+def test_a_negated_size_is_a_size(tmp_path, capsys):
+    """np.triu(.., -(L - 1)): unary minus on a parenthesised size keeps it a size (it was refused)."""
+    path = tmp_path / "ok.py"
+    path.write_text(GOOD_HEADER + textwrap.dedent('''
+        def layer(x: Tensor("bln"), w: Tensor("mn")):
+            window = np.triu(np.ones((L, L)), -(L - 2))
+            return np.einsum("bln,mn->blm", x, w) + np.einsum("lk,bkn->bln", window, x)
+        '''))
+    assert main([str(path), "--analyze"]) == 0, capsys.readouterr().err
 
 
 def test_missing_dims_listed(tmp_path, capsys):

@@ -210,6 +210,11 @@ def _resolve_dims(path: Path, module, overrides: dict[str, int]) -> tuple[dict[s
     for letter, dim in index.items():
         if not (isinstance(letter, str) and len(letter) == 1 and letter.isalpha()):
             raise SpecError(f"{path}: INDEX key {letter!r} is not a single letter")
+        if not isinstance(dim, dace.symbol):
+            own = letter.upper()
+            raise SpecError(f"{path}: INDEX letter {letter!r} maps to {dim}, not a dim: each letter's size is a dim of "
+                            f"dims(...) (a letter over {dim} needs a dim of its own, e.g. {own} in dims({own}=...), "
+                            "with its size given by --dims)")
         letter_dims[letter] = str(dim)
     declared = {name: getattr(value, "default", None) for name, value in vars(module).items()
                 if isinstance(value, dace.symbol)}

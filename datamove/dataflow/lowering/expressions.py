@@ -104,8 +104,9 @@ class Expressions:
             return Static(-value.value)
         if isinstance(value, Arr):
             return replace(value, expr=ast.UnaryOp(ast.USub(), value.expr))
-        if isinstance(value, Num):
-            return Num(ast.UnaryOp(ast.USub(), value.expr))
+        if isinstance(value, Num):  # -(WINDOW - 1): still a number, and a size where its operand is one
+            return Num(ast.UnaryOp(ast.USub(), value.expr), None if value.value is None else -value.value,
+                       None if value.size is None else -value.size)
         raise self.m.error(node, "unary minus of a non-number")
 
     def e_BinOp(self, node: ast.BinOp):

@@ -18,7 +18,7 @@ from datamove.dataflow.lowering.reductions import Reductions
 from datamove.dataflow.lowering.repeat import Repeats
 from datamove.dataflow.lowering.slices import Slices
 from datamove.dataflow.lowering.spec_module import SpecModule
-from datamove.dataflow.lowering.support import PART_HINT
+from datamove.dataflow.lowering.support import HINTS, PART_HINT
 from datamove.dataflow.lowering.syntax import axes_text, load_name, static_node
 from datamove.dataflow.lowering.values import Arr, Compare, Const, NeedsInline, Num, Part, Static
 from datamove.dataflow.spec import SpecError
@@ -80,6 +80,9 @@ class FunctionLowering(Expressions, Elementwise, Reductions, Contractions, Slice
                     and len(target.elts) == len(stmt.value.elts):
                 pairs = list(zip(target.elts, stmt.value.elts))  # q, k, v = a, b, c
             if len(stmt.targets) != 1 or not all(isinstance(t, ast.Name) for t, _ in pairs):
+                split = stmt.value.func if isinstance(stmt.value, ast.Call) else None
+                if isinstance(split, ast.Attribute) and split.attr in ("split", "array_split", "hsplit", "vsplit"):
+                    raise m.error(stmt, f"np.{split.attr} is not supported", HINTS["split"])
                 raise m.error(stmt, "only assignments to names are supported",
                               "assign each result to its own name (no slices, no unpacking of arrays)")
             values = []
