@@ -20,6 +20,9 @@ from datamove.dataflow.spec import Tensor, dims
 B, T, D, H, KV, E, F = dims(B=2, T=16, D=64, H=4, KV=2, E=16, F=128)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "k": KV, "e": E, "f": F}
 EPS = 1e-5  # RMSNorm's epsilon (config.rms_norm_eps)
+# The HF ``LlamaConfig`` values this layer computes (``replace_llama_layers`` refuses a model configured otherwise).
+HF_CONFIG = {"rms_norm_eps": EPS, "hidden_act": "silu", "attention_dropout": 0.0, "attention_bias": False,
+             "mlp_bias": False}
 # Where each parameter lives in a HF ``LlamaDecoderLayer`` (``datamove.runtime.weights``): nn.Linear weights
 # are stored [out, in], the heads outer in the output dim.
 WEIGHTS = {

@@ -92,9 +92,12 @@ def plan_identity(out_dir, plan_files) -> str:
 
 def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spec_digest: str,
                    torch_order: dict, weights: dict, device: dict, versions: dict, other_plans: tuple = (),
-                   inputs: tuple[str, ...] | None = None, options: dict | None = None) -> Path:
+                   inputs: tuple[str, ...] | None = None, options: dict | None = None,
+                   hf_config: dict | None = None) -> Path:
     """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
-    ``options``: the spec options it was built with (``--set``), recorded in the manifest;
+    ``options``: the spec options it was built with (``--set``), recorded in the manifest, as are
+    ``hf_config`` (the spec's ``HF_CONFIG``: the HF config values the layer computes, which
+    ``datamove.hf`` checks a model against);
     ``plan``: the plan at ``graph``'s dims, ``other_plans``: those of the other tuned shapes
     (checked: ``datamove.runtime.shapes.check_plans``; and, before anything is written, that each
     one's program runs forward and backward: ``datamove.runtime.runnable.check_runnable``, else
@@ -120,7 +123,7 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
                 "device": device, "versions": versions, "inputs": list(interface.activations),
                 "torch_order": torch_order,
                 "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()},
-                "shapes": shapes, "options": dict(options or {}),
+                "shapes": shapes, "options": dict(options or {}), "hf_config": dict(hf_config or {}),
                 "plan_id": plan_identity(out, [shape["plan"] for shape in shapes])}
     _write(out / MANIFEST, json.dumps(manifest, indent=1))
     return out
@@ -245,6 +248,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
         raise ArtifactError(f"{out}: {err}: {REWRITE}") from None
     layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs, plans, backend)
     layer.weights_table = {kind: {t: tuple(v) for t, v in table.items()} for kind, table in manifest["weights"].items()}
+    layer.hf_config = manifest.get("hf_config") if isinstance(manifest.get("hf_config"), dict) else {}
     return layer
 
 
@@ -272,7 +276,13 @@ def _sizes(layer: TunedLayer) -> dict[str, int]:
 @torch.no_grad()
 def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     """Copy ``module``'s weights into ``layer`` (kinds in the spec's ``WEIGHTS``)."""
-    table, state, sizes = _table(layer, module_kind(layer, module)), module.state_dict(), _sizes(layer)
+    kind = module_kind(layer, module)
+    table, state, sizes = _table(layer, kind), module.state_dict(), _sizes(layer)
+    unread = sorted({name for name, _ in module.named_parameters()} - {key for key, _, _ in table.values()})
+    if unread:
+        raise ValueError(f"{type(module).__name__}'s parameter(s) {', '.join(unread)} have no place in the spec "
+                         f"(its WEIGHTS for {kind}): the tuned layer computes without them (biases the spec does "
+                         "not add, say); use a model without them, or a spec that reads them")
     for name, (key, pattern, index) in table.items():
         target = layer.spec_view(name)
         target.copy_(to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes))

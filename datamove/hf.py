@@ -23,6 +23,7 @@ cached tokens (generation) is refused.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -204,6 +205,25 @@ class LlamaLayerReplacement(BertLayerReplacement):
         return self._masked(hidden_states, attention_mask)
 
 
+def check_config(config, computed: dict) -> None:
+    """Refuse a HF model whose ``config`` asks for something else than the tuned layer computes
+    (``computed``: its spec's ``HF_CONFIG``, e.g. Llama's RMSNorm epsilon, activation, attention
+    dropout): the layer would run with the spec's values without a word."""
+    if config is None:
+        return
+    differing = []
+    for key, value in computed.items():
+        theirs = getattr(config, key, value)
+        same = math.isclose(theirs, value, rel_tol=1e-9, abs_tol=0.0) if isinstance(value, float) \
+            and isinstance(theirs, (int, float)) else theirs == value
+        if not same:
+            differing.append(f"{key}={theirs!r} (the tuned layer computes {value!r})")
+    if differing:
+        raise ValueError(f"datamove: the model's config asks for what the tuned layer does not compute: "
+                         f"{'; '.join(differing)}; set those in the spec (its HF_CONFIG and what it computes) and "
+                         "run optimize-layer again, or use a model configured as the spec")
+
+
 def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwargs: dict) -> int:
     """Replace every module of class ``kind`` in ``model`` by ``replacement`` around a tuned layer
     carrying its weights (one compiled program for all: ``TunedLayer.sibling``)."""
@@ -215,11 +235,16 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
                 continue
             if first is None:
                 layer = first = load_layer(out_dir, **{"device": next(child.parameters()).device, **load_kwargs})
+                check_config(getattr(model, "config", None), layer.hf_config)
             else:
                 layer = first.sibling()
             load_weights(layer, child)
             setattr(parent, name, replacement(layer).train(child.training))
             replaced += 1
+    if not replaced:
+        found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Layer", "Block"))})
+        raise ValueError(f"datamove: no {kind} in the model to replace (its layers: {', '.join(found) or 'none'}); "
+                         f"the tuned layer stands in for HF's {kind} only")
     return replaced
 
 

@@ -139,7 +139,7 @@ def _run(o: JobOptions, facts, pools) -> int:
     fused = fused_training(analysis)
     spec_name = o.spec.stem
     module = analysis.spec.function.__globals__
-    torch_order, weights = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {})
+    torch_order, weights, hf_config = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {}), module.get("HF_CONFIG", {})
     try:  # before any tuning: the data inputs and TORCH_ORDER agree with the graph
         interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs)
     except ValueError as err:
@@ -218,7 +218,7 @@ def _run(o: JobOptions, facts, pools) -> int:
             stages("export")
             manifest = write_artifact(
                 folder, plans[0], fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
-                torch_order=torch_order, weights=weights, versions=versions(), other_plans=tuple(plans[1:]),
+                torch_order=torch_order, weights=weights, hf_config=hf_config, versions=versions(), other_plans=tuple(plans[1:]),
                 inputs=interface.activations, options=o.options,
                 device={"name": device, "measured": measured,
                         "capability": list(facts.compute_capability) if measured else None})

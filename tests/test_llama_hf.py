@@ -17,10 +17,14 @@ transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7
 
 
+def small_config(**changes):
+    return transformers.LlamaConfig(**{**dict(vocab_size=50, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=16, intermediate_size=128, num_hidden_layers=2, rms_norm_eps=1e-5,
+                                              max_position_embeddings=64), **changes})
+
+
 def models(llama_artifact):
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=16, intermediate_size=128, num_hidden_layers=2, rms_norm_eps=1e-5,
-                                      max_position_embeddings=64)
+    config = small_config()
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     reference = transformers.LlamaModel(config)
@@ -87,6 +91,43 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     with pytest.raises(ValueError, match="differ between the sequences of the batch"):
         layer(x, position_embeddings=shifted)
     assert ours.config.use_cache is False  # the layers fill no key-value cache
+
+
+@pytest.mark.parametrize("changes, refusal", [
+    (dict(rms_norm_eps=1e-2), r"rms_norm_eps=0.01 \(the tuned layer computes 1e-05\)"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu' \(the tuned layer computes 'silu'\)"),
+    (dict(attention_dropout=0.1), r"attention_dropout=0.1 \(the tuned layer computes 0.0\)"),
+    (dict(attention_bias=True), r"attention_bias=True"),
+], ids=["eps", "act", "dropout", "bias"])
+def test_a_model_configured_otherwise_than_the_spec_is_refused(llama_artifact, changes, refusal):
+    """A model whose config asks for another RMSNorm epsilon, activation, attention dropout or biases
+    than the spec computes (its HF_CONFIG) is refused whole: the layers would have run with the
+    spec's values without a word (found by configuring HF models as users do)."""
+    model = transformers.LlamaModel(small_config(**changes))
+    with pytest.raises(ValueError, match=refusal), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        replace_llama_layers(model, llama_artifact, dtype=torch.float32, allow_mismatch=True)
+    assert type(model.layers[0]).__name__ == "LlamaDecoderLayer"  # nothing replaced
+
+
+def test_biases_the_spec_does_not_read_are_refused_and_a_model_without_llama_layers_too(llama_artifact):
+    """load_weights refuses a module's parameters its spec's WEIGHTS do not place (the biases of a
+    layer configured with them; they were dropped without a word); a model with no
+    LlamaDecoderLayer (Qwen2's) is refused instead of left as it was with 0 replaced."""
+    from datamove.export import load_layer, load_weights
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(llama_artifact, dtype=torch.float32, allow_mismatch=True)
+    biased = transformers.LlamaModel(small_config(mlp_bias=True)).layers[0]
+    with pytest.raises(ValueError, match=r"parameter\(s\) mlp.down_proj.bias, mlp.gate_proj.bias, mlp.up_proj.bias "
+                                         "have no place in the spec"):
+        load_weights(layer, biased)
+    qwen = transformers.Qwen2Model(transformers.Qwen2Config(vocab_size=50, hidden_size=64, num_attention_heads=4,
+                                                            num_key_value_heads=2, intermediate_size=128,
+                                                            num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"no LlamaDecoderLayer in the model to replace \(its layers: .*Qwen2DecoderLayer"):
+        replace_llama_layers(qwen, llama_artifact, dtype=torch.float32, allow_mismatch=True)
 
 
 def test_the_models_tables_are_set_without_a_check_per_call(llama_artifact, monkeypatch):
