@@ -195,3 +195,14 @@ def test_llama_main_job_and_exported_layer(tmp_path, capsys):
     assert relative_error(x.grad.double().numpy(), result["d_x"]) < 1e-4
     for name, p in layer.named_parameters():
         assert relative_error(layer.spec_view(name, p.grad).double().numpy(), result[f"d_{name}"]) < 1e-4, name
+
+
+def test_multi_head_attention_is_gqa_with_groups_of_one():
+    """H = KV (Llama-2's multi-head attention) through the same spec: np.repeat(x, H // KV, axis=1)
+    repeats over H (KV * (H // KV) read with its division exact; it was refused as ambiguous between
+    H and KV, both 4), its matrix the identity."""
+    analysis = analyse_spec(SPEC, {**ODD, "H": 4, "KV": 4})
+    graph = analysis.graph
+    (repeat,) = [t for t, info in graph.tensors.items() if info.value and t.startswith("repeat_")]
+    assert graph.letter_dims[graph.tensors[repeat].letters[1]] == "H"
+    assert np.array_equal(known_value(graph, repeat), np.eye(4))

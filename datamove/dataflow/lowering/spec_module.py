@@ -57,12 +57,15 @@ class SpecModule:
         return int_source(size)
 
     def dim_of_size(self, node: ast.AST, size, what: str) -> str:
-        """The dim (of INDEX's letters) that ``size`` is: equal as an expression, else the one of its
-        value that ``size`` names (``KV * (H // KV)``: H), else the only one of its value."""
+        """The dim (of INDEX's letters) that ``size`` is: equal as an expression, or with its floor
+        divisions exact (``KV * (H // KV)``: H, also where H = KV), else the one of its value that
+        ``size`` names, else the only one of its value."""
         dims = list(dict.fromkeys(self.spec.letter_dims.values()))
-        for dim in dims:
-            if same_size(size, dim_symbol(dim)):
-                return dim
+        exact = sympy.sympify(size).replace(sympy.floor, lambda a: a)  # KV * (H // KV) read as KV * H / KV = H
+        for candidate in (size, exact):
+            for dim in dims:
+                if same_size(candidate, dim_symbol(dim)):
+                    return dim
         value = self.size_value(node, size)
         equal = [dim for dim in dims if self.spec.dim_values[dim] == value]
         named = [dim for dim in equal if dim_symbol(dim) in sympy.sympify(size).free_symbols]
