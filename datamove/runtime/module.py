@@ -19,6 +19,7 @@ another from its second: a dataloader padding each batch to its longest sequence
 shapes, each graphed one holding its own static buffers), other shapes launch plainly.
 """
 import functools
+import json
 import math
 import warnings
 
@@ -161,11 +162,19 @@ class _Launched(torch.autograd.Function):
         return (None, None, None, None, None, *result, *[None] * (inputs - len(result)))
 
 
+def _layouts(extra_state) -> dict:
+    """{tensor -> layout} of a saved ``TunedLayer.get_extra_state`` (a uint8 tensor of JSON; a dict
+    in state dicts saved before 2026-11-28), or {} where there is none."""
+    if isinstance(extra_state, torch.Tensor):
+        extra_state = json.loads(bytes(extra_state.cpu().tolist()).decode())
+    return (extra_state or {}).get("layouts", {})
+
+
 def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """Load-state-dict pre-hook of ``TunedLayer``: each tensor of ``state_dict`` permuted from the
     layout it was saved in (its extra state's; a state dict without one: the spec's letter order, as
     layers stored before parameters were contiguous) into this layer's."""
-    saved = (state_dict.get(prefix + "_extra_state") or {}).get("layouts", {})
+    saved = _layouts(state_dict.get(prefix + "_extra_state"))
     for name in layer._spec_axes:
         key = prefix + name
         if key not in state_dict:
@@ -285,9 +294,12 @@ class TunedLayer(torch.nn.Module):
             result.append(kept[1])
         return result
 
-    def get_extra_state(self) -> dict:
-        """Saved with the state dict: the layout each parameter and constant is stored in."""
-        return {"layouts": {t: self.plan.layouts[t] for t in self._spec_axes}}
+    def get_extra_state(self) -> torch.Tensor:
+        """Saved with the state dict: the layout each parameter and constant is stored in, as JSON in
+        a uint8 tensor (savers that take only tensors, HF's ``save_pretrained`` and safetensors,
+        failed on a dict)."""
+        text = json.dumps({"layouts": {t: self.plan.layouts[t] for t in self._spec_axes}}, sort_keys=True)
+        return torch.tensor(list(text.encode()), dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
         """Nothing to set: ``_stored_as_planned`` put the loaded tensors in this layer's layouts."""
