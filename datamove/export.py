@@ -177,6 +177,17 @@ def read_manifest(out_dir) -> dict:
     missing = [key for key in MANIFEST_KEYS if key not in manifest] if isinstance(manifest, dict) else MANIFEST_KEYS
     if missing:
         raise ArtifactError(f"{path}: not a datamove manifest (no {', '.join(missing)}): {REWRITE}")
+    weights = manifest["weights"]
+    shapes = {"dims": isinstance(manifest["dims"], dict), "dtype": isinstance(manifest["dtype"], str),
+              "device": isinstance(manifest["device"], dict) and isinstance(manifest["device"].get("name"), str),
+              "torch_order": isinstance(manifest["torch_order"], dict),
+              "weights": isinstance(weights, dict) and all(
+                  isinstance(table, dict) and all(isinstance(v, list) and len(v) == 3 for v in table.values())
+                  for table in weights.values())}
+    damaged = [key for key, fine in shapes.items() if not fine]
+    if damaged:
+        raise ArtifactError(f"{path}: not a datamove manifest (its {', '.join(damaged)} not as optimize-layer writes "
+                            f"them): {REWRITE}")
     return manifest
 
 
@@ -224,6 +235,12 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     plans = [plan] + [_parsed(out / entry["plan"], Plan.from_json) for entry in entries[1:]]
     _check_identity(out, manifest, [entry["plan"] for entry in entries])
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"load_layer(device={str(device)!r}): no CUDA GPU here (torch.cuda.is_available() is False); "
+                         "leave device out, or give 'cpu'")
+    if dtype is not None and dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"load_layer(dtype={dtype!r}): expected torch.float32, torch.float64, torch.bfloat16 or "
+                         "torch.float16 (or nothing: the plan's)")
     tuned_dtype = plan.dtype.torch
     problems = []
     if dtype is not None and dtype != tuned_dtype:
@@ -278,6 +295,10 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     """Copy ``module``'s weights into ``layer`` (kinds in the spec's ``WEIGHTS``)."""
     kind = module_kind(layer, module)
     table, state, sizes = _table(layer, kind), module.state_dict(), _sizes(layer)
+    absent = sorted({key for key, _, _ in table.values()} - set(state))
+    if absent:
+        raise ValueError(f"{type(module).__name__} has no {', '.join(absent)}, which the spec's WEIGHTS for {kind} "
+                         "read: a module of another structure, or a damaged manifest")
     unread = sorted({name for name, _ in module.named_parameters()} - {key for key, _, _ in table.values()})
     if unread:
         raise ValueError(f"{type(module).__name__}'s parameter(s) {', '.join(unread)} have no place in the spec "

@@ -365,6 +365,28 @@ def test_a_damaged_artifact_file_is_named_with_what_to_do(artifact, tmp_path, ca
         assert str(raised.value) == message
 
 
+@pytest.mark.parametrize("field, value", [("weights", []), ("device", "cpu"), ("weights", {"BertLayer": {"wq": "x"}})])
+def test_a_manifest_field_of_another_shape_is_named(artifact, tmp_path, field, value):
+    """A manifest whose fields are not as optimize-layer writes them (edited by hand, say) is refused
+    naming the file and the field (it failed inside load_layer with an AttributeError)."""
+    path = shutil.copytree(artifact, tmp_path / "artifact")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest[field] = value
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=rf"manifest.json: not a datamove manifest \(its {field} not as "):
+        load(path)
+
+
+def test_load_layer_refuses_a_dtype_or_device_it_cannot_take(artifact):
+    with pytest.raises(ValueError, match=r"load_layer\(dtype=torch.int32\): expected torch.float32"):
+        load_layer(artifact, device="cpu", dtype=torch.int32, allow_mismatch=True)
+    with pytest.raises(ValueError, match=r"load_layer\(dtype='float32'\)"):
+        load_layer(artifact, device="cpu", dtype="float32", allow_mismatch=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"load_layer\(device='cuda'\): no CUDA GPU here"):
+            load_layer(artifact, device="cuda", allow_mismatch=True)
+
+
 def test_files_of_another_plan_than_the_manifest_are_refused(artifact, tmp_path):
     """The manifest's ``plan_id`` is a hash of plan.json and graph.json: a plan.json (or graph.json)
     of another run beside it is refused, naming the folder; a manifest written before plan_ids

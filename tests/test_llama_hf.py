@@ -91,6 +91,8 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     with pytest.raises(ValueError, match="differ between the sequences of the batch"):
         layer(x, position_embeddings=shifted)
     assert ours.config.use_cache is False  # the layers fill no key-value cache
+    with pytest.raises(ValueError, match=r"set_constant\('cos'\): a tensor of shape \(8, 16\); cos is over s, e: \(16, 16\)"):
+        layer.layer.set_constant("cos", torch.zeros(8, 16))
 
 
 @pytest.mark.parametrize("changes, refusal", [

@@ -409,7 +409,11 @@ class TunedLayer(torch.nn.Module):
         if name not in self.interface.constants or name in self.initial:
             raise ValueError(f"{name}: not a constant of the layer that the caller sets (constants without a value of "
                              f"their own: {[t for t in self.interface.constants if t not in self.initial]})")
-        self.spec_view(name).copy_(value)
+        target = self.spec_view(name)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"set_constant({name!r}): a tensor of shape {tuple(value.shape)}; {name} is over "
+                             f"{', '.join(self.graph.tensors[name].letters)}: {tuple(target.shape)}")
+        target.copy_(value)
         stored = self._buffers[name]
         self._constants_checked[(name, stored.data_ptr())] = stored._version
 
