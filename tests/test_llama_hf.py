@@ -172,3 +172,18 @@ def test_a_replaced_model_saves_with_save_pretrained_and_loads_back(llama_artifa
     old["_extra_state"] = {"layouts": {t: layer.plan.layouts[t] for t in layer._spec_axes}}
     layer.load_state_dict(old)
     assert torch.equal(layer.spec_view("wq"), ours.layers[0].layer.spec_view("wq"))
+
+
+def test_a_compiled_replaced_model_needs_an_attention_mask_and_then_matches_hf(llama_artifact):
+    """Under torch.compile HF asks for a causal mask combined with its packed-sequence check when the
+    model gets no attention_mask (it cannot read position_ids there): refused with the way out (it
+    said the model asked for a bidirectional or sliding-window mask); with the mask, as HF."""
+    reference, ours = models(llama_artifact)
+    compiled = torch.compile(ours, backend="eager")
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"call the model with attention_mask=torch.ones_like\(input_ids\)"):
+        compiled(input_ids=ids)
+    mask = torch.ones_like(ids)
+    y = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert float((y - expected).abs().max() / expected.abs().max()) < TOLERANCE
