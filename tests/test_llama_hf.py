@@ -187,3 +187,23 @@ def test_a_compiled_replaced_model_needs_an_attention_mask_and_then_matches_hf(l
     y = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
     expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     assert float((y - expected).abs().max() / expected.abs().max()) < TOLERANCE
+
+
+def test_padding_with_a_plan_without_the_fused_attention_says_why(tmp_path, capsys):
+    """At a head dim the fused kernels do not take (12) the plan runs the attention unfused, which
+    applies no key-padding mask: a padded call is refused naming that reason and what to do."""
+    from datamove.cli import main
+    from datamove.export import load_layer
+
+    out = tmp_path / "e12"
+    assert main(["configs/llama.py", "--dims", "B=2,T=12,D=48,H=4,KV=2,E=12,F=40", "--out", str(out)]) == 0
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(out, dtype=torch.float32, allow_mismatch=True)
+    for name in ("cos", "sin"):
+        layer.set_constant(name, torch.rand(12, 12))
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[1, :3] = True
+    with pytest.raises(ValueError, match=r"runs no fused attention to apply it \(head dims \[12\].*\); pad no batch"):
+        layer(torch.randn(2, 12, 48), key_padding_mask=mask)

@@ -370,7 +370,10 @@ class TunedLayer(torch.nn.Module):
     def _check_mask(self, mask: torch.Tensor, program: LayerProgram) -> None:
         attention = next((s for s in program.plan.steps if s.kind == ATTENTION_FORWARD), None)
         if attention is None:
-            raise ValueError("key_padding_mask: this plan runs no fused attention to apply it")
+            why = str(program.plan.search.get("attention", "")).removeprefix("none: ")
+            raise ValueError("key_padding_mask (a HF model's padded attention_mask): this plan runs no fused attention "
+                             f"to apply it ({why or 'the selection did not take it'}); pad no batch, or tune a spec "
+                             "whose attention the fused kernels take")
         letters = attention.config.letters
         expected = (program.graph.size(letters["batch"]), program.graph.size(letters["keys"]))
         check(mask, "key_padding_mask", expected, torch.bool, self.device_, letters["batch"] + letters["keys"])
