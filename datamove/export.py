@@ -295,11 +295,12 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     """Copy ``module``'s weights into ``layer`` (kinds in the spec's ``WEIGHTS``)."""
     kind = module_kind(layer, module)
     table, state, sizes = _table(layer, kind), module.state_dict(), _sizes(layer)
-    absent = sorted({key for key, _, _ in table.values()} - set(state))
+    read = {key for key, _, _ in table.values()}
+    absent = sorted(read - set(state))
     if absent:
         raise ValueError(f"{type(module).__name__} has no {', '.join(absent)}, which the spec's WEIGHTS for {kind} "
                          "read: a module of another structure, or a damaged manifest")
-    unread = sorted({name for name, _ in module.named_parameters()} - {key for key, _, _ in table.values()})
+    unread = sorted({name for name, _ in module.named_parameters()} - read)
     if unread:
         raise ValueError(f"{type(module).__name__}'s parameter(s) {', '.join(unread)} have no place in the spec "
                          f"(its WEIGHTS for {kind}): the tuned layer computes without them (biases the spec does "

@@ -100,13 +100,13 @@ def _causal_key_padding_masks(*, mask_function=None, attention_mask=None, **kwar
     from transformers.masking_utils import causal_mask_function
 
     if mask_function is not causal_mask_function:
-        if attention_mask is None and getattr(mask_function, "__qualname__", "").startswith("and_masks."):
-            raise ValueError("datamove: the replaced Llama layers apply a causal mask and a key-padding mask; this model "
-                             "asks for a combined one, as HF does for packed sequences (position_ids restarting) and, "
-                             "under torch.compile, for any call without an attention_mask: call the model with "
-                             "attention_mask=torch.ones_like(input_ids) (packed sequences are not supported)")
+        combined = attention_mask is None and getattr(mask_function, "__qualname__", "").startswith("and_masks.")
+        asked = ("a combined one, as HF does for packed sequences (position_ids restarting) and, under torch.compile, "
+                 "for any call without an attention_mask: call the model with attention_mask=torch.ones_like(input_ids) "
+                 "(packed sequences are not supported)" if combined else
+                 "another attention mask (bidirectional, packed sequences or a sliding window)")
         raise ValueError("datamove: the replaced Llama layers apply a causal mask and a key-padding mask; this model "
-                         "asks for another attention mask (bidirectional, packed sequences or a sliding window)")
+                         f"asks for {asked}")
     return attention_mask
 
 

@@ -33,7 +33,7 @@ def test_the_replayed_node_takes_held_parameters_and_gives_their_gradients_held(
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, generator=gen, requires_grad=True)
     held = torch.randn(4, 3, generator=gen).requires_grad_()  # stored over (e, d): the spec reads (d, e)
-    order = SpecOrder([(1, 0)])
+    order = SpecOrder(("w",), [(1, 0)])
     views = order.spec([held.detach()])
     graphs, replayer = LayerGraphs(), StandIn(shared)
     graphs.replayers[("p", None)] = [replayer]

@@ -189,15 +189,12 @@ class _Backward:
         parts = self.contributions.get(tensor, [])
         if not parts:
             return None
-        letters = self.graph.tensors[tensor].letters
+        # one contribution is the gradient itself, except an input's aliasing another gradient (Gemma's
+        # 1 + w): copied under the input's name below, the sum of one part being the map "in0"
         if len(parts) == 1 and (self.graph.tensors[tensor].role != "input" or parts[0] == f"d_{tensor}"):
             self.grads[tensor] = parts[0]
             return parts[0]
-        if len(parts) == 1:  # an input's one contribution aliases another gradient (Gemma's 1 + w): copied to its name
-            name = self._new_tensor(f"d_{tensor}", letters, "gradient")
-            self._emit("map", [Operand(parts[0], letters)], Operand(name, letters), "in0")
-            self.grads[tensor] = name
-            return name
+        letters = self.graph.tensors[tensor].letters
         role = "gradient" if self.graph.tensors[tensor].role == "input" else "intermediate"
         name = self._new_tensor(f"d_{tensor}", letters, role)
         self._emit("map", [Operand(p, letters) for p in parts], Operand(name, letters),

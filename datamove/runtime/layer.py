@@ -92,10 +92,11 @@ class SpecOrder:
     nodes take the held tensors as inputs and read them through views made without autograd
     (``spec``), and give their gradients back in the held order (``held_grads``): autograd then
     records no permute node per parameter and call (16 nodes a BERT layer, about 11 us of host
-    each, forward and backward).  ``axes``: per held tensor, the permutation to its spec order."""
+    each, forward and backward).  ``names``: the held tensors (the interface's parameters, then its
+    constants); ``axes``: per held tensor, the permutation to its spec order."""
 
-    def __init__(self, axes: list[tuple[int, ...]]):
-        self.axes = axes
+    def __init__(self, names: tuple[str, ...], axes: list[tuple[int, ...]]):
+        self.names, self.axes = names, axes
         self.inverse = [tuple(sorted(range(len(a)), key=a.__getitem__)) for a in axes]
 
     def spec(self, held) -> list[torch.Tensor]:

@@ -267,7 +267,7 @@ class TunedLayer(torch.nn.Module):
                 self.register_parameter(t, torch.nn.Parameter(stored))
             else:
                 self.register_buffer(t, stored)
-        self._order = SpecOrder([self._spec_axes[t] for t in names])
+        self._order = SpecOrder(names, [self._spec_axes[t] for t in names])
         self.register_load_state_dict_pre_hook(_stored_as_planned)
         self.reset_parameters()
 
@@ -278,15 +278,14 @@ class TunedLayer(torch.nn.Module):
 
     def _held(self) -> list[torch.Tensor]:
         """The parameters and constants as this layer holds them (the interface's order)."""
-        return [self._parameters[t] if t in self._parameters else self._buffers[t]
-                for t in self.interface.parameters + self.interface.constants]
+        return [self._parameters[t] if t in self._parameters else self._buffers[t] for t in self._order.names]
 
     def _spec_tensors(self, held: list[torch.Tensor]) -> list[torch.Tensor]:
         """``held`` as the program reads them, in spec letter order: views autograd does not record
         (the layer's autograd nodes take ``held`` and give their gradients back in its order,
         ``SpecOrder``), each made once and kept while the tensor and its storage stay the same."""
         result = []
-        for t, value, axes in zip(self.interface.parameters + self.interface.constants, held, self._order.axes):
+        for t, value, axes in zip(self._order.names, held, self._order.axes):
             made_of = (id(value), value.data_ptr())
             kept = self._views.get(t)
             if kept is None or kept[0] != made_of:
