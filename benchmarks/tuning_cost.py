@@ -56,17 +56,19 @@ def optimize(spec: str, dims: str, db: Path, out: Path, budget_s: float | None, 
     # as on a user's installation, whose packages have their bytecode (a GPU host of ours sets
     # PYTHONDONTWRITEBYTECODE: every run compiled DaCe and datamove again, seconds of each warm run)
     env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
-    started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
-    wall = time.monotonic() - started
+    # the job's output goes to its log as it comes: a run killed from outside leaves what it said
     log = out.parent / f"{out.name}{'-exhaustive' if exhaustive else ''}-{time.strftime('%H%M%S')}.log"
-    log.write_text(done.stdout + done.stderr)
-    summary = next((line for line in done.stdout.splitlines() if line.startswith("Tuning: ")), None)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with log.open("w") as sink:
+        done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    wall = time.monotonic() - started
+    said = log.read_text().splitlines()
+    summary = next((line for line in said if line.startswith("Tuning: ")), None)
     tuning = json.loads((out / "report.json").read_text())["meta"].get("tuning") if done.returncode == 0 else None
     plan = json.loads((out / "plan.json").read_text()) if done.returncode == 0 else {}
     return {"wall_s": round(wall, 1), "rc": done.returncode, "summary": summary, "tuning": tuning,
-            "plan_ms": plan.get("total_ms"), "log": str(log), "error": (done.stderr.strip().splitlines() or [""])[-1]
-            if done.returncode else None}
+            "plan_ms": plan.get("total_ms"), "log": str(log), "error": (said or [""])[-1] if done.returncode else None}
 
 
 def layer_step(artifact: Path):

@@ -12,6 +12,7 @@ swept) the selection prices with the cost model.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -142,10 +143,10 @@ class TuningReport:
         left, rate = self.left(), self.rate_s()
         text = f"stopped: {self.stopped}; {left} variant(s) not measured"
         if rate is not None and left:
-            more = left * rate
-            text += f" (about {more:.0f} s more at this run's {rate:.2f} s a variant)"
+            more = left * rate  # rounded up: a budget that rounds down to the one given stops again
+            text += f" (about {math.ceil(more)} s more at this run's {rate:.2f} s a variant)"
             if self.budget_s is not None:
-                text += f": rerun to go on, or give --budget-s {self.budget_s + more / (1 - PLAN_SHARE):.0f}"
+                text += f": rerun to go on, or give --budget-s {math.ceil(self.budget_s + more / (1 - PLAN_SHARE))}"
                 return text
         return text + ": rerun to go on"
 

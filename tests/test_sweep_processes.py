@@ -6,6 +6,7 @@ variant hangs; a sweep SIGKILLed at a random moment and rerun loses no finished 
 measures none again; real variants survive the pickle that takes them to a measuring process.
 """
 import io
+import math
 import os
 import pickle
 import random
@@ -315,7 +316,7 @@ def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
             lines = report.lines()
             assert lines[0].startswith("Tuning: 2 checked, 1 read back in ")
             assert "stopped: time budget of 4 s used (25% of it kept for what the plan chose); 4 variant(s) not measured (about " in lines[0]
-            assert lines[0].endswith(f"rerun to go on, or give --budget-s {4 + 4 * report.rate_s() / 0.75:.0f}")
+            assert lines[0].endswith(f"rerun to go on, or give --budget-s {math.ceil(4 + 4 * report.rate_s() / 0.75)}")
             assert lines[1].startswith("  first: 1 checked, 1 read back; 5 pruned (a rule); ")
             assert [s["left"] for s in report.to_json()["stages"]] == [0, 2, 2, 0, 0]
     rows = tuning_rows(report.to_json())  # the report's table: stage, timed, failed, read back, pruned, left, s
@@ -323,6 +324,17 @@ def test_the_tunings_cost_per_stage_and_what_finishing_takes(tmp_path):
                                          ["third", "0", "0", "0", "0", "2"], ["read back", "0", "0", "0", "0", "0"],
                                          ["plan", "1", "0", "0", "0", "0"],
                                          ["total", "2", "0", "1", "5", "4"]]
+
+
+def test_the_budget_a_stopped_tuning_asks_for_is_rounded_up_past_the_one_given():
+    """One variant left at 0.08 s under a 320 s budget: finishing takes 321 s, not the 320 s given
+    (rounded to the nearest, the suggestion was the budget that had just stopped the run)."""
+    from datamove.tuning import StageCost, TuningReport
+
+    report = TuningReport(budget_s=320.0, stopped="time budget of 320 s used")
+    report.stages["sweep"] = StageCost("sweep", counts={"ok": 3000}, left_keys={"one"}, wall_s=240.0)
+    assert report.stop_message().endswith(
+        "1 variant(s) not measured (about 1 s more at this run's 0.08 s a variant): rerun to go on, or give --budget-s 321")
 
 
 def test_a_spent_budget_does_not_stop_what_the_database_answers(tmp_path):
