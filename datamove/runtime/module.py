@@ -340,6 +340,13 @@ class TunedLayer(torch.nn.Module):
             register(self._programs[key])
         return self._programs[key]
 
+    @torch.compiler.assume_constant_result
+    def _program_made(self, training: bool, key: tuple) -> str:
+        """The program of a call at shape ``key`` (``shape_key``) made where it is not yet, called
+        by ``torch.compile`` as it traces ``forward`` and not traced (a shape's first program is
+        fitted and compiled in Python that dynamo cannot follow): ``program`` then finds it made."""
+        return self.program(training, dict(key)).name
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Parameters and constants as ``dataflow.initial_values`` reads the graph: weights (what an
@@ -469,6 +476,8 @@ class TunedLayer(torch.nn.Module):
         face = self.interface
         activations = self._bound_inputs(inputs, named_inputs)
         shape = call_shape(self.graph, face, self.call_dims, activations)
+        if torch.compiler.is_compiling():
+            self._program_made(self.training, shape_key(shape))
         program = self.program(self.training, shape)
         self._check_constants(program)
         if key_padding_mask is not None:

@@ -28,6 +28,7 @@ except where a knob depends on the sizes, which ``fit_plan`` adjusts:
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import replace
 
 from datamove.dataflow.executor import dropout_offsets
@@ -62,7 +63,9 @@ def describe(shape: dict) -> str:
 def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str, int]:
     """The shape {call dim -> size} of a call on ``activations`` (PyTorch order); refuses a tensor
     with another number of dims, a fixed dim of another size, a call dim below 1 or two
-    activations that disagree on a call dim, naming the expected shape."""
+    activations that disagree on a call dim, naming the expected shape.  Sizes are read with
+    ``operator.index``: under ``torch.compile`` a symbolic size becomes the call's own (a guard), as
+    a call's program is made for its sizes."""
     shape: dict[str, int] = {}
     for t, x in zip(interface.activations, activations):
         order = interface.torch_order[t]
@@ -70,11 +73,11 @@ def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str
                          else graph.size(letter) for letter in order)
         if not hasattr(x, "shape"):
             raise TypeError(f"{t}: expected a torch.Tensor, got {type(x).__name__}")
-        if len(x.shape) != len(order) or any(isinstance(e, int) and int(s) != e for s, e in zip(x.shape, expected)):
+        if len(x.shape) != len(order) or any(isinstance(e, int) and operator.index(s) != e for s, e in zip(x.shape, expected)):
             raise ValueError(f"{t}: shape {tuple(x.shape)}, {_expected(expected, order, dims)}; the other sizes are "
                              "fixed by the weights")
         for letter, size in zip(order, x.shape):
-            dim, size = graph.letter_dims[letter], int(size)
+            dim, size = graph.letter_dims[letter], operator.index(size)
             if dim not in dims:
                 continue
             if size < 1:
