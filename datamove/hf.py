@@ -196,7 +196,7 @@ class LlamaLayerReplacement(BertLayerReplacement):
                 raise ValueError(f"datamove: position_embeddings' {name} is {tuple(table.shape)} (sequence, head "
                                  f"dim); the tuned layer's is {wanted}: call the model at the sequence length the "
                                  "layer was tuned for")
-            self.layer.set_constant(name, table)
+            self.layer.set_constant(name, table, check_nan=False)  # HF's tables: cos and sin of finite angles
         self._tables = key
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,

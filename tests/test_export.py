@@ -245,6 +245,43 @@ def test_torch_compile_fullgraph_matches_eager(tmp_path, backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("convert, dtype", [(lambda m: m.double(), torch.float64), (lambda m: m.bfloat16(), torch.bfloat16),
+                                            (lambda m: m.to(torch.float16), torch.float16)])
+def test_a_converted_layer_computes_in_its_new_dtype(tmp_path, convert, dtype):
+    """``layer.double()`` / ``.bfloat16()`` / ``.to(dtype)``: the layer takes inputs of the new dtype and
+    computes exactly as a layer loaded in it (it once ran its first dtype's program on the converted
+    parameters and refused inputs of their dtype); a sibling not converted keeps its own; a dtype the
+    plan was not tuned in is warned about."""
+    artifact = write(tmp_path, "bert", BERT_DIMS)
+    layer = load(artifact, "torch").eval()
+    randomize(layer, 3)
+    twin = layer.sibling().eval()
+    twin.load_state_dict(layer.state_dict())
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"])
+    before = twin(x)
+    with pytest.warns(UserWarning, match=f"the layer now computes in {dtype}; its plan was tuned in torch.float32"):
+        convert(layer)
+    assert layer.dtype == dtype and all(p.dtype == dtype for p in layer.parameters())
+    with pytest.raises(TypeError, match=f"x: dtype torch.float32, expected {dtype}"):
+        layer(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh = load_layer(artifact, device="cpu", dtype=dtype, backend="torch", allow_mismatch=True).eval()
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(layer(x.to(dtype)), fresh(x.to(dtype)))
+    assert torch.equal(twin(x), before)
+
+
+def test_a_conversion_the_backend_cannot_compute_is_refused_before_anything_changes(tmp_path):
+    """The Triton interpreter computes no bfloat16 as a GPU does: ``.bfloat16()`` of a CPU layer on its
+    kernels is refused, the parameters left as they were."""
+    layer = load(write(tmp_path, "bert", BERT_DIMS))
+    with pytest.raises(ValueError, match="backend 'kernels' on cpu in torch.bfloat16: the Triton interpreter"):
+        layer.bfloat16()
+    assert layer.dtype == torch.float32 and all(p.dtype == torch.float32 for p in layer.parameters())
+
+
 def test_backward_fills_no_zero_gradients(tmp_path):
     """The tensors the forward op returns for the backward get no gradient: autograd must not fill
     zero tensors for them (on the GPU those fills were 36 us of a 0.8 ms BERT-large step)."""

@@ -93,6 +93,10 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     assert ours.config.use_cache is False  # the layers fill no key-value cache
     with pytest.raises(ValueError, match=r"set_constant\('cos'\): a tensor of shape \(8, 16\); cos is over s, e: \(16, 16\)"):
         layer.layer.set_constant("cos", torch.zeros(8, 16))
+    table = cos[0].clone()
+    table[3, 5] = float("nan")  # NaN marks a constant not set: never taken as a value
+    with pytest.raises(ValueError, match=r"set_constant\('cos'\): the values hold NaN \(at \(3, 5\) over s, e\)"):
+        layer.layer.set_constant("cos", table)
 
 
 @pytest.mark.parametrize("changes, refusal", [

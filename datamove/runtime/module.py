@@ -236,21 +236,53 @@ class TunedLayer(torch.nn.Module):
                  cuda_graphs: bool = True, plans: list[Plan] | None = None, backend: str | None = None):
         super().__init__()
         self.plan, self.graph, self.operators, self.interface = plan, graph, operators, interface
-        self.dtype, self.device_ = dtype, torch.device(device)
-        self.backend = backend or default_backend(self.device_)
-        check_backend(self.backend, self.device_, dtype)
-        self.cuda_graphs = cuda_graphs and self.device_.type == "cuda" and self.backend == KERNELS
+        self._asked = (backend, cuda_graphs)  # what the caller chose; a move to another device derives again
+        self._runs_in(dtype, torch.device(device))
         self.initial = initial_values(graph, interface.parameters, interface.constants)
         self.graphs = LayerGraphs()
         self.plans = list(plans or [plan])
         self.call_dims = call_dims(graph, interface)
         self.tuned_shapes = [{d: p.dims[d] for d in self.call_dims} for p in self.plans]  # [{call dim -> size}]
-        self._programs: dict[tuple, LayerProgram] = {}  # (training, shape key) -> program, shared by siblings
-        self._warned: set[tuple] = set()  # untuned shapes warned about, shared by siblings
+        self._programs: dict[tuple, LayerProgram] = {}  # (training, shape key, how it runs) -> program, shared by siblings
+        self._warned: set[tuple] = set()  # untuned shapes and dtypes warned about, shared by siblings
         self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
         self._constants_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold what it must
         self._allocate_parameters()
+
+    def _runs_in(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compute in ``dtype`` on ``device``: the backend asked for (default: ``default_backend`` of
+        ``device``), refused where it cannot compute there (``check_backend``), and CUDA graphs where asked
+        for and the kernels run on CUDA."""
+        backend, cuda_graphs = self._asked
+        backend = backend or default_backend(device)
+        check_backend(backend, device, dtype)
+        self.dtype, self.device_, self.backend = dtype, device, backend
+        self.cuda_graphs = cuda_graphs and device.type == "cuda" and backend == KERNELS
+
+    def _apply(self, fn, recurse=True):
+        """``nn.Module``'s conversions (``.to``, ``.half()``, ``.cuda()``, ...): the layer then computes in
+        the dtype and on the device its parameters were given, with programs made for them (it ran its
+        first dtype's program on converted parameters, or refused inputs of their dtype).  A
+        combination the backend cannot compute is refused before anything is converted; a dtype other
+        than the plan's is warned about once: its kernels were not timed in it."""
+        before = torch.empty(0, dtype=self.dtype, device=self.device_)
+        after = fn(before)
+        moved = isinstance(after, torch.Tensor) and (after.dtype, after.device) != (before.dtype, before.device)
+        if moved:
+            backend = self._asked[0] or default_backend(after.device)
+            check_backend(backend, after.device, after.dtype)
+        result = super()._apply(fn, recurse)
+        if moved:
+            self._runs_in(after.dtype, after.device)
+            self.graphs, self._calls, self._graphed, self._views = LayerGraphs(), {}, set(), {}
+            tuned = self.plan.dtype.torch
+            if after.dtype != tuned and (after.dtype, tuned) not in self._warned:
+                self._warned.add((after.dtype, tuned))
+                warnings.warn(f"datamove: the layer now computes in {after.dtype}; its plan was tuned in {tuned} "
+                              f"(its kernels run untimed in {after.dtype}): tune it with optimize-layer --dtype",
+                              stacklevel=3)
+        return result
 
     def _allocate_parameters(self) -> None:
         """Parameters and constants, each a contiguous tensor over its letters in the plan's layout
@@ -323,7 +355,7 @@ class TunedLayer(torch.nn.Module):
         """The program of a call at ``shape`` (default: the first tuned shape) in training or
         evaluation mode, built on first use: the shape's own plan, else the nearest one fitted to it."""
         shape = shape or self.tuned_shapes[0]
-        key = (training, shape_key(shape))
+        key = (training, shape_key(shape), self.backend, self.dtype, str(self.device_))
         if key not in self._programs:
             tuned = self.dispatch(shape)
             graph = self.graph.with_dims({**self.graph.dim_values, **shape})
@@ -411,10 +443,12 @@ class TunedLayer(torch.nn.Module):
                              "with values over the letters named (not layer.<name>.copy_: it is stored in the plan's layout)")
 
     @torch.no_grad()
-    def set_constant(self, name: str, value: torch.Tensor) -> None:
+    def set_constant(self, name: str, value: torch.Tensor, *, check_nan: bool = True) -> None:
         """Copy ``value`` (over ``name``'s spec letters) into a constant the graph gives no value
         (RoPE's tables), taken as set: the next call does not look for NaN in it again, which on a
-        GPU waits for the device (``replace_llama_layers`` sets the model's tables on every call)."""
+        GPU waits for the device.  ``value`` holding NaN is refused (NaN marks a constant not set);
+        ``check_nan=False`` skips that wait, for callers whose tables are made finite
+        (``replace_llama_layers`` sets the model's rotary tables whenever they change)."""
         if name not in self.interface.constants or name in self.initial:
             raise ValueError(f"{name}: not a constant of the layer that the caller sets (constants without a value of "
                              f"their own: {[t for t in self.interface.constants if t not in self.initial]})")
@@ -422,6 +456,9 @@ class TunedLayer(torch.nn.Module):
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"set_constant({name!r}): a tensor of shape {tuple(value.shape)}; {name} is over "
                              f"{', '.join(self.graph.tensors[name].letters)}: {tuple(target.shape)}")
+        if check_nan and bool(value.isnan().any()):
+            raise ValueError(f"set_constant({name!r}): the values hold NaN (at {tuple(value.isnan().nonzero()[0].tolist())} "
+                             f"over {', '.join(self.graph.tensors[name].letters)}); a constant's values must be numbers")
         target.copy_(value)
         stored = self._buffers[name]
         self._constants_checked[(name, stored.data_ptr())] = stored._version
