@@ -20,9 +20,17 @@ model passes every layer (``position_embeddings``: cos and sin, [1 or batch, seq
 are copied into the layer's ``cos`` and ``sin`` constants where they changed.  Training only: the
 layers fill no key-value cache (the model's ``config.use_cache`` is set False), and a call with
 cached tokens (generation) is refused.
+
+Both keep HF's outputs: ``output_hidden_states`` gets every layer's input and output as HF's own
+layers give them (transformers >= 4.54 collects them with hooks on the layer classes the model
+names, which the replacements are not: they add theirs to the active collection,
+``_record_hidden_states``); ``output_attentions`` is refused (the fused attention forms no
+attention weights).  Where the model loop takes a layer's outputs as a tuple (older transformers),
+the replacements return one.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import weakref
 
@@ -131,17 +139,61 @@ def _route_key_padding_masks(model: torch.nn.Module, name: str = KEY_PADDING, ma
         model.set_attn_implementation(name)
 
 
+def _active_collection() -> dict | None:
+    """The outputs HF is collecting in this model call ({"hidden_states": [...], "attentions": [...],
+    ...}: the keys asked for), or None (none asked for, or a transformers without hooks collecting)."""
+    for where in ("transformers.utils.output_capturing", "transformers.utils.generic"):
+        try:
+            active = importlib.import_module(where)._active_collector
+        except (ImportError, AttributeError):
+            continue
+        try:
+            return active.get()
+        except LookupError:  # a ContextVar without a default, not set
+            return None
+    return None
+
+
+def _record_hidden_states(inputs: torch.Tensor, output: torch.Tensor) -> None:
+    """Add a replaced layer's hidden states to HF's collection as HF's hook on its own layers does:
+    the first layer's input, then each layer's output (``_hidden_states_layers``: the indices kept,
+    None elsewhere).  ``output_attentions`` is refused."""
+    collected = _active_collection()
+    if not collected:
+        return
+    if "attentions" in collected or "cross_attentions" in collected:
+        raise ValueError("datamove: output_attentions=True: the tuned layer's fused attention forms no attention "
+                         "weights; call the model without output_attentions")
+    states = collected.get("hidden_states")
+    if states is None:
+        return
+    chosen = collected.get("_hidden_states_layers")
+    for state in ([inputs] if not states else []) + [output]:
+        states.append(state if chosen is None or len(states) in chosen else None)
+
+
 class BertLayerReplacement(torch.nn.Module):
     """A HF ``BertLayer``'s call signature around a tuned layer: ``forward(hidden_states,
-    attention_mask=None, ...)`` -> hidden states [batch, sequence, feature].  HF's activation
-    checkpointing (``model.gradient_checkpointing_enable()``) sets ``gradient_checkpointing`` and
-    the checkpoint function, as on HF's own layers."""
+    attention_mask=None, ...)`` -> hidden states [batch, sequence, feature] (``returns_tuple``: as a
+    1-tuple, for a transformers whose model loop takes the layer's first output; module doc).  HF's
+    activation checkpointing (``model.gradient_checkpointing_enable()``) sets
+    ``gradient_checkpointing`` and the checkpoint function, as on HF's own layers."""
 
     gradient_checkpointing = False
 
-    def __init__(self, layer: TunedLayer):
+    def __init__(self, layer: TunedLayer, returns_tuple: bool = False):
         super().__init__()
-        self.layer = layer
+        self.layer, self.returns_tuple = layer, returns_tuple
+
+    def _output(self, hidden_states: torch.Tensor, attention_mask, kwargs: dict):
+        """The layer on ``hidden_states`` as HF's model loop takes it (``_masked``): recorded where HF
+        collects hidden states, a 1-tuple where ``returns_tuple``."""
+        if kwargs.get("output_attentions"):  # an older transformers asks each layer
+            raise ValueError("datamove: output_attentions=True: the tuned layer's fused attention forms no attention "
+                             "weights; call the model without output_attentions")
+        output = self._masked(hidden_states, attention_mask)
+        _record_hidden_states(hidden_states, output)
+        return (output,) if self.returns_tuple else output
 
     def _layer(self, hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if mask is not None and not self.layer.applies_key_padding and not bool(mask.any()):
@@ -159,7 +211,7 @@ class BertLayerReplacement(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
         if args and args[0] is not None or kwargs.get("encoder_hidden_states") is not None:
             raise ValueError("cross-attention (encoder_hidden_states) is not part of the tuned layer")
-        return self._masked(hidden_states, attention_mask)
+        return self._output(hidden_states, attention_mask, kwargs)
 
 
 class LlamaLayerReplacement(BertLayerReplacement):
@@ -169,8 +221,8 @@ class LlamaLayerReplacement(BertLayerReplacement):
     the (batch, keys) padding mask ``CAUSAL_KEY_PADDING`` hands the layers (or a 4-D mask that is one
     per key), the causal mask being the layer's own; ``position_embeddings``: HF's rotary (cos, sin)."""
 
-    def __init__(self, layer: TunedLayer):
-        super().__init__(layer)
+    def __init__(self, layer: TunedLayer, returns_tuple: bool = False):
+        super().__init__(layer, returns_tuple)
         missing = [t for t in ("cos", "sin") if t not in layer.interface.constants]
         if missing:
             raise ValueError(f"datamove: the tuned layer has no constant(s) {', '.join(missing)} for HF's rotary tables "
@@ -207,7 +259,7 @@ class LlamaLayerReplacement(BertLayerReplacement):
             raise ValueError("datamove: the replaced Llama layers train; generation with a key-value cache is not "
                              "part of the tuned layer")
         self._copy_tables(position_embeddings)
-        return self._masked(hidden_states, attention_mask)
+        return self._output(hidden_states, attention_mask, kwargs)
 
 
 def check_config(config, computed: dict) -> None:
@@ -234,6 +286,9 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
     carrying its weights (one compiled program for all: ``TunedLayer.sibling``)."""
     first: TunedLayer | None = None
     replaced = 0
+    # transformers >= 4.54 (its models name the layers whose outputs hooks collect) takes a layer's
+    # hidden states as its output; before, the model loop took the first of a tuple
+    returns_tuple = not any(getattr(m, "_can_record_outputs", None) for m in model.modules())
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child).__name__ != kind:
@@ -244,7 +299,7 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
             else:
                 layer = first.sibling()
             load_weights(layer, child)
-            setattr(parent, name, replacement(layer).train(child.training))
+            setattr(parent, name, replacement(layer, returns_tuple).train(child.training))
             replaced += 1
     if not replaced:
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Layer", "Block"))})

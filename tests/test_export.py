@@ -555,9 +555,16 @@ def test_replace_bert_layers_keeps_the_model(tmp_path):
     assert all(isinstance(layer, BertLayerReplacement) for layer in model.encoder.layer)
     ids = torch.randint(0, 50, (d["B"], d["L"]), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(d["B"], d["L"], dtype=torch.long)
-    expected = original(input_ids=ids, attention_mask=mask).last_hidden_state
-    ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    assert error(ours.detach(), expected.detach()) < FLOAT32_TOLERANCE
+    expected = original(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    ours = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    assert error(ours.last_hidden_state.detach(), expected.last_hidden_state.detach()) < FLOAT32_TOLERANCE
+    # every layer's hidden states, as HF's own layers give them (they came back empty: HF's hooks
+    # collect them from the classes the model names)
+    assert len(ours.hidden_states) == len(expected.hidden_states) == 3
+    for state, wanted in zip(ours.hidden_states, expected.hidden_states):
+        assert error(state.detach(), wanted.detach()) < FLOAT32_TOLERANCE
+    with pytest.raises(ValueError, match="output_attentions=True: the tuned layer's fused attention forms no attention weights"):
+        model(input_ids=ids, attention_mask=mask, output_attentions=True)
 
 
 def test_stack_groups_follow_their_partners_through_the_plan():

@@ -78,6 +78,40 @@ def test_a_replaced_llama_model_trains_as_hf(llama_artifact, padded):
     assert set(grads) == set(expected_grads)
 
 
+def test_a_replaced_model_gives_hfs_hidden_states_and_refuses_attention_weights(llama_artifact):
+    """``output_hidden_states``: every layer's input and output as HF's own layers give them, all or
+    those selected by index (they came back empty: HF's hooks collect them from the layer classes the
+    model names); ``output_attentions``: refused, the fused attention forms no weights."""
+    reference, ours = models(llama_artifact)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(2))
+    for asked in (True, [0, -1]):
+        expected = reference(input_ids=ids, output_hidden_states=asked).hidden_states
+        got = ours(input_ids=ids, output_hidden_states=asked).hidden_states
+        assert len(got) == len(expected) == 3
+        for state, wanted in zip(got, expected):
+            assert (state is None) == (wanted is None)
+            if wanted is not None:
+                assert float((state - wanted).abs().max()) < TOLERANCE * float(wanted.abs().max())
+    with pytest.raises(ValueError, match="output_attentions=True: the tuned layer's fused attention forms no attention weights"):
+        ours(input_ids=ids, output_attentions=True)
+
+
+def test_for_a_model_loop_taking_tuples_the_replacement_returns_one(llama_artifact):
+    """transformers before 4.54 (no ``_can_record_outputs``): the model loop takes the first of a
+    layer's outputs and asks it for attention weights with ``output_attentions``."""
+    from datamove.hf import LlamaLayerReplacement
+
+    _, ours = models(llama_artifact)
+    layer = ours.layers[0]
+    old = LlamaLayerReplacement(layer.layer, returns_tuple=True)
+    x = torch.randn(2, 16, 64)
+    tables = ours.rotary_emb(x, torch.arange(16)[None])
+    (y,) = old(x, position_embeddings=tables)
+    assert torch.equal(y, layer(x, position_embeddings=tables))
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        old(x, position_embeddings=tables, output_attentions=True)
+
+
 def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     _, ours = models(llama_artifact)
     layer = ours.layers[0]
