@@ -127,6 +127,31 @@ def test_compile_fullgraph_and_cuda_graph_replay(tmp_path, plan):
     assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2])
 
 
+def test_a_converted_layer_and_a_compiled_call_at_an_untuned_batch(tmp_path):
+    """``layer.half()`` of a bf16 layer computes as a layer loaded in fp16 (its kernels made for
+    fp16), and ``torch.compile(fullgraph=True)`` runs a batch size the plan was not tuned at as
+    eager does (dropout off)."""
+    path = artifact(tmp_path, SMALL, "bfloat16", selected_plan)
+    layer = loaded(path).eval()
+    with pytest.warns(UserWarning, match="the layer now computes in torch.float16"):
+        layer.half()
+    fresh = loaded(path, dtype=torch.float16, allow_mismatch=True).eval()
+    fresh.load_state_dict(layer.state_dict())
+    x = torch.randn(SMALL["B"], SMALL["L"], SMALL["N"], device="cuda", dtype=torch.float16)
+    assert torch.equal(layer(x), fresh(x))
+    compiled = torch.compile(fresh, fullgraph=True)
+    odd = torch.randn(3, SMALL["L"], SMALL["N"], device="cuda", dtype=torch.float16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the untuned batch size's warning
+        eager = fresh(odd)
+        eager.float().square().sum().backward()
+        eager_grad = odd.grad.clone()
+        odd.grad = None
+        again = compiled(odd)
+    again.float().square().sum().backward()
+    assert torch.equal(again, eager) and torch.equal(odd.grad, eager_grad)
+
+
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_cuda_graph_train_step(tmp_path, plan):
     """A captured forward+backward: replays in training mode draw a new mask each (output and every
