@@ -282,6 +282,28 @@ def test_a_conversion_the_backend_cannot_compute_is_refused_before_anything_chan
     assert layer.dtype == torch.float32 and all(p.dtype == torch.float32 for p in layer.parameters())
 
 
+def test_a_training_loops_other_calls_on_the_torch_backend(tmp_path):
+    """What a user's loop does around the layer (CPU, the torch backend, the selected plan, dropout
+    off): ``torch.compile`` as eager (the custom op returned an input it keeps, and one empty tensor
+    for several dropouts, which PyTorch refuses as aliasing), a padded call under
+    ``torch.autocast`` as without it (bf16 scores met a float32 fill value and failed), and a second
+    derivative refused in one line (it failed inside an ``out=`` op)."""
+    layer = load(write(tmp_path, "bert", BERT_DIMS, selected_plan), "torch").eval()
+    randomize(layer, 3)
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"], requires_grad=True)
+    mask = torch.zeros(d["B"], d["L"], dtype=torch.bool)
+    mask[0, -3:] = True
+    eager = layer(x, key_padding_mask=mask)
+    compiled = torch.compile(layer, backend="aot_eager")
+    assert torch.equal(compiled(x, key_padding_mask=mask), eager)
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(layer(x, key_padding_mask=mask), eager)
+    with pytest.raises(RuntimeError, match="the tuned layer's backward is not differentiable: a second derivative"):
+        torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+
+
 def test_backward_fills_no_zero_gradients(tmp_path):
     """The tensors the forward op returns for the backward get no gradient: autograd must not fill
     zero tensors for them (on the GPU those fills were 36 us of a 0.8 ms BERT-large step)."""

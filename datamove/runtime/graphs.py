@@ -72,7 +72,7 @@ import weakref
 import torch
 
 from datamove.kernels.codegen import allocate
-from datamove.runtime.layer import SEED_RANGE, LayerProgram
+from datamove.runtime.layer import SEED_RANGE, LayerProgram, refuse_second_derivative
 from datamove.runtime.steps import Run
 
 MOVES_TO_STOP = 3  # calls in a row with the parameters moved after which the layer stops graphing
@@ -378,6 +378,7 @@ class _Replayed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        refuse_second_derivative()
         seed, *saved = ctx.saved_tensors  # under non-reentrant checkpointing: the recomputation's
         activations, held = tuple(saved[:ctx.activation_count]), saved[ctx.activation_count:]
         result = ctx.graphs.owner(seed).backward(grads, activations, ctx.order.spec(held))

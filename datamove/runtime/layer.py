@@ -389,6 +389,14 @@ class StackedGradients:
         return results
 
 
+def refuse_second_derivative() -> None:
+    """Called first in the layer's backward: under ``create_graph=True`` (a gradient penalty, a
+    Hessian-vector product) autograd runs it with grad mode on, and its steps are not differentiable."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("datamove: the tuned layer's backward is not differentiable: a second derivative through "
+                           "it (autograd.grad(..., create_graph=True), a gradient penalty) is not supported")
+
+
 def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.device, order: str = "") -> None:
     """Refuse a tensor of another shape, dtype or device, naming the expected ones."""
     if not isinstance(value, torch.Tensor):

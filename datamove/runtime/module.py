@@ -35,7 +35,8 @@ from datamove.families.attention import check_causal_constant
 from datamove.kernels.interpreter import interpreted
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 from datamove.runtime.graphs import LayerGraphs
-from datamove.runtime.layer import SEED_RANGE, LayerProgram, SpecOrder, TensorInterface, check, held_tensors, without_dropout
+from datamove.runtime.layer import (SEED_RANGE, LayerProgram, SpecOrder, TensorInterface, check, held_tensors,
+                                    refuse_second_derivative, without_dropout)
 from datamove.runtime.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
 from datamove.runtime.steps import Run
 from datamove.runtime.torch_program import TorchProgram
@@ -55,13 +56,17 @@ def register(program: LayerProgram) -> str:
     return name
 
 
-def _unaliased(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Custom ops may not return tensors sharing memory: later ones that do are copied."""
-    seen, result = set(), []
+def _unaliased(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Custom ops may not return tensors sharing memory with each other or with their ``inputs``
+    (the torch backend keeps an input for the backward as it is, and one empty tensor for each
+    dropout it drew no mask for): those are copied."""
+    given = [t for t in inputs if t is not None]
+    seen = {id(t) for t in given} | {t.untyped_storage().data_ptr() for t in given if t.numel()}
+    result = []
     for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        result.append(t.clone() if key in seen and t.numel() else t)
-        seen.add(key)
+        keys = {id(t)} | ({t.untyped_storage().data_ptr()} if t.numel() else set())
+        result.append(t.clone() if keys & seen else t)
+        seen |= keys
     return result
 
 
@@ -70,7 +75,7 @@ def layer_forward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
                   key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """The forward steps: returns the outputs (PyTorch order), then ``program.kept``."""
     outputs, kept = PROGRAMS[program].call_forward(inputs, Run(seed, key_padding_mask))
-    return _unaliased(outputs + kept)
+    return _unaliased(outputs + kept, [seed, *inputs, key_padding_mask])
 
 
 @layer_forward.register_fake
@@ -89,7 +94,7 @@ def layer_backward(program: str, seed: torch.Tensor, inputs: list[torch.Tensor],
     result = prog.call_backward(inputs, kept, grads, Run(seed, key_padding_mask))
     for stacked in prog.stacked:
         result = stacked.returned(result)
-    return _unaliased(result)
+    return _unaliased(result, [seed, *inputs, *kept, *grads, key_padding_mask])
 
 
 @layer_backward.register_fake
@@ -118,6 +123,7 @@ def _output_grads(prog: LayerProgram, grads, device) -> list[torch.Tensor]:
 
 
 def _backward(ctx, grads):
+    refuse_second_derivative()
     prog = PROGRAMS[ctx.program]
     inputs, kept, has_mask = ctx.counts
     saved = ctx.saved_tensors
@@ -153,6 +159,7 @@ class _Launched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        refuse_second_derivative()
         program, (inputs, activations) = ctx.program, ctx.counts
         seed, mask, *saved = ctx.saved_tensors
         tensors, kept = saved[:inputs], saved[inputs:]

@@ -183,6 +183,12 @@ class TorchProgram:
         order = self.interface.torch_order[tensor]
         return value.permute([letters.index(x) for x in order]).to(self.dtype).contiguous()
 
+    def _as_written(self):
+        """The steps in the program's compute dtype whatever autocast region calls the layer (an AMP
+        loop's ``torch.autocast``): the kernels backend's Triton kernels ignore autocast too (under it,
+        bf16 scores met a float32 fill value and the padded call failed)."""
+        return torch.autocast(self.device.type, enabled=False)
+
     def call_forward(self, inputs: list[torch.Tensor], run) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The forward on ``inputs`` (activations, parameters, constants): (the outputs in PyTorch
         order, the ``kept`` tensors)."""
@@ -191,7 +197,8 @@ class TorchProgram:
                                "a CUDA graph capture; capture the layer with its kernels (backend='kernels')")
         env = self._inputs(inputs)
         keeps = self._masks(int(run.seed))
-        self._run(self.forward_primitives, self._forward_drops, env, keeps, run.key_padding_mask)
+        with self._as_written():
+            self._run(self.forward_primitives, self._forward_drops, env, keeps, run.key_padding_mask)
         outputs = [self._leaving(t, env[t]) for t in self.interface.outputs]
         nothing_dropped = torch.empty(0, dtype=torch.bool, device=self.device)  # a kept mask of probability 0
         kept = [keeps[t] if t in keeps else nothing_dropped if self.graph.tensors[t].role == "dropout" else env[t]
@@ -214,7 +221,8 @@ class TorchProgram:
                 env[t] = value
         for t, grad in zip(face.outputs, grads):
             env[face.grad_outputs[t]] = grad.permute(self._to_spec_axes[t]).to(self.compute)
-        self._run(self.backward_primitives, self._backward_drops, env, keeps)
+        with self._as_written():
+            self._run(self.backward_primitives, self._backward_drops, env, keeps)
         return [self._leaving(t, env[face.input_grads[t]]) if t in face.activations
                 else env[face.input_grads[t]].to(self.dtype) for t in face.activations + face.parameters]
 
