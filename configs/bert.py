@@ -15,6 +15,15 @@ INDEX = {"b": B, "j": L, "k": L, "i": N, "h": H, "p": P, "w": P, "u": U}
 OPTIONS = {"activation": ("relu", "gelu")}  # first value is the default; --set activation=gelu
 ACTIVATION = "relu"
 P_DROP = 0.1
+EPS = 1e-12  # LayerNorm's
+
+
+def HF_CONFIG():
+    """The ``transformers.BertConfig`` values this layer computes, read after the ``--set`` options
+    (``replace_bert_layers`` refuses a model configured otherwise; a list: values computing the same)."""
+    return {"hidden_act": ["gelu_new", "gelu_pytorch_tanh"] if ACTIVATION == "gelu" else "relu",
+            "layer_norm_eps": EPS, "attention_probs_dropout_prob": P_DROP, "hidden_dropout_prob": P_DROP}
+
 
 # How the layer meets PyTorch (datamove.export): the order of its activations' dims there
 # (HF hidden states are [batch, sequence, feature]), and where the weights of PyTorch modules
@@ -51,7 +60,7 @@ def layernorm(x, gamma, beta):
     mean = np.sum(x, axis=0) / np.float32(N)
     diff = x - mean[None, :, :]
     var = np.sum(diff * diff, axis=0) / np.float32(N)
-    return diff / np.sqrt(var[None, :, :] + np.float32(1e-12)) * gamma[:, None, None] + beta[:, None, None]
+    return diff / np.sqrt(var[None, :, :] + np.float32(EPS)) * gamma[:, None, None] + beta[:, None, None]
 
 
 def gelu(x):

@@ -270,11 +270,12 @@ def check_config(config, computed: dict) -> None:
         return
     differing = []
     for key, value in computed.items():
-        theirs = getattr(config, key, value)
-        same = math.isclose(theirs, value, rel_tol=1e-9, abs_tol=0.0) if isinstance(value, float) \
-            and isinstance(theirs, (int, float)) else theirs == value
-        if not same:
-            differing.append(f"{key}={theirs!r} (the tuned layer computes {value!r})")
+        accepted = value if isinstance(value, list) else [value]  # a list: values computing the same
+        theirs = getattr(config, key, accepted[0])
+        if not any(math.isclose(theirs, v, rel_tol=1e-9, abs_tol=0.0) if isinstance(v, float)
+                   and isinstance(theirs, (int, float)) else theirs == v for v in accepted):
+            computes = repr(value) if len(accepted) > 1 else repr(accepted[0])
+            differing.append(f"{key}={theirs!r} (the tuned layer computes {computes})")
     if differing:
         raise ValueError(f"datamove: the model's config asks for what the tuned layer does not compute: "
                          f"{'; '.join(differing)}; set those in the spec (its HF_CONFIG and what it computes) and "

@@ -589,6 +589,36 @@ def test_replace_bert_layers_keeps_the_model(tmp_path):
         model(input_ids=ids, attention_mask=mask, output_attentions=True)
 
 
+@pytest.mark.parametrize("activation, accepted, refused", [
+    ("relu", dict(hidden_act="relu"), dict(hidden_act="gelu")),  # HF's default gelu ran through relu, 0.35 off
+    ("gelu", dict(hidden_act="gelu_pytorch_tanh"), dict(hidden_act="gelu")),  # the spec's gelu: tanh's, not erf's
+    ("relu", dict(hidden_act="relu"), dict(hidden_act="relu", layer_norm_eps=1e-5)),
+    ("relu", dict(hidden_act="relu"), dict(hidden_act="relu", hidden_dropout_prob=0.0)),
+], ids=["relu", "gelu", "eps", "dropout"])
+def test_replace_bert_layers_refuses_a_model_configured_otherwise(tmp_path, activation, accepted, refused):
+    """The main job's BERT artifact carries what its layer computes (``configs/bert.py``'s
+    ``HF_CONFIG``, after ``--set activation``): a ``BertModel`` configured otherwise is refused, naming
+    the setting (it ran with the spec's activation, epsilon and dropout without a word)."""
+    transformers = pytest.importorskip("transformers")
+    from datamove.cli import main
+    from datamove.hf import replace_bert_layers
+
+    out = tmp_path / "out"
+    assert main(["configs/bert.py", "--dims", "B=3,L=23,N=32,H=2,P=16,U=70", "--set", f"activation={activation}",
+                 "--out", str(out)]) == 0
+    base = dict(hidden_size=32, num_attention_heads=2, intermediate_size=70, num_hidden_layers=1, vocab_size=50,
+                max_position_embeddings=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert replace_bert_layers(transformers.BertModel(transformers.BertConfig(**base, **accepted)), out,
+                                   dtype=torch.float32, allow_mismatch=True) == 1
+        key, value = next((k, v) for k, v in refused.items() if accepted.get(k) != v)
+        with pytest.raises(ValueError, match=f"the model's config asks for what the tuned layer does not compute: "
+                                             f"{key}={value!r}"):
+            replace_bert_layers(transformers.BertModel(transformers.BertConfig(**base, **refused)), out, dtype=torch.float32,
+                                allow_mismatch=True)
+
+
 def test_stack_groups_follow_their_partners_through_the_plan():
     """The gradients' stack, first met beside the unstacked x, takes the weights' order because a
     later GEMM pairs the two: both are then read as views of their buffers, no copy per call."""
