@@ -18,11 +18,14 @@ P_DROP = 0.1
 EPS = 1e-12  # LayerNorm's
 
 
-def HF_CONFIG():
-    """The ``transformers.BertConfig`` values this layer computes, read after the ``--set`` options
-    (``replace_bert_layers`` refuses a model configured otherwise; a list: values computing the same)."""
+def HF_CONFIG(sizes):
+    """The ``transformers.BertConfig`` values this layer computes at ``sizes`` ({dim: size}), read
+    after the ``--set`` options (``load_weights`` and ``replace_bert_layers`` refuse a model configured
+    otherwise; a list: values computing the same).  The head count included: 4 heads of 8 fill the
+    weights of 2 heads of 16."""
     return {"hidden_act": ["gelu_new", "gelu_pytorch_tanh"] if ACTIVATION == "gelu" else "relu",
-            "layer_norm_eps": EPS, "attention_probs_dropout_prob": P_DROP, "hidden_dropout_prob": P_DROP}
+            "layer_norm_eps": EPS, "attention_probs_dropout_prob": P_DROP, "hidden_dropout_prob": P_DROP,
+            "num_attention_heads": sizes["H"]}
 
 
 # How the layer meets PyTorch (datamove.export): the order of its activations' dims there

@@ -20,9 +20,17 @@ from datamove.dataflow.spec import Tensor, dims
 B, T, D, H, KV, E, F = dims(B=2, T=16, D=64, H=4, KV=2, E=16, F=128)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "k": KV, "e": E, "f": F}
 EPS = 1e-5  # RMSNorm's epsilon (config.rms_norm_eps)
-# The HF ``LlamaConfig`` values this layer computes (``replace_llama_layers`` refuses a model configured otherwise).
-HF_CONFIG = {"rms_norm_eps": EPS, "hidden_act": "silu", "attention_dropout": 0.0, "attention_bias": False,
-             "mlp_bias": False}
+
+
+def HF_CONFIG(sizes):
+    """The HF ``LlamaConfig`` values this layer computes at ``sizes`` ({dim: size}): ``load_weights``
+    and ``replace_llama_layers`` refuse a model configured otherwise (the head counts and head dim
+    included: 16 heads of 128 fill the weights of 32 heads of 64)."""
+    return {"rms_norm_eps": EPS, "hidden_act": "silu", "attention_dropout": 0.0, "attention_bias": False,
+            "mlp_bias": False, "num_attention_heads": sizes["H"], "num_key_value_heads": sizes["KV"],
+            "head_dim": sizes["E"]}
+
+
 # Where each parameter lives in a HF ``LlamaDecoderLayer`` (``datamove.runtime.weights``): nn.Linear weights
 # are stored [out, in], the heads outer in the output dim.
 WEIGHTS = {

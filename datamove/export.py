@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -305,10 +306,35 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
         raise ValueError(f"{type(module).__name__}'s parameter(s) {', '.join(unread)} have no place in the spec "
                          f"(its WEIGHTS for {kind}): the tuned layer computes without them (biases the spec does "
                          "not add, say); use a model without them, or a spec that reads them")
+    # a HF module's config (its attention's, say): what it computes, against what the layer computes
+    config = next((m.config for m in module.modules() if callable(getattr(getattr(m, "config", None), "to_dict", None))),
+                  None)
+    check_config(config, getattr(layer, "hf_config", {}))
     for name, (key, pattern, index) in table.items():
         target = layer.spec_view(name)
         target.copy_(to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes))
     return layer
+
+
+def check_config(config, computed: dict) -> None:
+    """Refuse a HF model whose ``config`` asks for something else than the tuned layer computes
+    (``computed``: its spec's ``HF_CONFIG``, e.g. Llama's RMSNorm epsilon, activation, attention
+    dropout, head counts; a list: values computing the same): the layer would run with the spec's
+    values without a word."""
+    if config is None:
+        return
+    differing = []
+    for key, value in computed.items():
+        accepted = value if isinstance(value, list) else [value]  # a list: values computing the same
+        theirs = getattr(config, key, accepted[0])
+        if not any(math.isclose(theirs, v, rel_tol=1e-9, abs_tol=0.0) if isinstance(v, float)
+                   and isinstance(theirs, (int, float)) else theirs == v for v in accepted):
+            computes = repr(value) if len(accepted) > 1 else repr(accepted[0])
+            differing.append(f"{key}={theirs!r} (the tuned layer computes {computes})")
+    if differing:
+        raise ValueError(f"datamove: the model's config asks for what the tuned layer does not compute: "
+                         f"{'; '.join(differing)}; set those in the spec (its HF_CONFIG and what it computes) and "
+                         "run optimize-layer again, or use a model configured as the spec")
 
 
 @torch.no_grad()

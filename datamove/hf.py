@@ -31,12 +31,11 @@ the replacements return one.
 from __future__ import annotations
 
 import importlib
-import math
 import weakref
 
 import torch
 
-from datamove.export import load_layer, load_weights
+from datamove.export import check_config, load_layer, load_weights
 from datamove.runtime.module import TunedLayer
 
 
@@ -262,26 +261,6 @@ class LlamaLayerReplacement(BertLayerReplacement):
         return self._output(hidden_states, attention_mask, kwargs)
 
 
-def check_config(config, computed: dict) -> None:
-    """Refuse a HF model whose ``config`` asks for something else than the tuned layer computes
-    (``computed``: its spec's ``HF_CONFIG``, e.g. Llama's RMSNorm epsilon, activation, attention
-    dropout): the layer would run with the spec's values without a word."""
-    if config is None:
-        return
-    differing = []
-    for key, value in computed.items():
-        accepted = value if isinstance(value, list) else [value]  # a list: values computing the same
-        theirs = getattr(config, key, accepted[0])
-        if not any(math.isclose(theirs, v, rel_tol=1e-9, abs_tol=0.0) if isinstance(v, float)
-                   and isinstance(theirs, (int, float)) else theirs == v for v in accepted):
-            computes = repr(value) if len(accepted) > 1 else repr(accepted[0])
-            differing.append(f"{key}={theirs!r} (the tuned layer computes {computes})")
-    if differing:
-        raise ValueError(f"datamove: the model's config asks for what the tuned layer does not compute: "
-                         f"{'; '.join(differing)}; set those in the spec (its HF_CONFIG and what it computes) and "
-                         "run optimize-layer again, or use a model configured as the spec")
-
-
 def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwargs: dict) -> int:
     """Replace every module of class ``kind`` in ``model`` by ``replacement`` around a tuned layer
     carrying its weights (one compiled program for all: ``TunedLayer.sibling``)."""
@@ -296,7 +275,7 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
                 continue
             if first is None:
                 layer = first = load_layer(out_dir, **{"device": next(child.parameters()).device, **load_kwargs})
-                check_config(getattr(model, "config", None), layer.hf_config)
+                check_config(getattr(model, "config", None), layer.hf_config)  # the whole model's, before any weight
             else:
                 layer = first.sibling()
             load_weights(layer, child)

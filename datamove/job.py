@@ -140,10 +140,12 @@ def _run(o: JobOptions, facts, pools) -> int:
     spec_name = o.spec.stem
     module = analysis.spec.function.__globals__
     torch_order, weights, hf_config = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {}), module.get("HF_CONFIG", {})
-    hf_config = hf_config() if callable(hf_config) else hf_config  # a function: after the --set options
+    if callable(hf_config):  # a function of the dims' sizes, read after the --set options
+        hf_config = hf_config(dict(analysis.spec.dim_values))
     if not isinstance(hf_config, dict) or not all(isinstance(key, str) for key in hf_config):
         raise SpecError(f"{o.spec}: HF_CONFIG is {type(hf_config).__name__}; expected a dict of HF config names to "
-                        "the values the layer computes (a list: values computing the same), or a function returning one")
+                        "the values the layer computes (a list: values computing the same), or a function of the "
+                        "dims' sizes returning one")
     try:  # before any tuning: the data inputs and TORCH_ORDER agree with the graph
         interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs)
     except ValueError as err:

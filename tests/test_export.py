@@ -594,11 +594,13 @@ def test_replace_bert_layers_keeps_the_model(tmp_path):
     ("gelu", dict(hidden_act="gelu_pytorch_tanh"), dict(hidden_act="gelu")),  # the spec's gelu: tanh's, not erf's
     ("relu", dict(hidden_act="relu"), dict(hidden_act="relu", layer_norm_eps=1e-5)),
     ("relu", dict(hidden_act="relu"), dict(hidden_act="relu", hidden_dropout_prob=0.0)),
-], ids=["relu", "gelu", "eps", "dropout"])
+    ("relu", dict(hidden_act="relu"), dict(hidden_act="relu", num_attention_heads=4)),  # 4 x 8 fills 2 x 16's weights
+], ids=["relu", "gelu", "eps", "dropout", "heads"])
 def test_replace_bert_layers_refuses_a_model_configured_otherwise(tmp_path, activation, accepted, refused):
     """The main job's BERT artifact carries what its layer computes (``configs/bert.py``'s
-    ``HF_CONFIG``, after ``--set activation``): a ``BertModel`` configured otherwise is refused, naming
-    the setting (it ran with the spec's activation, epsilon and dropout without a word)."""
+    ``HF_CONFIG``, after ``--set activation``, at its dims): a ``BertModel`` or ``BertLayer`` configured
+    otherwise is refused, naming the setting (it ran with the spec's activation, epsilon, dropout and
+    head count without a word)."""
     transformers = pytest.importorskip("transformers")
     from datamove.cli import main
     from datamove.hf import replace_bert_layers
@@ -610,13 +612,18 @@ def test_replace_bert_layers_refuses_a_model_configured_otherwise(tmp_path, acti
                 max_position_embeddings=64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert replace_bert_layers(transformers.BertModel(transformers.BertConfig(**base, **accepted)), out,
+        assert replace_bert_layers(transformers.BertModel(transformers.BertConfig(**{**base, **accepted})), out,
                                    dtype=torch.float32, allow_mismatch=True) == 1
         key, value = next((k, v) for k, v in refused.items() if accepted.get(k) != v)
         with pytest.raises(ValueError, match=f"the model's config asks for what the tuned layer does not compute: "
                                              f"{key}={value!r}"):
-            replace_bert_layers(transformers.BertModel(transformers.BertConfig(**base, **refused)), out, dtype=torch.float32,
+            replace_bert_layers(transformers.BertModel(transformers.BertConfig(**{**base, **refused})), out, dtype=torch.float32,
                                 allow_mismatch=True)
+        from transformers.models.bert.modeling_bert import BertLayer
+
+        layer = load_layer(out, device="cpu", dtype=torch.float32, allow_mismatch=True)
+        with pytest.raises(ValueError, match=f"{key}={value!r}"):  # a layer alone: its attention's config
+            load_weights(layer, BertLayer(transformers.BertConfig(**{**base, **refused})))
 
 
 def test_stack_groups_follow_their_partners_through_the_plan():

@@ -138,7 +138,10 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     (dict(hidden_act="gelu"), r"hidden_act='gelu' \(the tuned layer computes 'silu'\)"),
     (dict(attention_dropout=0.1), r"attention_dropout=0.1 \(the tuned layer computes 0.0\)"),
     (dict(attention_bias=True), r"attention_bias=True"),
-], ids=["eps", "act", "dropout", "bias"])
+    (dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32),  # the same weights' shapes
+     r"num_attention_heads=2 \(the tuned layer computes 4\); num_key_value_heads=1 \(the tuned layer computes 2\); "
+     r"head_dim=32 \(the tuned layer computes 16\)"),
+], ids=["eps", "act", "dropout", "bias", "heads"])
 def test_a_model_configured_otherwise_than_the_spec_is_refused(llama_artifact, changes, refusal):
     """A model whose config asks for another RMSNorm epsilon, activation, attention dropout or biases
     than the spec computes (its HF_CONFIG) is refused whole: the layers would have run with the
