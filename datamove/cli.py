@@ -18,6 +18,18 @@ from datamove.output import OutputError, check_default_parent, check_out
 
 DTYPE_CHOICES = (BF16, FP16)  # what --dtype offers, by short name (float32: the CPU checks', not tuned)
 HELP = "optimize-layer --help lists the options"
+MAX_DIM = 2**31 - 1  # a dim's largest size: kernels take sizes as int32 arguments
+
+
+class _Once(argparse.Action):
+    """An option given at most once (argparse keeps the last of several: ``--dims B=3 --dims L=5``
+    ran at the spec's B without a word)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice: give all its values in one, e.g. {option_string} "
+                         f"{getattr(namespace, self.dest)},{values}")
+        setattr(namespace, self.dest, values)
 
 
 class UsageError(Exception):
@@ -68,6 +80,10 @@ def _dims(text: str | None) -> list[dict[str, int]]:
     bad = [f"{name}={v}" for name, values in choices.items() for v in values if v < 1]
     if bad:
         raise SpecError(f"--dims: {', '.join(bad)}: dims must be positive integers")
+    huge = [f"{name}={v}" for name, values in choices.items() for v in values if v > MAX_DIM]
+    if huge:
+        raise SpecError(f"--dims: {', '.join(huge)}: a dim must be at most {MAX_DIM} (2**31 - 1, what a kernel's "
+                        "index arguments hold)")
     return [dict(zip(choices, combination)) for combination in itertools.product(*choices.values())]
 
 
@@ -79,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "layer as a PyTorch module, and an MUE / roofline report.")
     parser.add_argument("spec", help="spec file, e.g. configs/bert.py")
     parser.add_argument("--out", type=Path, help="output folder (default: out/<spec>-<dims>-<dtype>-<device>)")
-    parser.add_argument("--dims", help="dim values, e.g. B=8,L=512 (default: the spec's); alternatives of the batch "
+    parser.add_argument("--dims", action=_Once, help="dim values, e.g. B=8,L=512 (default: the spec's); alternatives of the batch "
                                          "and sequence dims tune one plan per combination into one artifact, "
                                          "e.g. 'B=8,L=128|256|512' (quoted: the shell reads | as a pipe)")
-    parser.add_argument("--set", dest="options", help="spec options, e.g. activation=gelu (the default output "
+    parser.add_argument("--set", dest="options", action=_Once, help="spec options, e.g. activation=gelu (the default output "
                                                       "folder's name includes them)")
     parser.add_argument("--dtype", choices=sorted(p.short for p in DTYPE_CHOICES), default=BF16.short,
                         help="precision of the tuned layer")

@@ -287,6 +287,12 @@ def module_kind(layer: TunedLayer, module: torch.nn.Module) -> str:
     raise KeyError(f"the spec gives no weights for {top}...{name}; it names {sorted(getattr(layer, 'weights_table', {}))}")
 
 
+def _check_layer(layer, caller: str) -> None:
+    if not isinstance(layer, TunedLayer):
+        raise TypeError(f"{caller}: the first argument is the tuned layer (load_layer's), not a "
+                        f"{type(layer).__name__}")
+
+
 def _sizes(layer: TunedLayer) -> dict[str, int]:
     return {letter: layer.graph.size(letter) for letter in layer.graph.letter_dims}
 
@@ -294,8 +300,12 @@ def _sizes(layer: TunedLayer) -> dict[str, int]:
 @torch.no_grad()
 def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     """Copy ``module``'s weights into ``layer`` (kinds in the spec's ``WEIGHTS``)."""
+    _check_layer(layer, "load_weights")
     kind = module_kind(layer, module)
     table, state, sizes = _table(layer, kind), module.state_dict(), _sizes(layer)
+    if any(t.is_meta for t in state.values()):
+        raise ValueError(f"load_weights: the {type(module).__name__}'s weights are on the meta device (not made yet): "
+                         "give a module holding its weights (e.g. after to_empty and load_state_dict)")
     read = {key for key, _, _ in table.values()}
     absent = sorted(read - set(state))
     if absent:
@@ -306,10 +316,12 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
         raise ValueError(f"{type(module).__name__}'s parameter(s) {', '.join(unread)} have no place in the spec "
                          f"(its WEIGHTS for {kind}): the tuned layer computes without them (biases the spec does "
                          "not add, say); use a model without them, or a spec that reads them")
-    # a HF module's config (its attention's, say): what it computes, against what the layer computes
+    # a HF module's config (its attention's, say): what it computes, against what the layer computes;
+    # not its dropout, which the caller's train() / eval() governs (replace_*_layers, for a model that
+    # trains, checks that too)
     config = next((m.config for m in module.modules() if callable(getattr(getattr(m, "config", None), "to_dict", None))),
                   None)
-    check_config(config, getattr(layer, "hf_config", {}))
+    check_config(config, {key: value for key, value in getattr(layer, "hf_config", {}).items() if "dropout" not in key})
     for name, (key, pattern, index) in table.items():
         target = layer.spec_view(name)
         target.copy_(to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes))
@@ -340,6 +352,7 @@ def check_config(config, computed: dict) -> None:
 @torch.no_grad()
 def state_dict_for(layer: TunedLayer, kind: str) -> dict[str, torch.Tensor]:
     """The layer's weights as a ``kind`` module's state dict (keys and shapes of that module)."""
+    _check_layer(layer, "state_dict_for")
     result: dict[str, torch.Tensor] = {}
     sizes = _sizes(layer)
     for name, (key, pattern, index) in _table(layer, kind).items():

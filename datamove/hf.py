@@ -264,6 +264,9 @@ class LlamaLayerReplacement(BertLayerReplacement):
 def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwargs: dict) -> int:
     """Replace every module of class ``kind`` in ``model`` by ``replacement`` around a tuned layer
     carrying its weights (one compiled program for all: ``TunedLayer.sibling``)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"replace_{kind.removesuffix('DecoderLayer').removesuffix('Layer').lower()}_layers: expected a "
+                        f"HF model (a torch.nn.Module), got {type(model).__name__}")
     first: TunedLayer | None = None
     replaced = 0
     # transformers >= 4.54 (its models name the layers whose outputs hooks collect) takes a layer's

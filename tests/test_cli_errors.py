@@ -56,12 +56,18 @@ def cases(tmp_path: Path) -> dict:
         "--json without --analyze": (["--json", str(tmp_path / "a.json")], "only with --analyze"),
         "--dims not a number": (["--dims", "B=x"], "--dims: B=x: expected an integer"),
         "--set not NAME=VALUE": (["--set", "gelu"], "--set: expected NAME=VALUE"),
+        "--dims twice": (["--dims", "B=3", "--dims", "L=5"],  # argparse kept the last: B ran at the spec's size
+                         "--dims given twice: give all its values in one, e.g. --dims B=3,L=5"),
+        "--set twice": (["--set", "activation=gelu", "--set", "activation=relu"], "--set given twice"),
+        "--dims past int64": (["--dims", "B=99999999999999999999"],  # a torch overflow dump after the analysis
+                              "--dims: B=99999999999999999999: a dim must be at most 2147483647"),
     }
 
 
 CASES = ["--out an existing file", "--out under a file", "--out a folder of other files", "--cost-model-device A100",
          "--gpus 0", "--gpus two", "--budget-s -1", "--dtype fp32", "an unknown option", "--db a folder",
-         "--db under a file", "--json without --analyze", "--dims not a number", "--set not NAME=VALUE"]
+         "--db under a file", "--json without --analyze", "--dims not a number", "--set not NAME=VALUE",
+         "--dims twice", "--set twice", "--dims past int64"]
 
 
 @pytest.mark.parametrize("case", CASES)

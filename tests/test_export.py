@@ -622,8 +622,37 @@ def test_replace_bert_layers_refuses_a_model_configured_otherwise(tmp_path, acti
         from transformers.models.bert.modeling_bert import BertLayer
 
         layer = load_layer(out, device="cpu", dtype=torch.float32, allow_mismatch=True)
-        with pytest.raises(ValueError, match=f"{key}={value!r}"):  # a layer alone: its attention's config
+        if "dropout" in key:  # a layer alone: its dropout is the caller's train() / eval()
             load_weights(layer, BertLayer(transformers.BertConfig(**{**base, **refused})))
+        else:  # a layer alone: its attention's config
+            with pytest.raises(ValueError, match=f"{key}={value!r}"):
+                load_weights(layer, BertLayer(transformers.BertConfig(**{**base, **refused})))
+
+
+def test_the_weight_functions_and_replace_refuse_what_they_cannot_read_in_one_line(tmp_path):
+    """Arguments swapped or not a tuned layer, a module whose weights are not made yet (meta), no
+    model at all: one line each (they failed inside torch or datamove); an input of another dtype
+    says how to convert."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    from datamove.hf import replace_bert_layers
+
+    layer = load(write(tmp_path, "bert", BERT_DIMS), "torch")
+    d = BERT_DIMS
+    config = transformers.BertConfig(hidden_size=d["N"], num_attention_heads=d["H"], intermediate_size=d["U"],
+                                     hidden_act="relu", layer_norm_eps=1e-12)
+    with pytest.raises(TypeError, match="state_dict_for: the first argument is the tuned layer .load_layer's., not a Linear"):
+        state_dict_for(torch.nn.Linear(3, 3), "transformers.BertLayer")
+    with pytest.raises(TypeError, match="load_weights: the first argument is the tuned layer"):
+        load_weights(BertLayer(config), layer)
+    with pytest.raises(ValueError, match="load_weights: the BertLayer's weights are on the meta device"):
+        load_weights(layer, BertLayer(config).to("meta"))
+    with pytest.raises(TypeError, match="replace_bert_layers: expected a HF model .a torch.nn.Module., got NoneType"):
+        replace_bert_layers(None, tmp_path / "bert")
+    with pytest.raises(TypeError, match=r"x: dtype torch.float64, expected torch.float32 \(the layer's dtype: convert "
+                                        r"the input, or the layer and its model with .to\(torch.float64\)\)"):
+        layer(torch.randn(d["B"], d["L"], d["N"], dtype=torch.float64))
 
 
 def test_stack_groups_follow_their_partners_through_the_plan():

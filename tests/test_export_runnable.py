@@ -137,3 +137,52 @@ def test_dry_launches_refuse_a_grid_beyond_cudas_and_arguments_that_do_not_fit()
     from datamove.kernels.gemm import _sum_partials_kernel
     with dry_launches(), pytest.raises(TypeError, match="kernel _sum_partials_kernel: its arguments do not fit"):
         through_jit(_sum_partials_kernel, (1,))(src, src, 1)
+
+
+SPEC_HEAD = '''import numpy as np
+from datamove.dataflow.spec import Tensor, dims
+
+B, T, D = dims(B=3, T=5, D=7)
+INDEX = {"b": B, "t": T, "s": T, "d": D}
+INPUTS = ("x",)
+
+'''
+
+
+@pytest.mark.parametrize("body", [
+    # np.abs: its gradient's sign() had no Triton form ("a bug in datamove's selection")
+    "def f(x: Tensor('btd'), g: Tensor('d')):\n    return x / (1.0 + np.abs(g)) + np.abs(x) * g\n",
+    # single-head causal attention (no heads letter): the attention match failed with StopIteration
+    "def f(x: Tensor('btd'), g: Tensor('d')):\n"
+    "    s = np.einsum('btd,bsd->bts', x * g, x)\n"
+    "    s = np.where(np.triu(np.ones((T, T)), k=1) == 1, -np.inf, s)\n"
+    "    p = np.exp(s - s.max(-1, keepdims=True))\n"
+    "    return np.einsum('bts,bsd->btd', p / p.sum(-1, keepdims=True), x)\n",
+], ids=["abs", "single-head-attention"])
+def test_a_plain_spec_exports_and_computes_as_numpy(tmp_path, body):
+    """Specs a user writes (found by probing the front end against NumPy): exported, and the layer's
+    forward (float64, CPU) is NumPy's running the spec itself."""
+    import importlib.util
+    import warnings
+
+    import numpy as np
+
+    from datamove.export import load_layer
+
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC_HEAD + body)
+    assert main([str(spec), "--out", str(tmp_path / "out")]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(tmp_path / "out", device="cpu", dtype=torch.float64, allow_mismatch=True).eval()
+    gen = np.random.default_rng(3)
+    x, g = gen.standard_normal((3, 5, 7)), gen.standard_normal(7)
+    with torch.no_grad():
+        layer.spec_view("g").copy_(torch.from_numpy(g))
+    y = layer(torch.from_numpy(x))
+    loaded = importlib.util.spec_from_file_location("plain_spec", spec)
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    module.B, module.T, module.D = x.shape  # the dims as numbers (the spec declares them as symbols)
+    expected = module.f(x, g)
+    assert np.abs(y.detach().numpy() - expected).max() < 1e-12 * np.abs(expected).max()

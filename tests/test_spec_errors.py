@@ -1,6 +1,7 @@
 """Bad input gets a clear one-line error with file:line where there is one, and exit code 2."""
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -272,3 +273,18 @@ def test_spec_path_that_is_a_folder_or_missing_is_named(tmp_path, capsys):
     assert f"{tmp_path}: a folder, not a spec file" in capsys.readouterr().err
     assert main([str(tmp_path / "nowhere.py"), "--analyze"]) == 2
     assert f"{tmp_path / 'nowhere.py'}: no such spec file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, says", [
+    ("raise SystemExit(3)", "{path}:2: error while loading the spec: SystemExit: 3"),  # exit 3, nothing said
+    ('OPTIONS = {"activation": ()}', "{path}: OPTIONS['activation'] is (); expected a tuple of its values"),  # IndexError
+])
+def test_a_spec_exiting_or_offering_an_option_without_values_is_named(tmp_path, capsys, line, says):
+    path = tmp_path / "spec.py"
+    bert = Path("configs/bert.py").read_text()
+    path.write_text(f"import numpy as np\n{line}\n" if "SystemExit" in line
+                    else bert.replace('OPTIONS = {"activation": ("relu", "gelu")}', line, 1))
+    assert main([str(path), "--analyze"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert says.format(path=path) in err, err

@@ -166,6 +166,9 @@ def attention_roles(fused, takes_head_dim: Callable[[int], bool] | None = None,
                       f"(grouped-query attention: K and V shared by the query heads of a group): not fused yet")
     rows_letter = only_q[0]
     batch_like = [x for x in c if x in a and x in b]
+    if len(batch_like) != 2:  # the fused kernels take (batch, heads) scores; single-head attention: no heads letter
+        return None, (f"the scores carry {len(batch_like)} letter(s) besides the positions "
+                      f"({', '.join(batch_like) or 'none'}), not a batch and a heads letter: not fused")
     batch = next((x for x in batch_like if x in batch_letters(graph)), batch_like[0])
     heads = next(x for x in batch_like if x != batch)
     v_operand = next(o for o in out.inputs if o is not alpha)

@@ -157,7 +157,7 @@ def _import(path: Path, source: str) -> types.ModuleType:
         exec(compile(source, str(path), "exec", dont_inherit=True), module.__dict__)
     except SpecError:
         raise
-    except Exception as err:  # the user's module-level code failed: say where
+    except (Exception, SystemExit) as err:  # the user's module-level code failed (or exited): say where
         tb = err.__traceback__
         lineno = None
         while tb is not None:
@@ -317,6 +317,9 @@ def _apply_options(path: Path, module, options: dict[str, str]) -> dict[str, str
     declared = getattr(module, "OPTIONS", {}) or {}
     chosen = {}
     for name, choices in declared.items():
+        if not isinstance(choices, (tuple, list)) or not choices or not all(isinstance(c, str) for c in choices):
+            raise SpecError(f"{path}: OPTIONS[{name!r}] is {choices!r}; expected a tuple of its values (strings), "
+                            "the default first, e.g. OPTIONS = {\"activation\": (\"relu\", \"gelu\")}")
         value = options.get(name.lower(), choices[0])
         if value not in choices:
             raise SpecError(f"--set {name}={value}: choose one of {', '.join(choices)}")

@@ -39,7 +39,7 @@ from datamove.harness.contraction_variants import (build_ahead, TrainingGemm, co
 from datamove.harness.sweep_variants import Verdict, judge, op_signature
 from datamove.kernels.codegen.compiled import load_module
 from datamove.kernels.codegen.expressions import names_used, triton_expression
-from datamove.kernels.codegen.source import PRELUDE
+from datamove.kernels.codegen.source import PRELUDE, with_called_helpers
 from datamove.kernels.contraction import _dim_strides, empty_in_layout, gemm_plan, map_layouts, parse
 from datamove.kernels.gemm import GemmConfig, GemmShape, fitted, pair_fits
 from datamove.kernels.gemm_join import JOIN_TEMPLATE_ID, MAX_LOADS, MAX_STORES, JoinEpilogue, gemm_join
@@ -118,9 +118,10 @@ def join_source(graph, consumer, join: Join, name: str) -> str:
     constants = [f"    dim_{x} = {float(scalars[x])!r}" for x in sorted(used)]
     arguments = ", ".join([*(f"acc{k}" for k in range(len(join.products))), *(f"in_{k}" for k in range(len(join.loads)))])
     returned = ", ".join(values[t] for t in join.outputs)
-    return "\n".join([PRELUDE, "", "@triton.jit", f"def {name}({arguments}):",
-                      f'    """{consumer.name} on the products{" and loaded tiles" if join.loads else ""} (fp32 tiles)."""',
-                      *constants, *lines, f"    return ({returned},)", ""])
+    return with_called_helpers("\n".join([
+        PRELUDE, "", "@triton.jit", f"def {name}({arguments}):",
+        f'    """{consumer.name} on the products{" and loaded tiles" if join.loads else ""} (fp32 tiles)."""',
+        *constants, *lines, f"    return ({returned},)", ""]))
 
 
 def join_function(graph, consumer, join: Join):

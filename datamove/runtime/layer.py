@@ -397,14 +397,16 @@ def refuse_second_derivative() -> None:
                            "it (autograd.grad(..., create_graph=True), a gradient penalty) is not supported")
 
 
-def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.device, order: str = "") -> None:
-    """Refuse a tensor of another shape, dtype or device, naming the expected ones."""
+def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.device, order: str = "",
+          dtype_hint: str = "") -> None:
+    """Refuse a tensor of another shape, dtype or device, naming the expected ones (``dtype_hint``:
+    what to do about another dtype, appended)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(value).__name__}")
     if tuple(value.shape) != tuple(shape):
         named = f" ({', '.join(order)})" if order else ""
         raise ValueError(f"{what}: shape {tuple(value.shape)}, expected {tuple(shape)}{named} at this call's sizes")
     if value.dtype != dtype:
-        raise TypeError(f"{what}: dtype {value.dtype}, expected {dtype}")
+        raise TypeError(f"{what}: dtype {value.dtype}, expected {dtype}{dtype_hint}")
     if value.device.type != device.type or (device.index is not None and value.device.index not in (None, device.index)):
         raise ValueError(f"{what}: on device {value.device}, expected {device}")

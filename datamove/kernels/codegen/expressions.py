@@ -6,7 +6,7 @@ from __future__ import annotations
 from datamove.dataflow.expression import parse
 
 _FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
-              "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh"}
+              "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh", "sign": "_sign"}
 
 
 def triton_expression(expr: str, operands: list[str], dims) -> str:

@@ -25,6 +25,20 @@ from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, keep_bit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 '''
+# jit helpers a module defines only where its expressions call them (the others' sources, and so
+# their Triton cache entries and tuning records, stay as they were)
+CALLED_HELPERS = {"_sign": '''
+
+@triton.jit
+def _sign(x):
+    return tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+'''}
+
+
+def with_called_helpers(source: str) -> str:
+    """``source`` (a module starting with ``PRELUDE``) with the ``CALLED_HELPERS`` it calls defined after it."""
+    used = "".join(text for name, text in CALLED_HELPERS.items() if f"{name}(" in source)
+    return source.replace(PRELUDE, PRELUDE + used, 1) if used else source
 
 
 def kernel_name(op) -> str:
@@ -89,7 +103,7 @@ def {name}_kernel('''
     source = [header] + _signature(sig) + ["):", pid] + lines
     if finish:
         source += ["", "", "@triton.jit", f"def {name}_sums_kernel("] + _signature(finish[0]) + ["):"] + finish[1]
-    return "\n".join(source) + "\n"
+    return with_called_helpers("\n".join(source) + "\n")
 
 
 def _parts_source(op, config: Configuration, codes: list) -> str:
@@ -124,4 +138,4 @@ Knobs: {config.knobs}
             out += ["    else:" if k else "", f"        {name}_part{k}(pid{start}, {args})"]
         else:
             out += [f"    {'if' if k == 0 else 'elif'} pid < end_{k}:", f"        {name}_part{k}(pid{start}, {args})"]
-    return "\n".join(out) + "\n"
+    return with_called_helpers("\n".join(out) + "\n")
