@@ -158,7 +158,14 @@ INPUTS = ("x",)
     "    s = np.where(np.triu(np.ones((T, T)), k=1) == 1, -np.inf, s)\n"
     "    p = np.exp(s - s.max(-1, keepdims=True))\n"
     "    return np.einsum('bts,bsd->btd', p / p.sum(-1, keepdims=True), x)\n",
-], ids=["abs", "single-head-attention"])
+    # a strict mask (keys before the query) leaves the first row masked whole: NumPy averages the fill
+    # there; taken as the scores plus an additive mask, the layer gave softmax(scores) instead
+    "def f(x: Tensor('btd'), g: Tensor('d')):\n"
+    "    s = np.einsum('btd,bsd->bts', x * g, x)\n"
+    "    s = np.where(np.arange(T)[None, :] < np.arange(T)[:, None], s, -1e9)\n"
+    "    p = np.exp(s - s.max(-1, keepdims=True))\n"
+    "    return np.einsum('bts,bsd->btd', p / p.sum(-1, keepdims=True), x)\n",
+], ids=["abs", "single-head-attention", "strict-mask"])
 def test_a_plain_spec_exports_and_computes_as_numpy(tmp_path, body):
     """Specs a user writes (found by probing the front end against NumPy): exported, and the layer's
     forward (float64, CPU) is NumPy's running the spec itself."""

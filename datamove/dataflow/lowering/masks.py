@@ -3,9 +3,10 @@
 of these, combined as expressions of their indices until they meet a computed array; there each
 becomes a constant argument of the layer (``Tensor(letters, requires_grad=False)``, one per distinct
 value) whose graph tensor carries its value (``TensorInfo.value``).  ``np.where(mask, x, -inf)`` (or
-any number <= -1e4) with such a mask is ``x`` plus the additive constant (0 where kept): a causal
-mask so added to the scores before the softmax is what ``dataflow.initial_values`` reads as the
-``CausalMask`` and the fused attention replaces."""
+any number <= -1e4) with such a mask is ``x`` plus the additive constant (0 where kept) where the
+mask keeps a position on every line (``keeps_every_line``): a causal mask so added to the scores
+before the softmax is what ``dataflow.initial_values`` reads as the ``CausalMask`` and the fused
+attention replaces."""
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,10 @@ import copy
 import math
 from dataclasses import replace
 
+import numpy as np
 import sympy
 
+from datamove.dataflow.expression import FUNCTIONS
 from datamove.dataflow.initial_values import MASKED_SCORE
 from datamove.dataflow.lowering.support import CONST_FUNCTIONS
 from datamove.dataflow.lowering.syntax import (float32_of, index_name, int_source, load_name, make_call, np_attr,
@@ -160,6 +163,20 @@ class KnownConstants:
             return Const(ast.unparse(self.const_term(fill)), tuple(letters))
         return Const("1.0" if kind == "ones" else "0.0", tuple(letters))
 
+    def keeps_every_line(self, cond: Const, kept: bool) -> bool:
+        """Whether the known mask ``cond`` keeps a position (where it is ``kept``) on every line along
+        each of its axes: a causal mask does, a strict one (key before the query) leaves the first
+        query's row empty.  Only then is ``np.where(mask, x, -1e9)`` after a softmax over any axis the
+        same as ``x`` plus the additive constant: over a row masked whole NumPy averages the fill
+        uniformly, while ``x`` + constant gives softmax(x)."""
+        real = [x for x in cond.letters if x is not None]
+        sizes = [self.m.spec.dim_values[self.m.letters.dim(x)] for x in real]
+        grids = {index_name(x): grid for x, grid in zip(real, np.indices(sizes))} if real else {}
+        known = {**FUNCTIONS, "inf": math.inf, **self.m.spec.dim_values, **grids}
+        value = eval(compile(ast.parse(cond.expr, mode="eval"), "<mask>", "eval"), {"__builtins__": {}}, known)
+        keep = np.broadcast_to(np.asarray(value).astype(bool) == kept, sizes)
+        return all(bool(keep.any(axis=axis).all()) for axis in range(len(sizes)))
+
     def where_known(self, node: ast.Call, cond: Const, x, y):
         """``np.where(mask, x, y)`` for a mask of known value (a causal mask from np.tril or np.arange):
         of constants, a constant; choosing between an array and a number of -1e4 or less (-inf), the
@@ -173,7 +190,7 @@ class KnownConstants:
         zero = Num(float32_of(ast.Constant(0.0)), 0.0)
         for array, fill, kept in ((x, y, True), (y, x, False)):
             if isinstance(array, (Arr, Part)) and isinstance(fill, Num) and fill.value is not None \
-                    and fill.value <= MASKED_SCORE:
+                    and fill.value <= MASKED_SCORE and self.keeps_every_line(cond, kept):
                 added = self.const_elementwise(node, choose, [cond, zero, fill] if kept else [cond, fill, zero])
                 return self.arith(node, ast.Add(), array, replace(added, hint=cond.hint or "mask"))
         one = Num(float32_of(ast.Constant(1.0)), 1.0)
