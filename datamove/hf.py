@@ -30,6 +30,7 @@ the replacements return one.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import weakref
 
@@ -138,19 +139,30 @@ def _route_key_padding_masks(model: torch.nn.Module, name: str = KEY_PADDING, ma
         model.set_attn_implementation(name)
 
 
+NO_ATTENTION_WEIGHTS = ("datamove: output_attentions=True: the tuned layer's fused attention forms no attention "
+                        "weights; call the model without output_attentions")
+
+
+@functools.cache
+def _collector():
+    """transformers' variable holding the outputs its hooks collect in a model call, or None (a
+    transformers without hooks collecting): looked up once, not on every layer call."""
+    for where in ("transformers.utils.output_capturing", "transformers.utils.generic"):
+        try:
+            return importlib.import_module(where)._active_collector
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
 def _active_collection() -> dict | None:
     """The outputs HF is collecting in this model call ({"hidden_states": [...], "attentions": [...],
     ...}: the keys asked for), or None (none asked for, or a transformers without hooks collecting)."""
-    for where in ("transformers.utils.output_capturing", "transformers.utils.generic"):
-        try:
-            active = importlib.import_module(where)._active_collector
-        except (ImportError, AttributeError):
-            continue
-        try:
-            return active.get()
-        except LookupError:  # a ContextVar without a default, not set
-            return None
-    return None
+    active = _collector()
+    try:
+        return active.get() if active is not None else None
+    except LookupError:  # a ContextVar without a default, not set
+        return None
 
 
 def _record_hidden_states(inputs: torch.Tensor, output: torch.Tensor) -> None:
@@ -161,8 +173,7 @@ def _record_hidden_states(inputs: torch.Tensor, output: torch.Tensor) -> None:
     if not collected:
         return
     if "attentions" in collected or "cross_attentions" in collected:
-        raise ValueError("datamove: output_attentions=True: the tuned layer's fused attention forms no attention "
-                         "weights; call the model without output_attentions")
+        raise ValueError(NO_ATTENTION_WEIGHTS)
     states = collected.get("hidden_states")
     if states is None:
         return
@@ -188,8 +199,7 @@ class BertLayerReplacement(torch.nn.Module):
         """The layer on ``hidden_states`` as HF's model loop takes it (``_masked``): recorded where HF
         collects hidden states, a 1-tuple where ``returns_tuple``."""
         if kwargs.get("output_attentions"):  # an older transformers asks each layer
-            raise ValueError("datamove: output_attentions=True: the tuned layer's fused attention forms no attention "
-                             "weights; call the model without output_attentions")
+            raise ValueError(NO_ATTENTION_WEIGHTS)
         output = self._masked(hidden_states, attention_mask)
         _record_hidden_states(hidden_states, output)
         return (output,) if self.returns_tuple else output

@@ -257,15 +257,19 @@ class TunedLayer(torch.nn.Module):
         self._constants_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold what it must
         self._allocate_parameters()
 
-    def _runs_in(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Compute in ``dtype`` on ``device``: the backend asked for (default: ``default_backend`` of
-        ``device``), refused where it cannot compute there (``check_backend``), and CUDA graphs where asked
-        for and the kernels run on CUDA."""
-        backend, cuda_graphs = self._asked
-        backend = backend or default_backend(device)
+    def _backend_for(self, dtype: torch.dtype, device: torch.device) -> str:
+        """The backend asked for (default: ``default_backend`` of ``device``), refused where it cannot
+        compute ``dtype`` there (``check_backend``)."""
+        backend = self._asked[0] or default_backend(device)
         check_backend(backend, device, dtype)
+        return backend
+
+    def _runs_in(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compute in ``dtype`` on ``device`` (``_backend_for``), with CUDA graphs where asked for and the
+        kernels run on CUDA."""
+        backend = self._backend_for(dtype, device)
         self.dtype, self.device_, self.backend = dtype, device, backend
-        self.cuda_graphs = cuda_graphs and device.type == "cuda" and backend == KERNELS
+        self.cuda_graphs = self._asked[1] and device.type == "cuda" and backend == KERNELS
 
     def _apply(self, fn, recurse=True):
         """``nn.Module``'s conversions (``.to``, ``.half()``, ``.cuda()``, ...): the layer then computes in
@@ -277,8 +281,7 @@ class TunedLayer(torch.nn.Module):
         after = fn(before)
         moved = isinstance(after, torch.Tensor) and (after.dtype, after.device) != (before.dtype, before.device)
         if moved:
-            backend = self._asked[0] or default_backend(after.device)
-            check_backend(backend, after.device, after.dtype)
+            self._backend_for(after.dtype, after.device)  # refused before anything converts
         result = super()._apply(fn, recurse)
         if moved:
             self._runs_in(after.dtype, after.device)
@@ -528,7 +531,7 @@ class TunedLayer(torch.nn.Module):
             self._check_mask(key_padding_mask, program)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t],
-                  f" (the layer's dtype: convert the input, or the layer and its model with .to({x.dtype}))")
+                  " (the layer's dtype: convert the input, or the layer and its model with .to({dtype}))")
         if torch.compiler.is_compiling():  # traced: the views as autograd records them
             seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)
             tensors = [self.spec_view(t) for t in face.parameters + face.constants]
