@@ -130,7 +130,7 @@ def test_compile_fullgraph_and_cuda_graph_replay(tmp_path, plan):
 def test_a_converted_layer_and_a_compiled_call_at_an_untuned_batch(tmp_path):
     """``layer.half()`` of a bf16 layer computes as a layer loaded in fp16 (its kernels made for
     fp16), and ``torch.compile(fullgraph=True)`` runs a batch size the plan was not tuned at as
-    eager does (dropout off)."""
+    eager does (dropout off; the input gradient to fp16 rounding)."""
     path = artifact(tmp_path, SMALL, "bfloat16", selected_plan)
     layer = loaded(path).eval()
     with pytest.warns(UserWarning, match="the layer now computes in torch.float16"):
@@ -149,7 +149,10 @@ def test_a_converted_layer_and_a_compiled_call_at_an_untuned_batch(tmp_path):
         odd.grad = None
         again = compiled(odd)
     again.float().square().sum().backward()
-    assert torch.equal(again, eager) and torch.equal(odd.grad, eager_grad)
+    assert torch.equal(again, eager)
+    # the attention's dQ may be added with atomics, in another order each call: fp16 rounding
+    scale = eager_grad.abs().max().item()
+    torch.testing.assert_close(odd.grad, eager_grad, rtol=1e-2, atol=1e-3 * scale)
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
