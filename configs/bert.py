@@ -28,6 +28,16 @@ def HF_CONFIG(sizes):
             "num_attention_heads": sizes["H"]}
 
 
+def MODULE_CONFIG(sizes):
+    """The settings of the PyTorch modules in ``WEIGHTS`` (attribute paths) this layer computes with;
+    ``load_weights`` refuses a module set otherwise (not its dropout, which ``train()`` / ``eval()``
+    governs).  ``nn.TransformerEncoderLayer``'s ``"gelu"`` is the erf form, not this spec's tanh form:
+    that activation is given as a function (``activation_relu_or_gelu`` 0)."""
+    return {"torch.nn.TransformerEncoderLayer": {
+        "norm_first": False, "self_attn.batch_first": True, "self_attn.num_heads": sizes["H"],
+        "norm1.eps": EPS, "norm2.eps": EPS, "activation_relu_or_gelu": 0 if ACTIVATION == "gelu" else 1}}
+
+
 # How the layer meets PyTorch (datamove.export): the order of its activations' dims there
 # (HF hidden states are [batch, sequence, feature]), and where the weights of PyTorch modules
 # computing this layer go: (state-dict key, the key's dims as letters of this spec, "(h p)" merging
@@ -45,7 +55,7 @@ WEIGHTS = {
         "w2": ("output.dense.weight", "i u", None), "b2": ("output.dense.bias", "i", None),
         "ln2_gamma": ("output.LayerNorm.weight", "i", None), "ln2_beta": ("output.LayerNorm.bias", "i", None),
     },
-    "torch.nn.TransformerEncoderLayer": {  # batch_first=True, norm_first=False
+    "torch.nn.TransformerEncoderLayer": {  # batch_first=True, norm_first=False (MODULE_CONFIG)
         "wq": ("self_attn.in_proj_weight", "(3 h p) i", 0), "bq": ("self_attn.in_proj_bias", "(3 h p)", 0),
         "wk": ("self_attn.in_proj_weight", "(3 h p) i", 1), "bk": ("self_attn.in_proj_bias", "(3 h p)", 1),
         "wv": ("self_attn.in_proj_weight", "(3 h w) i", 2), "bv": ("self_attn.in_proj_bias", "(3 h w)", 2),

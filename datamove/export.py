@@ -94,11 +94,13 @@ def plan_identity(out_dir, plan_files) -> str:
 def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spec_digest: str,
                    torch_order: dict, weights: dict, device: dict, versions: dict, other_plans: tuple = (),
                    inputs: tuple[str, ...] | None = None, options: dict | None = None,
-                   hf_config: dict | None = None) -> Path:
+                   hf_config: dict | None = None, module_config: dict | None = None) -> Path:
     """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
     ``options``: the spec options it was built with (``--set``), recorded in the manifest, as are
     ``hf_config`` (the spec's ``HF_CONFIG``: the HF config values the layer computes, which
-    ``datamove.hf`` checks a model against);
+    ``datamove.hf`` checks a model against) and ``module_config`` (the spec's ``MODULE_CONFIG``:
+    per ``WEIGHTS`` kind, the module attributes the layer computes with, which ``load_weights``
+    checks);
     ``plan``: the plan at ``graph``'s dims, ``other_plans``: those of the other tuned shapes
     (checked: ``datamove.runtime.shapes.check_plans``; and, before anything is written, that each
     one's program runs forward and backward: ``datamove.runtime.runnable.check_runnable``, else
@@ -125,6 +127,7 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
                 "torch_order": torch_order,
                 "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()},
                 "shapes": shapes, "options": dict(options or {}), "hf_config": dict(hf_config or {}),
+                "module_config": dict(module_config or {}),
                 "plan_id": plan_identity(out, [shape["plan"] for shape in shapes])}
     _write(out / MANIFEST, json.dumps(manifest, indent=1))
     return out
@@ -267,6 +270,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs, plans, backend)
     layer.weights_table = {kind: {t: tuple(v) for t, v in table.items()} for kind, table in manifest["weights"].items()}
     layer.hf_config = manifest.get("hf_config") if isinstance(manifest.get("hf_config"), dict) else {}
+    layer.module_config = manifest.get("module_config") if isinstance(manifest.get("module_config"), dict) else {}
     return layer
 
 
@@ -322,6 +326,13 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     config = next((m.config for m in module.modules() if callable(getattr(getattr(m, "config", None), "to_dict", None))),
                   None)
     check_config(config, {key: value for key, value in getattr(layer, "hf_config", {}).items() if "dropout" not in key})
+    attributes = {path: value for path, value in getattr(layer, "module_config", {}).get(kind, {}).items()
+                  if "dropout" not in path}
+    differing = _differing(lambda path, default: _attribute(module, path, default), attributes)
+    if differing:
+        raise ValueError(f"load_weights: the {type(module).__name__} computes otherwise than the tuned layer: "
+                         f"{'; '.join(differing)}; use a module set as the spec (its MODULE_CONFIG for {kind}), or "
+                         "change the spec and run optimize-layer again")
     for name, (key, pattern, index) in table.items():
         target = layer.spec_view(name)
         target.copy_(to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes))
@@ -335,18 +346,36 @@ def check_config(config, computed: dict) -> None:
     values without a word."""
     if config is None:
         return
-    differing = []
-    for key, value in computed.items():
-        accepted = value if isinstance(value, list) else [value]  # a list: values computing the same
-        theirs = getattr(config, key, accepted[0])
-        if not any(math.isclose(theirs, v, rel_tol=1e-9, abs_tol=0.0) if isinstance(v, float)
-                   and isinstance(theirs, (int, float)) else theirs == v for v in accepted):
-            computes = repr(value) if len(accepted) > 1 else repr(accepted[0])
-            differing.append(f"{key}={theirs!r} (the tuned layer computes {computes})")
+    differing = _differing(lambda key, default: getattr(config, key, default), computed)
     if differing:
         raise ValueError(f"datamove: the model's config asks for what the tuned layer does not compute: "
                          f"{'; '.join(differing)}; set those in the spec (its HF_CONFIG and what it computes) and "
                          "run optimize-layer again, or use a model configured as the spec")
+
+
+def _differing(read, computed: dict) -> list[str]:
+    """``key=value (the tuned layer computes ...)`` for each of ``computed``'s keys whose value
+    ``read(key, default)`` gives otherwise (a list in ``computed``: values computing the same; a key
+    the module or config lacks reads as the default, the first of them)."""
+    differing = []
+    for key, value in computed.items():
+        accepted = value if isinstance(value, list) else [value]
+        theirs = read(key, accepted[0])
+        if not any(math.isclose(theirs, v, rel_tol=1e-9, abs_tol=0.0) if isinstance(v, float)
+                   and isinstance(theirs, (int, float)) else theirs == v for v in accepted):
+            computes = repr(value) if len(accepted) > 1 else repr(accepted[0])
+            differing.append(f"{key}={theirs!r} (the tuned layer computes {computes})")
+    return differing
+
+
+def _attribute(module: torch.nn.Module, path: str, default):
+    """``module``'s attribute at a dotted ``path`` (``self_attn.num_heads``); ``default`` where absent."""
+    value = module
+    for name in path.split("."):
+        if not hasattr(value, name):
+            return default
+        value = getattr(value, name)
+    return value
 
 
 @torch.no_grad()

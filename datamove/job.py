@@ -121,6 +121,21 @@ def run_job(o: JobOptions) -> int:
             pools.close()
 
 
+def _settings(spec: Path, module: dict, name: str, sizes: dict[str, int], keys: str) -> dict:
+    """The spec's ``HF_CONFIG`` or ``MODULE_CONFIG`` (empty where it gives none): a dict keyed by
+    ``keys``, or a function of the dims' ``sizes`` returning one (called after the ``--set`` options)."""
+    from datamove.dataflow.spec import SpecError
+
+    settings = module.get(name, {})
+    if callable(settings):
+        settings = settings(sizes)
+    if not isinstance(settings, dict) or not all(isinstance(key, str) for key in settings):
+        raise SpecError(f"{spec}: {name} is {type(settings).__name__}; expected a dict of {keys} to the values the "
+                        "layer computes (a list: values computing the same), or a function of the dims' sizes "
+                        "returning one")
+    return settings
+
+
 def _run(o: JobOptions, facts, pools) -> int:
     from datamove.dataflow.analysis_cache import cached_analysis
     from datamove.candidates import NO_TIMINGS, Timings, plan_layer
@@ -139,13 +154,15 @@ def _run(o: JobOptions, facts, pools) -> int:
     fused = fused_training(analysis)
     spec_name = o.spec.stem
     module = analysis.spec.function.__globals__
-    torch_order, weights, hf_config = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {}), module.get("HF_CONFIG", {})
-    if callable(hf_config):  # a function of the dims' sizes, read after the --set options
-        hf_config = hf_config(dict(analysis.spec.dim_values))
-    if not isinstance(hf_config, dict) or not all(isinstance(key, str) for key in hf_config):
-        raise SpecError(f"{o.spec}: HF_CONFIG is {type(hf_config).__name__}; expected a dict of HF config names to "
-                        "the values the layer computes (a list: values computing the same), or a function of the "
-                        "dims' sizes returning one")
+    torch_order, weights = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {})
+    sizes = dict(analysis.spec.dim_values)
+    hf_config = _settings(o.spec, module, "HF_CONFIG", sizes, "HF config names")
+    module_config = _settings(o.spec, module, "MODULE_CONFIG", sizes, "WEIGHTS kinds")
+    if not all(isinstance(settings, dict) and all(isinstance(path, str) for path in settings)
+               and kind in weights for kind, settings in module_config.items()):
+        raise SpecError(f"{o.spec}: MODULE_CONFIG maps {sorted(module_config)}; expected WEIGHTS kinds "
+                        f"({sorted(weights) or 'none'}) to dicts of the module's attribute paths (e.g. "
+                        "'self_attn.num_heads') to the values the layer computes")
     try:  # before any tuning: the data inputs and TORCH_ORDER agree with the graph
         interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs)
     except ValueError as err:
@@ -224,7 +241,7 @@ def _run(o: JobOptions, facts, pools) -> int:
             stages("export")
             manifest = write_artifact(
                 folder, plans[0], fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
-                torch_order=torch_order, weights=weights, hf_config=hf_config, versions=versions(), other_plans=tuple(plans[1:]),
+                torch_order=torch_order, weights=weights, hf_config=hf_config, module_config=module_config, versions=versions(), other_plans=tuple(plans[1:]),
                 inputs=interface.activations, options=o.options,
                 device={"name": device, "measured": measured,
                         "capability": list(facts.compute_capability) if measured else None})

@@ -10,6 +10,7 @@ from, judged against the layer's largest gradient norm.
 """
 import json
 from dataclasses import replace
+import re
 import shutil
 import warnings
 
@@ -627,6 +628,29 @@ def test_replace_bert_layers_refuses_a_model_configured_otherwise(tmp_path, acti
         else:  # a layer alone: its attention's config
             with pytest.raises(ValueError, match=f"{key}={value!r}"):
                 load_weights(layer, BertLayer(transformers.BertConfig(**{**base, **refused})))
+
+
+@pytest.mark.parametrize("refused, setting", [
+    (dict(norm_first=True), "norm_first=True"), (dict(batch_first=False), "self_attn.batch_first=False"),
+    (dict(layer_norm_eps=1e-5), "norm1.eps=1e-05"), (dict(nhead=4), "self_attn.num_heads=4"),
+    (dict(activation="gelu"), "activation_relu_or_gelu=2"),
+], ids=["norm_first", "batch_first", "eps", "heads", "gelu"])
+def test_load_weights_refuses_a_torch_encoder_layer_set_otherwise(tmp_path, refused, setting):
+    """``nn.TransformerEncoderLayer`` has no HF config: the main job's artifact carries the
+    settings its layer computes with (``configs/bert.py``'s ``MODULE_CONFIG``), and a module set
+    otherwise is refused, naming the setting (a pre-norm or sequence-first module loaded without a
+    word and computed something else)."""
+    from datamove.cli import main
+
+    out = tmp_path / "out"
+    assert main(["configs/bert.py", "--dims", "B=3,L=23,N=32,H=2,P=16,U=70", "--out", str(out)]) == 0
+    layer = load(out, allow_mismatch=True)
+    base = dict(d_model=32, nhead=2, dim_feedforward=70, dropout=0.0, activation="relu", layer_norm_eps=1e-12,
+                batch_first=True)
+    load_weights(layer, torch.nn.TransformerEncoderLayer(**base))
+    with pytest.raises(ValueError, match=f"load_weights: the TransformerEncoderLayer computes otherwise than the "
+                                         f"tuned layer: {re.escape(setting)} .the tuned layer computes"):
+        load_weights(layer, torch.nn.TransformerEncoderLayer(**{**base, **refused}))
 
 
 def test_the_weight_functions_and_replace_refuse_what_they_cannot_read_in_one_line(tmp_path):
