@@ -21,7 +21,7 @@ import sys
 import torch
 
 from datamove.kernels.attention import attention_backward, attention_forward, new_saved_mask
-from datamove.harness.bench import time_cuda, utc_stamp
+from datamove.harness.bench import require_cuda, time_cuda, utc_stamp
 from datamove.kernels.device import versions
 
 B, H, L, P = 8, 16, 512, 64
@@ -43,8 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("attention_breakdown.py times GPU kernels: no CUDA device here, nothing measured")
+    require_cuda("benchmarks/attention_breakdown.py")
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(B, L, H * P, device="cuda", dtype=torch.bfloat16).view(B, L, H, P).permute(0, 2, 1, 3)
                    for _ in range(4))

@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from datamove.harness.bench import time_cuda
+from datamove.harness.bench import require_cuda, time_cuda
 from datamove.kernels.attention import attention_backward, attention_configs, attention_forward, default_config
 from datamove.kernels.device import versions
 
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--all-configs", action="store_true")
     parser.add_argument("--json")
     a = parser.parse_args()
+    require_cuda("benchmarks/attention_gqa.py")
     results = [run_setup(parse(s), a.all_configs) for s in a.setups]
     text = [f"# {torch.cuda.get_device_name()} {versions()}"] + [line for r in results for line in summary(r)]
     print("\n".join(text), flush=True)

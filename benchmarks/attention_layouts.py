@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 import datamove.kernels.attention as attention
 
 POINTER_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_acc_ptr": "*fp32", "arrivals_ptr": "*i32", "kpm_ptr": "*u8",
-                 "mask_ptr": "*u8"}
+                 "mask_ptr": "*i16"}
 FLOAT_ARGS = ("qk_scale", "scale", "dropout_scale")
 
 

@@ -35,7 +35,7 @@ import datamove.kernels.gemm as gemm
 from datamove.dataflow import snapshot
 from datamove.families import forward_epilogue as fe
 from datamove.harness import contraction_variants as cv
-from datamove.harness.bench import time_cuda, utc_stamp, write_results
+from datamove.harness.bench import require_cuda, time_cuda, utc_stamp, write_results
 from datamove.kernels.contraction import dropout_digits, map_layouts
 from datamove.kernels.device import query_device, versions
 from datamove.kernels.gemm import GemmConfig
@@ -166,9 +166,7 @@ def main() -> int:
     parser.add_argument("--warmup-ms", type=float, default=10.0)
     parser.add_argument("--rep-ms", type=float, default=50.0)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU: nothing is timed", file=sys.stderr)
-        return 1
+    require_cuda("benchmarks/dropout_grouped.py")
     report = {"date": utc_stamp(),
               "device": query_device(0).name, "versions": versions(), "rep_ms": args.rep_ms}
     report["fused"] = fused_rows(args)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from datamove.export import load_layer, read_manifest
+from datamove.harness.bench import require_cuda
 
 
 def main() -> int:
@@ -29,9 +30,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/host_time.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+    require_cuda("benchmarks/host_time.py")
     d = read_manifest(args.artifact)["dims"]
     for graphs in (True, False):
         with warnings.catch_warnings():

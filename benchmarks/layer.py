@@ -51,7 +51,7 @@ from datamove.dtypes import parse as parse_dtype
 from datamove.export import load_layer, load_weights, read_manifest
 from datamove.layouts.plan import GENERATED
 from datamove.runtime.steps import Run
-from datamove.harness.bench import capture_graph, time_cuda, utc_stamp, write_results
+from datamove.harness.bench import capture_graph, require_cuda, time_cuda, utc_stamp, write_results
 from datamove.harness.sweep_variants import tensor_bytes
 from datamove.kernels.device import query_device, versions
 
@@ -374,9 +374,7 @@ def main() -> int:
     parser.add_argument("--no-max-autotune", dest="max_autotune", action="store_false",
                         help="leave out torch.compile's max-autotune (minutes of autotuning per layer)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/layer.py needs a CUDA GPU: nothing measured", file=sys.stderr)
-        return 2
+    require_cuda("benchmarks/layer.py")
     report = {"date": utc_stamp(),
               "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(), "versions": versions(),
               "cases": []}

@@ -46,7 +46,7 @@ import torch
 from benchmarks.layer import apply_liger, llama_config
 from datamove.export import read_manifest
 from datamove.hf import BertLayerReplacement, replace_bert_layers, replace_llama_layers
-from datamove.harness.bench import utc_stamp, write_results
+from datamove.harness.bench import require_cuda, utc_stamp, write_results
 from datamove.kernels.device import versions
 
 WARMUP, STEPS, ROUNDS, PROFILED, BATCHES = 4, 10, 3, 5, 4
@@ -249,9 +249,7 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="model", help="results file name: OUT/NAME.md (BERT), OUT/NAME_llama.md")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/model.py needs a CUDA GPU: nothing measured", file=sys.stderr)
-        return 2
+    require_cuda("benchmarks/model.py")
     specs = {artifact: read_manifest(artifact)["spec"] for artifact in args.artifact}
     for artifact, spec in specs.items():
         if spec not in MODELS:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from datamove.export import load_layer, load_weights, read_manifest
-from datamove.harness.bench import utc_stamp, write_results
+from datamove.harness.bench import require_cuda, utc_stamp, write_results
 from datamove.kernels.device import versions
 from layer import ROUNDS, _baselines, _call, kernel_profile, wall_ms
 
@@ -48,9 +48,7 @@ def main() -> int:
     parser.add_argument("--at", type=Path, required=True, help="an artifact tuned at that shape")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/shapes.py needs a CUDA GPU: nothing measured", file=sys.stderr)
-        return 2
+    require_cuda("benchmarks/shapes.py")
     tuned_at, shape_of = read_manifest(args.tuned)["dims"], read_manifest(args.at)
     d = shape_of["dims"]
     with warnings.catch_warnings(record=True) as caught:

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.layer import _call, kernel_profile, llama_tables  # noqa: E402
 from datamove.export import load_layer, read_manifest  # noqa: E402
-from datamove.harness.bench import utc_stamp, write_results  # noqa: E402
+from datamove.harness.bench import require_cuda, utc_stamp, write_results  # noqa: E402
 from datamove.kernels.device import query_device, versions  # noqa: E402
 
 ROUNDS = 5  # alternating rounds of the two plans' layers
@@ -201,9 +201,7 @@ def main() -> int:
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
                         help="the steps to run where not done yet in --work (one device call each, say)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/tuning_cost.py needs a CUDA GPU: nothing measured", file=sys.stderr)
-        return 2
+    require_cuda("benchmarks/tuning_cost.py")
     report = {"date": utc_stamp(), "device": torch.cuda.get_device_name(), "facts": query_device().to_dict(),
               "versions": versions(), "cases": []}
     for name, spec, dims in args.case:  # the results rewritten after each case: what was measured stays

@@ -241,3 +241,22 @@ def test_the_tuning_scaling_table_gives_variants_per_second_per_gpu_count_and_st
     for _ in range(2):  # a failed run is not kept
         assert scaling.run_count(tmp_path, "configs/bert.py", "B=8,L=512", 4, 90.0)["rc"] == 1
     assert calls == [2, 4, 4]
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("attention_gqa.py", []), ("attention_breakdown.py", []), ("dropout_grouped.py", []),
+    ("layer.py", ["--artifact", "x"]), ("model.py", ["--artifact", "x"]), ("host_time.py", ["--artifact", "x"]),
+    ("shapes.py", ["--tuned", "x", "--at", "y"]), ("tuning_cost.py", ["--case", "bert", "configs/bert.py", "B=8"]),
+])
+def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line(script, argv, monkeypatch, capsys):
+    """Run where no CUDA GPU is: exit status 2 and one line, before anything is read or made
+    (``attention_gqa.py`` failed inside torch asking for a CUDA generator)."""
+    import runpy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as run: its folder first (shapes.py imports layer)
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(ROOT / "benchmarks" / script), run_name="__main__")
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip() == f"benchmarks/{script} times GPU kernels and needs a CUDA GPU: nothing measured"

@@ -822,6 +822,17 @@ def measure_ceilings(db, index: int = 0, force: bool = False) -> Ceilings:
     return ceilings
 
 
+def require_cuda(script: str) -> None:
+    """Exit with status 2 and one line where no CUDA GPU is here: ``script`` times GPU kernels."""
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{script} times GPU kernels and needs a CUDA GPU: nothing measured", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def utc_stamp() -> str:
     """Now, UTC, to the second (ISO 8601): the date a benchmark result carries."""
     import datetime
