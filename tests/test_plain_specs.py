@@ -197,6 +197,22 @@ def helper_matmul_twice(t, m):
     return (gate * up) @ t["w3"] + (x @ t["w1"]) @ t["w3"]
 
 
+def einsum_chain(t, m):
+    h = torch.tanh(torch.einsum("btd,de,ef->btf", t["x"], t["w1"], t["w2"]))
+    return torch.einsum("btf,f,ef->bte", h, t["v"], t["w2"])
+
+
+def einsum_summed_letter(t, m):
+    scores = torch.tanh(torch.einsum("btd,de->bt", t["x"], t["w"]))
+    return scores[:, :, None] * torch.einsum("btd,de->be", t["x"], t["w"])[:, None, :]
+
+
+def einsum_elementwise(t, m):
+    x, g = t["x"], t["g"]
+    energy = (x * g * torch.tanh(x)).sum(-1)
+    return energy + torch.einsum("btd,btd->bt", x, x * g)
+
+
 CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of the forward pass), torch layer
     "mlp_softmax": ((3, 1, 5), mlp_softmax),  # bias and ReLU each one map; the softmax one operator
     "layernorm_linear_gelu": ((1, 1, 2), layernorm_linear_gelu),  # LN, Linear, bias, GELU
@@ -215,7 +231,8 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "logsoftmax_misc": ((0, 2, 6), logsoftmax_misc),  # log-softmax and np.min: two normalizations
     # rotate_half: one einsum with the front end's constant matrix per rotated tensor, an element-wise
     # operator (a shuffle, dataflow.shuffle); the halves put back in place (np.concatenate((lo, hi))) are k itself
-    "rope_rotate_half": ((3, 0, 10), rope_rotate_half),
+    # its output, a batched dot product (no GEMM), is a product and a sum (``dataflow.einsum_split``)
+    "rope_rotate_half": ((2, 1, 11), rope_rotate_half),
     "gqa_repeat": ((8, 1, 1), gqa_repeat),  # np.repeat of K and V: an einsum each with a 0/1 matrix
     "gqa_groups": ((6, 1, 2), gqa_groups),  # query heads as (kv head, group): K and V read once
     "causal_tril": ((6, 1, 2), causal_tril),  # np.where(mask == 0, -inf, s): s + an additive constant
@@ -224,6 +241,10 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "silu_forms": ((4, 1, 7), silu_forms),  # each SiLU one chain; the RMSNorm's square stays apart
     "helper_einsum_arg": ((2, 0, 3), helper_einsum_arg),
     "helper_matmul_twice": ((4, 0, 4), helper_matmul_twice),  # x @ w1 computed once, its uses share it
+    # ``dataflow.einsum_split``: each einsum two operands, each letter in two of its three terms
+    "einsum_chain": ((3, 0, 2), einsum_chain),  # x w1 w2: two GEMMs; h v w2: a product, then a GEMM
+    "einsum_summed_letter": ((2, 2, 2), einsum_summed_letter),  # w summed over e, x over t: reductions
+    "einsum_elementwise": ((0, 1, 4), einsum_elementwise),  # products; the dot product's sum joins the output's
 }
 
 
@@ -339,6 +360,40 @@ def test_a_parameter_read_through_an_identity_has_its_own_gradient(tmp_path, cap
     torch.testing.assert_close(layer.spec_view("w", mine_w), ref_w)
 
 
+@pytest.mark.parametrize("name", ["einsum_chain", "einsum_summed_letter", "einsum_elementwise"])
+def test_einsums_that_are_no_gemm_export_a_layer(tmp_path, capsys, analyses, name):
+    """Three operands, a letter one operand alone has summed, a product without a summed letter
+    feeding a reduction (``dataflow.einsum_split``): the job runs (they stopped in the GEMM's parse,
+    in autodiff and at "operators without a candidate"), and the layer's output in float64 is
+    NumPy's, its gradients torch.autograd's."""
+    from datamove.cli import main
+    from datamove.export import load_layer
+
+    out = tmp_path / name
+    assert main([str(SPECS / f"{name}.py"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(out, device="cpu", dtype=torch.float64, allow_mismatch=True)
+    gen = torch.Generator().manual_seed(4)
+    weights = [n for n in layer.interface.input_grads if n != "x"]
+    with torch.no_grad():
+        for n in weights:
+            getattr(layer, n).copy_(torch.randn(getattr(layer, n).shape, generator=gen, dtype=torch.float64))
+    x = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    theirs = {n: layer.spec_view(n).detach().clone().requires_grad_() for n in weights}
+    y = layer(x)
+    numpy_values = {"x": x.detach().numpy(), **{n: w.detach().numpy() for n, w in theirs.items()}}
+    assert relative_error(y.detach().numpy(), numpy_forward(analyses(name).spec, numpy_values)) < 1e-12
+    expected = CORPUS[name][1]({"x": x, **theirs}, None)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    mine = torch.autograd.grad(y, [x, *(getattr(layer, n) for n in weights)], dy)
+    ref = torch.autograd.grad(expected, [x, *theirs.values()], dy)
+    torch.testing.assert_close(mine[0], ref[0])
+    for n, g, r in zip(weights, mine[1:], ref[1:]):
+        torch.testing.assert_close(layer.spec_view(n, g), r)
+
+
 def test_analyze_command_on_a_plain_spec(tmp_path, capsys):
     from datamove.cli import main
 
@@ -368,7 +423,7 @@ def test_rotate_half_is_one_einsum_with_a_matrix_the_graph_knows(analyses):
     readers = [p for p in graph.primitives if any(o.tensor == "concat_e" for o in p.inputs)]
     assert [p.expr for p in readers] == [f"bhs{info.letters[0]},{info.letters}->bhse"] * 2
     assert not any(p.kind == "map" and p.expr.startswith("-") for p in graph.primitives)
-    assert [p.kind for p in graph.primitives].count("einsum") == 5  # q, k, two rotations, the output
+    assert [p.kind for p in graph.primitives].count("einsum") == 4  # q, k, two rotations (the output: a product)
     rng = np.random.default_rng(0)
     for g in (graph, graph.with_dims({**graph.dim_values, "E": 8})):
         x = rng.standard_normal((3, g.dim_values["E"]))

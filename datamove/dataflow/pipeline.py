@@ -1,4 +1,5 @@
-"""The stages of ``optimize-layer`` chained: spec -> SDFG -> primitive graph -> operators ->
+"""The stages of ``optimize-layer`` chained: spec -> SDFG -> primitive graph (every einsum a GEMM,
+``dataflow.einsum_split``) -> operators ->
 training graph (with cheap element-wise forward values recomputed in the backward,
 ``dataflow.recompute``) -> fused graph -> analysis."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ from datamove.dataflow.analysis import (OperatorRow, analyse, format_fused_table
                                movement_summary, report_json)
 from datamove.dataflow.autodiff import TrainingGraph, build_training_graph
 from datamove.dataflow.attention import AttentionCandidate, attention_candidates
+from datamove.dataflow.einsum_split import split_einsums
 from datamove.dataflow.fusion import FusedGraph, fuse
 from datamove.dataflow.graph import PrimitiveGraph
 from datamove.dataflow.lowering.lowered_module import lower_spec
@@ -66,9 +68,10 @@ def loaded_spec(path, dims: dict[str, int] | None = None, options: dict[str, str
 
 
 def spec_graph(spec: LayerSpec) -> PrimitiveGraph:
-    """A loaded spec's forward primitive graph, read from its SDFG (DaCe's parse: seconds)."""
+    """A loaded spec's forward primitive graph, read from its SDFG (DaCe's parse: seconds), its
+    einsums that are no GEMM rewritten (``dataflow.einsum_split``)."""
     sdfg, einsums = build_sdfg(spec)
-    return walk_sdfg(spec, sdfg, einsums)
+    return split_einsums(walk_sdfg(spec, sdfg, einsums))
 
 
 def analyse_spec(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None) -> Analysis:
