@@ -134,6 +134,14 @@ REFUSED = {
         def layer(x: Tensor("bln"), w: Tensor("mn")):
             return np.einsum("...n,mn->...m", x, w)
         ''', 'np.einsum("...n,mn->...m", x, w)', "letter"),
+    "einsum output repeats a letter": ('''
+        def layer(x: Tensor("bln"), w: Tensor("mn")):
+            return np.einsum("bln,mn->bmm", x, w)
+        ''', 'np.einsum("bln,mn->bmm", x, w)', "its own letter"),
+    "einsum output letter of no operand": ('''
+        def layer(x: Tensor("bln"), w: Tensor("mn")):
+            return np.einsum("bln,mn->blk", x, w)
+        ''', 'np.einsum("bln,mn->blk", x, w)', "only letters of the operands"),
     "full reduction": ('''
         def layer(x: Tensor("bln")):
             return x - x.mean()

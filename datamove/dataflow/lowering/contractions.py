@@ -2,7 +2,9 @@
 ``->`` become one explicit ``np.einsum`` over the operands' letters (the batch dims of ``@``
 broadcast as NumPy's; a free letter that would repeat, as in ``q @ k.T``, gets another letter of
 the same dim, INDEX's first); an ``np.einsum`` with ``->`` is kept as written, its operands' views
-permuted onto their stored axes."""
+permuted onto their stored axes, unless its output repeats a letter or names one no operand has
+(NumPy's errors: refused).  Einsums that are no GEMM (three operands, a letter summed within one
+operand, no summed letter) are rewritten on the graph, ``dataflow.einsum_split``."""
 from __future__ import annotations
 
 import ast
@@ -135,6 +137,13 @@ class Contractions:
         terms = inputs.split(",")
         if len(terms) != len(operands):
             raise m.error(node, f"np.einsum has {len(terms)} terms for {len(operands)} operands")
+        for letter in output:
+            if output.count(letter) > 1:
+                raise m.error(node, f"the output {output!r} repeats the letter {letter}",
+                              "give every axis of the result its own letter")
+            if letter not in inputs:
+                raise m.error(node, f"the output letter {letter} is in no operand's term",
+                              "name in the output only letters of the operands (a letter it lacks is summed)")
         for term, operand in zip(terms, operands):
             if len(term) != len(operand.visible):
                 raise m.error(node, f"term {term!r} has {len(term)} letters for an operand with "
