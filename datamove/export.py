@@ -47,11 +47,10 @@ import torch
 
 from datamove.dataflow.snapshot import load as load_graph
 from datamove.dataflow.snapshot import snapshot
-from datamove.families.gradient_epilogue import epilogue_rest
+from datamove.families import epilogue_launch
 from datamove.kernels.codegen import compile_operator
 from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Plan
 from datamove.layouts.space import Configuration, generated_operators
-from datamove.layouts.step_config import GradientEpilogueConfig
 from datamove.runtime.layer import tensor_interface
 from datamove.runtime.module import TunedLayer
 from datamove.runtime.runnable import check_runnable
@@ -135,19 +134,20 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
 
 def _write_kernels(folder: Path, plan: Plan, graph, operators) -> None:
     """The generated Triton source of every generated step of ``plan`` into ``folder``, and of the
-    generated kernel a gradient epilogue's step runs after its GEMM (``<consumer>_rest``)."""
+    generated kernel a fused epilogue's step runs after its GEMM (its family's ``EpilogueLaunch.after``:
+    a gradient epilogue's ``<consumer>_rest``)."""
     folder.mkdir(parents=True, exist_ok=True)
     ops = generated_operators(graph, operators)
+
+    def write(step, op) -> None:
+        config = Configuration({**step.reads, **step.writes, **step.config.masks}, step.config.knobs)
+        _write(folder / f"{_file_name(op.name)}.py", compile_operator(graph, op, config).source)
+
     for step in plan.steps:
         if step.kind == GENERATED:
-            config = Configuration({**step.reads, **step.writes, **step.config.masks}, step.config.knobs)
-            source = compile_operator(graph, ops[step.name], config).source
-            _write(folder / f"{_file_name(step.name)}.py", source)
-        epilogue = step.config.epilogue if step.kind == GEMM_EPILOGUE else None
-        if isinstance(epilogue, GradientEpilogueConfig) and epilogue.rest:
-            rest, config = epilogue_rest(graph, ops, epilogue)
-            source = compile_operator(graph, rest, config).source
-            _write(folder / f"{_file_name(rest.name)}.py", source)
+            write(step, ops[step.name])
+        elif step.kind == GEMM_EPILOGUE and (after := epilogue_launch(step, graph, ops).after) is not None:
+            write(*after)
 
 
 def _file_name(step: str) -> str:
