@@ -197,6 +197,12 @@ def helper_matmul_twice(t, m):
     return (gate * up) @ t["w3"] + (x @ t["w1"]) @ t["w3"]
 
 
+def two_axis_reductions(t, m):
+    x = t["x"]
+    h = torch.tanh(x * t["w"])
+    return h.amax(dim=1, keepdim=True) + h.amin(dim=0) - (x * x).sum(dim=0)
+
+
 def einsum_chain(t, m):
     h = torch.tanh(torch.einsum("btd,de,ef->btf", t["x"], t["w1"], t["w2"]))
     return torch.einsum("btf,f,ef->bte", h, t["v"], t["w2"])
@@ -229,6 +235,8 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "einsum_implicit": ((2, 0, 2), einsum_implicit),
     "instance_norm": ((0, 1, 0), instance_norm),
     "logsoftmax_misc": ((0, 2, 6), logsoftmax_misc),  # log-softmax and np.min: two normalizations
+    # max over d and min over b of one h, added: the add applies the max only (one reduction set per operator)
+    "two_axis_reductions": ((0, 3, 4), two_axis_reductions),
     # rotate_half: one einsum with the front end's constant matrix per rotated tensor, an element-wise
     # operator (a shuffle, dataflow.shuffle); the halves put back in place (np.concatenate((lo, hi))) are k itself
     # its output, a batched dot product (no GEMM), is a product and a sum (``dataflow.einsum_split``)
@@ -358,6 +366,39 @@ def test_a_parameter_read_through_an_identity_has_its_own_gradient(tmp_path, cap
     torch.testing.assert_close(mine_x, ref_x)
     torch.testing.assert_close(layer.spec_view("g", mine_g), ref_g)
     torch.testing.assert_close(layer.spec_view("w", mine_w), ref_w)
+
+
+@pytest.mark.parametrize("name", ["logsoftmax_misc", "two_axis_reductions"])
+# the torch backend in float64: 1e-9, as harness.torch_eval takes where(c, 1, 0.1) (the leaky ReLU's gradient) in
+# float32 (about 4e-10 off); the kernels through the Triton interpreter compute in float32
+@pytest.mark.parametrize("backend, tolerance", [("torch", 1e-9), ("kernels", 2e-5)])
+def test_a_tensor_reduced_over_two_axes_exports_and_computes(tmp_path, capsys, name, backend, tolerance):
+    """One tensor reduced over each of its axes (a log-softmax over d and np.min over d of x beside
+    w's gradient summed over b from two tensors; np.max over d and np.min over b of one h): the job
+    writes a plan (its export stopped at "reductions over different letter sets ... a bug in
+    datamove's selection"), and the layer's output and gradients match torch's in float64 at other
+    odd dims (errors relative to the reference's norm)."""
+    from datamove.cli import main
+    from datamove.export import load_layer
+
+    out = tmp_path / name
+    assert main([str(SPECS / f"{name}.py"), "--dims", "B=9,D=11", "--out", str(out)]) == 0
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(out, device="cpu", dtype=torch.float64, backend=backend, allow_mismatch=True)
+    assert layer.interface.torch_order["x"] == "bd"
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        layer.w.copy_(torch.randn(11, generator=gen, dtype=torch.float64))
+    x = torch.randn(9, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = layer.spec_view("w").detach().clone().requires_grad_()
+    y, expected = layer(x), CORPUS[name][1]({"x": x, "w": w}, None)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    mine_x, mine_w = torch.autograd.grad(y, [x, layer.w], dy)
+    ref_x, ref_w = torch.autograd.grad(expected, [x, w], dy)
+    for result, reference in ((y, expected), (mine_x, ref_x), (layer.spec_view("w", mine_w), ref_w)):
+        assert relative_error(result.detach().numpy(), reference.detach().numpy()) < tolerance
 
 
 @pytest.mark.parametrize("name", ["einsum_chain", "einsum_summed_letter", "einsum_elementwise"])

@@ -8,7 +8,9 @@ Classes (Ivanov et al., Sec. III-B), decided from iteration spaces, not from nam
   that compute its statistics (over D minus R), the maps that apply them back over D, the maps
   that lead from one such reduction to the next over the same D (softmax's exp, layernorm's
   square), and a trailing per-feature affine transform (maps whose other operand is a layer
-  input over letters inside R: layernorm's gamma and beta);
+  input over letters inside R: layernorm's gamma and beta); a map that applies two reductions
+  over other letter sets (np.max over axis 1 and np.min over axis 0 of one x, added) joins the
+  first of them only, one (D, R) per operator;
 - element-wise: everything else, one operator per map, except that a chain of maps reading one
   tensor only (plus constants), such as GELU written out, is one operator.
 """
@@ -97,6 +99,8 @@ def _group_normalizations(graph: PrimitiveGraph, groups: _Groups) -> set[str]:
             for user in consumers[tensor]:
                 if user.kind != "map" or user.name in group:
                     continue
+                if user.name in member and spaces[groups.find(user.name)] != (space, reduced):
+                    continue  # it applies another reduction, over other letters: one (D, R) per group
                 out = frozenset(user.output.letters)
                 if out <= stats:
                     group.append(user.name)

@@ -126,7 +126,8 @@ class OperatorLetters:
 
     Primitives name their own iteration letters; an operator (fused, backward) may name the same
     dim differently in two primitives.  Letters are unified through the tensors they index
-    (axis n of a tensor is one dim wherever it is read), and each class takes the letter of the
+    (axis n of a tensor is one dim wherever it is read), then classes that share a primitive letter
+    but no tensor are joined (``_join_same_names``), and each class takes the letter of the
     first external tensor axis in it (else the first primitive letter).
 
     tensor_axes: {tensor -> operator letter of each axis, in the tensor's spec order}
@@ -248,6 +249,7 @@ def operator_letters(graph, op) -> OperatorLetters:
         for operand in elements[prim.name][0]:
             for axis, letter in enumerate(operand.letters):
                 union(("t", operand.tensor, axis), ("p", prim.name, letter))
+    _join_same_names(classes, op, elements)
     externals = list(op.inputs) + list(op.outputs)
     names: dict = {}
     for tensor in externals:  # external tensors name the classes first
@@ -279,6 +281,32 @@ def operator_letters(graph, op) -> OperatorLetters:
     summed = column_sums(op, prim_letters, letters)
     return OperatorLetters(tensor_axes, prim_letters, letters, "".join(l for l in reduced if l not in summed), dims,
                            summed)
+
+
+def _join_same_names(classes: UnionFind, op, elements: dict) -> None:
+    """Join the classes of ``op``'s primitive letters that share a name (one dim) but no tensor
+    links, as the grouping into operators and fusion align them (by name: ``dataflow.operators``,
+    ``dataflow.fusion._compatible``): two sums over b of two tensors (b, d) run along one reduced
+    axis b, not over b and a second axis of the same extent; two maps over (b, d) of two tensors
+    read beside one vector over d run over one space (b, d), not (b, d, a).  Classes that one
+    tensor or primitive indexes both stay apart (joined, they would be a diagonal).
+    ``elements``: {primitive name: ``element_operands``}."""
+    find = classes.find
+    holders: dict = {}  # class -> the tensors and primitives with an axis in it
+    for prim in op.primitives:
+        operands, letters = elements[prim.name]
+        for letter in letters:
+            holders.setdefault(find(("p", prim.name, letter)), set()).add(("p", prim.name))
+        for operand in operands:
+            for axis in range(len(operand.letters)):
+                holders.setdefault(find(("t", operand.tensor, axis)), set()).add(("t", operand.tensor))
+    first: dict = {}
+    for prim in op.primitives:
+        for letter in elements[prim.name][1]:
+            kept, other = find(first.setdefault(letter, ("p", prim.name, letter))), find(("p", prim.name, letter))
+            if kept != other and not holders[kept] & holders[other]:
+                classes.union(kept, other)
+                holders[find(kept)] = holders.pop(kept) | holders.pop(other)
 
 
 def column_sums(op, prim_letters: dict, letters: str) -> str:
