@@ -275,12 +275,24 @@ def test_a_converted_layer_computes_in_its_new_dtype(tmp_path, convert, dtype):
 
 
 def test_a_conversion_the_backend_cannot_compute_is_refused_before_anything_changes(tmp_path):
-    """The Triton interpreter computes no bfloat16 as a GPU does: ``.bfloat16()`` of a CPU layer on its
-    kernels is refused, the parameters left as they were."""
-    layer = load(write(tmp_path, "bert", BERT_DIMS))
+    """The Triton interpreter computes no bfloat16 as a GPU does, and the kernels compute in float32:
+    ``.bfloat16()`` and ``.double()`` of a layer on its kernels are refused, the parameters left as
+    they were (in float64 the kernels gave float32-accurate results); a layer on the default
+    backend converted to float64 computes with PyTorch's operations."""
+    path = write(tmp_path, "bert", BERT_DIMS)
+    layer = load(path)
     with pytest.raises(ValueError, match="backend 'kernels' on cpu in torch.bfloat16: the Triton interpreter"):
         layer.bfloat16()
+    with pytest.raises(ValueError, match="backend 'kernels' in torch.float64: the plan's kernels compute in float32"):
+        layer.double()
     assert layer.dtype == torch.float32 and all(p.dtype == torch.float32 for p in layer.parameters())
+    with pytest.raises(ValueError, match="backend 'kernels' in torch.float64"):
+        load(path, dtype=torch.float64, allow_mismatch=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default = load_layer(path, device="cpu", dtype=torch.float32)
+        default.double()
+    assert default.backend == "torch"
 
 
 def test_a_training_loops_other_calls_on_the_torch_backend(tmp_path):

@@ -54,11 +54,19 @@ def _extremum(both, clamp, scalar):
     return call
 
 
+def _where(condition, a, b):
+    """``torch.where``; two numbers as float64 (torch would take them in its default float32: a float64
+    layer's ``where(c, 1, 0.1)`` off by 1e-9; the map's result is cast to the layer's dtype)."""
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        a = torch.tensor(a, dtype=torch.float64, device=condition.device)
+    return torch.where(condition, a, b)
+
+
 FUNCTIONS = {"exp": _scalar_or(torch.exp, math.exp), "log": _scalar_or(torch.log, math.log),
              "sqrt": _scalar_or(torch.sqrt, math.sqrt), "tanh": _scalar_or(torch.tanh, math.tanh),
              "abs": _scalar_or(torch.abs, abs), "sign": _scalar_or(torch.sign, np.sign),
              "maximum": _extremum(torch.maximum, torch.clamp_min, max),
-             "minimum": _extremum(torch.minimum, torch.clamp_max, min), "where": torch.where}
+             "minimum": _extremum(torch.minimum, torch.clamp_max, min), "where": _where}
 
 
 @triton.jit

@@ -194,24 +194,31 @@ def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missin
         state_dict[prefix + "_extra_state"] = layer.get_extra_state()
 
 
-def default_backend(device: torch.device) -> str:
-    """``KERNELS`` on CUDA, ``TORCH`` elsewhere."""
-    return KERNELS if device.type == "cuda" else TORCH
+def default_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """``KERNELS`` on CUDA, ``TORCH`` elsewhere and in float64 (``check_backend``)."""
+    return KERNELS if device.type == "cuda" and dtype != torch.float64 else TORCH
 
 
 def check_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse a backend that cannot compute right on ``device`` in ``dtype``: the kernels off CUDA
-    run only through the Triton interpreter (tests), and there in float32 or float64 only (its
-    bfloat16 and float16 arithmetic differs from a GPU's)."""
+    """Refuse a backend that cannot compute right on ``device`` in ``dtype``: the kernels compute in
+    float32 (their generated kernels and the fused attention accumulate and take their math in
+    float32: a float64 layer would be float32-accurate), and off CUDA they run only through the
+    Triton interpreter (tests), there in float32 only (its bfloat16 and float16 arithmetic differs
+    from a GPU's)."""
     if backend not in (KERNELS, TORCH):
         raise ValueError(f"backend {backend!r}: expected {KERNELS!r} (the plan's kernels) or {TORCH!r} "
                          "(its computation in PyTorch operations)")
-    if backend == TORCH or device.type == "cuda":
+    if backend == TORCH:
+        return
+    if dtype == torch.float64:
+        raise ValueError(f"backend {KERNELS!r} in torch.float64: the plan's kernels compute in float32 (a float64 "
+                         f"layer would be float32-accurate); use backend={TORCH!r} (the default in float64)")
+    if device.type == "cuda":
         return
     if not interpreted():
         raise ValueError(f"backend {KERNELS!r} on {device}: the plan's Triton kernels run on a CUDA GPU (off one, only "
                          f"through Triton's interpreter, TRITON_INTERPRET=1, for kernel tests); use backend={TORCH!r}")
-    if dtype not in (torch.float32, torch.float64):
+    if dtype != torch.float32:
         raise ValueError(f"backend {KERNELS!r} on {device} in {dtype}: the Triton interpreter does not compute "
                          f"{dtype} as a GPU does; use backend={TORCH!r} or float32")
 
@@ -258,9 +265,9 @@ class TunedLayer(torch.nn.Module):
         self._allocate_parameters()
 
     def _backend_for(self, dtype: torch.dtype, device: torch.device) -> str:
-        """The backend asked for (default: ``default_backend`` of ``device``), refused where it cannot
-        compute ``dtype`` there (``check_backend``)."""
-        backend = self._asked[0] or default_backend(device)
+        """The backend asked for (default: ``default_backend`` of ``device`` and ``dtype``), refused where
+        it cannot compute ``dtype`` there (``check_backend``)."""
+        backend = self._asked[0] or default_backend(device, dtype)
         check_backend(backend, device, dtype)
         return backend
 
