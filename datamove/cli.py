@@ -1,4 +1,8 @@
-"""``optimize-layer``: the command-line entry point (the main job, or ``--analyze`` alone)."""
+"""``optimize-layer``: the command-line entry point (the main job, or ``--analyze`` alone).
+
+Only the standard library is imported at module level: the datamove modules (DaCe's import alone
+takes a second or two) are imported inside ``main``'s Ctrl-C handler, so that Ctrl-C while they
+load ends in one line too."""
 from __future__ import annotations
 
 import argparse
@@ -10,13 +14,6 @@ import time
 import warnings
 from pathlib import Path
 
-from datamove.dataflow.spec import SpecError, parse_assignments
-from datamove.dtypes import BF16, FP16, parse as parse_dtype
-from datamove.harness.tuning_db import TuningDBError
-from datamove.layouts.plan import PlanNotRunnable
-from datamove.output import OutputError, check_default_parent, check_out
-
-DTYPE_CHOICES = (BF16, FP16)  # what --dtype offers, by short name (float32: the CPU checks', not tuned)
 HELP = "optimize-layer --help lists the options"
 MAX_DIM = 2**31 - 1  # a dim's largest size: kernels take sizes as int32 arguments
 
@@ -65,6 +62,8 @@ def _seconds(text: str) -> float:
 def _dims(text: str | None) -> list[dict[str, int]]:
     """``--dims``: every shape to tune, e.g. ``B=8,L=128|512`` -> [{B: 8, L: 128}, {B: 8, L: 512}]
     (``|`` separates alternatives; every combination, the first written first)."""
+    from datamove.dataflow.spec import SpecError, parse_assignments
+
     if not text:
         return [{}]
     choices = {}
@@ -88,6 +87,9 @@ def _dims(text: str | None) -> list[dict[str, int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from datamove.dtypes import BF16, FP16
+
+    choices = (BF16, FP16)  # what --dtype offers, by short name (float32: the CPU checks', not tuned)
     parser = _Parser(
         prog="optimize-layer",
         description="Optimize a transformer layer written as a NumPy spec (after Ivanov et al., 'Data Movement Is "
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "e.g. 'B=8,L=128|256|512' (quoted: the shell reads | as a pipe)")
     parser.add_argument("--set", dest="options", action=_Once, help="spec options, e.g. activation=gelu (the default output "
                                                       "folder's name includes them)")
-    parser.add_argument("--dtype", choices=sorted(p.short for p in DTYPE_CHOICES), default=BF16.short,
+    parser.add_argument("--dtype", choices=sorted(p.short for p in choices), default=BF16.short,
                         help="precision of the tuned layer")
     parser.add_argument("--budget-s", type=_seconds, default=600.0,
                         help="tuning time limit in seconds (GPU only; a rerun resumes from the tuning database)")
@@ -124,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _analyze(args) -> int:
     from datamove.dataflow.pipeline import analyse_spec
+    from datamove.dataflow.spec import SpecError, parse_assignments
 
     started = time.perf_counter()
     shapes = _dims(args.dims)
@@ -155,7 +158,9 @@ def _file_place(path: Path, flag: str) -> None:
 def check_arguments(args) -> None:
     """What can be checked before the analysis starts (each a one-line ``UsageError``,
     ``SpecError`` or ``OutputError``), so that a bad option never waits for the long stages."""
+    from datamove.dataflow.spec import SpecError
     from datamove.layouts.cost_model import DEVICES, device_figures
+    from datamove.output import check_default_parent, check_out
 
     spec = Path(args.spec)
     if spec.is_dir():
@@ -194,8 +199,25 @@ def _check_gpus(gpus: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; every bad input ends in one line on stderr and exit status 2, Ctrl-C in
-    "optimize-layer: interrupted" and 130 (the output folder as it was: ``datamove.output``)."""
+    """The command line; every bad input ends in one line on stderr and exit status 2, Ctrl-C (also
+    while the datamove modules load) in "optimize-layer: interrupted" and 130 (the output folder as
+    it was: ``datamove.output``)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("optimize-layer: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
+    """``main`` inside its Ctrl-C handler: the datamove modules imported, the options checked, then
+    the analysis or the job."""
+    from datamove.dataflow.spec import SpecError, parse_assignments
+    from datamove.dtypes import parse as parse_dtype
+    from datamove.harness.tuning_db import TuningDBError
+    from datamove.layouts.plan import PlanNotRunnable
+    from datamove.output import OutputError
+
     try:
         args = build_parser().parse_args(argv)
         warnings.filterwarnings("ignore", module="dace")
@@ -213,9 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, TuningDBError, UsageError, OutputError, PlanNotRunnable) as err:
         print(f"optimize-layer: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("optimize-layer: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -129,6 +129,28 @@ def test_ctrl_c_during_the_analysis_is_one_line_and_130(tmp_path, capsys, monkey
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+# Ctrl-C while DaCe is being imported: a finder raising KeyboardInterrupt on its import, ahead of
+# ``python -m datamove.cli`` (the module imported DaCe at its top, before main's handler: a traceback)
+INTERRUPTED_IMPORT = """
+import runpy, sys
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "dace":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["optimize-layer", sys.argv[1], "--analyze"]
+runpy.run_module("datamove.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_the_modules_load_is_one_line_and_130():
+    run = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, BERT], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert (run.returncode, run.stderr, run.stdout) == (130, "optimize-layer: interrupted\n", ""), run.stderr
+
+
 @pytest.mark.parametrize("content, says", [
     (None, "no such file"),
     (b"\x00\x9f binary", "not valid JSON"),
