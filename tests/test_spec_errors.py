@@ -296,3 +296,37 @@ def test_a_spec_exiting_or_offering_an_option_without_values_is_named(tmp_path, 
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert says.format(path=path) in err, err
+
+
+@pytest.mark.parametrize("name", ["\u00e9coute.py", "my-layer.py", "2 layers.py"])
+def test_a_spec_file_name_dace_would_refuse_as_an_sdfg_name_runs(tmp_path, capsys, name):
+    """The spec's module name, which DaCe's SDFG names carry, is made of the file's stem with every
+    character but ASCII letters, digits and underscores replaced (``écoute.py`` and ``my-layer.py``
+    failed inside DaCe: invalid SDFG name)."""
+    path = tmp_path / name
+    path.write_text(GOOD_HEADER + textwrap.dedent('''
+        def layer(x: Tensor("bln"), w: Tensor("mn")):
+            return np.einsum("bln,mn->blm", x, w)
+        '''), encoding="utf-8")
+    assert main([str(path), "--analyze"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body, line, name", [
+    ('''
+     def couche(x: Tensor("bln"), w: Tensor("mn")):
+         r\u00e9sidu = np.einsum("bln,mn->blm", x, w)
+         return r\u00e9sidu
+     ''', 8, "r\u00e9sidu"),
+    ('''
+     def couche(x: Tensor("bln"), w\u00e9: Tensor("mn")):
+         return np.einsum("bln,mn->blm", x, w\u00e9)
+     ''', 7, "w\u00e9"),
+    ('''
+     def \u00e9coute(x: Tensor("bln"), w: Tensor("mn")):
+         return np.einsum("bln,mn->blm", x, w)
+     ''', 7, "\u00e9coute"),
+], ids=["variable", "argument", "function"])
+def test_a_name_that_is_not_ascii_is_named_with_its_line(tmp_path, capsys, body, line, name):
+    """DaCe reads ASCII names only (it failed with 'Invalid symbol name' or 'Invalid SDFG name')."""
+    path, err = _run(tmp_path, capsys, body)
+    assert f"{path}:{line}: the name {name!r} is not ASCII" in err, err

@@ -131,7 +131,22 @@ def _check_source(path: Path, source: str) -> ast.Module:
         if isinstance(node, (ast.For, ast.While)):
             raise SpecError(f"{path}:{node.lineno}: loops are not supported in a layer spec: "
                             "write the computation with whole-array NumPy expressions and np.einsum")
+        name = _identifier(node)
+        if name is not None and not name.isascii():
+            raise SpecError(f"{path}:{node.lineno}: the name {name!r} is not ASCII: DaCe, which parses the layer, "
+                            "reads ASCII names only: rename it with ASCII letters, digits and underscores")
     return tree
+
+
+def _identifier(node: ast.AST) -> str | None:
+    """The name ``node`` binds or reads (a variable, an argument, a function), None for other nodes."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.arg):
+        return node.arg
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return node.name
+    return None
 
 
 def _read_source(path: Path) -> str:
@@ -149,7 +164,11 @@ def _read_source(path: Path) -> str:
 
 
 def _import(path: Path, source: str) -> types.ModuleType:
-    module_name = f"datamove_spec_{path.stem}_{abs(hash(path.resolve())) % 10**8}"
+    """The spec's module, under a name DaCe takes as part of an SDFG's name: ASCII letters, digits
+    and underscores only (the file's stem with any other character an underscore: ``écoute.py``
+    and ``my-bert.py`` were refused as invalid SDFG names); the hash of the path keeps it unique."""
+    stem = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in path.stem)
+    module_name = f"datamove_spec_{stem}_{abs(hash(path.resolve())) % 10**8}"
     module = types.ModuleType(module_name)
     module.__file__ = str(path)
     sys.modules[module_name] = module  # dace's parser looks functions' globals up through their module
