@@ -330,3 +330,38 @@ def test_a_name_that_is_not_ascii_is_named_with_its_line(tmp_path, capsys, body,
     """DaCe reads ASCII names only (it failed with 'Invalid symbol name' or 'Invalid SDFG name')."""
     path, err = _run(tmp_path, capsys, body)
     assert f"{path}:{line}: the name {name!r} is not ASCII" in err, err
+
+
+TWO_LAYERS = '''
+def scale(x):
+    return x * np.float32(2)
+
+
+def first(x: Tensor("bln"), w: Tensor("mn")):
+    return np.einsum("bln,mn->blm", scale(x), w)
+
+
+def second(x: Tensor("bln"), w: Tensor("mn")):
+    return np.einsum("bln,mn->blm", x, w) + np.float32(1)
+'''
+DEFINED = "its layer functions (arguments all annotated Tensor or Dropout): first, second; its other functions: scale"
+
+
+@pytest.mark.parametrize("layer, says", [
+    ('"nope"', "{path}:6: LAYER = 'nope': spec.py defines no function nope; " + DEFINED),  # ignored: first, or several
+    ('"scale"', "{path}:6: LAYER = 'scale': not a layer function: its arguments are not all annotated"),
+    ("3", '{path}:6: LAYER = 3: expected the name of the layer function, e.g. LAYER = "first"; ' + DEFINED),
+    (None, 'several layer functions (first, second): set LAYER = "<the name of one of them>", e.g. LAYER = "first"'),
+])
+def test_a_layer_choice_naming_no_layer_function_is_named_with_the_functions(tmp_path, capsys, layer, says):
+    """``LAYER`` names the layer function of a spec defining several (docs/specs.md); one naming no
+    layer function was ignored (the spec's one layer function ran, or 'several layer functions')."""
+    path, err = _run(tmp_path, capsys, (f"LAYER = {layer}\n" if layer else "") + TWO_LAYERS)
+    assert says.format(path=path) in err, err
+
+
+@pytest.mark.parametrize("layer", ['"second"', "second"])
+def test_layer_names_the_layer_function_by_name_or_as_itself(tmp_path, layer):
+    path = tmp_path / "spec.py"
+    path.write_text(textwrap.dedent(GOOD_HEADER) + TWO_LAYERS + f"\nLAYER = {layer}\n")
+    assert load_spec(path).name == "second"

@@ -4,7 +4,9 @@ A spec file declares its size dims with ``dims(B=8, L=512, ...)`` (symbols with 
 each index letter to a dim in ``INDEX`` (``{"b": B, "j": L, "k": L, ...}``), and defines one layer
 function whose every argument is annotated ``Tensor("ibj")`` (stored in that letter order) or
 ``Dropout("hbjk", p)`` (a mask of 0 or 1/(1-p), p rounded to a multiple of 1/256 by ``dataflow.dropout_mask``, that datamove regenerates).  ``OPTIONS`` may list
-choices for module constants (first value the default), set with ``--set NAME=VALUE``.
+choices for module constants (first value the default), set with ``--set NAME=VALUE``.  The layer
+function is the one whose arguments are all annotated; a spec defining several names it with
+``LAYER = "name"`` (or the function itself).
 
 ``INPUTS = ("x", "memory")`` may name the arguments that are data: the inputs the exported layer
 is called with, ``layer(x, memory)`` in that order (or by name); every other argument with a
@@ -188,23 +190,60 @@ def _import(path: Path, source: str) -> types.ModuleType:
     return module
 
 
-def _layer_function(path: Path, module: types.ModuleType) -> types.FunctionType:
-    candidates = []
-    for value in vars(module).values():
-        if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
-            params = inspect.signature(value).parameters.values()
-            if params and all(isinstance(p.annotation, (Tensor, Dropout)) for p in params):
-                candidates.append(value)
-    chosen = getattr(module, "LAYER", None)
-    if isinstance(chosen, types.FunctionType):
-        return chosen
+def _is_layer(function: types.FunctionType) -> bool:
+    """Whether ``function`` can be a layer: it has arguments, each annotated ``Tensor`` or ``Dropout``."""
+    params = inspect.signature(function).parameters.values()
+    return bool(params) and all(isinstance(p.annotation, (Tensor, Dropout)) for p in params)
+
+
+def _layer_function(path: Path, tree: ast.Module, module: types.ModuleType) -> types.FunctionType:
+    """The spec's layer function: the one ``LAYER`` names (its name, or the function itself), else
+    the one function whose arguments are all annotated."""
+    functions = {name: value for name, value in vars(module).items()  # defined here, not aliases (LAYER = f)
+                 if isinstance(value, types.FunctionType) and value.__module__ == module.__name__
+                 and value.__name__ == name}
+    candidates = [name for name, function in functions.items() if _is_layer(function)]
+    if "LAYER" in vars(module):
+        return _chosen_layer(path, tree, module.LAYER, functions, candidates)
     if len(candidates) == 1:
-        return candidates[0]
+        return functions[candidates[0]]
     if not candidates:
         raise SpecError(f"{path}: no layer function found: looked for a function whose arguments are all "
                         "annotated Tensor(\"letters\") or Dropout(\"letters\", p)")
-    names = ", ".join(f.__name__ for f in candidates)
-    raise SpecError(f"{path}: several layer functions ({names}): set LAYER = <one of them>")
+    raise SpecError(f"{path}: several layer functions ({', '.join(candidates)}): set LAYER = \"<the name of one of "
+                    f"them>\", e.g. LAYER = \"{candidates[0]}\"")
+
+
+def _chosen_layer(path: Path, tree: ast.Module, value, functions: dict, candidates: list[str]) -> types.FunctionType:
+    """The layer function ``LAYER = value`` names (a function's name, or the function), refused in one
+    line naming the spec's functions where it names none of its layer functions."""
+    line = _assignment_line(tree, "LAYER")
+    where = f"{path}:{line}" if line else str(path)
+    others = [name for name in functions if name not in candidates]
+    defined = (f"its layer functions (arguments all annotated Tensor or Dropout): {', '.join(candidates) or 'none'}"
+               + (f"; its other functions: {', '.join(others)}" if others else ""))
+    if isinstance(value, types.FunctionType) and functions.get(value.__name__) is value:
+        name = value.__name__
+    elif isinstance(value, str) and value in functions:
+        name = value
+    elif isinstance(value, str):
+        raise SpecError(f"{where}: LAYER = {value!r}: {path.name} defines no function {value}; {defined}")
+    else:
+        raise SpecError(f"{where}: LAYER = {value!r}: expected the name of the layer function, e.g. "
+                        f"LAYER = \"{(candidates or list(functions) or ['layer'])[0]}\"; {defined}")
+    if name not in candidates:
+        raise SpecError(f"{where}: LAYER = {name!r}: not a layer function: its arguments are not all annotated "
+                        f"Tensor(\"letters\") or Dropout(\"letters\", p); {defined}")
+    return functions[name]
+
+
+def _assignment_line(tree: ast.Module, name: str) -> int | None:
+    """The line of the spec's last module-level assignment to ``name`` (the one in force), None where
+    there is none."""
+    lines = [node.lineno for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             and any(isinstance(t, ast.Name) and t.id == name
+                     for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))]
+    return lines[-1] if lines else None
 
 
 def parse_assignments(text: str, what: str) -> dict[str, str]:
@@ -282,7 +321,7 @@ def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
     tree = _check_source(path, source)
     module = _import(path, source)
     chosen = _apply_options(path, module, options or {})
-    function = _layer_function(path, module)
+    function = _layer_function(path, tree, module)
     letter_dims, dim_values = _resolve_dims(path, module, dim_overrides or {})
     arguments = []
     for param in inspect.signature(function).parameters.values():
@@ -307,9 +346,7 @@ def _declared_inputs(path: Path, tree: ast.Module, module, function, arguments: 
     if "INPUTS" not in vars(module):
         return None
     value = module.INPUTS
-    line = next((node.lineno for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-                 and any(isinstance(t, ast.Name) and t.id == "INPUTS"
-                         for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))), None)
+    line = _assignment_line(tree, "INPUTS")
     where = f"{path}:{line}" if line else str(path)
     if not isinstance(value, (tuple, list)) or not value or not all(isinstance(name, str) for name in value):
         raise SpecError(f"{where}: INPUTS = {value!r}: expected a tuple of the argument names the layer is called "
