@@ -26,7 +26,8 @@ against this machine: an artifact whose times were measured on another GPU model
 device the caller asks for that differs, is refused, naming both, unless ``allow_mismatch=True``
 (the plan then runs as chosen, untuned for this device); a cost-model artifact loads anywhere
 with a warning that nothing was measured.  A missing or damaged file of the artifact is refused,
-naming it (``ArtifactError`` where it is not the JSON written).  The layer runs at any batch size and
+naming it (``ArtifactError`` where it is not the JSON written, or a manifest whose dims, dtype or
+shapes disagree with the plans).  The layer runs at any batch size and
 sequence length: a tuned shape's plan, or the nearest one at the call's sizes (``datamove.runtime.shapes``).
 
 Weights: ``load_weights(layer, module)`` copies a PyTorch module's weights (a HF ``BertLayer``,
@@ -54,7 +55,7 @@ from datamove.layouts.space import Configuration, generated_operators
 from datamove.runtime.layer import tensor_interface
 from datamove.runtime.module import TunedLayer
 from datamove.runtime.runnable import check_runnable
-from datamove.runtime.shapes import call_dims, check_plans, file_stem
+from datamove.runtime.shapes import call_dims, check_plans, describe, file_stem
 from datamove.runtime.weights import from_spec, to_spec
 
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
@@ -215,6 +216,27 @@ def _check_identity(out: Path, manifest: dict, plan_files: list[str]) -> None:
                             f"the files come from different runs: {REWRITE}")
 
 
+def _check_manifest_fits(out: Path, manifest: dict, plans: list[Plan], entries: list[dict]) -> None:
+    """The manifest's ``dims`` and ``dtype`` are those of ``plan.json`` and each ``shapes`` entry's
+    ``dims`` those of its plan (``entries``, in the order of ``plans``): the layer is built from the
+    plans, so a manifest saying otherwise (edited by hand, say) is damaged, refused naming the
+    field (``ArtifactError``), not ignored."""
+    plan = plans[0]
+    wrong = []
+    if manifest["dims"] != plan.dims:
+        wrong.append(f"its dims ({describe(manifest['dims'])}) are not {PLAN}'s ({describe(plan.dims)})")
+    if manifest["dtype"] != plan.dtype.name:
+        wrong.append(f"its dtype ({manifest['dtype']!r}) is not {PLAN}'s ({plan.dtype.name!r})")
+    for entry, each in zip(entries, plans):
+        dims = entry.get("dims")
+        if dims is not None and (not isinstance(dims, dict) or dims != {d: each.dims.get(d) for d in dims}):
+            wrong.append(f"its shapes entry of {entry['plan']} has dims {dims!r}, the plan's are "
+                         f"{describe(each.dims)}")
+    if wrong:
+        raise ArtifactError(f"{out / MANIFEST}: {'; '.join(wrong)}: the manifest was edited or is of another run: "
+                            f"{REWRITE}")
+
+
 def _current_device(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -238,6 +260,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
                             f"{{dims, plan}}): {REWRITE}")
     plans = [plan] + [_parsed(out / entry["plan"], Plan.from_json) for entry in entries[1:]]
     _check_identity(out, manifest, [entry["plan"] for entry in entries])
+    _check_manifest_fits(out, manifest, plans, entries)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"load_layer(device={str(device)!r}): no CUDA GPU here (torch.cuda.is_available() is False); "

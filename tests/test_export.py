@@ -455,6 +455,25 @@ def test_a_manifest_field_of_another_shape_is_named(artifact, tmp_path, field, v
         load(path)
 
 
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m["dims"].update(B=4), "its dims (B=4, H=2, L=23, N=32, P=16, U=70) are not plan.json's (B=3, H=2, "),
+    (lambda m: m.update(dtype="float16"), "its dtype ('float16') is not plan.json's ('"),
+    (lambda m: m["shapes"][0]["dims"].update(B=5), "its shapes entry of plan.json has dims {'B': 5, 'L': 23}"),
+], ids=["dims", "dtype", "shapes"])
+def test_a_manifest_disagreeing_with_its_plan_is_refused_naming_the_field(artifact, tmp_path, edit, says):
+    """The layer is built from plan.json and graph.json: a manifest whose dims, dtype or shapes say
+    otherwise (edited by hand) was ignored by load_layer (the benchmarks read those fields)."""
+    path = shutil.copytree(artifact, tmp_path / "artifact")
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError) as raised:
+        load(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path / 'manifest.json'}: {says}") and "\n" not in message, message
+    assert message.endswith("write the artifact again with optimize-layer SPEC --out DIR"), message
+
+
 def test_load_layer_refuses_a_dtype_or_device_it_cannot_take(artifact):
     with pytest.raises(ValueError, match=r"load_layer\(dtype=torch.int32\): expected torch.float32"):
         load_layer(artifact, device="cpu", dtype=torch.int32, allow_mismatch=True)
