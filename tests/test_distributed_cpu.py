@@ -2,6 +2,7 @@
 contiguous tensors in the plan's layouts (``spec_view`` gives the spec's letter order), a state dict
 that loads across layouts and from before, the spec-order views reused across training steps, and
 two processes over gloo under DDP and FSDP2 (``fully_shard``) giving one process's gradients."""
+import re
 import time
 import warnings
 from dataclasses import replace
@@ -64,6 +65,38 @@ def test_a_state_dict_loads_across_layouts_and_from_spec_order(tmp_path):
         for t, _ in ours.named_parameters():
             assert torch.equal(loaded.spec_view(t), ours.spec_view(t)), t
         torch.testing.assert_close(loaded(x), ours(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_state_dict_of_wrong_sizes_is_refused_in_one_line(tmp_path):
+    """Tensors of wrong sizes get PyTorch's size-mismatch RuntimeError, or a one-line ValueError
+    where the layouts (the extra state) are not what a layer saves, before anything is loaded.  (A float
+    extra state failed with a TypeError inside the pre-hook, a tensor of another number of dims
+    with 'permute(sparse_coo): number of dimensions ...'.)"""
+    layer = load(write_reversed(tmp_path), backend="torch")
+    moved = next(t for t in layer.interface.parameters if layer.plan.layouts[t] != layer.graph.tensors[t].letters)
+    before = {t: p.detach().clone() for t, p in layer.named_parameters()}
+    spec_order = {t: layer.spec_view(t).detach().clone() for t, _ in layer.named_parameters()}
+    layouts = torch.tensor(list(b'{"layouts": {"%s": "xyz"}}' % moved.encode()), dtype=torch.uint8)
+    for state, says in [
+        ({k: torch.zeros(2) for k in layer.state_dict()},
+         "load_state_dict: _extra_state: expected the layouts a TunedLayer's state_dict saves (a uint8 tensor of "
+         "JSON), got a torch.float32 tensor of shape (2,): pass a state dict a TunedLayer gave"),
+        ({**layer.state_dict(), "_extra_state": torch.zeros(4, dtype=torch.uint8)},
+         "load_state_dict: _extra_state: expected the layouts a TunedLayer's state_dict saves (a uint8 tensor of "
+         "JSON), got a uint8 tensor of 4 bytes that are not JSON"),
+        ({**layer.state_dict(), "_extra_state": layouts},
+         f"load_state_dict: _extra_state gives {moved} the layout 'xyz', not an order of its letters "
+         f"'{layer.graph.tensors[moved].letters}'"),
+    ]:
+        with pytest.raises(ValueError) as raised:
+            layer.load_state_dict(state)
+        assert str(raised.value).startswith(says) and "\n" not in str(raised.value), raised.value
+    for wrong in (torch.zeros(3, 3), torch.zeros(*spec_order[moved].shape, 1)):
+        with pytest.raises(RuntimeError, match=rf"size mismatch for {moved}: copying a param with shape "
+                                               rf"{re.escape(str(wrong.shape))} from checkpoint"):
+            layer.load_state_dict({**spec_order, moved: wrong}, strict=False)
+    for t, p in layer.named_parameters():
+        assert torch.equal(p, before[t]), t
 
 
 def test_parameter_views_are_kept_and_autograd_records_no_permute(tmp_path):

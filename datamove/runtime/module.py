@@ -169,27 +169,46 @@ class _Launched(torch.autograd.Function):
         return (None, None, None, None, None, *result, *[None] * (inputs - len(result)))
 
 
-def _layouts(extra_state) -> dict:
+def _layouts(extra_state, key: str) -> dict:
     """{tensor -> layout} of a saved ``TunedLayer.get_extra_state`` (a uint8 tensor of JSON; a dict
-    in state dicts saved before 2026-11-28), or {} where there is none."""
+    in state dicts saved before 2026-11-28), or {} where there is none; anything else under ``key``
+    (a tensor of other values, built by hand, say) is refused in one line (``ValueError``)."""
+    if extra_state is None:
+        return {}
+    got = f"a {type(extra_state).__name__}"
     if isinstance(extra_state, torch.Tensor):
-        extra_state = json.loads(bytes(extra_state.cpu().tolist()).decode())
-    return (extra_state or {}).get("layouts", {})
+        got = f"a {extra_state.dtype} tensor of shape {tuple(extra_state.shape)}"
+        if extra_state.dtype == torch.uint8 and extra_state.dim() == 1:
+            try:
+                extra_state = json.loads(bytes(extra_state.cpu().tolist()).decode())
+            except ValueError:  # not UTF-8, or not JSON
+                got = f"a uint8 tensor of {extra_state.numel()} bytes that are not JSON"
+    layouts = extra_state.get("layouts", {}) if isinstance(extra_state, dict) else None
+    if not isinstance(layouts, dict) or not all(isinstance(v, str) for v in layouts.values()):
+        raise ValueError(f"load_state_dict: {key}: expected the layouts a TunedLayer's state_dict saves (a uint8 "
+                         f"tensor of JSON), got {got}: pass a state dict a TunedLayer gave, or leave {key} out "
+                         "(the tensors are then read in the spec's letter order)")
+    return layouts
 
 
 def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """Load-state-dict pre-hook of ``TunedLayer``: each tensor of ``state_dict`` permuted from the
     layout it was saved in (its extra state's; a state dict without one: the spec's letter order, as
-    layers stored before parameters were contiguous) into this layer's."""
-    saved = _layouts(state_dict.get(prefix + "_extra_state"))
+    layers stored before parameters were contiguous) into this layer's.  A value that is not a
+    tensor of as many dims is left as given, for PyTorch's own check to refuse (size mismatch)."""
+    saved = _layouts(state_dict.get(prefix + "_extra_state"), prefix + "_extra_state")
     for name in layer._spec_axes:
         key = prefix + name
         if key not in state_dict:
             continue
         own, letters = layer.plan.layouts[name], layer.graph.tensors[name].letters
         theirs = saved.get(name, letters)
-        if theirs != own:
-            state_dict[key] = state_dict[key].permute([theirs.index(x) for x in own]).contiguous()
+        if sorted(theirs) != sorted(letters):
+            raise ValueError(f"load_state_dict: {prefix}_extra_state gives {name} the layout {theirs!r}, not an order "
+                             f"of its letters {letters!r}: pass a state dict a TunedLayer of this spec gave")
+        value = state_dict[key]
+        if theirs != own and isinstance(value, torch.Tensor) and value.dim() == len(own):
+            state_dict[key] = value.permute([theirs.index(x) for x in own]).contiguous()
     if prefix + "_extra_state" not in state_dict:
         state_dict[prefix + "_extra_state"] = layer.get_extra_state()
 
