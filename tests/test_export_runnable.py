@@ -12,6 +12,7 @@ group in different layouts.  And a plan the runtime could not run before: an att
 reading a saved dropout mask where its forward saves none.
 """
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from datamove.cli import main
 from datamove.dataflow.snapshot import load as load_graph
 from datamove.dataflow.snapshot import stored_fused
-from datamove.kernels.launch import GRID_LIMITS, dry_launches, through_jit
+from datamove.kernels.launch import GRID_LIMITS, SizeLimitError, dry_launches, through_jit
 from datamove.kernels.layout_change import permute_copy
 from datamove.layouts.plan import Plan, PlanNotRunnable
 from datamove.runtime.layer import tensor_interface
@@ -127,10 +128,26 @@ def test_the_job_refuses_a_plan_that_cannot_run_and_writes_nothing(tmp_path, cap
     assert list(tmp_path.iterdir()) == []  # no artifact folder, no temporary folder beside it
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the job tunes before it selects: minutes")
+def test_dims_past_the_kernels_limits_are_refused_as_such_in_one_line(tmp_path, capsys):
+    """B = 2**30 (under the 2**31 - 1 a dim may be) puts B*H attention programs on a grid axis
+    past CUDA's: refused naming the limit and the dims, not as 'a bug in datamove's selection'."""
+    out = tmp_path / "out"
+    assert main(["configs/bert.py", "--dims", f"B={2**30},L=23,N=32,H=2,P=16,U=70", "--out", str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "Traceback" not in error and "bug" not in error, error
+    assert error.startswith(f"optimize-layer: error: the plan at B={2**30}, L=23 cannot run: step "), error
+    assert re.search(r"SizeLimitError: kernel _attn_fwd_kernel: grid \(\d+, 2147483648, 1\) is outside CUDA's limits",
+                     error), error
+    assert error.endswith("these dims are past its kernels' limits (CUDA's grid, int32 offsets): give smaller dims "
+                          "(--dims); no artifact was written\n"), error
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_dry_launches_refuse_a_grid_beyond_cudas_and_arguments_that_do_not_fit():
     side = 2**22  # a 2**22 x 2**22 copy takes 2**32 tiles of 64 x 64: one more than a grid holds
     src = torch.empty(side, side, device="meta")
-    with dry_launches() as dry, pytest.raises(ValueError, match=r"kernel _permute_kernel: grid \(4294967296, 1, 1\) "
+    with dry_launches() as dry, pytest.raises(SizeLimitError, match=r"kernel _permute_kernel: grid \(4294967296, 1, 1\) "
                                                                 r"is outside CUDA's limits"):
         permute_copy(src, src.t().contiguous().t())
     assert dry.launches == []

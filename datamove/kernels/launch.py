@@ -145,6 +145,11 @@ def recording():
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's largest grid, (x, y, z) programs
 
 
+class SizeLimitError(ValueError):
+    """Sizes too large for a kernel: its grid past ``GRID_LIMITS`` (``DryLaunches``), or an operand
+    past what its int32 offsets reach (``kernels.gemm``, ``kernels.gemm_join``)."""
+
+
 class DryLaunches:
     """The launches made inside ``dry_launches``: ``launches`` [(kernel name, (x, y, z) grid)], each
     checked by ``check`` and not launched."""
@@ -154,12 +159,12 @@ class DryLaunches:
 
     def check(self, kernel, grid: tuple, args: list, kwargs: dict) -> None:
         """Refuse a launch of ``kernel`` on ``grid`` whose grid is not whole numbers within
-        ``GRID_LIMITS`` (``ValueError``) or whose ``args`` and ``kwargs`` (less launch options such as
+        ``GRID_LIMITS`` (``SizeLimitError``) or whose ``args`` and ``kwargs`` (less launch options such as
         ``num_warps``) do not bind to its parameters (``TypeError``), both naming the kernel."""
         name = kernel.fn.__name__
         grid = tuple(grid) + (1,) * (3 - len(grid))
         if not all(isinstance(n, int) and 0 <= n <= limit for n, limit in zip(grid, GRID_LIMITS)):
-            raise ValueError(f"kernel {name}: grid {grid} is outside CUDA's limits {GRID_LIMITS}")
+            raise SizeLimitError(f"kernel {name}: grid {grid} is outside CUDA's limits {GRID_LIMITS}")
         parameters = set(kernel.arg_names)
         try:
             inspect.signature(kernel.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in parameters})

@@ -37,11 +37,20 @@ class PlanNotRunnable(Exception):
     constraints should have kept it runnable.  ``shape``: its call dims, described; ``step``: the
     step that failed (None where no one step did); ``reason``: the error, one line."""
 
+    BLAME = "this is a bug in datamove's selection: please report it"
+
     def __init__(self, shape: str, step: str | None, reason: str):
         self.shape, self.step, self.reason = shape, step, reason
         where = f"step {step}" if step else "its program"
-        super().__init__(f"the plan at {shape} cannot run: {where}: {reason}: "
-                         "this is a bug in datamove's selection: please report it; no artifact was written")
+        super().__init__(f"the plan at {shape} cannot run: {where}: {reason}: {self.BLAME}; no artifact was written")
+
+
+class PlanPastLimits(PlanNotRunnable):
+    """A plan one of whose kernels would launch more programs than CUDA's grid holds, or index an
+    operand past its int32 offsets, at its sizes (``kernels.launch.SizeLimitError``): the dims are
+    too large for the kernels, not a bug of the selection; said so in the same one line."""
+
+    BLAME = "these dims are past its kernels' limits (CUDA's grid, int32 offsets): give smaller dims (--dims)"
 
 
 @dataclass(frozen=True)

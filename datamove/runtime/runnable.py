@@ -20,14 +20,16 @@ process (the meta device's first GEMM imports ``torch._dynamo``).
 
 A plan that fails is a bug of the selection (its constraints should have kept it runnable):
 ``layouts.plan.PlanNotRunnable`` says, in one line, the plan's shape, the step that failed
-(``runtime.steps.name_step``) and why.
+(``runtime.steps.name_step``) and why; except where a kernel's grid is past CUDA's limits
+or an operand past a kernel's int32 offsets
+(``kernels.launch.SizeLimitError``, at huge dims): ``PlanPastLimits`` says the dims are too large.
 """
 from __future__ import annotations
 
 import torch
 
-from datamove.kernels.launch import dry_launches
-from datamove.layouts.plan import ATTENTION_FORWARD, Plan, PlanNotRunnable
+from datamove.kernels.launch import SizeLimitError, dry_launches
+from datamove.layouts.plan import ATTENTION_FORWARD, Plan, PlanNotRunnable, PlanPastLimits
 from datamove.runtime.layer import LayerProgram, TensorInterface, held_tensors, without_dropout
 from datamove.runtime.shapes import call_dims, describe
 from datamove.runtime.steps import Run
@@ -48,8 +50,9 @@ def check_runnable(plans: list[Plan], graph, operators, interface: TensorInterfa
                                      masked=not training)
             except Exception as err:  # any failure of a launcher is the plan's: named, in one line
                 text = " ".join(str(err).split()) or "(no message)"
-                raise PlanNotRunnable(describe(shape), getattr(err, "plan_step", None),
-                                      f"{type(err).__name__}: {text}") from err
+                refusal = PlanPastLimits if isinstance(err, SizeLimitError) else PlanNotRunnable
+                raise refusal(describe(shape), getattr(err, "plan_step", None),
+                              f"{type(err).__name__}: {text}") from err
     return launches
 
 
