@@ -436,6 +436,17 @@ def test_einsums_that_are_no_gemm_export_a_layer(tmp_path, capsys, analyses, nam
         torch.testing.assert_close(layer.spec_view(n, g), r)
 
 
+@pytest.mark.parametrize("name", CORPUS)
+def test_the_main_job_exports_every_plain_spec(tmp_path, capsys, name):
+    """The main job on each spec of the corpus writes its artifact (whose plans were run forward and
+    backward before writing, ``runtime.runnable``): three of them once stopped in the selection or
+    the GEMM's parse (``helper_matmul_twice``: ``x @ w1`` twice, stacked with one tensor twice)."""
+    from datamove.cli import main
+
+    assert main([str(SPECS / f"{name}.py"), "--out", str(tmp_path / name)]) == 0, capsys.readouterr().out[-2000:]
+    assert (tmp_path / name / "manifest.json").is_file()
+
+
 def test_analyze_command_on_a_plain_spec(tmp_path, capsys):
     from datamove.cli import main
 

@@ -423,7 +423,10 @@ class StackContractions(Rule):
         einsums = [_single_einsum(state, gid) for gid in gids]
         terms = len(einsums[0].inputs)
         shared = {members[0][1]} if kind == "input" else set()
-        stacked = [{e.inputs[j].tensor for e in einsums} for j in range(terms) if j not in shared]
+        operands = [[e.inputs[j].tensor for e in einsums] for j in range(terms) if j not in shared]
+        if any(len(set(tensors)) < len(tensors) for tensors in operands):
+            return False  # one tensor twice in a stacked operand (x @ w1 written twice): no buffer holds it so
+        stacked = [set(tensors) for tensors in operands]
         stacked.append({e.output.tensor for e in einsums})
         held = [set(t) for g in state.groups.values() if g.stack is not None for t in g.stack.tensors if len(t) > 1]
         return not any(s & h and s != h for s in stacked if len(s) > 1 for h in held)
