@@ -145,6 +145,13 @@ def gqa_repeat(t, m):
     return torch.einsum("bhse,hed->bsd", _softmax_heads(q, k, v), t["wo"])
 
 
+def rope_table_gradient(t, m):
+    groups = t["wq"].shape[1] // t["wk"].shape[1]
+    q = torch.einsum("bsd,dhe->bhse", t["x"], t["wq"]) * t["sin"]
+    k = (torch.einsum("bsd,dke->bkse", t["x"], t["wk"]) * t["sin"]).repeat_interleave(groups, dim=1)
+    return torch.einsum("bhse,hed->bsd", q * k, t["wo"])
+
+
 def _causal_heads(t, window=None):
     q, k, v = (torch.einsum("bsd,dhe->bhse", t["x"], t[w]) for w in ("wq", "wk", "wv"))
     T = q.shape[2]
@@ -242,7 +249,8 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     # its output, a batched dot product (no GEMM), is a product and a sum (``dataflow.einsum_split``)
     "rope_rotate_half": ((2, 1, 11), rope_rotate_half),
     "gqa_repeat": ((8, 1, 1), gqa_repeat),  # np.repeat of K and V: an einsum each with a 0/1 matrix
-    "gqa_groups": ((6, 1, 2), gqa_groups),  # query heads as (kv head, group): K and V read once
+    "gqa_groups": ((6, 1, 2), gqa_groups),
+    "rope_table_gradient": ((4, 0, 3), rope_table_gradient),  # sin's gradient: two reductions, (b, h) and (b, k)  # query heads as (kv head, group): K and V read once
     "causal_tril": ((6, 1, 2), causal_tril),  # np.where(mask == 0, -inf, s): s + an additive constant
     "causal_arange": ((6, 1, 3), causal_arange),
     "sliding_window": ((6, 1, 2), sliding_window),  # a mask of positions, not causal: the attention is not fused
@@ -316,7 +324,8 @@ def test_plain_spec_matches_numpy_and_torch(analyses, name):
             assert relative_error(env[training.input_grads[leaf]], grad, floor) < 1e-10, leaf
 
 
-DATA_INPUTS = {"mlp_softmax": ("input",), "cross_attention": ("x", "memory"), "helper_einsum_arg": ("h",)}  # others: ("x",)
+DATA_INPUTS = {"mlp_softmax": ("input",), "cross_attention": ("x", "memory"), "helper_einsum_arg": ("h",),
+               "rope_table_gradient": ("x", "sin")}  # others: ("x",)
 
 
 @pytest.mark.parametrize("name", CORPUS)
