@@ -54,7 +54,9 @@ def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, keys: int)
     elif attention_mask.dim() == 4 and attention_mask.shape[1] == 1:
         rows = attention_mask[:, 0]
         if rows.shape[1] > 1 and not bool((rows == rows[:, :1]).all()):
-            raise ValueError("attention_mask differs between queries: only key-padding masks run through the fused attention")
+            raise ValueError("attention_mask differs between queries: only key-padding masks run through the fused "
+                             "attention (a model whose attention implementation was set after its layers were "
+                             f"replaced: set it back to {KEY_PADDING!r}, or {CAUSAL_KEY_PADDING!r} for Llama)")
         row = rows[:, 0]
         excluded = ~row if row.dtype == torch.bool else row < 0
     else:
@@ -287,8 +289,14 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
             if type(child).__name__ != kind:
                 continue
             if first is None:
-                layer = first = load_layer(out_dir, **{"device": next(child.parameters()).device, **load_kwargs})
+                weight = next(child.parameters())
+                layer = first = load_layer(out_dir, **{"device": weight.device, **load_kwargs})
                 check_config(getattr(model, "config", None), layer.hf_config)  # the whole model's, before any weight
+                if weight.dtype != layer.dtype:  # its calls would be refused, the hidden states of the model's dtype
+                    raise TypeError(f"datamove: the model's {kind} weights are {weight.dtype} and the tuned layer computes "
+                                    f"in {layer.dtype}: convert the model first (model.to({layer.dtype})), or load the "
+                                    f"layer in the model's dtype (dtype={weight.dtype}, allow_mismatch=True: the plan "
+                                    "then runs untuned in it)")
             else:
                 layer = first.sibling()
             load_weights(layer, child)

@@ -605,6 +605,11 @@ def test_replace_bert_layers_keeps_the_model(tmp_path):
     path = write(tmp_path, "bert", BERT_DIMS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # a float32 model and a bfloat16 layer: refused at once, not at the first call
+        with pytest.raises(TypeError, match=r"the model's BertLayer weights are torch.float32 and the tuned layer "
+                                            r"computes in torch.bfloat16: convert the model first"):
+            replace_bert_layers(model, path, dtype=torch.bfloat16, allow_mismatch=True)
+        assert not any(isinstance(layer, BertLayerReplacement) for layer in model.encoder.layer)
         assert replace_bert_layers(model, path, dtype=torch.float32) == 2
     assert all(isinstance(layer, BertLayerReplacement) for layer in model.encoder.layer)
     ids = torch.randint(0, 50, (d["B"], d["L"]), generator=torch.Generator().manual_seed(3))
