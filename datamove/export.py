@@ -329,7 +329,7 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     """Copy ``module``'s weights into ``layer`` (kinds in the spec's ``WEIGHTS``)."""
     _check_layer(layer, "load_weights")
     kind = module_kind(layer, module)
-    table, state, sizes = _table(layer, kind), module.state_dict(), _sizes(layer)
+    table, state = _table(layer, kind), module.state_dict()
     if any(t.is_meta for t in state.values()):
         raise ValueError(f"load_weights: the {type(module).__name__}'s weights are on the meta device (not made yet): "
                          "give a module holding its weights (e.g. after to_empty and load_state_dict)")
@@ -356,10 +356,17 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
         raise ValueError(f"load_weights: the {type(module).__name__} computes otherwise than the tuned layer: "
                          f"{'; '.join(differing)}; use a module set as the spec (its MODULE_CONFIG for {kind}), or "
                          "change the spec and run optimize-layer again")
-    for name, (key, pattern, index) in table.items():
-        target = layer.spec_view(name)
-        target.copy_(to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes))
+    for name, value in spec_values(layer, kind, state).items():
+        layer.spec_view(name).copy_(value)
     return layer
+
+
+def spec_values(layer: TunedLayer, kind: str, state: dict) -> dict[str, torch.Tensor]:
+    """{parameter: its value over the spec's letters, in spec order (a view where it can)} read from
+    ``state``, a ``kind`` module's state dict (the inverse of ``state_dict_for``)."""
+    sizes = _sizes(layer)
+    return {name: to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes)
+            for name, (key, pattern, index) in _table(layer, kind).items()}
 
 
 def check_config(config, computed: dict) -> None:

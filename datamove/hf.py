@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from datamove.export import check_config, load_layer, load_weights
+from datamove.export import check_config, load_layer, load_weights, module_kind, spec_values, state_dict_for
 from datamove.runtime.module import TunedLayer
 
 
@@ -184,6 +184,50 @@ def _record_hidden_states(inputs: torch.Tensor, output: torch.Tensor) -> None:
         states.append(state if chosen is None or len(states) in chosen else None)
 
 
+def _sharded(layer: TunedLayer) -> bool:
+    """Whether the layer's parameters are sharded (FSDP2's DTensors): their state dict is the engine's."""
+    return any(type(p).__name__ == "DTensor" for p in layer.parameters())
+
+
+def _hf_state(replacement, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State-dict hook of a replacement: the tuned layer's entries (``layer.<name>``, its layouts)
+    given as the HF layer's (``state_dict_for``; its constants, which HF's layer has not, left out), so that a replaced model's ``state_dict`` and
+    ``save_pretrained`` are HF's checkpoint (``from_pretrained`` of a HF model reads them back; they
+    re-initialised every layer, named otherwise).  Sharded parameters (FSDP2) are left to the engine."""
+    if _sharded(replacement.layer):
+        return
+    own = prefix + "layer."
+    for key in [key for key in state_dict if key.startswith(own)]:
+        del state_dict[key]
+    for key, value in state_dict_for(replacement.layer, replacement.hf_kind).items():
+        state_dict[prefix + key] = value
+
+
+def _from_hf_state(replacement, state_dict: dict, prefix: str, local_metadata, strict, missing_keys,
+                   unexpected_keys, error_msgs) -> None:
+    """Load-state-dict pre-hook of a replacement: a HF layer's entries (a replaced model's own state
+    dict, or a HF model's) read into the tuned layer's, in the spec's letter order (which the tuned
+    layer's own pre-hook takes without an extra state); its constants, which HF's layer has not
+    (the rotary tables, masks), kept as they are."""
+    layer = replacement.layer
+    theirs = {key[len(prefix):]: value for key, value in state_dict.items()
+              if key.startswith(prefix) and not key.startswith(prefix + "layer.")}
+    if not theirs or _sharded(layer):
+        return
+    for key in theirs:
+        del state_dict[prefix + key]
+    try:
+        values = spec_values(layer, replacement.hf_kind, theirs)
+    except (KeyError, ValueError) as err:  # a key missing, a weight of another shape
+        error_msgs.append(f"{prefix.rstrip('.')}: {err}")
+        return
+    state_dict.pop(prefix + "layer._extra_state", None)
+    for name, value in values.items():
+        state_dict[prefix + "layer." + name] = value.contiguous()
+    for name in layer.interface.constants:  # the layer's own (rotary tables, masks): not in HF's layer
+        state_dict.setdefault(prefix + "layer." + name, layer.spec_view(name).detach())
+
+
 class BertLayerReplacement(torch.nn.Module):
     """A HF ``BertLayer``'s call signature around a tuned layer: ``forward(hidden_states,
     attention_mask=None, ...)`` -> hidden states [batch, sequence, feature] (``returns_tuple``: as a
@@ -193,9 +237,12 @@ class BertLayerReplacement(torch.nn.Module):
 
     gradient_checkpointing = False
 
-    def __init__(self, layer: TunedLayer, returns_tuple: bool = False):
+    def __init__(self, layer: TunedLayer, returns_tuple: bool = False, hf_kind: str | None = None):
         super().__init__()
-        self.layer, self.returns_tuple = layer, returns_tuple
+        self.layer, self.returns_tuple, self.hf_kind = layer, returns_tuple, hf_kind
+        if hf_kind is not None:  # the model's state dict in HF's format (save_pretrained, from_pretrained)
+            self._register_state_dict_hook(_hf_state)
+            self._register_load_state_dict_pre_hook(_from_hf_state, with_module=True)
 
     def _output(self, hidden_states: torch.Tensor, attention_mask, kwargs: dict):
         """The layer on ``hidden_states`` as HF's model loop takes it (``_masked``): recorded where HF
@@ -232,8 +279,8 @@ class LlamaLayerReplacement(BertLayerReplacement):
     the (batch, keys) padding mask ``CAUSAL_KEY_PADDING`` hands the layers (or a 4-D mask that is one
     per key), the causal mask being the layer's own; ``position_embeddings``: HF's rotary (cos, sin)."""
 
-    def __init__(self, layer: TunedLayer, returns_tuple: bool = False):
-        super().__init__(layer, returns_tuple)
+    def __init__(self, layer: TunedLayer, returns_tuple: bool = False, hf_kind: str | None = None):
+        super().__init__(layer, returns_tuple, hf_kind)
         missing = [t for t in ("cos", "sin") if t not in layer.interface.constants]
         if missing:
             raise ValueError(f"datamove: the tuned layer has no constant(s) {', '.join(missing)} for HF's rotary tables "
@@ -300,7 +347,7 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
             else:
                 layer = first.sibling()
             load_weights(layer, child)
-            setattr(parent, name, replacement(layer, returns_tuple).train(child.training))
+            setattr(parent, name, replacement(layer, returns_tuple, module_kind(layer, child)).train(child.training))
             replaced += 1
     if not replaced:
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Layer", "Block"))})

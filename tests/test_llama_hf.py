@@ -191,25 +191,22 @@ def test_the_models_tables_are_set_without_a_check_per_call(llama_artifact, monk
         layer.set_constant("causal", torch.zeros(16, 16))
 
 
-def test_a_replaced_model_saves_with_save_pretrained_and_loads_back(llama_artifact, tmp_path):
-    """save_pretrained (safetensors: tensors only) takes the replaced model (a layer's extra state,
-    its layouts, was a dict, which HF's serialization failed on); its state dict loads back into a
-    model replaced alike, layouts read from the saved JSON, as does one whose extra state is a dict
-    (state dicts saved before)."""
+def test_a_replaced_model_loads_a_state_dict_of_its_tuned_layers(llama_artifact):
+    """A state dict holding the tuned layers' own entries (``layer.<name>`` and the layouts in their
+    extra state, a uint8 JSON tensor, or a dict as saved before) loads into a model replaced alike,
+    exactly (checkpoints written before the replaced model's state dict was HF's)."""
     _, ours = models(llama_artifact)
-    ours.save_pretrained(tmp_path / "saved")
-    from safetensors.torch import load_file
-
-    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
     _, again = models(llama_artifact)
     with torch.no_grad():
         for p in again.parameters():
             p.add_(1.0)
-    again.load_state_dict(saved, strict=False)
-    for (name, a), b in zip(ours.state_dict().items(), again.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)  # cos, sin unset: NaN
+    own = {f"layers.{n}.layer.{k}": v for n, block in enumerate(ours.layers) for k, v in block.layer.state_dict().items()}
+    again.load_state_dict({**{k: v for k, v in ours.state_dict().items() if not k.startswith("layers.")}, **own})
+    for n in range(2):
+        for name in ours.layers[n].layer.interface.parameters:
+            assert torch.equal(again.layers[n].layer.spec_view(name), ours.layers[n].layer.spec_view(name)), name
     layer = again.layers[0].layer
-    old = {k.removeprefix("layers.0.layer."): v for k, v in ours.state_dict().items() if k.startswith("layers.0.layer.")}
+    old = {k.removeprefix("layers.0.layer."): v for k, v in own.items() if k.startswith("layers.0.layer.")}
     old["_extra_state"] = {"layouts": {t: layer.plan.layouts[t] for t in layer._spec_axes}}
     layer.load_state_dict(old)
     assert torch.equal(layer.spec_view("wq"), ours.layers[0].layer.spec_view("wq"))
@@ -250,3 +247,32 @@ def test_padding_with_a_plan_without_the_fused_attention_says_why(tmp_path, caps
     mask[1, :3] = True
     with pytest.raises(ValueError, match=r"runs no fused attention to apply it \(head dims \[12\].*\); pad no batch"):
         layer(torch.randn(2, 12, 48), key_padding_mask=mask)
+
+
+def test_a_replaced_models_state_dict_is_hfs_checkpoint(llama_artifact, tmp_path):
+    """A replaced model's ``state_dict`` / ``save_pretrained`` hold HF's keys and layouts: a HF model
+    made ``from_pretrained`` on them computes as the replaced one (its decoder layers came back newly
+    initialised, the checkpoint holding the tuned layers' names); a HF state dict loads into a
+    replaced model, strictly."""
+    reference, ours = models(llama_artifact)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.01)  # trained, say: the checkpoint is the replaced model's, not the reference's
+    state = ours.state_dict()
+    assert sorted(state) == sorted(reference.state_dict())
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = ours(input_ids=ids).last_hidden_state
+    ours.save_pretrained(tmp_path / "checkpoint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.LlamaModel.from_pretrained(tmp_path / "checkpoint", attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, expected, rtol=2e-5, atol=2e-5)
+    _, again = models(llama_artifact)
+    again.load_state_dict(loaded.state_dict())  # strict: every key read, none left
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).last_hidden_state, expected, rtol=2e-5, atol=2e-5)
+    wrong = {k: (v[:-1] if k.endswith("q_proj.weight") else v) for k, v in state.items()}
+    with pytest.raises(RuntimeError, match=r"weight of shape \(63, 64\) does not match"):
+        again.load_state_dict(wrong)
