@@ -287,7 +287,7 @@ def test_a_conversion_the_backend_cannot_compute_is_refused_before_anything_chan
         layer.double()
     assert layer.dtype == torch.float32 and all(p.dtype == torch.float32 for p in layer.parameters())
     with pytest.raises(ValueError, match="backend 'kernels' in torch.float64"):
-        load(path, dtype=torch.float64, allow_mismatch=True)
+        load_layer(path, device="cpu", dtype=torch.float64, backend="kernels", allow_mismatch=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         default = load_layer(path, device="cpu", dtype=torch.float32)
