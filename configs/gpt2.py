@@ -12,6 +12,17 @@ from datamove.dataflow.spec import Dropout, Tensor, dims
 B, T, D, H, E, F = dims(B=4, T=1024, D=768, H=12, E=64, F=3072)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "e": E, "f": F}
 P_DROP = 0.1
+
+
+def HF_CONFIG(sizes):
+    """The ``transformers.GPT2Config`` values this block computes at ``sizes`` ({dim: size}):
+    ``load_weights`` and ``replace_gpt2_blocks`` refuse a model configured otherwise (a list: values
+    computing the same; the head count included)."""
+    return {"activation_function": ["gelu_new", "gelu_pytorch_tanh"], "layer_norm_epsilon": 1e-5,
+            "attn_pdrop": P_DROP, "resid_pdrop": P_DROP, "n_head": sizes["H"], "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "add_cross_attention": False}
+
+
 # Where each parameter lives in a HF ``GPT2Block`` (``datamove.runtime.weights``): Conv1D weights are stored
 # [in, out]; ``c_attn`` holds Q, K and V side by side along its output dim.
 WEIGHTS = {

@@ -1,4 +1,4 @@
-"""Drop the tuned layer into Hugging Face BERT and Llama models, as Liger-Kernel's ``apply_liger_kernel_to_*`` do.
+"""Drop the tuned layer into Hugging Face BERT, GPT-2 and Llama models, as Liger-Kernel's ``apply_liger_kernel_to_*`` do.
 
 ``replace_bert_layers(model, out_dir)`` swaps every ``BertLayer`` of a HF model (``BertModel``,
 ``BertForMaskedLM``, ...) for a ``BertLayerReplacement`` around a tuned layer loaded from the
@@ -21,7 +21,13 @@ are copied into the layer's ``cos`` and ``sin`` constants where they changed.  T
 layers fill no key-value cache (the model's ``config.use_cache`` is set False), and a call with
 cached tokens (generation) is refused.
 
-Both keep HF's outputs: ``output_hidden_states`` gets every layer's input and output as HF's own
+``replace_gpt2_blocks(model, out_dir)`` does the same for every ``GPT2Block`` of a HF ``GPT2Model`` /
+``GPT2LMHeadModel`` with a tuned layer of a GPT-2 spec (``configs/gpt2.py``): its causal mask is
+the layer's own (the fused attention's), and the model runs under ``CAUSAL_KEY_PADDING``.  The
+block's arguments are read by the names of the installed transformers' ``GPT2Block.forward``
+(their order changed between versions); training only, as Llama's.
+
+All keep HF's outputs: ``output_hidden_states`` gets every layer's input and output as HF's own
 layers give them (transformers >= 4.54 collects them with hooks on the layer classes the model
 names, which the replacements are not: they add theirs to the active collection,
 ``_record_hidden_states``); ``output_attentions`` is refused (the fused attention forms no
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import weakref
 
 import torch
@@ -115,8 +122,8 @@ def _causal_key_padding_masks(*, mask_function=None, attention_mask=None, **kwar
                  "for any call without an attention_mask: call the model with attention_mask=torch.ones_like(input_ids) "
                  "(packed sequences are not supported)" if combined else
                  "another attention mask (bidirectional, packed sequences or a sliding window)")
-        raise ValueError("datamove: the replaced Llama layers apply a causal mask and a key-padding mask; this model "
-                         f"asks for {asked}")
+        raise ValueError("datamove: the replaced decoder layers apply a causal mask and a key-padding mask; this "
+                         f"model asks for {asked}")
     return attention_mask
 
 
@@ -320,12 +327,37 @@ class LlamaLayerReplacement(BertLayerReplacement):
         return self._output(hidden_states, attention_mask, kwargs)
 
 
+class GPT2BlockReplacement(BertLayerReplacement):
+    """A HF ``GPT2Block``'s call signature around a tuned layer of a GPT-2 spec: its arguments by the
+    names of the installed ``GPT2Block.forward`` (``hidden_states``, the cache, ``attention_mask``:
+    the (batch, keys) padding mask ``CAUSAL_KEY_PADDING`` hands the blocks, or a 4-D mask that is
+    one per key; the causal mask is the layer's own) -> hidden states [batch, sequence, feature]."""
+
+    def __init__(self, layer: TunedLayer, returns_tuple: bool = False, hf_kind: str | None = None):
+        super().__init__(layer, returns_tuple, hf_kind)
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        self._names = list(inspect.signature(GPT2Block.forward).parameters)[1:]  # without self
+
+    def forward(self, *args, **kwargs):
+        given = {**dict(zip(self._names, args)), **kwargs}
+        if given.get("encoder_hidden_states") is not None:
+            raise ValueError("cross-attention (encoder_hidden_states) is not part of the tuned layer")
+        if given.get("head_mask") is not None:
+            raise ValueError("datamove: a head_mask is not part of the tuned layer")
+        cache = next((given[n] for n in ("cache", "past_key_values", "layer_past") if given.get(n) is not None), None)
+        if cache is not None and (cache.get_seq_length() if hasattr(cache, "get_seq_length") else True):
+            raise ValueError("datamove: the replaced GPT-2 blocks train; generation with a key-value cache is not "
+                             "part of the tuned layer")
+        return self._output(given["hidden_states"], given.get("attention_mask"), given)
+
+
 def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwargs: dict) -> int:
     """Replace every module of class ``kind`` in ``model`` by ``replacement`` around a tuned layer
     carrying its weights (one compiled program for all: ``TunedLayer.sibling``)."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"replace_{kind.removesuffix('DecoderLayer').removesuffix('Layer').lower()}_layers: expected a "
-                        f"HF model (a torch.nn.Module), got {type(model).__name__}")
+        raise TypeError(f"datamove: replacing the {kind}s of a model: expected a HF model (a torch.nn.Module), got "
+                        f"{type(model).__name__}")
     first: TunedLayer | None = None
     replaced = 0
     # transformers >= 4.54 (its models name the layers whose outputs hooks collect) takes a layer's
@@ -362,6 +394,18 @@ def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
     replaced = _replace(model, out_dir, "BertLayer", BertLayerReplacement, load_kwargs)
     if replaced:
         _route_key_padding_masks(model)
+    return replaced
+
+
+def replace_gpt2_blocks(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
+    """Replace every ``GPT2Block`` in ``model`` (a HF ``GPT2Model`` or ``GPT2LMHeadModel``) in place by
+    a tuned layer of a GPT-2 spec (``configs/gpt2.py``) carrying its weights, and route the model's
+    padding mask to them (``CAUSAL_KEY_PADDING``); returns how many were replaced."""
+    replaced = _replace(model, out_dir, "GPT2Block", GPT2BlockReplacement, load_kwargs)
+    if replaced:
+        _route_key_padding_masks(model, CAUSAL_KEY_PADDING, _causal_key_padding_masks)
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False  # the blocks fill no key-value cache
     return replaced
 
 

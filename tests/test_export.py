@@ -708,7 +708,7 @@ def test_the_weight_functions_and_replace_refuse_what_they_cannot_read_in_one_li
         load_weights(BertLayer(config), layer)
     with pytest.raises(ValueError, match="load_weights: the BertLayer's weights are on the meta device"):
         load_weights(layer, BertLayer(config).to("meta"))
-    with pytest.raises(TypeError, match="replace_bert_layers: expected a HF model .a torch.nn.Module., got NoneType"):
+    with pytest.raises(TypeError, match="replacing the BertLayers of a model: expected a HF model .a torch.nn.Module., got NoneType"):
         replace_bert_layers(None, tmp_path / "bert")
     with pytest.raises(TypeError, match=r"x: dtype torch.float64, expected torch.float32 \(the layer's dtype: convert "
                                         r"the input, or the layer and its model with .to\(torch.float64\)\)"):

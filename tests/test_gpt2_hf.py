@@ -1,0 +1,115 @@
+"""``replace_gpt2_blocks``: a HF ``GPT2Model``'s blocks replaced by the tuned layer of
+``configs/gpt2.py`` (the main job's artifact at small odd dims), on the CPU (the torch backend),
+against the model untouched in float32 with dropout off: the output at every unpadded position and
+the gradient of every parameter, without padding and with left padding; the model's checkpoint
+stays HF's; what the blocks cannot do (a config the spec does not compute, generation) is refused
+in one line."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from datamove.hf import GPT2BlockReplacement, replace_gpt2_blocks
+from datamove.runtime.weights import from_spec
+
+transformers = pytest.importorskip("transformers")
+TOLERANCE = 2e-5  # float32 against float32, relative to the largest value
+DIMS = dict(B=2, T=13, D=32, H=2, E=16, F=40)  # E: a power of two, the fused attention (padding)
+
+
+@pytest.fixture(scope="module")
+def gpt2_artifact(tmp_path_factory):
+    from datamove.cli import main
+
+    out = tmp_path_factory.mktemp("gpt2") / "out"
+    assert main(["configs/gpt2.py", "--dims", ",".join(f"{k}={v}" for k, v in DIMS.items()), "--out", str(out)]) == 0
+    return out
+
+
+def models(artifact, **changes):
+    config = transformers.GPT2Config(**{**dict(vocab_size=50, n_positions=32, n_embd=DIMS["D"], n_layer=2,
+                                                n_head=DIMS["H"], n_inner=DIMS["F"]), **changes})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference = transformers.GPT2Model(config).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_(0.0, 0.2)
+    ours = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cost model's plan: nothing measured
+        assert replace_gpt2_blocks(ours, artifact, dtype=torch.float32, allow_mismatch=True) == 2
+    return reference, ours
+
+
+def block_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under HF's names; a replaced block's through its spec's ``WEIGHTS``."""
+    grads = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GPT2BlockReplacement):
+            layer = module.layer
+            sizes = {x: layer.graph.size(x) for x in layer.graph.letter_dims}
+            for t, (key, pattern, index) in layer.weights_table["transformers.GPT2Block"].items():
+                grads[f"{name}.{key}"] = from_spec(layer.spec_view(t, getattr(layer, t).grad), pattern, index,
+                                                   layer.graph.tensors[t].letters, sizes, grads.get(f"{name}.{key}"))
+    for name, p in model.named_parameters():
+        if ".layer." not in name:
+            grads[name] = p.grad
+    return grads
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_a_replaced_gpt2_model_computes_as_hf(gpt2_artifact, padded):
+    reference, ours = models(gpt2_artifact)
+    assert all(isinstance(block, GPT2BlockReplacement) for block in ours.h)
+    ids = torch.randint(0, 50, (DIMS["B"], DIMS["T"]), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(DIMS["B"], DIMS["T"], dtype=torch.long)
+    if padded:
+        mask[1, :4] = 0
+    keep = mask.bool()
+    results = []
+    for model in (reference, ours):
+        y = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        y[keep].square().sum().backward()
+        results.append((y.detach(), block_grads(model)))
+    (expected, expected_grads), (y, grads) = results
+    assert float((y - expected)[keep].abs().max()) < TOLERANCE * float(expected[keep].abs().max())
+    reference_params = dict(reference.named_parameters())
+    assert set(grads) == set(expected_grads) == set(reference_params)
+    for name, wanted in ((n, p.grad) for n, p in reference_params.items()):
+        assert float((grads[name] - wanted).abs().max()) < TOLERANCE * float(wanted.abs().max()), name
+
+
+def test_a_replaced_gpt2_models_checkpoint_is_hfs(gpt2_artifact, tmp_path):
+    reference, ours = models(gpt2_artifact)
+    assert sorted(ours.state_dict()) == sorted(reference.state_dict())
+    ours.save_pretrained(tmp_path / "checkpoint")
+    loaded = transformers.GPT2Model.from_pretrained(tmp_path / "checkpoint", attn_implementation="eager").eval()
+    ids = torch.randint(0, 50, (DIMS["B"], DIMS["T"]), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, ours(input_ids=ids).last_hidden_state,
+                                   rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("setting, value", [("activation_function", "gelu"), ("layer_norm_epsilon", 1e-6),
+                                            ("scale_attn_by_inverse_layer_idx", True), ("resid_pdrop", 0.0)])
+def test_a_model_configured_otherwise_is_refused(gpt2_artifact, setting, value):
+    """The erf GELU, another epsilon, per-layer attention scaling, another dropout: the blocks would
+    have computed the spec's without a word (``configs/gpt2.py``'s ``HF_CONFIG``)."""
+    with pytest.raises(ValueError, match=f"the model's config asks for what the tuned layer does not compute: "
+                                         f"{setting}={value!r}"):
+        models(gpt2_artifact, **{setting: value})
+
+
+def test_generation_and_cross_attention_are_refused(gpt2_artifact):
+    _, ours = models(gpt2_artifact)
+    x = torch.randn(DIMS["B"], DIMS["T"], DIMS["D"])
+    with pytest.raises(ValueError, match="cross-attention"):
+        ours.h[0](x, encoder_hidden_states=x)
+    cache = transformers.DynamicCache()
+    cache.update(torch.randn(DIMS["B"], DIMS["H"], 3, DIMS["E"]), torch.randn(DIMS["B"], DIMS["H"], 3, DIMS["E"]), 0)
+    with pytest.raises(ValueError, match="generation with a key-value cache is not part of the tuned layer"):
+        ours.h[0](x, past_key_values=cache)
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        ours(input_ids=torch.randint(0, 50, (DIMS["B"], DIMS["T"])), output_attentions=True)
