@@ -1,4 +1,4 @@
-"""A whole model's training step, as a user runs it: a HF BERT or Llama model, layers replaced, in a plain loop.
+"""A whole model's training step, as a user runs it: a HF BERT, GPT-2 or Llama model, layers replaced, in a plain loop.
 
     PYTHONPATH=$PWD python3 benchmarks/model.py --artifact out/<dir> [--artifact ...] [--layers N] [--batch B]
                                                 [--models NAME ...] [--out benchmarks/results] [--name model]
@@ -9,14 +9,17 @@ sequence keeps between half and all of its positions, [batch, sequence] ``attent
 token-tagging head (``TAGS`` classes) and ``torch.optim.AdamW``; one training step = forward, loss
 over the unpadded positions, ``zero_grad(set_to_none=True)``, backward, optimizer step.
 - BERT (``configs/bert.py``): ``BertModel`` (BERT-large: 24 layers by default), dropout 0.1.
+- GPT-2 (``configs/gpt2.py``): ``GPT2Model`` (GPT-2 small: 12 blocks by default), dropout 0.1,
+  causal, HF's vocabulary of 50257; the tagging head as Llama's.
 - Llama (``configs/llama.py``): ``LlamaModel`` (16 layers by default: Llama-3.2-1B's depth; HF's
   vocabulary of 32000), no dropout.  The tagging head, not a causal LM head: the cheapest loss,
   where an LM head would add float32 logits of [batch, sequence, vocabulary] (1 GB at B=4 T=2048)
   and ~3 TFLOP to every model's step alike.
 Models (``--models``: some of them), same initial weights (the first model's state dict), one after
 the other in one run:
-- ``datamove``: every ``BertLayer`` / ``LlamaDecoderLayer`` replaced by the tuned layer
-  (``datamove.hf.replace_bert_layers`` / ``replace_llama_layers``), its own CUDA graphs on (the default);
+- ``datamove``: every ``BertLayer`` / ``GPT2Block`` / ``LlamaDecoderLayer`` replaced by the tuned layer
+  (``datamove.hf.replace_bert_layers`` / ``replace_gpt2_blocks`` / ``replace_llama_layers``), its own
+  CUDA graphs on (the default);
 - ``datamove-plain``: the same with ``cuda_graphs=False`` (every kernel launched on every call);
 - ``hf-sdpa``: the model untouched;
 - ``compile``: ``torch.compile(model)`` (default mode); ``compile-reduce-overhead``: with CUDA graphs
@@ -30,7 +33,7 @@ Per model: wall time per step (host clock over ``STEPS`` steps, synchronised at 
 of ``PROFILED`` steps), peak memory allocated over the timed steps, and for the tuned layers the
 bytes their graphs hold (``TunedLayer.cuda_graph_bytes``).  Warm-up steps first (compilation,
 graph capture).  Ratios are against ``datamove``'s wall time.  Results: ``OUT/NAME.md`` / ``.json`` for
-BERT, ``OUT/NAME_llama.md`` / ``.json`` for Llama, rewritten after each model.
+BERT, ``OUT/NAME_<spec>.md`` / ``.json`` for GPT-2 and Llama, rewritten after each model.
 """
 from __future__ import annotations
 
@@ -45,18 +48,21 @@ import torch
 
 from benchmarks.layer import apply_liger, llama_config
 from datamove.export import read_manifest
-from datamove.hf import BertLayerReplacement, replace_bert_layers, replace_llama_layers
+from datamove.hf import BertLayerReplacement, replace_bert_layers, replace_gpt2_blocks, replace_llama_layers
 from datamove.harness.bench import require_cuda, utc_stamp, write_results
 from datamove.kernels.device import versions
 
 WARMUP, STEPS, ROUNDS, PROFILED, BATCHES = 4, 10, 3, 5, 4
 TAGS = 7
 MODELS = {"bert": ("datamove", "datamove-plain", "hf-sdpa", "compile", "compile-reduce-overhead"),
+          "gpt2": ("datamove", "datamove-plain", "hf-sdpa", "compile", "compile-reduce-overhead"),
           "llama": ("datamove", "datamove-plain", "hf-sdpa", "compile", "compile-reduce-overhead", "liger",
                     "liger+compile")}
-LAYERS = {"bert": 24, "llama": 16}  # --layers' default per spec
-TITLES = {"bert": "BertModel", "llama": "LlamaModel"}
+LAYERS = {"bert": 24, "gpt2": 12, "llama": 16}  # --layers' default per spec
+TITLES = {"bert": "BertModel", "gpt2": "GPT2Model", "llama": "LlamaModel"}
+REPLACE = {"bert": replace_bert_layers, "gpt2": replace_gpt2_blocks, "llama": replace_llama_layers}
 SETTINGS = {"bert": "dropout 0.1",  # the Markdown's description of a case
+            "gpt2": "dropout 0.1, causal",
             "llama": "no dropout; liger: HF's model with Liger-Kernel's RMSNorm, SwiGLU and RoPE"}
 
 
@@ -72,6 +78,19 @@ def _bert(manifest: dict, layers: int, dtype: torch.dtype, device):
     torch.manual_seed(0)
     model = transformers.BertModel(config, add_pooling_layer=False).to(device, dtype).train()
     return model, config.vocab_size
+
+
+def _gpt2(manifest: dict, layers: int, dtype: torch.dtype, device):
+    import transformers
+
+    dims = manifest["dims"]
+    config = transformers.GPT2Config(n_embd=dims["D"], n_head=dims["H"], n_inner=dims["F"], n_layer=layers,
+                                     n_positions=max(1024, dims["T"]))  # GELU's tanh form, dropouts 0.1: the spec's
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.GPT2Model(config)
+    return model.to(dtype).train(), config.vocab_size
 
 
 def _llama(manifest: dict, layers: int, dtype: torch.dtype, device):
@@ -93,16 +112,15 @@ def build(name: str, artifact: Path, manifest: dict, layers: int, dtype: torch.d
     spec = manifest["spec"]
     if name.startswith("liger"):
         apply_liger()
-    model, vocab = (_llama if spec == "llama" else _bert)(manifest, layers, dtype, device)
+    model, vocab = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}[spec](manifest, layers, dtype, device)
     if initial_weights:
         model.load_state_dict(initial_weights)
     else:
         initial_weights.update({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
     if name.startswith("datamove"):
-        replace = replace_llama_layers if spec == "llama" else replace_bert_layers
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            replace(model, artifact, allow_mismatch=True, cuda_graphs=name == "datamove")
+            REPLACE[spec](model, artifact, allow_mismatch=True, cuda_graphs=name == "datamove")
     elif name.endswith("compile"):
         model = torch.compile(model)
     elif name == "compile-reduce-overhead":
@@ -220,7 +238,7 @@ def markdown(report: dict) -> str:
              "tuned layers' CUDA graphs hold. Ratio: wall time / datamove's.", ""]
     for case in report["cases"]:
         d = case["dims"]
-        sizes = " ".join(f"{k}={d[k]}" for k in ("B", "T", "D", "H", "KV", "E", "F")) if spec == "llama" else \
+        sizes = " ".join(f"{k}={d[k]}" for k in ("B", "T", "D", "H", "KV", "E", "F") if k in d) if spec != "bert" else \
             f"B={d['B']} L={d['L']}"
         lines += [f"## {sizes} {case['dtype']}, {case['layers']} layers (plan timed on "
                   f"{case['plan_device']['name']}; measured {case['date']})", "",
@@ -242,12 +260,13 @@ def markdown(report: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", type=Path, nargs="+", required=True, help="optimize-layer output folders")
-    parser.add_argument("--layers", type=int, help="decoder / encoder layers (default: BERT 24, Llama 16)")
+    parser.add_argument("--layers", type=int, help="decoder / encoder layers (default: BERT 24, GPT-2 12, Llama 16)")
     parser.add_argument("--batch", type=int, help="batch size (default: the artifact's B; another runs the nearest "
                                                   "tuned plan)")
     parser.add_argument("--models", nargs="+", help="measure only these (names as in the docstring)")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", default="model", help="results file name: OUT/NAME.md (BERT), OUT/NAME_llama.md")
+    parser.add_argument("--name", default="model", help="results file name: OUT/NAME.md (BERT), OUT/NAME_<spec>.md "
+                                                        "(GPT-2, Llama)")
     args = parser.parse_args()
     require_cuda("benchmarks/model.py")
     specs = {artifact: read_manifest(artifact)["spec"] for artifact in args.artifact}

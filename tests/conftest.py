@@ -31,3 +31,16 @@ def llama_artifact(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama") / "out"
     assert main(["configs/llama.py", "--out", str(out)]) == 0
     return out
+
+
+GPT2_DIMS = dict(B=2, T=13, D=32, H=2, E=16, F=40)  # E: a power of two, the fused attention (padding)
+
+
+@pytest.fixture(scope="session")
+def gpt2_artifact(tmp_path_factory):
+    """The main job's artifact of ``configs/gpt2.py`` at ``GPT2_DIMS`` (the cost model's plan), built once."""
+    from datamove.cli import main
+
+    out = tmp_path_factory.mktemp("gpt2") / "out"
+    assert main(["configs/gpt2.py", "--dims", ",".join(f"{k}={v}" for k, v in GPT2_DIMS.items()), "--out", str(out)]) == 0
+    return out

@@ -94,6 +94,23 @@ def test_llama_models_start_alike_and_train_on_cpu(llama_artifact):
     assert torch.allclose(losses["datamove"], losses["hf-sdpa"], rtol=2e-3)
 
 
+def test_gpt2_models_start_alike_and_train_on_cpu(gpt2_artifact):
+    """GPT-2's case: the replaced model and HF's, same initial weights and padded batches, dropout off
+    (eval: masks are not drawn alike): the same losses over three AdamW steps."""
+    pytest.importorskip("transformers")
+    manifest = model_benchmark.read_manifest(gpt2_artifact)
+    initial_weights, losses = {}, {}
+    for name in ("datamove", "hf-sdpa"):
+        model, vocab = model_benchmark.build(name, gpt2_artifact, manifest, 2, torch.bfloat16, "cpu", initial_weights)
+        model.eval()
+        assert len([m for m in model.modules() if isinstance(m, model_benchmark.BertLayerReplacement)]) == \
+            (2 if name == "datamove" else 0)
+        batches = model_benchmark.batches(manifest["dims"], vocab, "cpu")
+        trainer = model_benchmark.Trainer(model, batches, model.config.hidden_size, torch.bfloat16, "cpu")
+        losses[name] = torch.stack([trainer.step() for _ in range(3)])
+    assert torch.allclose(losses["datamove"], losses["hf-sdpa"], rtol=2e-3)
+
+
 distributed_benchmark = _load("distributed")
 
 

@@ -12,19 +12,11 @@ import torch
 
 from datamove.hf import GPT2BlockReplacement, replace_gpt2_blocks
 from datamove.runtime.weights import from_spec
+from conftest import GPT2_DIMS
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value
-DIMS = dict(B=2, T=13, D=32, H=2, E=16, F=40)  # E: a power of two, the fused attention (padding)
-
-
-@pytest.fixture(scope="module")
-def gpt2_artifact(tmp_path_factory):
-    from datamove.cli import main
-
-    out = tmp_path_factory.mktemp("gpt2") / "out"
-    assert main(["configs/gpt2.py", "--dims", ",".join(f"{k}={v}" for k, v in DIMS.items()), "--out", str(out)]) == 0
-    return out
+DIMS = GPT2_DIMS
 
 
 def models(artifact, **changes):
