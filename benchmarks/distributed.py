@@ -1,11 +1,11 @@
-"""A whole model's training step on several GPUs under DDP and FSDP2: a HF BERT or Llama model, layers replaced or not.
+"""A whole model's training step on several GPUs under DDP and FSDP2: a HF BERT, GPT-2 or Llama model, layers replaced or not.
 
     PYTHONPATH=$PWD torchrun --nproc_per_node N benchmarks/distributed.py --artifact out/<dir> [--layers N]
         [--steps 10] [--models hf-sdpa,datamove,...] [--wrappers ddp,fsdp2] [--out benchmarks/results]
 
 One process per GPU (NCCL; ``--device cpu``: gloo on the CPU and the tuned layer's torch backend, a
 smoke check at an artifact's small dims).  Per process, ``benchmarks/model.py``'s model of the
-artifact's spec (``build``: BERT-large ``BertModel``, 24 layers by default, or ``LlamaModel``, 16;
+artifact's spec (``build``: BERT-large ``BertModel``, 24 layers by default, ``GPT2Model``, 12, or ``LlamaModel``, 16;
 SDPA attention), its batches (``batches``: the artifact's B x sequence per GPU, padded tails; rank r
 takes batch (step + r) mod 4, so ranks train on different data), a token-tagging head and
 ``torch.optim.AdamW`` (lr 1e-5) as its ``Trainer``, except that the head and the loss are inside the
@@ -14,7 +14,7 @@ wrapped module here, so that DDP reduces and FSDP2 shards the head too.  Dropout
 Models, one after the other, each from the same initial weights on every rank:
 - ``hf-sdpa``: the model untouched, measured first: the others' losses are compared with its;
 - ``datamove``: every layer replaced by the tuned layer (``replace_bert_layers`` /
-  ``replace_llama_layers``, its own CUDA graphs on);
+  ``replace_gpt2_blocks`` / ``replace_llama_layers``, its own CUDA graphs on);
 - ``compile-default``, ``compile-reduce-overhead``: ``torch.compile`` of the wrapped HF model in those
   modes (under both wrappers: DDP's documentation asks for it, dynamo then splitting the graph at
   DDP's buckets; under FSDP2 dynamo breaks it at FSDP's hooks; reduce-overhead: CUDA graphs, each
@@ -65,7 +65,7 @@ LOSS_STEPS = 20
 MODELS = ("hf-sdpa", "datamove", "compile-default", "compile-reduce-overhead")
 WRAPPERS = ("ddp", "fsdp2")
 COLLECTIVE_TIMEOUT_S = 300  # a rank that stopped answering (a row failing on one rank only) ends the run
-HF_LAYERS = ("BertLayer", "LlamaDecoderLayer")
+HF_LAYERS = ("BertLayer", "GPT2Block", "LlamaDecoderLayer")
 
 
 class Tagger(torch.nn.Module):
