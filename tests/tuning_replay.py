@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from pathlib import Path
 
 from unittest import mock
@@ -80,10 +81,16 @@ class ReplayTuner:
 
 
 def recorded(path: Path = RECORDED) -> tuple[dict, str, str]:
-    """({key_of: (status, median ms)}, device, dtype) of a recording (status 'ok', 'failed', 'wrong')."""
+    """({key_of: (status, median ms)}, device, dtype) of a recording (status 'ok', 'failed', 'wrong').
+    Its Triton GEMMs' ``template`` knob (the source hash their timings hold for,
+    ``kernels.gemm.TEMPLATE_ID``) is read as the installed template's: the replay checks the
+    tuning's rules, which an edit of the template's file (a message, say) does not change."""
+    from datamove.kernels.gemm import TEMPLATE_ID
+
     data = json.loads(gzip.decompress(path.read_bytes()))
     times, dtypes = {}, set()
     for op, dims, dtype, layout, knobs, status, ms in data["rows"]:
+        knobs = re.sub(r'"template":"[0-9a-f]{12}"', f'"template":"{TEMPLATE_ID}"', knobs)
         times[(op, dims, layout, knobs)] = (status, ms)
         dtypes.add(dtype)
     (dtype,) = dtypes
