@@ -43,6 +43,7 @@ from datamove.kernels.codegen.source import PRELUDE, with_called_helpers
 from datamove.kernels.contraction import _dim_strides, empty_in_layout, gemm_plan, map_layouts, parse
 from datamove.kernels.gemm import GemmConfig, GemmShape, fitted, pair_fits
 from datamove.kernels.gemm_join import JOIN_TEMPLATE_ID, MAX_LOADS, MAX_STORES, JoinEpilogue, gemm_join
+from datamove.kernels.launch import check_offsets
 from datamove.layouts.plan import GEMM_EPILOGUE
 from datamove.layouts.select import Candidate
 from datamove.layouts.step_config import ContractionConfig, register_epilogue
@@ -156,6 +157,7 @@ def run_join(join: Join, fn, plan, a, b, b1, products: dict, loads: list, output
     epilogue = JoinEpilogue(fn, b1, tuple(loads), tuple(_dim_strides(plan, out, t, "load") for t in loads),
                             tuple(outputs), tuple(_dim_strides(plan, out, t, "store") for t in outputs),
                             stored1, _dim_strides(plan, out, stored1, "acc1") if stored1 is not None else None)
+    check_offsets("the join epilogue's GEMM", a, b, b1, *products.values(), *loads, *outputs)
     gemm_join(a, b, products.get(0), GemmShape(*plan.batch, plan.m, plan.n, plan.k), plan.a_strides, plan.b_strides,
               _dim_strides(plan, out, reference, "out"), epilogue, config=config)
 

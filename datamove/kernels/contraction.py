@@ -32,6 +32,7 @@ from typing import Mapping, Sequence
 import torch
 
 from datamove.kernels import gemm as triton_gemm
+from datamove.kernels.launch import check_offsets
 
 ACTIVATIONS = ("none", "relu", "gelu")
 
@@ -510,6 +511,7 @@ def run_triton(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tens
     sums_along, sums_stride = "none", 1
     if epilogue.sums is not None:
         sums_along, sums_stride = _sums_along(plan, epilogue.sum_letters, epilogue.sums)
+    check_offsets("the Triton GEMM", a, b, out, epilogue.bias, saved, epilogue.factor, epilogue.sums)
     triton_gemm.gemm(
         a, b, out, triton_gemm.GemmShape(*plan.batch, plan.m, plan.n, plan.k), plan.a_strides, plan.b_strides, plan.c_strides,
         alpha=epilogue.alpha, bias=epilogue.bias, bias_strides=bias_strides, activation=epilogue.activation,

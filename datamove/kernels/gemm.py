@@ -67,7 +67,7 @@ from datamove.dataflow.dropout_mask import DECISION_GROUP
 from datamove.kernels.interpreter import interpreted, round_bf16
 from datamove.kernels import philox
 from datamove.kernels.device import source_id
-from datamove.kernels.launch import SizeLimitError, ceil_div, through_jit
+from datamove.kernels.launch import ceil_div, through_jit
 from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, dropout_scale, keep_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -662,7 +662,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, shape: GemmShape,
         raise ValueError(f"sums along {sums_along!r} need a sums tensor and a gradient, and only then")
     for t in (a, b, c, bias, saved, factor):
         if t is not None and t.numel() >= 2**31:
-            raise SizeLimitError("operands must hold fewer than 2**31 elements (int32 offsets)")
+            raise ValueError("operands must hold fewer than 2**31 elements (int32 offsets)")
     config = config or valid_configs(a.dtype)[0]
     digits = dropout_digits or ((1, 1, 0, 0, 0),) * 4
     split = _epilogue_split(config, dropout_p > 0)

@@ -40,7 +40,7 @@ from datamove.kernels.device import source_id
 from datamove.kernels.gemm import (DTYPES, GemmConfig, GemmShape, _main_loop, _operand_sources, _programs,
                                    _slice_descriptor, _tile_coords, fitted, pair_fits, valid_configs)
 from datamove.kernels.interpreter import interpreted, round_bf16
-from datamove.kernels.launch import SizeLimitError, ceil_div, through_jit
+from datamove.kernels.launch import ceil_div, through_jit
 
 # the source a timing of a join epilogue's GEMM holds for (``kernels.gemm.TEMPLATE_ID``, with this module)
 JOIN_TEMPLATE_ID = source_id(template.__file__, template.philox.__file__, __file__)
@@ -97,7 +97,7 @@ def _check(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, join: JoinE
     if any(t.dtype not in DTYPES for t in outputs) or any(not t.dtype.is_floating_point for t in join.loads):
         raise TypeError(f"join outputs must be of {DTYPES}, loads floating point")
     if any(t.numel() >= 2**31 for t in (a, b, *outputs, *join.loads, *([join.b1] if join.pair else []))):
-        raise SizeLimitError("operands must hold fewer than 2**31 elements (int32 offsets)")
+        raise ValueError("operands must hold fewer than 2**31 elements (int32 offsets)")
 
 
 def join_split(config: GemmConfig) -> int:

@@ -150,6 +150,13 @@ class SizeLimitError(ValueError):
     past what its int32 offsets reach (``kernels.gemm``, ``kernels.gemm_join``)."""
 
 
+def check_offsets(kernel: str, *tensors) -> None:
+    """Refuse (``SizeLimitError``) operands of ``kernel`` (a GEMM template's, whose offsets are
+    int32) holding 2**31 elements or more; None entries are skipped."""
+    if any(t is not None and t.numel() >= 2**31 for t in tensors):
+        raise SizeLimitError(f"{kernel}: operands must hold fewer than 2**31 elements (int32 offsets)")
+
+
 class DryLaunches:
     """The launches made inside ``dry_launches``: ``launches`` [(kernel name, (x, y, z) grid)], each
     checked by ``check`` and not launched."""
