@@ -18,8 +18,9 @@ layer applies the causal mask itself, and the model runs under ``CAUSAL_KEY_PADD
 the layers the (batch, keys) padding mask of the model's ``attention_mask``; the rotary tables the
 model passes every layer (``position_embeddings``: cos and sin, [1 or batch, sequence, head dim])
 are copied into the layer's ``cos`` and ``sin`` constants where they changed.  Training only: the
-layers fill no key-value cache (the model's ``config.use_cache`` is set False), and a call with
-cached tokens (generation) is refused.
+layers fill no key-value cache (a model making one keeps it empty; its config is left as it is,
+so that a checkpoint saved from it generates with a cache when loaded into HF's model), and a call
+with cached tokens (generation) is refused.
 
 ``replace_gpt2_blocks(model, out_dir)`` does the same for every ``GPT2Block`` of a HF ``GPT2Model`` /
 ``GPT2LMHeadModel`` with a tuned layer of a GPT-2 spec (``configs/gpt2.py``): its causal mask is
@@ -404,8 +405,6 @@ def replace_gpt2_blocks(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
     replaced = _replace(model, out_dir, "GPT2Block", GPT2BlockReplacement, load_kwargs)
     if replaced:
         _route_key_padding_masks(model, CAUSAL_KEY_PADDING, _causal_key_padding_masks)
-        if getattr(getattr(model, "config", None), "use_cache", False):
-            model.config.use_cache = False  # the blocks fill no key-value cache
     return replaced
 
 
@@ -416,6 +415,4 @@ def replace_llama_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
     replaced = _replace(model, out_dir, "LlamaDecoderLayer", LlamaLayerReplacement, load_kwargs)
     if replaced:
         _route_key_padding_masks(model, CAUSAL_KEY_PADDING, _causal_key_padding_masks)
-        if getattr(getattr(model, "config", None), "use_cache", False):
-            model.config.use_cache = False  # the layers fill no key-value cache: a model making one would keep it empty
     return replaced

@@ -124,7 +124,10 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     shifted = ours.rotary_emb(x, torch.stack([torch.arange(16), torch.arange(16) + 3]))
     with pytest.raises(ValueError, match="differ between the sequences of the batch"):
         layer(x, position_embeddings=shifted)
-    assert ours.config.use_cache is False  # the layers fill no key-value cache
+    assert ours.config.use_cache  # left as it was: a checkpoint saved from the model keeps it
+    ids = torch.randint(0, 50, (2, 16))
+    made = ours(input_ids=ids, use_cache=True).past_key_values  # the layers fill none: it stays empty
+    assert made is None or made.get_seq_length() == 0
     with pytest.raises(ValueError, match=r"set_constant\('cos'\): a tensor of shape \(8, 16\); cos is over s, e: \(16, 16\)"):
         layer.layer.set_constant("cos", torch.zeros(8, 16))
     table = cos[0].clone()
@@ -213,20 +216,22 @@ def test_a_replaced_model_loads_a_state_dict_of_its_tuned_layers(llama_artifact)
 
 
 def test_a_compiled_replaced_model_needs_an_attention_mask_and_then_matches_hf(llama_artifact):
-    """Under torch.compile HF asks for a causal mask combined with its packed-sequence check when the
-    model gets no attention_mask (it cannot read position_ids there): refused with the way out (it
-    said the model asked for a bidirectional or sliding-window mask); with the mask, as HF."""
+    """Under torch.compile, without a cache, HF asks for a causal mask combined with its
+    packed-sequence check when the model gets no attention_mask (it cannot read position_ids
+    there): refused with the way out (it said the model asked for a bidirectional or sliding-window
+    mask); with the mask, or with the model's (empty) cache, as HF."""
     reference, ours = models(llama_artifact)
     torch._dynamo.reset()
     compiled = torch.compile(ours, backend="eager")
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match=r"call the model with attention_mask=torch.ones_like\(input_ids\)"):
-        compiled(input_ids=ids)
+        compiled(input_ids=ids, use_cache=False)
     mask = torch.ones_like(ids)
-    y = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
     expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    for y in (compiled(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state,
+              compiled(input_ids=ids).last_hidden_state):
+        assert float((y - expected).abs().max() / expected.abs().max()) < TOLERANCE
     torch._dynamo.reset()  # what dynamo traced of this model stays out of later tests' compiles
-    assert float((y - expected).abs().max() / expected.abs().max()) < TOLERANCE
 
 
 def test_padding_with_a_plan_without_the_fused_attention_says_why(tmp_path, capsys):
