@@ -63,8 +63,9 @@ def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, keys: int)
         rows = attention_mask[:, 0]
         if rows.shape[1] > 1 and not bool((rows == rows[:, :1]).all()):
             raise ValueError("attention_mask differs between queries: only key-padding masks run through the fused "
-                             "attention (a model whose attention implementation was set after its layers were "
-                             f"replaced: set it back to {KEY_PADDING!r}, or {CAUSAL_KEY_PADDING!r} for Llama)")
+                             "attention, a decoder's causal mask being the layer's own (pass the [batch, keys] "
+                             "padding mask; a model whose attention implementation was set after its layers were "
+                             f"replaced: set it back to {KEY_PADDING!r}, or {CAUSAL_KEY_PADDING!r} for GPT-2 and Llama)")
         row = rows[:, 0]
         excluded = ~row if row.dtype == torch.bool else row < 0
     else:

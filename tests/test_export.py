@@ -376,7 +376,7 @@ def test_refuses_wrong_inputs(tmp_path):
     d = BERT_DIMS
     good = torch.randn(d["B"], d["L"], d["N"])
     with pytest.raises(ValueError, match=r"x: shape \(3, 23, 31\), expected \(B, L, 32\) \(b, j, i\): B, L any size "
-                                         r">= 1; the other sizes are fixed by the weights"):
+                                         r">= 1; the other sizes are fixed by the layer's tensors \(N by wq\)"):
         layer(torch.randn(d["B"], d["L"], d["N"] - 1))
     with pytest.raises(ValueError, match=r"x: shape \(3, 23\), expected"):
         layer(torch.randn(d["B"], d["L"]))

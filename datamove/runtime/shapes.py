@@ -60,6 +60,12 @@ def describe(shape: dict) -> str:
     return ", ".join(f"{dim}={size}" for dim, size in shape.items())
 
 
+def _holder(graph, interface, dim: str) -> str:
+    """The first parameter or constant over ``dim`` (what fixes its size): ``causal`` for GPT-2's T."""
+    return next(t for t in interface.parameters + interface.constants
+                if any(graph.letter_dims[letter] == dim for letter in graph.tensors[t].letters))
+
+
 def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str, int]:
     """The shape {call dim -> size} of a call on ``activations`` (PyTorch order); refuses a tensor
     with another number of dims, a fixed dim of another size, a call dim below 1 or two
@@ -74,8 +80,10 @@ def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str
         if not hasattr(x, "shape"):
             raise TypeError(f"{t}: expected a torch.Tensor, got {type(x).__name__}")
         if len(x.shape) != len(order) or any(isinstance(e, int) and operator.index(s) != e for s, e in zip(x.shape, expected)):
+            fixed = ", ".join(f"{dim} by {_holder(graph, interface, dim)}" for dim in
+                              dict.fromkeys(graph.letter_dims[letter] for letter in order) if dim not in dims)
             raise ValueError(f"{t}: shape {tuple(x.shape)}, {_expected(expected, order, dims)}; the other sizes are "
-                             "fixed by the weights")
+                             f"fixed by the layer's tensors ({fixed})")
         for letter, size in zip(order, x.shape):
             dim, size = graph.letter_dims[letter], operator.index(size)
             if dim not in dims:
