@@ -348,9 +348,9 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     # trains, checks that too)
     config = next((m.config for m in module.modules() if callable(getattr(getattr(m, "config", None), "to_dict", None))),
                   None)
-    check_config(config, {key: value for key, value in getattr(layer, "hf_config", {}).items() if "dropout" not in key})
+    check_config(config, {key: value for key, value in getattr(layer, "hf_config", {}).items() if not _is_dropout(key)})
     attributes = {path: value for path, value in getattr(layer, "module_config", {}).get(kind, {}).items()
-                  if "dropout" not in path}
+                  if not _is_dropout(path)}
     differing = _differing(lambda path, default: _attribute(module, path, default), attributes)
     if differing:
         raise ValueError(f"load_weights: the {type(module).__name__} computes otherwise than the tuned layer: "
@@ -367,6 +367,12 @@ def spec_values(layer: TunedLayer, kind: str, state: dict) -> dict[str, torch.Te
     sizes = _sizes(layer)
     return {name: to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes)
             for name, (key, pattern, index) in _table(layer, kind).items()}
+
+
+def _is_dropout(setting: str) -> bool:
+    """Whether a config key or module attribute is a dropout rate (BERT's ``hidden_dropout_prob``,
+    GPT-2's ``attn_pdrop``, ``nn.TransformerEncoderLayer``'s ``dropout.p``)."""
+    return "dropout" in setting or setting.endswith("pdrop")
 
 
 def check_config(config, computed: dict) -> None:
