@@ -200,9 +200,10 @@ def _sharded(layer: TunedLayer) -> bool:
 
 def _hf_state(replacement, state_dict: dict, prefix: str, local_metadata) -> None:
     """State-dict hook of a replacement: the tuned layer's entries (``layer.<name>``, its layouts)
-    given as the HF layer's (``state_dict_for``; its constants, which HF's layer has not, left out), so that a replaced model's ``state_dict`` and
-    ``save_pretrained`` are HF's checkpoint (``from_pretrained`` of a HF model reads them back; they
-    re-initialised every layer, named otherwise).  Sharded parameters (FSDP2) are left to the engine."""
+    given as the HF layer's (``state_dict_for``; its constants, which HF's layer has not, left out),
+    so that a replaced model's ``state_dict`` and ``save_pretrained`` are HF's checkpoint
+    (``from_pretrained`` of a HF model reads them back; they re-initialised every layer, named
+    otherwise).  Sharded parameters (FSDP2) are left to the engine."""
     if _sharded(replacement.layer):
         return
     own = prefix + "layer."

@@ -241,8 +241,8 @@ def _run(o: JobOptions, facts, pools) -> int:
             stages("export")
             manifest = write_artifact(
                 folder, plans[0], fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
-                torch_order=torch_order, weights=weights, hf_config=hf_config, module_config=module_config, versions=versions(), other_plans=tuple(plans[1:]),
-                inputs=interface.activations, options=o.options,
+                torch_order=torch_order, weights=weights, hf_config=hf_config, module_config=module_config,
+                versions=versions(), other_plans=tuple(plans[1:]), inputs=interface.activations, options=o.options,
                 device={"name": device, "measured": measured,
                         "capability": list(facts.compute_capability) if measured else None})
             stages("report")

@@ -4,15 +4,13 @@ against the model untouched in float32 with dropout off: the output at every unp
 the gradient of every parameter, without padding and with left padding; the model's checkpoint
 stays HF's; what the blocks cannot do (a config the spec does not compute, generation) is refused
 in one line."""
-import copy
-import warnings
 
 import pytest
 import torch
 
 from datamove.hf import GPT2BlockReplacement, replace_gpt2_blocks
-from datamove.runtime.weights import from_spec
 from conftest import GPT2_DIMS
+from hf_models import check_against_hf, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value
@@ -24,31 +22,7 @@ def models(artifact, **changes):
                                                 n_head=DIMS["H"], n_inner=DIMS["F"]), **changes})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    reference = transformers.GPT2Model(config).eval()
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.normal_(0.0, 0.2)
-    ours = copy.deepcopy(reference)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the cost model's plan: nothing measured
-        assert replace_gpt2_blocks(ours, artifact, dtype=torch.float32, allow_mismatch=True) == 2
-    return reference, ours
-
-
-def block_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient under HF's names; a replaced block's through its spec's ``WEIGHTS``."""
-    grads = {}
-    for name, module in model.named_modules():
-        if isinstance(module, GPT2BlockReplacement):
-            layer = module.layer
-            sizes = {x: layer.graph.size(x) for x in layer.graph.letter_dims}
-            for t, (key, pattern, index) in layer.weights_table["transformers.GPT2Block"].items():
-                grads[f"{name}.{key}"] = from_spec(layer.spec_view(t, getattr(layer, t).grad), pattern, index,
-                                                   layer.graph.tensors[t].letters, sizes, grads.get(f"{name}.{key}"))
-    for name, p in model.named_parameters():
-        if ".layer." not in name:
-            grads[name] = p.grad
-    return grads
+    return replaced_pair(transformers.GPT2Model(config).eval(), replace_gpt2_blocks, artifact, 2, 0.2)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
@@ -59,18 +33,7 @@ def test_a_replaced_gpt2_model_computes_as_hf(gpt2_artifact, padded):
     mask = torch.ones(DIMS["B"], DIMS["T"], dtype=torch.long)
     if padded:
         mask[1, :4] = 0
-    keep = mask.bool()
-    results = []
-    for model in (reference, ours):
-        y = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        y[keep].square().sum().backward()
-        results.append((y.detach(), block_grads(model)))
-    (expected, expected_grads), (y, grads) = results
-    assert float((y - expected)[keep].abs().max()) < TOLERANCE * float(expected[keep].abs().max())
-    reference_params = dict(reference.named_parameters())
-    assert set(grads) == set(expected_grads) == set(reference_params)
-    for name, wanted in ((n, p.grad) for n, p in reference_params.items()):
-        assert float((grads[name] - wanted).abs().max()) < TOLERANCE * float(wanted.abs().max()), name
+    check_against_hf(reference, ours, ids, mask, TOLERANCE)
 
 
 def test_a_replaced_gpt2_models_checkpoint_is_hfs(gpt2_artifact, tmp_path):

@@ -4,14 +4,13 @@ against the model untouched in float32: the output at every unpadded position an
 every parameter (the layers' through ``WEIGHTS``), without padding and with left padding (keys
 before the sequence excluded); the rotary tables reach the layers from the model; what the layer
 cannot do is refused in one line."""
-import copy
 import warnings
 
 import pytest
 import torch
 
 from datamove.hf import replace_llama_layers
-from datamove.runtime.weights import from_spec
+from hf_models import check_against_hf, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7
@@ -27,32 +26,7 @@ def models(llama_artifact):
     config = small_config()
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    reference = transformers.LlamaModel(config)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.normal_(0.0, 0.1)
-    ours = copy.deepcopy(reference)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the cost model's plan: nothing measured
-        assert replace_llama_layers(ours, llama_artifact, dtype=torch.float32, allow_mismatch=True) == 2
-    return reference, ours
-
-
-def layer_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient under HF's names; a replaced layer's through its spec's ``WEIGHTS``."""
-    grads = {}
-    for name, module in model.named_modules():
-        layer = getattr(module, "layer", None)
-        if layer is not None and hasattr(layer, "weights_table"):
-            (table,) = layer.weights_table.values()
-            sizes = {x: layer.graph.size(x) for x in layer.graph.letter_dims}
-            for t, (key, pattern, index) in table.items():
-                grads[f"{name}.{key}"] = from_spec(layer.spec_view(t, getattr(layer, t).grad), pattern, index,
-                                                   layer.graph.tensors[t].letters, sizes)
-    for name, p in model.named_parameters():
-        if not name.split(".")[-1] in ("cos", "sin") and ".layer." not in name:
-            grads[name] = p.grad
-    return grads
+    return replaced_pair(transformers.LlamaModel(config), replace_llama_layers, llama_artifact, 2, 0.1)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
@@ -62,20 +36,7 @@ def test_a_replaced_llama_model_trains_as_hf(llama_artifact, padded):
     mask = torch.ones(2, 16, dtype=torch.long)
     if padded:
         mask[1, :5] = 0
-    keep = mask.bool()
-    results = []
-    for model in (reference, ours):
-        y = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        y[keep].square().sum().backward()
-        results.append((y.detach(), layer_grads(model)))
-    (expected, expected_grads), (y, grads) = results
-    scale = float(expected[keep].abs().max())
-    assert float((y - expected)[keep].abs().max()) < TOLERANCE * scale
-    for name in expected_grads:
-        wanted = dict(reference.named_parameters())[name].grad if name in dict(reference.named_parameters()) else None
-        assert wanted is not None and grads[name] is not None, name
-        assert float((grads[name] - wanted).abs().max()) < TOLERANCE * float(wanted.abs().max()), name
-    assert set(grads) == set(expected_grads)
+    check_against_hf(reference, ours, ids, mask, TOLERANCE)
 
 
 def test_a_replaced_model_gives_hfs_hidden_states_and_refuses_attention_weights(llama_artifact):

@@ -147,12 +147,14 @@ GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's largest grid, (x, y, z) progra
 
 class SizeLimitError(ValueError):
     """Sizes too large for a kernel: its grid past ``GRID_LIMITS`` (``DryLaunches``), or an operand
-    past what its int32 offsets reach (``kernels.gemm``, ``kernels.gemm_join``)."""
+    past what its int32 offsets reach (``check_offsets``)."""
 
 
 def check_offsets(kernel: str, *tensors) -> None:
     """Refuse (``SizeLimitError``) operands of ``kernel`` (a GEMM template's, whose offsets are
-    int32) holding 2**31 elements or more; None entries are skipped."""
+    int32) holding 2**31 elements or more; None entries are skipped.  Called before the templates
+    (``kernels.gemm``, ``kernels.gemm_join``), whose own check stays a plain ``ValueError``: their
+    files' hash keys their timings, so they are not edited for a message."""
     if any(t is not None and t.numel() >= 2**31 for t in tensors):
         raise SizeLimitError(f"{kernel}: operands must hold fewer than 2**31 elements (int32 offsets)")
 
