@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from datamove.export import load_layer, read_manifest
+from datamove.export import load_layer
 from datamove.harness.bench import require_cuda
 
 
@@ -31,12 +31,13 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     require_cuda("benchmarks/host_time.py")
-    d = read_manifest(args.artifact)["dims"]
     for graphs in (True, False):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             layer = load_layer(args.artifact, allow_mismatch=True, cuda_graphs=graphs).train()
-        x = torch.randn(d["B"], d["L"], d["N"], device="cuda", dtype=layer.dtype, requires_grad=True)
+        program = layer.program(True)  # the layer's first activation, in its torch order
+        x = torch.randn(program.torch_shapes[program.interface.activations[0]], device="cuda", dtype=layer.dtype,
+                        requires_grad=True)
         dy = torch.randn_like(x)
 
         def step():  # as in a training loop: gradients set to None, then accumulated into by the backward

@@ -5,7 +5,7 @@ back in its held layout, with or without copying parameters in (FSDP2's ``shared
 import pytest
 import torch
 
-from datamove.runtime.graphs import LayerGraphs
+from datamove.runtime.graphs import LayerGraphs, _Gradients
 from datamove.runtime.layer import SpecOrder
 
 
@@ -22,10 +22,10 @@ class StandIn:
         self.x, self.w = activations[0].detach(), views[0].detach()
         return [self.x @ self.w]
 
-    def backward(self, grads, activations, views):
+    def backward(self, grads, activations, views, order):
         self.handed["backward"] = views
         (dy,) = grads
-        return [dy @ self.w.T, self.x.T @ dy]
+        return order.held_grads([dy @ self.w.T, self.x.T @ dy], 1)  # as Replayer.backward: the held order
 
 
 @pytest.mark.parametrize("shared", [None, object()], ids=["in place", "copied in"])
@@ -48,3 +48,16 @@ def test_the_replayed_node_takes_held_parameters_and_gives_their_gradients_held(
     assert len(handed) == (0 if shared is None else 1)
     if shared is not None:
         assert handed[0].shape == (3, 4) and handed[0].data_ptr() == held.data_ptr()
+
+
+def test_a_gradient_set_hands_out_fresh_aliases_in_the_held_order():
+    gen = torch.Generator().manual_seed(1)
+    dx, dw = torch.randn(5, 3, generator=gen), torch.randn(3, 4, generator=gen)  # dw over spec (d, e)
+    gradients = _Gradients([dx, dw])
+    order = SpecOrder(("w",), [(1, 0)])  # held over (e, d)
+    for _ in range(2):  # the views are made once; every call's aliases are new tensors over the same memory
+        got = gradients.aliases(order, 1)
+        assert all(g is not s for g, s in zip(got, (dx, dw)))
+        assert got[0].data_ptr() == dx.data_ptr() and got[1].data_ptr() == dw.data_ptr()
+        torch.testing.assert_close(got[0], dx, rtol=0, atol=0)
+        torch.testing.assert_close(got[1], dw.T, rtol=0, atol=0)

@@ -80,20 +80,24 @@ def compare_with_hf(layer, reference, batch: int, length: int, padded: list[int]
 
 def test_equals_hf_bert_layer_at_other_batches_and_lengths(bert):
     """Tuned at B=3, L=23 (the cost model's plan: fused attention, GEMM epilogues, layout changes):
-    B=1, B=6, a shorter sequence and a longer one, with and without a key-padding mask; each shape
-    warns once that it runs an untuned plan."""
+    B=1, B=6, a shorter sequence and a longer one, with and without a key-padding mask, then back to
+    earlier shapes (the layer keeps its last call's program: ``TunedLayer._call_program``); each
+    shape warns once that it runs an untuned plan; a call of a wrong size after them is refused."""
     from datamove.export import load_weights
 
     reference = hf_layer(BERT_DIMS)
     layer = load(bert)
     load_weights(layer, reference).eval()
-    cases = [(1, 23, None), (6, 23, None), (3, 11, None), (3, 11, [0, 4, 10]), (2, 41, [7, 0])]
+    cases = [(1, 23, None), (6, 23, None), (3, 11, None), (3, 11, [0, 4, 10]), (2, 41, [7, 0]), (1, 23, None),
+             (3, 11, [2, 0, 5])]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for batch, length, padded in cases:
             compare_with_hf(layer, reference, batch, length, padded)
     untuned = [str(w.message) for w in caught if "has no plan of its own" in str(w.message)]
     assert len(untuned) == 4 and all("runs the plan tuned at B=3, L=23" in m for m in untuned), untuned
+    with pytest.raises(ValueError, match="shape"):
+        layer(torch.randn(3, 11, layer.graph.size("i") + 1))
 
 
 def test_spec_order_plan_at_a_longer_sequence(tmp_path):

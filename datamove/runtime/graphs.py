@@ -149,7 +149,15 @@ class _Gradients:
 
     def __init__(self, grads: list[torch.Tensor]):
         self.grads, self.held = grads, _Held(grads)
+        self._in_held_order: list | None = None  # ``aliases``' views, made on first use
         _register_static(grads)
+
+    def aliases(self, order, activations: int) -> list[torch.Tensor]:
+        """Fresh aliases of ``grads`` with the parameters' in the order the layer holds them
+        (``order.held_grads``; ``activations``: how many come first), the views made once."""
+        if self._in_held_order is None:
+            self._in_held_order = order.held_grads(list(self.grads), activations)
+        return [g.detach() for g in self._in_held_order]
 
 
 def _gradients_like(program: LayerProgram) -> list[torch.Tensor]:
@@ -295,12 +303,13 @@ class Replayer:
         self.forward_graph.replay()
         return [t.detach() for t in self.outputs]
 
-    def backward(self, grads: tuple, activations: tuple, tensors) -> list[torch.Tensor]:
+    def backward(self, grads: tuple, activations: tuple, tensors, order) -> list[torch.Tensor]:
         """The gradients from the outputs' ``grads`` (None: zero), the last forward replay's kept
         tensors, ``activations`` (the forward's, where read in place; None elsewhere) and ``tensors``
         (the forward's parameters and constants, as the backward finds them, copied in where
         ``shared``; else unused), as fresh aliases of a gradient set nothing outside holds (autograd
-        may keep them as ``.grad``: that set then waits until they are released).  A set reads the
+        may keep them as ``.grad``: that set then waits until they are released), the parameters'
+        in the order the layer holds them (``order``: its ``runtime.layer.SpecOrder``).  A set reads the
         gradients it can in place (``reads_in_place``), chosen by ``_choose`` among at most
         ``GRADIENT_SETS``; where none serves, the backward runs plainly."""
         if self.shared is not None:
@@ -315,9 +324,9 @@ class Replayer:
             if ptr is None:
                 static.zero_() if g is None else static.copy_(g)
         if chosen is None:
-            return self._backward_plainly(inputs, self.grad_outputs)
+            return order.held_grads(list(self._backward_plainly(inputs, self.grad_outputs)), len(self.statics))
         chosen.graph.replay()
-        return [g.detach() for g in chosen.gradients.grads]
+        return chosen.gradients.aliases(order, len(self.statics))
 
     def _capture_gradients(self, inputs, grads, reads) -> "_GradientSet | None":
         """A backward graph reading the outputs' gradients at ``reads`` (None: from ``grad_outputs``),
@@ -381,8 +390,7 @@ class _Replayed(torch.autograd.Function):
         refuse_second_derivative()
         seed, *saved = ctx.saved_tensors  # under non-reentrant checkpointing: the recomputation's
         activations, held = tuple(saved[:ctx.activation_count]), saved[ctx.activation_count:]
-        result = ctx.graphs.owner(seed).backward(grads, activations, ctx.order.spec(held))
-        result = ctx.order.held_grads(list(result), ctx.activation_count)
+        result = ctx.graphs.owner(seed).backward(grads, activations, ctx.order.spec(held), ctx.order)
         return (None, None, None, None, None, *result, *[None] * (ctx.inputs - len(result)))
 
 
