@@ -375,18 +375,28 @@ def _is_dropout(setting: str) -> bool:
     return "dropout" in setting or setting.endswith("pdrop")
 
 
-def check_config(config, computed: dict) -> None:
+def check_config(config, computed: dict) -> bool:
     """Refuse a HF model whose ``config`` asks for something else than the tuned layer computes
     (``computed``: its spec's ``HF_CONFIG``, e.g. Llama's RMSNorm epsilon, activation, attention
     dropout, head counts; a list: values computing the same): the layer would run with the spec's
-    values without a word."""
+    values without a word.  Its dropout rates may all be 0 where the spec's are not (a model that
+    trains without dropout): returns True then, the layer to train without dropout
+    (``TunedLayer.dropout_off``); else False."""
     if config is None:
-        return
-    differing = _differing(lambda key, default: getattr(config, key, default), computed)
+        return False
+    read = lambda key, default: getattr(config, key, default)  # noqa: E731
+    rates = {key: value for key, value in computed.items() if _is_dropout(key)}
+    dropout_off = bool(rates) and all(read(key, value) == 0 for key, value in rates.items()) \
+        and any(value != 0 for value in rates.values())
+    differing = _differing(read, computed if not dropout_off else
+                           {key: value for key, value in computed.items() if key not in rates})
     if differing:
+        more = (" (dropout rates: the spec's, or all 0 to train without dropout)"
+                if any(_is_dropout(d.split("=")[0]) for d in differing) else "")
         raise ValueError(f"datamove: the model's config asks for what the tuned layer does not compute: "
-                         f"{'; '.join(differing)}; set those in the spec (its HF_CONFIG and what it computes) and "
+                         f"{'; '.join(differing)}{more}; set those in the spec (its HF_CONFIG and what it computes) and "
                          "run optimize-layer again, or use a model configured as the spec")
+    return dropout_off
 
 
 def _differing(read, computed: dict) -> list[str]:

@@ -373,7 +373,8 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
             if first is None:
                 weight = next(child.parameters())
                 layer = first = load_layer(out_dir, **{"device": weight.device, **load_kwargs})
-                check_config(getattr(model, "config", None), layer.hf_config)  # the whole model's, before any weight
+                # the whole model's, before any weight; a model without dropout trains the layers without it
+                layer.dropout_off = check_config(getattr(model, "config", None), layer.hf_config)
                 if weight.dtype != layer.dtype:  # its calls would be refused, the hidden states of the model's dtype
                     raise TypeError(f"datamove: the model's {kind} weights are {weight.dtype} and the tuned layer computes "
                                     f"in {layer.dtype}: convert the model first (model.to({layer.dtype})), or load the "

@@ -50,11 +50,29 @@ def test_a_replaced_gpt2_models_checkpoint_is_hfs(gpt2_artifact, tmp_path):
 @pytest.mark.parametrize("setting, value", [("activation_function", "gelu"), ("layer_norm_epsilon", 1e-6),
                                             ("scale_attn_by_inverse_layer_idx", True), ("resid_pdrop", 0.0)])
 def test_a_model_configured_otherwise_is_refused(gpt2_artifact, setting, value):
-    """The erf GELU, another epsilon, per-layer attention scaling, another dropout: the blocks would
-    have computed the spec's without a word (``configs/gpt2.py``'s ``HF_CONFIG``)."""
+    """The erf GELU, another epsilon, per-layer attention scaling, another dropout (one rate 0, the
+    other the spec's): the blocks would have computed the spec's without a word (``configs/gpt2.py``'s
+    ``HF_CONFIG``)."""
     with pytest.raises(ValueError, match=f"the model's config asks for what the tuned layer does not compute: "
                                          f"{setting}={value!r}"):
         models(gpt2_artifact, **{setting: value})
+
+
+def test_a_model_without_dropout_trains_the_blocks_without_it(gpt2_artifact):
+    """Dropout rates all 0 (a model that trains without dropout; the spec's are 0.1): the blocks train
+    with the plan's evaluation program, equal to HF's model in training mode; rates neither the
+    spec's nor all 0 stay refused."""
+    config = dict(vocab_size=50, n_positions=32, n_embd=DIMS["D"], n_layer=2, n_head=DIMS["H"], n_inner=DIMS["F"],
+                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    model = transformers.GPT2Model(transformers.GPT2Config(**config, attn_implementation="eager")).train()
+    reference, ours = replaced_pair(model, replace_gpt2_blocks, gpt2_artifact, 2, 0.2)
+    assert ours.training and all(block.layer.training and block.layer.dropout_off for block in ours.h)
+    ids = torch.randint(0, 50, (DIMS["B"], DIMS["T"]), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(DIMS["B"], DIMS["T"], dtype=torch.long)
+    mask[0, :3] = 0
+    check_against_hf(reference, ours, ids, mask, TOLERANCE)
+    with pytest.raises(ValueError, match=r"attn_pdrop=0\.2.*\(dropout rates: the spec's, or all 0"):
+        models(gpt2_artifact, attn_pdrop=0.2, resid_pdrop=0.0)
 
 
 def test_generation_and_cross_attention_are_refused(gpt2_artifact):

@@ -258,6 +258,9 @@ class TunedLayer(torch.nn.Module):
     layer's own CUDA graphs (``datamove.runtime.graphs``); otherwise, and where a replay is not possible,
     they launch the kernels (through the custom ops where ``torch.compile`` traces).
 
+    ``dropout_off``: train without the spec's dropout (set by ``datamove.hf``'s ``replace_*`` for a
+    model configured without dropout): training calls then run the evaluation program.
+
     ``backend``: ``"kernels"`` (the plan's kernels; the default on CUDA) or ``"torch"`` (its
     computation in PyTorch operations, ``datamove.runtime.torch_program``: the default elsewhere).
 
@@ -282,6 +285,7 @@ class TunedLayer(torch.nn.Module):
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
         self._constants_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold what it must
         self._last_call: tuple | None = None  # ((mode, activations' shapes), shape, program) of the last call
+        self.dropout_off = False  # train without the spec's dropout (a HF model configured without: replace_*)
         self._allocate_parameters()
 
     def _backend_for(self, dtype: torch.dtype, device: torch.device) -> str:
@@ -442,16 +446,21 @@ class TunedLayer(torch.nn.Module):
         (asked on every masked call of a HF model: found once)."""
         return all(any(s.kind == ATTENTION_FORWARD for s in plan.steps) for plan in self.plans)
 
+    def _drops(self) -> bool:
+        """Whether this call runs the training program (the spec's dropout): in training mode, unless
+        ``dropout_off`` (the evaluation program then trains: the same plan without dropout)."""
+        return self.training and not self.dropout_off
+
     def _call_program(self, activations: tuple) -> tuple[dict, LayerProgram]:
         """The call's shape ({call dim -> size}, ``call_shape``) and program: the last call's where the
         activations have its sizes and the mode is the same (``_last_call``; ~40 us of host per call
         otherwise, a GPT-2-small layer's fwd+bwd ~0.55 ms of kernels)."""
-        key = (self.training, self.backend, self.dtype, *(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in activations))
+        key = (self._drops(), self.backend, self.dtype, *(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in activations))
         last = self._last_call
         if last is not None and last[0] == key:
             return last[1], last[2]
         shape = call_shape(self.graph, self.interface, self.call_dims, activations)
-        program = self.program(self.training, shape)
+        program = self.program(self._drops(), shape)
         self._last_call = (key, shape, program)
         return shape, program
 
@@ -564,8 +573,8 @@ class TunedLayer(torch.nn.Module):
         activations = self._bound_inputs(inputs, named_inputs)
         if torch.compiler.is_compiling():
             shape = call_shape(self.graph, face, self.call_dims, activations)
-            self._program_made(self.training, shape_key(shape))
-            program = self.program(self.training, shape)
+            self._program_made(self._drops(), shape_key(shape))
+            program = self.program(self._drops(), shape)
         else:
             shape, program = self._call_program(activations)
         self._check_constants(program)
