@@ -397,6 +397,16 @@ def refuse_second_derivative() -> None:
                            "it (autograd.grad(..., create_graph=True), a gradient penalty) is not supported")
 
 
+def refuse_function_transforms() -> None:
+    """Called first in the layer's eager forward: ``torch.func``'s transforms (``grad``, ``vmap``,
+    ``jacrev``, ``jvp``) run it on wrapped tensors, which hold no memory for its steps (and its
+    autograd node has no rule for them): they failed deep inside with "Cannot access data pointer"."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RuntimeError("datamove: the tuned layer does not run under torch.func transforms (grad, vmap, jacrev, "
+                           "jvp, ...): take gradients with torch.autograd (loss.backward() or torch.autograd.grad), "
+                           "with torch.func.functional_call for substituted parameters")
+
+
 def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.device, order: str = "",
           dtype_hint: str = "") -> None:
     """Refuse a tensor of another shape, dtype or device, naming the expected ones (``dtype_hint``:

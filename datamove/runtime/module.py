@@ -36,7 +36,7 @@ from datamove.kernels.interpreter import interpreted
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 from datamove.runtime.graphs import LayerGraphs
 from datamove.runtime.layer import (SEED_RANGE, LayerProgram, SpecOrder, TensorInterface, check, held_tensors,
-                                    refuse_second_derivative, without_dropout)
+                                    refuse_function_transforms, refuse_second_derivative, without_dropout)
 from datamove.runtime.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
 from datamove.runtime.steps import Run
 from datamove.runtime.torch_program import TorchProgram
@@ -569,6 +569,8 @@ class TunedLayer(torch.nn.Module):
         return FSDPModule is not None and isinstance(self, FSDPModule)
 
     def forward(self, *inputs, key_padding_mask: torch.Tensor | None = None, **named_inputs):
+        if not torch.compiler.is_compiling():
+            refuse_function_transforms()
         face = self.interface
         activations = self._bound_inputs(inputs, named_inputs)
         if torch.compiler.is_compiling():
