@@ -412,6 +412,9 @@ def test_refuses_wrong_inputs(tmp_path):
         layer(torch.randn(0, d["L"], d["N"]))
     with pytest.raises(TypeError, match="dtype torch.float64, expected torch.float32"):
         layer(good.double())
+    with pytest.raises(TypeError, match=r"dtype torch.int64, expected torch.float32 \(the layer's dtype: convert the "
+                                        r"input\)$"):  # not: convert the layer .to(torch.int64)
+        layer(good.long())
     with pytest.raises(ValueError, match="on device meta, expected cpu"):
         layer(good.to("meta"))
     with pytest.raises(TypeError, match=r"2 inputs given, the layer is called as layer\(x\)"):

@@ -583,8 +583,10 @@ class TunedLayer(torch.nn.Module):
         if key_padding_mask is not None:
             self._check_mask(key_padding_mask, program)
         for t, x in zip(face.activations, activations):  # here too: a meta or fake tensor skips the op's own check
+            convertible = isinstance(x, torch.Tensor) and x.is_floating_point()  # a layer computes in floats only
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t],
-                  " (the layer's dtype: convert the input, or the layer and its model with .to({dtype}))")
+                  " (the layer's dtype: convert the input" + (", or the layer and its model with .to({dtype}))"
+                                                              if convertible else ")"))
         if torch.compiler.is_compiling():  # traced: the views as autograd records them
             seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)
             tensors = [self.spec_view(t) for t in face.parameters + face.constants]
