@@ -345,6 +345,41 @@ def test_functional_call_uses_the_given_parameters_and_func_transforms_are_refus
         torch.func.vmap(layer)(x.unsqueeze(0))
 
 
+def test_parametrized_and_pruned_weights_are_computed_with(tmp_path):
+    """A weight that ``torch.nn.utils.parametrize`` (LoRA's way) or ``prune`` computes from another
+    tensor: the layer computes with it and the tensor it is computed from gets its gradient, as a
+    layer holding the computed weight (they failed with a KeyError); a parameter set to a tensor
+    of another shape is refused in one line (it failed in a permute)."""
+    from torch.nn.utils import parametrize, prune
+
+    class Scaled(torch.nn.Module):
+        def forward(self, w):
+            return 1.5 * w
+
+    artifact = write(tmp_path, "bert", BERT_DIMS, selected_plan)
+    layer, holder = load(artifact, "torch").eval(), load(artifact, "torch").eval()
+    randomize(layer, 9)
+    prune.l1_unstructured(layer, "w1", amount=0.5)
+    parametrize.register_parametrization(layer, "wq", Scaled())
+    with torch.no_grad():
+        holder.load_state_dict({**{t: p for t, p in layer.named_parameters() if "." not in t and "_orig" not in t},
+                                "wq": 1.5 * layer.parametrizations.wq.original, "w1": layer.w1_orig * layer.w1_mask,
+                                "_extra_state": layer.get_extra_state()})
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"])
+    y, expected = layer(x), holder(x)
+    assert error(y.detach(), expected.detach()) < FLOAT32_TOLERANCE
+    y.square().sum().backward()
+    expected.square().sum().backward()
+    largest = max(float(p.grad.norm()) for p in holder.parameters())
+    assert error(layer.parametrizations.wq.original.grad, 1.5 * holder.wq.grad, largest) < FLOAT32_TOLERANCE
+    assert error(layer.w1_orig.grad, holder.w1.grad * layer.w1_mask, largest) < FLOAT32_TOLERANCE
+    assert error(layer.wo.grad, holder.wo.grad, largest) < FLOAT32_TOLERANCE
+    holder.wk.data = torch.randn(3, 3)
+    with pytest.raises(ValueError, match=r"layer.wk: shape \(3, 3\), the layer's is \(16, 2, 32\)"):
+        holder(x)
+
+
 def test_backward_fills_no_zero_gradients(tmp_path):
     """The tensors the forward op returns for the backward get no gradient: autograd must not fill
     zero tensors for them (on the GPU those fills were 36 us of a 0.8 ms BERT-large step)."""

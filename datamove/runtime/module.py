@@ -350,18 +350,27 @@ class TunedLayer(torch.nn.Module):
         return (getattr(self, name) if value is None else value).permute(self._spec_axes[name])
 
     def _held(self) -> list[torch.Tensor]:
-        """The parameters and constants as this layer holds them (the interface's order)."""
-        return [self._parameters[t] if t in self._parameters else self._buffers[t] for t in self._order.names]
+        """The parameters and constants as this layer holds them (the interface's order); one that
+        ``torch.nn.utils.parametrize`` (LoRA, weight norm) or ``torch.nn.utils.prune`` computes from
+        another tensor, as the module attribute gives it (a KeyError before)."""
+        params, buffers = self._parameters, self._buffers
+        return [params[t] if t in params else buffers[t] if t in buffers else getattr(self, t) for t in self._order.names]
 
     def _spec_tensors(self, held: list[torch.Tensor]) -> list[torch.Tensor]:
         """``held`` as the program reads them, in spec letter order: views autograd does not record
         (the layer's autograd nodes take ``held`` and give their gradients back in its order,
-        ``SpecOrder``), each made once and kept while the tensor and its storage stay the same."""
+        ``SpecOrder``), each made once and kept while the tensor and its storage stay the same.  A
+        tensor of another shape than the layer's (``param.data = ...``) is refused in one line."""
         result = []
         for t, value, axes in zip(self._order.names, held, self._order.axes):
             made_of = (id(value), value.data_ptr())
             kept = self._views.get(t)
             if kept is None or kept[0] != made_of:
+                expected = tuple(self.graph.size(x) for x in self.plan.layouts[t])
+                if tuple(value.shape) != expected:
+                    raise ValueError(f"layer.{t}: shape {tuple(value.shape)}, the layer's is {expected} (over "
+                                     f"{', '.join(self.plan.layouts[t])}, the plan's layout): set it to a tensor of "
+                                     f"that shape (layer.spec_view({t!r}) is it over the spec's letter order)")
                 kept = self._views[t] = (made_of, value.detach().permute(axes))
             result.append(kept[1])
         return result
