@@ -380,6 +380,37 @@ def test_parametrized_and_pruned_weights_are_computed_with(tmp_path):
         holder(x)
 
 
+def test_a_layer_made_on_the_meta_device_computes_where_an_assigned_state_dict_puts_it(tmp_path):
+    """``layer.to("meta")`` then ``load_state_dict(sd, assign=True)`` (the meta-device initialisation):
+    the layer computes on the device and in the dtype of the tensors it was given, output and
+    gradients those of the layer the state dict came from (it refused inputs, "expected meta"); a
+    state dict assigning only some tensors is refused in one line."""
+    artifact = write(tmp_path, "bert", BERT_DIMS, selected_plan)
+    source = load(artifact, "torch")
+    randomize(source, 10)
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"], dtype=torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in source.state_dict().items()}
+        expected_layer = load(artifact, "torch").to(dtype)
+        expected_layer.load_state_dict(state)
+        layer = load(artifact, "torch").to("meta")
+        layer.load_state_dict(state, assign=True)
+        assert layer.device_ == torch.device("cpu") and layer.dtype == dtype
+        torch.manual_seed(3)
+        y = layer(x.to(dtype))
+        y.square().sum().backward()
+        torch.manual_seed(3)
+        expected = expected_layer(x.to(dtype))
+        expected.square().sum().backward()
+        assert torch.equal(y, expected)
+        for (name, p), q in zip(layer.named_parameters(), expected_layer.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    partial = load(artifact, "torch").to("meta")
+    with pytest.raises(ValueError, match="the layer's parameters and constants are now in 2 dtypes or devices"):
+        partial.load_state_dict({"wq": source.wq.detach().clone()}, strict=False, assign=True)
+
+
 def test_backward_fills_no_zero_gradients(tmp_path):
     """The tensors the forward op returns for the backward get no gradient: autograd must not fill
     zero tensors for them (on the GPU those fills were 36 us of a 0.8 ms BERT-large step)."""

@@ -213,6 +213,25 @@ def _stored_as_planned(layer, state_dict, prefix, local_metadata, strict, missin
         state_dict[prefix + "_extra_state"] = layer.get_extra_state()
 
 
+def _follows_assigned(layer, incompatible_keys) -> None:
+    """Load-state-dict post-hook of ``TunedLayer``: ``load_state_dict(..., assign=True)`` gives the layer
+    the state dict's tensors, on their device and in their dtype (a layer made on the meta device and
+    loaded so refused inputs on the device of its weights); it then computes there, as after ``.to``.
+    Tensors left on several devices or in several dtypes (an assigned state dict without some of them)
+    are refused in one line."""
+    held = layer._held()
+    found = {(t.dtype, t.device) for t in held}
+    if len(found) > 1:
+        raise ValueError(f"load_state_dict: the layer's parameters and constants are now in {len(found)} dtypes or "
+                         f"devices ({', '.join(sorted(f'{d} on {v}' for d, v in found))}): assign all of them, or "
+                         "convert the layer after loading (layer.to(device, dtype))")
+    (dtype, device), = found
+    own = layer.device_
+    if dtype != layer.dtype or device.type != own.type or own.index not in (None, device.index):
+        layer._backend_for(dtype, device)
+        layer._moved_to(dtype, device)
+
+
 def default_backend(device: torch.device, dtype: torch.dtype) -> str:
     """``KERNELS`` on CUDA, ``TORCH`` elsewhere and in float64 (``check_backend``)."""
     return KERNELS if device.type == "cuda" and dtype != torch.float64 else TORCH
@@ -315,15 +334,19 @@ class TunedLayer(torch.nn.Module):
             self._backend_for(after.dtype, after.device)  # refused before anything converts
         result = super()._apply(fn, recurse)
         if moved:
-            self._runs_in(after.dtype, after.device)
-            self.graphs, self._calls, self._graphed, self._views, self._last_call = LayerGraphs(), {}, set(), {}, None
-            tuned = self.plan.dtype.torch
-            if after.dtype != tuned and (after.dtype, tuned) not in self._warned:
-                self._warned.add((after.dtype, tuned))
-                warnings.warn(f"datamove: the layer now computes in {after.dtype}; its plan was tuned in {tuned} "
-                              f"(its kernels run untimed in {after.dtype}): tune it with optimize-layer --dtype",
-                              stacklevel=3)
+            self._moved_to(after.dtype, after.device)
         return result
+
+    def _moved_to(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compute in ``dtype`` on ``device``, where the parameters now are, with programs and graphs
+        made anew; a dtype other than the plan's is warned about once: its kernels were not timed in it."""
+        self._runs_in(dtype, device)
+        self.graphs, self._calls, self._graphed, self._views, self._last_call = LayerGraphs(), {}, set(), {}, None
+        tuned = self.plan.dtype.torch
+        if dtype != tuned and (dtype, tuned) not in self._warned:
+            self._warned.add((dtype, tuned))
+            warnings.warn(f"datamove: the layer now computes in {dtype}; its plan was tuned in {tuned} "
+                          f"(its kernels run untimed in {dtype}): tune it with optimize-layer --dtype", stacklevel=4)
 
     def _allocate_parameters(self) -> None:
         """Parameters and constants, each a contiguous tensor over its letters in the plan's layout
@@ -342,6 +365,7 @@ class TunedLayer(torch.nn.Module):
                 self.register_buffer(t, stored)
         self._order = SpecOrder(names, [self._spec_axes[t] for t in names])
         self.register_load_state_dict_pre_hook(_stored_as_planned)
+        self.register_load_state_dict_post_hook(_follows_assigned)
         self.reset_parameters()
 
     def spec_view(self, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
