@@ -411,6 +411,31 @@ def test_a_layer_made_on_the_meta_device_computes_where_an_assigned_state_dict_p
         partial.load_state_dict({"wq": source.wq.detach().clone()}, strict=False, assign=True)
 
 
+def test_a_layer_saved_whole_and_loaded_elsewhere_compiles_its_own_program(tmp_path, monkeypatch):
+    """``torch.save(layer)`` then ``torch.load`` in another process, where the name its program had is
+    another's (here: another layer's training program put under it): the loaded layer under
+    ``torch.compile`` computes its own program, as it does eagerly and as the saved one did (it ran
+    the other program: dropout in evaluation mode)."""
+    import io
+    from datamove.runtime import module
+
+    artifact = write(tmp_path, "bert", BERT_DIMS, selected_plan)
+    layer, other = load(artifact, "torch").eval(), load(artifact, "torch").train()
+    randomize(layer, 11)
+    d = BERT_DIMS
+    x = torch.randn(d["B"], d["L"], d["N"])
+    expected = layer(x)
+    saved = io.BytesIO()
+    torch.save(layer, saved)
+    (name,) = [program.name for program in layer._programs.values()]
+    monkeypatch.setitem(module.PROGRAMS, name, other.program(True))  # what the name is in the other process
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert torch.equal(loaded(x), expected)
+    assert torch.equal(torch.compile(loaded, fullgraph=True, backend="aot_eager")(x), expected)
+    torch._dynamo.reset()
+
+
 def test_backward_fills_no_zero_gradients(tmp_path):
     """The tensors the forward op returns for the backward get no gradient: autograd must not fill
     zero tensors for them (on the GPU those fills were 36 us of a 0.8 ms BERT-large step)."""

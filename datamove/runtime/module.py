@@ -409,6 +409,16 @@ class TunedLayer(torch.nn.Module):
     def set_extra_state(self, state) -> None:
         """Nothing to set: ``_stored_as_planned`` put the loaded tensors in this layer's layouts."""
 
+    def __setstate__(self, state) -> None:
+        """Unpickling (``torch.load`` of a saved layer or model, ``copy.deepcopy``): the layer's programs
+        registered under names of this process (the custom ops find a program by name, and the
+        pickled names were another process's: ``torch.compile`` of a loaded layer ran whatever program
+        held that name here, another layer's training program, say, or failed with a KeyError)."""
+        super().__setstate__(state)
+        for program in self._programs.values():
+            if PROGRAMS.get(program.name) is not program:
+                register(program)
+
     def sibling(self) -> "TunedLayer":
         """Another layer of the same plan (its own parameters, graphs and hooks), sharing this one's
         compiled programs.  (The hooks were shared once: ``fully_shard`` of each of 4 siblings ran all
