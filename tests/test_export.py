@@ -8,6 +8,7 @@ to ||reference||, except for a gradient that is exactly zero in exact arithmetic
 bias: softmax is shift-invariant): its result is rounding noise of the gradients it is summed
 from, judged against the layer's largest gradient norm.
 """
+import copy
 import json
 from dataclasses import replace
 import re
@@ -409,6 +410,27 @@ def test_a_layer_made_on_the_meta_device_computes_where_an_assigned_state_dict_p
     partial = load(artifact, "torch").to("meta")
     with pytest.raises(ValueError, match="the layer's parameters and constants are now in 2 dtypes or devices"):
         partial.load_state_dict({"wq": source.wq.detach().clone()}, strict=False, assign=True)
+
+
+def test_a_layer_on_the_meta_device_gives_the_shapes_of_its_results(tmp_path):
+    """A layer moved to the meta device and called on a meta input (shape inference, memory or FLOP
+    estimates before weights exist) gives the output and every gradient of a real call's shapes and
+    strides, on the meta device (it failed in the torch backend: "Tensor.item() cannot be called on
+    meta tensors"); GPT-2's causal constant, holding no values there, is not checked."""
+    for spec, dims, shape in (("bert", BERT_DIMS, (BERT_DIMS["B"], BERT_DIMS["L"], BERT_DIMS["N"])),
+                              ("gpt2", GPT2_DIMS, (GPT2_DIMS["B"], GPT2_DIMS["T"], GPT2_DIMS["D"]))):
+        layer = load(write(tmp_path, spec, dims, selected_plan), "torch").train()
+        x = torch.randn(shape, requires_grad=True)
+        y = layer(x)
+        y.square().sum().backward()
+        meta = copy.deepcopy(layer).to("meta")
+        x_meta = torch.randn(shape, device="meta", requires_grad=True)
+        y_meta = meta(x_meta)
+        y_meta.square().sum().backward()
+        assert y_meta.device.type == "meta" and (y_meta.shape, y_meta.stride()) == (y.shape, y.stride())
+        assert x_meta.grad.shape == x.grad.shape
+        for (name, p), q in zip(meta.named_parameters(), layer.parameters()):
+            assert p.grad.device.type == "meta" and (p.grad.shape, p.grad.stride()) == (q.grad.shape, q.grad.stride()), name
 
 
 def test_a_layer_saved_whole_and_loaded_elsewhere_compiles_its_own_program(tmp_path, monkeypatch):

@@ -524,7 +524,8 @@ class TunedLayer(torch.nn.Module):
         additive ``causal``) holds that mask (``families.attention.check_causal_constant``).  Checked
         when a constant's storage or version changes (one device sync); not while compiling or
         capturing."""
-        if torch.compiler.is_compiling() or (self.device_.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if torch.compiler.is_compiling() or self.device_.type == "meta" or (
+                self.device_.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
         unset = []
         for name in self.interface.constants:
@@ -630,7 +631,7 @@ class TunedLayer(torch.nn.Module):
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t],
                   " (the layer's dtype: convert the input" + (", or the layer and its model with .to({dtype}))"
                                                               if convertible else ")"))
-        if torch.compiler.is_compiling():  # traced: the views as autograd records them
+        if torch.compiler.is_compiling() or self.device_.type == "meta":  # traced, or shapes only: the ops' fakes
             seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)
             tensors = [self.spec_view(t) for t in face.parameters + face.constants]
             outputs = layer_forward(program.name, seed, [*activations, *tensors], key_padding_mask)[:len(face.outputs)]
