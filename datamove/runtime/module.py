@@ -415,6 +415,8 @@ class TunedLayer(torch.nn.Module):
         pickled names were another process's: ``torch.compile`` of a loaded layer ran whatever program
         held that name here, another layer's training program, say, or failed with a KeyError)."""
         super().__setstate__(state)
+        self.__dict__.setdefault("_last_call", None)  # layers pickled before these attributes existed
+        self.__dict__.setdefault("dropout_off", False)
         for program in self._programs.values():
             if PROGRAMS.get(program.name) is not program:
                 register(program)
