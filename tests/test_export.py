@@ -158,6 +158,41 @@ def test_gpt2_refuses_a_causal_constant_its_fused_attention_does_not_apply(tmp_p
         layer(x)
 
 
+def test_constants_of_known_value_that_lost_it_are_refused_on_either_backend(tmp_path, llama_artifact):
+    """After ``to_empty`` (a checkpoint without the constants, HF's say): GPT-2's causal mask, whose
+    plan on the torch backend reads it as it is, and Llama's front-end matrices (``rotate_half``'s)
+    are refused, not computed with; ``reset_constants`` sets them again, the layer then computing as
+    before (float32 here, against the layer before the reset)."""
+    gpt2 = write(tmp_path, "gpt2", GPT2_DIMS, selected_plan)
+    for path, name_kind in ((gpt2, "causal mask"), (llama_artifact, "values the spec gives it")):
+        layer = load(path, backend="torch", allow_mismatch=True)
+        randomize(layer, 6)
+        program = layer.program(True)
+        x = torch.randn(program.torch_shapes[layer.interface.activations[0]], generator=torch.Generator().manual_seed(7))
+        if "cos" in layer.interface.constants:
+            for name in ("cos", "sin"):
+                layer.set_constant(name, torch.randn(layer.spec_view(name).shape))
+        layer.eval()
+        before = layer(x)
+        kept = {n: layer.spec_view(n).clone() for n in ("cos", "sin") if n in layer.interface.constants}
+        weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+        layer.to_empty(device="cpu")
+        with torch.no_grad():
+            for n, p in layer.named_parameters():
+                p.copy_(weights[n])  # a checkpoint of the weights alone
+            for name in layer.initial:
+                if name in layer.interface.constants:
+                    layer.spec_view(name).fill_(0.5)  # what empty memory may hold
+        for n, value in kept.items():
+            layer.set_constant(n, value)
+        with pytest.raises(ValueError, match=f"does not hold its {name_kind}.*layer.reset_constants"):
+            layer(x)
+        layer.reset_constants()
+        for n, value in kept.items():
+            layer.set_constant(n, value)
+        torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+
+
 def _hf_bert_layer():
     transformers = pytest.importorskip("transformers")
     from transformers.models.bert.modeling_bert import BertLayer

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from datamove.hf import replace_llama_layers
+from datamove.runtime.module import TunedLayer
 from hf_models import check_against_hf, replaced_pair
 
 transformers = pytest.importorskip("transformers")
@@ -144,8 +145,10 @@ def test_the_models_tables_are_set_without_a_check_per_call(llama_artifact, monk
     _, ours = models(llama_artifact)
     layer = ours.layers[0].layer
     looked = []
-    real = torch.Tensor.isnan
+    real, holds = torch.Tensor.isnan, TunedLayer._holds_its_value
     monkeypatch.setattr(torch.Tensor, "isnan", lambda self: looked.append(tuple(self.shape)) or real(self))
+    monkeypatch.setattr(TunedLayer, "_holds_its_value",
+                        lambda self, name, value: looked.append(name) or holds(self, name, value))
     ours(input_ids=torch.randint(0, 50, (2, 16)))  # the first call checks each constant once
     assert looked
     looked.clear()

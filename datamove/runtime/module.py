@@ -478,12 +478,29 @@ class TunedLayer(torch.nn.Module):
                 param.normal_(0.0, 0.02)
             else:
                 param.fill_(1.0 if kind == ONE else 0.0)
+        self.reset_constants()
+
+    @torch.no_grad()
+    def reset_constants(self) -> None:
+        """The constants alone as ``reset_parameters`` sets them (after ``to_empty``, say, with a
+        checkpoint that does not hold them: a HF one): a causal mask or a constant of known value
+        set to it, any other constant NaN (not set)."""
         for name in self.interface.constants:
             value, kind = self.spec_view(name), self.initial.get(name)
             if isinstance(kind, (CausalMask, KnownValue)):
                 value.copy_(torch.from_numpy(kind.array(self.graph, name)))
             else:
                 value.fill_(math.nan)
+
+    def _holds_its_value(self, name: str, value: torch.Tensor) -> bool:
+        """Whether constant ``name`` (``value``: its spec-order view) holds what the graph gives it: its
+        known value, compared in the layer's dtype; a causal mask 0 at or before the query and its
+        masked score or less after."""
+        kind = self.initial[name]
+        expected = torch.from_numpy(kind.array(self.graph, name)).to(value.device, value.dtype)
+        if isinstance(kind, CausalMask):
+            return bool(torch.where(expected == 0, value == 0, value <= expected).all())
+        return bool((value == expected).all())
 
     @functools.cached_property
     def applies_key_padding(self) -> bool:
@@ -523,7 +540,8 @@ class TunedLayer(torch.nn.Module):
     def _check_constants(self, program) -> None:
         """Every constant must be set: one the graph gives no value (``reset_parameters`` left it
         NaN) holds no NaN; one that the plan's fused attention replaces by its causal mask (GPT-2's
-        additive ``causal``) holds that mask (``families.attention.check_causal_constant``).  Checked
+        additive ``causal``) holds that mask (``families.attention.check_causal_constant``); any other
+        the graph gives a value (a causal mask, a concatenation's matrix) holds it (``_holds_its_value``).  Checked
         when a constant's storage or version changes (one device sync); not while compiling or
         capturing."""
         if torch.compiler.is_compiling() or self.device_.type == "meta" or (
@@ -538,6 +556,11 @@ class TunedLayer(torch.nn.Module):
             value = self.spec_view(name)
             if name in program.causal_constants:  # (queries, keys): the spec adds it over those letters
                 check_causal_constant(name, value)
+            elif name in self.initial:
+                if not self._holds_its_value(name, value):
+                    what = "causal mask" if isinstance(self.initial[name], CausalMask) else "values the spec gives it"
+                    raise ValueError(f"constant {name!r} does not hold its {what} (its memory was reset, by to_empty "
+                                     "say, and no checkpoint held it): call layer.reset_constants()")
             elif bool(value.isnan().any()):
                 unset.append(f"{name!r} (over {', '.join(self.graph.tensors[name].letters)}: {tuple(value.shape)})")
                 continue
