@@ -45,6 +45,7 @@ import weakref
 import torch
 
 from datamove.export import check_config, load_layer, load_weights, module_kind, spec_values, state_dict_for
+from datamove.dataflow.initial_values import WEIGHT
 from datamove.runtime.module import TunedLayer
 
 
@@ -390,6 +391,22 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
         raise ValueError(f"datamove: no {kind} in the model to replace (its layers: {', '.join(found) or 'none'}); "
                          f"the tuned layer stands in for HF's {kind} only")
     return replaced
+
+
+def decay_parameter_names(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s parameters that HF's ``Trainer`` gives weight decay, as it would were
+    the replaced layers HF's: ``Trainer.get_decay_parameter_names`` goes by names ('bias', 'norm')
+    and LayerNorm modules, which a tuned layer's spec names (``bq``, ``ln1_gamma``) escape, so its
+    biases and norm gains would decay.  A tuned layer's parameters decay where an einsum reads them
+    (``initial_values``' weights: the projections), the rest of the model by HF's rule.  Use it in a
+    ``Trainer`` subclass's ``get_decay_parameter_names``, or for your optimizer's groups."""
+    from transformers import Trainer
+
+    tuned = {name: module.layer for name, module in model.named_modules() if isinstance(module, BertLayerReplacement)}
+    names = [n for n in Trainer.get_decay_parameter_names(None, model)
+             if not any(n.startswith(f"{prefix}.layer.") for prefix in tuned)]
+    return names + [f"{prefix}.layer.{name}" for prefix, layer in tuned.items()
+                    for name, _ in layer.named_parameters() if layer.initial[name] == WEIGHT]
 
 
 def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:

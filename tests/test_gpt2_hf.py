@@ -8,7 +8,7 @@ in one line."""
 import pytest
 import torch
 
-from datamove.hf import GPT2BlockReplacement, replace_gpt2_blocks
+from datamove.hf import GPT2BlockReplacement, decay_parameter_names, replace_gpt2_blocks
 from conftest import GPT2_DIMS
 from hf_models import check_against_hf, replaced_pair
 
@@ -73,6 +73,27 @@ def test_a_model_without_dropout_trains_the_blocks_without_it(gpt2_artifact):
     check_against_hf(reference, ours, ids, mask, TOLERANCE)
     with pytest.raises(ValueError, match=r"attn_pdrop=0\.2.*\(dropout rates: the spec's, or all 0"):
         models(gpt2_artifact, attn_pdrop=0.2, resid_pdrop=0.0)
+
+
+def test_weight_decay_falls_on_the_parameters_hf_decays(gpt2_artifact):
+    """HF's Trainer decays by names and LayerNorm modules, which the blocks' spec names escape (their
+    biases and gains would decay); ``decay_parameter_names`` gives the replaced model HF's choice:
+    each decayed parameter of a block is read from a tensor HF decays, each HF decays is covered."""
+    reference, ours = models(gpt2_artifact)
+    hf_decayed = set(transformers.Trainer.get_decay_parameter_names(None, reference))
+    assert any(".layer.b" in n for n in transformers.Trainer.get_decay_parameter_names(None, ours))  # HF's own rule
+    ours_decayed, covered = decay_parameter_names(ours), set()
+    for name in ours_decayed:
+        if ".layer." not in name:
+            assert name in hf_decayed, name
+            covered.add(name)
+            continue
+        block, tensor = name.split(".layer.")
+        replacement = ours.get_submodule(block)
+        key = replacement.layer.weights_table[replacement.hf_kind][tensor][0]
+        assert f"{block}.{key}" in hf_decayed, name
+        covered.add(f"{block}.{key}")
+    assert covered == hf_decayed
 
 
 def test_generation_and_cross_attention_are_refused(gpt2_artifact):
