@@ -226,6 +226,20 @@ def einsum_elementwise(t, m):
     return energy + torch.einsum("btd,btd->bt", x, x * g)
 
 
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
+
+
+def parallel_block(t, m):
+    x = t["x"]
+    h = F.layer_norm(x, x.shape[-1:], t["g"], t["beta"], eps=1e-5)
+    q = torch.einsum("bsd,dhe->bhse", h, t["wq"]) + t["bq"][:, None, :]
+    k, v = h @ t["wk"], h @ t["wv"]
+    s = torch.einsum("bhse,bte->bhst", q, k) / q.shape[-1] ** 0.5 + t["rel"]
+    p = torch.softmax(torch.tanh(s / 5.0) * 5.0, dim=-1)
+    attention = torch.einsum("bhse,hed->bsd", torch.einsum("bhst,bte->bhse", p, v), t["wo"])
+    return x + attention + (_gelu_tanh(h @ t["wg"]) * (h @ t["wu"])) @ t["wd"] + t["bd"]
+
 CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of the forward pass), torch layer
     "mlp_softmax": ((3, 1, 5), mlp_softmax),  # bias and ReLU each one map; the softmax one operator
     "layernorm_linear_gelu": ((1, 1, 2), layernorm_linear_gelu),  # LN, Linear, bias, GELU
@@ -261,6 +275,8 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "einsum_chain": ((3, 0, 2), einsum_chain),  # x w1 w2: two GEMMs; h v w2: a product, then a GEMM
     "einsum_summed_letter": ((2, 2, 2), einsum_summed_letter),  # w summed over e, x over t: reductions
     "einsum_elementwise": ((0, 1, 4), einsum_elementwise),  # products; the dot product's sum joins the output's
+    # one h read by K/V and by the MLP's gate and up: two stacks' sums in one gradient (d_h), each its own partial
+    "parallel_block": ((9, 2, 9), parallel_block),
 }
 
 
@@ -325,7 +341,7 @@ def test_plain_spec_matches_numpy_and_torch(analyses, name):
 
 
 DATA_INPUTS = {"mlp_softmax": ("input",), "cross_attention": ("x", "memory"), "helper_einsum_arg": ("h",),
-               "rope_table_gradient": ("x", "sin")}  # others: ("x",)
+               "rope_table_gradient": ("x", "sin"), "parallel_block": ("x", "rel")}  # rel: over (h, s, t)  # others: ("x",)
 
 
 @pytest.mark.parametrize("name", CORPUS)

@@ -463,7 +463,10 @@ class StackContractions(Rule):
             state.groups[gid].prims.append(acc.name)
             state._index()
             return
-        partial = TensorInfo(f"{acc.output.tensor}_stacked", state.graph.tensors[acc.output.tensor].letters, "intermediate")
+        # one gradient may take two stacks' sums (Q/K/V and an MLP's gate and up reading one h): each its own partial
+        name = next(n for k in range(len(state.graph.tensors) + 1)
+                    if (n := f"{acc.output.tensor}_stacked{k or ''}") not in state.graph.tensors)
+        partial = TensorInfo(name, state.graph.tensors[acc.output.tensor].letters, "intermediate")
         sum_stack = Primitive(f"map:{partial.name}", "map", tuple(Operand(t, letters) for t in stacked),
                               Operand(partial.name, letters), " + ".join(f"in{k}" for k in range(len(stacked))))
         inputs = tuple(rest) + (Operand(partial.name, letters),)
