@@ -227,6 +227,31 @@ def test_a_negated_size_is_a_size(tmp_path, capsys):
     assert main([str(path), "--analyze"]) == 0, capsys.readouterr().err
 
 
+@pytest.mark.parametrize("body, says", [
+    ('''
+        def layer(x: Tensor("bln"), w: Tensor("mn"), c: Tensor("m")):
+            return np.einsum("bln,mn->blm", x, w)
+        ''', "layer does not use its argument c: remove it from the signature, or use it in the layer"),
+    ('''
+        OPTIONS = {"bias": ("no", "yes")}
+        BIAS = "no"
+
+
+        def layer(x: Tensor("bln"), w: Tensor("mn"), c: Tensor("m"), d: Tensor("m")):
+            y = np.einsum("bln,mn->blm", x, w)
+            if BIAS == "yes":
+                y = y + c + d
+            return y
+        ''', "layer does not use its arguments c, d with bias=no: remove them"),
+])
+def test_an_argument_the_layer_does_not_read_is_named_with_the_def_line(tmp_path, capsys, body, says):
+    """A weight the forward never reads (one used under another OPTIONS value) has no gradient to
+    compute: refused naming it and the def line (the export stopped at "the training graph has no
+    gradient tensor 'd_c'", with neither)."""
+    path, err = _run(tmp_path, capsys, body)
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if text.startswith("def layer"))
+    assert f"{path}:{line}: {says}" in err, err
+
 def test_missing_dims_listed(tmp_path, capsys):
     header = GOOD_HEADER.replace("B, L, N = dims(B=2, L=3, N=4)", "B, L, N = dims(B=None, L=None, N=4)")
     _, err = _run(tmp_path, capsys, SCALE_LAYER, header=header)

@@ -13,12 +13,12 @@ from datamove.dataflow.attention import AttentionCandidate, attention_candidates
 from datamove.dataflow.einsum_split import split_einsums
 from datamove.dataflow.fusion import FusedGraph, fuse
 from datamove.dataflow.graph import PrimitiveGraph
-from datamove.dataflow.lowering.lowered_module import lower_spec
+from datamove.dataflow.lowering.lowered_module import lower_spec, spec_line
 from datamove.dataflow.operators import Operator, group_operators
 from datamove.dataflow.recompute import recompute_elementwise
 from datamove.dataflow.sdfg import build_sdfg
 from datamove.dataflow.sdfg_reader import walk_sdfg
-from datamove.dataflow.spec import LayerSpec, load_spec
+from datamove.dataflow.spec import LayerSpec, SpecError, load_spec
 
 
 @dataclass
@@ -71,7 +71,25 @@ def spec_graph(spec: LayerSpec) -> PrimitiveGraph:
     """A loaded spec's forward primitive graph, read from its SDFG (DaCe's parse: seconds), its
     einsums that are no GEMM rewritten (``dataflow.einsum_split``)."""
     sdfg, einsums = build_sdfg(spec)
-    return split_einsums(walk_sdfg(spec, sdfg, einsums))
+    graph = split_einsums(walk_sdfg(spec, sdfg, einsums))
+    _check_weights_read(spec, graph)
+    return graph
+
+
+def _check_weights_read(spec: LayerSpec, graph: PrimitiveGraph) -> None:
+    """Refuse an argument with a gradient that the forward never reads (its gradient, all zeros, has
+    no operator to compute it), naming the ``def`` line; an unread constant or mask is left alone."""
+    read = {op.tensor for p in graph.primitives for op in p.inputs}
+    unread = [a.name for a in spec.arguments if a.kind == "tensor" and a.requires_grad and not a.value
+              and a.name not in read]
+    if unread:
+        under = f" with {', '.join(f'{k}={v}' for k, v in spec.options.items())}" if spec.options else ""
+        code = spec.function.__code__
+        _, line = spec_line(code.co_filename, code.co_firstlineno) or (None, code.co_firstlineno)
+        raise SpecError(f"{spec.path}:{line}: {spec.name} does not use its "
+                        f"argument{'s' if len(unread) > 1 else ''} {', '.join(unread)}{under}: remove "
+                        f"{'them' if len(unread) > 1 else 'it'} from the signature, or use "
+                        f"{'them' if len(unread) > 1 else 'it'} in the layer")
 
 
 def analyse_spec(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None) -> Analysis:
