@@ -627,3 +627,42 @@ def test_causal_mask_spellings(tmp_path, masking):
     (mask,) = [t for t, info in graph.tensors.items() if info.value]
     assert graph.tensors[mask].letters == "st"
     assert initial_values(graph, [], [mask]) == {mask: CausalMask(rows="s", keys="t")}
+
+
+REASSIGNED = '''
+import numpy as np
+from datamove.dataflow.spec import Tensor, dims
+B, T, D = dims(B=3, T=5, D=7)
+INDEX = {"b": B, "s": T, "d": D, "c": D}
+OPTIONS = {"act": ("relu", "tanh")}
+ACT = "relu"
+
+
+def layer(x: Tensor("bsd"), w: Tensor("dc")):
+    h = x @ w
+    if ACT == "tanh":
+        h = np.tanh(h)
+    else:
+        h = np.maximum(h, 0.0)
+    return h
+'''
+
+
+@pytest.mark.parametrize("act, torch_act", [("relu", torch.relu), ("tanh", torch.tanh)])
+def test_an_output_named_like_an_earlier_value_is_the_last_value(tmp_path, act, torch_act):
+    """``h = x @ w; h = f(h); return h`` (f chosen by an option): the output h is f's result and the
+    first h a tensor of its own (both were named h_1, the einsum's output read and written by f's
+    map, and the backward stopped in a KeyError on 'h'); output and gradients are torch's."""
+    path = tmp_path / "reassigned.py"
+    path.write_text(REASSIGNED)
+    analysis = analyse_spec(path, options={"act": act})
+    graph, training = analysis.graph, analysis.training
+    assert graph.outputs == ["h"] and len({p.output.tensor for p in graph.primitives}) == 2
+    values = random_inputs(graph, training, np.random.default_rng(5))
+    result = execute(training.graph, values, SEED)
+    x, w = (torch.tensor(values[n], requires_grad=True) for n in ("x", "w"))
+    y = torch_act(x @ w)
+    assert relative_error(result["h"], y.detach().numpy()) < 1e-12
+    y.backward(torch.tensor(values[training.seeds["h"]]))
+    for leaf, grad in (("x", x.grad), ("w", w.grad)):
+        assert relative_error(result[training.input_grads[leaf]], grad.numpy()) < 1e-12, leaf

@@ -273,6 +273,10 @@ def walk_sdfg(spec: LayerSpec, sdfg: dace.SDFG, records: list[EinsumRecord]) -> 
 
     out_arrays = sorted(name for name in sdfg.arrays if name.startswith("__return"))
     rename = dict(zip(out_arrays, spec.output_names))
+    for name in spec.output_names:  # h = x @ w; h = f(h); return h: the first h, an array of its own, is renamed
+        if name in sdfg.arrays:
+            rename[name] = next(n for k in range(1, len(sdfg.arrays) + 2)
+                                if (n := f"{name}_{k}") not in sdfg.arrays and n not in spec.output_names)
     letters: dict[str, str] = {arg.name: arg.letters for arg in spec.arguments}
     letter_dims = dict(spec.letter_dims)
     tensors = {arg.name: TensorInfo(arg.name, arg.letters,
