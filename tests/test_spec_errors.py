@@ -322,6 +322,23 @@ def test_a_spec_exiting_or_offering_an_option_without_values_is_named(tmp_path, 
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert says.format(path=path) in err, err
 
+def test_an_option_whose_constant_the_spec_does_not_define_is_named(tmp_path, capsys):
+    """OPTIONS = {"act": ...} sets ACT; a spec branching on a constant spelt act kept act's value
+    whatever --set said (--set act=tanh gave a ReLU layer, silently): refused with OPTIONS' line."""
+    path, err = _run(tmp_path, capsys, '''
+        OPTIONS = {"act": ("relu", "tanh")}
+        act = "relu"
+
+
+        def layer(x: Tensor("bln")):
+            h = np.maximum(x, 0.0)
+            if act == "tanh":
+                h = np.tanh(x)
+            return h
+        ''', "--set", "act=tanh")
+    assert f"{path}:7: OPTIONS offers 'act', which sets the module constant ACT, and the spec defines no ACT: " \
+        "define ACT = 'relu' (the default) and branch on it" in err, err
+
 
 @pytest.mark.parametrize("name", ["\u00e9coute.py", "my-layer.py", "2 layers.py"])
 def test_a_spec_file_name_dace_would_refuse_as_an_sdfg_name_runs(tmp_path, capsys, name):

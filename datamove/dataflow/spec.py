@@ -320,7 +320,7 @@ def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
     source = _read_source(path)
     tree = _check_source(path, source)
     module = _import(path, source)
-    chosen = _apply_options(path, module, options or {})
+    chosen = _apply_options(path, tree, module, options or {})
     function = _layer_function(path, tree, module)
     letter_dims, dim_values = _resolve_dims(path, module, dim_overrides or {})
     arguments = []
@@ -369,13 +369,20 @@ def _declared_inputs(path: Path, tree: ast.Module, module, function, arguments: 
     return tuple(value)
 
 
-def _apply_options(path: Path, module, options: dict[str, str]) -> dict[str, str]:
+def _apply_options(path: Path, tree: ast.Module, module, options: dict[str, str]) -> dict[str, str]:
+    """Set each OPTIONS name's module constant (its name in capitals: activation -> ACTIVATION) to
+    its ``--set`` value or its default, the first; the values chosen."""
     declared = getattr(module, "OPTIONS", {}) or {}
     chosen = {}
     for name, choices in declared.items():
         if not isinstance(choices, (tuple, list)) or not choices or not all(isinstance(c, str) for c in choices):
             raise SpecError(f"{path}: OPTIONS[{name!r}] is {choices!r}; expected a tuple of its values (strings), "
                             "the default first, e.g. OPTIONS = {\"activation\": (\"relu\", \"gelu\")}")
+        if name.upper() not in vars(module):  # a constant spelt otherwise would keep its value whatever --set says
+            line = _assignment_line(tree, "OPTIONS")
+            raise SpecError(f"{path}:{line}: OPTIONS offers {name!r}, which sets the module constant {name.upper()}, "
+                            f"and the spec defines no {name.upper()}: define {name.upper()} = {choices[0]!r} (the "
+                            "default) and branch on it")
         value = options.get(name.lower(), choices[0])
         if value not in choices:
             raise SpecError(f"--set {name}={value}: choose one of {', '.join(choices)}")
