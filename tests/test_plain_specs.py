@@ -240,6 +240,16 @@ def parallel_block(t, m):
     attention = torch.einsum("bhse,hed->bsd", torch.einsum("bhst,bte->bhse", p, v), t["wo"])
     return x + attention + (_gelu_tanh(h @ t["wg"]) * (h @ t["wu"])) @ t["wd"] + t["bd"]
 
+def qk_norm(t, m):
+    x = t["x"]
+    q = _rms(torch.einsum("bsd,dhe->bhse", x, t["wq"]), t["gq"], 1e-6)
+    k = _rms(torch.einsum("bsd,dhe->bhse", x, t["wk"]), t["gk"], 1e-6)
+    v = torch.einsum("bsd,dhe->bhse", x, t["wv"])
+    T = x.shape[1]
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(
+        torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return x + 0.5 * torch.einsum("bhse,hed->bsd", torch.softmax(scores, dim=-1) @ v, t["wo"]) * t["ls"]
+
 CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of the forward pass), torch layer
     "mlp_softmax": ((3, 1, 5), mlp_softmax),  # bias and ReLU each one map; the softmax one operator
     "layernorm_linear_gelu": ((1, 1, 2), layernorm_linear_gelu),  # LN, Linear, bias, GELU
@@ -277,6 +287,9 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     "einsum_elementwise": ((0, 1, 4), einsum_elementwise),  # products; the dot product's sum joins the output's
     # one h read by K/V and by the MLP's gate and up: two stacks' sums in one gradient (d_h), each its own partial
     "parallel_block": ((9, 2, 9), parallel_block),
+    # q @ k.T of two results of one helper: k's array was read as q's and q's as k's (DaCe swaps a GEMM's operands
+    # for a transposed output; the helper's returned arrays, renamed, matched neither recorded name)
+    "qk_norm": ((6, 3, 7), qk_norm),
 }
 
 

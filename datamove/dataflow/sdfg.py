@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import dace
 import dace.frontend.common.einsum as dace_einsum
+from dace.sdfg import nodes
 
 from datamove.dataflow.lowering.support import SUPPORTED
 from datamove.dataflow.spec import LayerSpec, SpecError
@@ -19,11 +20,20 @@ from datamove.dataflow.spec import LayerSpec, SpecError
 
 @dataclass(frozen=True)
 class EinsumRecord:
-    """One ``np.einsum`` call as parsed: ``subscripts`` like ``"phi,ibj->phbj"``, SDFG array names."""
+    """One ``np.einsum`` call as parsed: ``subscripts`` like ``"phi,ibj->phbj"``, SDFG array names;
+    ``reads``: per operand, the access node the einsum read it through (None where it made none)."""
 
     subscripts: str
     operands: tuple[str, ...]
     output: str
+    reads: tuple = field(default=(), compare=False)
+
+    @property
+    def renamed_operands(self) -> tuple[str, ...]:
+        """The operands under the names simplification gave them: it renames an array's access nodes
+        in place (a helper's returned array becomes the name it is assigned to), and may drop them after."""
+        return tuple(node.data if node is not None else name
+                     for name, node in zip(self.operands, self.reads or [None] * len(self.operands)))
 
 
 @contextlib.contextmanager
@@ -40,8 +50,11 @@ def _recording_einsums(records: list[EinsumRecord]):
                 if sizes.setdefault(letter, str(size)) != str(size):
                     raise SpecError(f"contradictory dims: letter {letter} is {sizes[letter]} and {size} "
                                     f"in np.einsum({subscripts!r})")
+        before = set(map(id, state.nodes()))
         output = original(sdfg, state, einsum_string, *arrays, **kwargs)
-        records.append(EinsumRecord(subscripts, tuple(arrays), output))
+        reads = {node.data: node for node in state.nodes()
+                 if id(node) not in before and isinstance(node, nodes.AccessNode) and node.data in arrays}
+        records.append(EinsumRecord(subscripts, tuple(arrays), output, tuple(reads.get(a) for a in arrays)))
         return output
 
     dace_einsum.create_einsum_sdfg = recorder

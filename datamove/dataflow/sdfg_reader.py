@@ -169,9 +169,10 @@ def _read_state(sdfg, state, records: dict[str, EinsumRecord], raws: list[_RawPr
                 continue
             emitted.add(node.data)
             record = records[node.data]
-            operands = [name for name in record.operands if name in upstream]
+            operands = [name if name in upstream else renamed if renamed in upstream else None
+                        for name, renamed in zip(record.operands, record.renamed_operands)]
             leftover = [name for name in upstream if name not in operands]
-            operands = [name if name in upstream else leftover.pop(0) for name in record.operands]
+            operands = [name if name is not None else leftover.pop(0) for name in operands]
             raws.append(_RawPrimitive("einsum", record.subscripts, [(n, []) for n in operands], (node.data, [])))
         elif isinstance(node, nodes.AccessNode):
             for edge in state.in_edges(node):
