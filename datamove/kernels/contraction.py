@@ -524,18 +524,27 @@ def run_triton(plan: GemmPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tens
 
 def gemm_plan(spec: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> GemmPlan:
     """The ``GemmPlan`` of einsum ``spec`` for the layouts ``a``, ``b`` and ``out`` are stored in (read from
-    their strides); raises ValueError with the reason when that combination is not a GEMM."""
+    their strides), a BLAS one where a placement of the letters of size 1 gives one (``unit_placements``:
+    at s = t = 1 the scores 'stbh' are the storage of 'bhst'); raises ValueError with the reason when
+    that combination is not a GEMM."""
     c = parse(spec)
     sizes = _sizes_of(c, a, b)
     layouts = (layout_of(a, c.a), layout_of(b, c.b), layout_of(out, c.out))
     result = map_layouts(c, layouts, sizes)
-    if isinstance(result, NotAGemm):
-        mapped = next((m for m in map(lambda each: map_layouts(c, each, sizes), unit_placements(layouts, sizes))
-                       if not isinstance(m, NotAGemm)), None)
-        if mapped is None:
-            raise ValueError(f"{spec} with layouts {result.layouts}: {result.reason}")
-        return mapped
-    return result
+    if isinstance(result, GemmPlan) and result.blas:
+        return result
+    placed = (m for m in map(lambda each: map_layouts(c, each, sizes), unit_placements(layouts, sizes))
+              if isinstance(m, GemmPlan))
+    first = None
+    for mapped in placed:
+        if mapped.blas:
+            return mapped
+        first = first or mapped
+    if isinstance(result, GemmPlan):
+        return result
+    if first is None:
+        raise ValueError(f"{spec} with layouts {result.layouts}: {result.reason}")
+    return first
 
 
 UNIT_PLACEMENTS = 4096  # layouts tried at most where letters of size 1 could sit anywhere
