@@ -381,8 +381,16 @@ def check_config(config, computed: dict) -> bool:
     dropout, head counts; a list: values computing the same): the layer would run with the spec's
     values without a word.  Its dropout rates may all be 0 where the spec's are not (a model that
     trains without dropout): returns True then, the layer to train without dropout
-    (``TunedLayer.dropout_off``); else False."""
+    (``TunedLayer.dropout_off``); else False.  A spec without ``HF_CONFIG`` (``computed`` empty)
+    checks nothing: warned once, as a model configured otherwise then computes silently otherwise
+    than HF's."""
     if config is None:
+        return False
+    if not computed:
+        warnings.warn("datamove: the tuned layer's spec declares no HF_CONFIG, so the model's config (norm epsilon, "
+                      "activation, head counts, ...) is not checked against what the layer computes, and a model "
+                      "configured otherwise runs with the spec's values: declare HF_CONFIG in the spec (as "
+                      "configs/llama.py does) and run optimize-layer again")
         return False
     read = lambda key, default: getattr(config, key, default)  # noqa: E731
     rates = {key: value for key, value in computed.items() if _is_dropout(key)}

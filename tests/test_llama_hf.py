@@ -4,6 +4,7 @@ against the model untouched in float32: the output at every unpadded position an
 every parameter (the layers' through ``WEIGHTS``), without padding and with left padding (keys
 before the sequence excluded); the rotary tables reach the layers from the model; what the layer
 cannot do is refused in one line."""
+import copy
 import warnings
 
 import pytest
@@ -116,6 +117,31 @@ def test_a_model_configured_otherwise_than_the_spec_is_refused(llama_artifact, c
         warnings.simplefilter("ignore")
         replace_llama_layers(model, llama_artifact, dtype=torch.float32, allow_mismatch=True)
     assert type(model.layers[0]).__name__ == "LlamaDecoderLayer"  # nothing replaced
+
+
+def test_a_spec_without_hf_config_warns_that_the_models_config_goes_unchecked(tmp_path, capsys):
+    """A Llama spec without HF_CONFIG (a user's own copy of configs/llama.py, say) checks no config:
+    a model with another RMSNorm epsilon was replaced without a word and computed otherwise than
+    HF's (found probing as a user); it is now warned, and the difference is real."""
+    from datamove.cli import main
+
+    source = open("configs/llama.py").read()
+    spec = tmp_path / "llama_own.py"
+    spec.write_text(source[:source.index("def HF_CONFIG")] + source[source.index("# Where each parameter"):])
+    assert main([str(spec), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    config = small_config(rms_norm_eps=1e-2)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference = transformers.LlamaModel(config)
+    ours = copy.deepcopy(reference)
+    with pytest.warns(UserWarning, match="declares no HF_CONFIG, so the model's config .* is not checked"):
+        replace_llama_layers(ours, tmp_path / "out", dtype=torch.float32, allow_mismatch=True)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).last_hidden_state
+        y = ours(input_ids=ids).last_hidden_state
+    assert float((y - expected).abs().max()) > 100 * TOLERANCE * float(expected.abs().max())  # what the warning is about
 
 
 def test_biases_the_spec_does_not_read_are_refused_and_a_model_without_llama_layers_too(llama_artifact):
