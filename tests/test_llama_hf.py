@@ -84,6 +84,8 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
         layer(x)
     with pytest.raises(ValueError, match=r"the tuned layer's is \(16, 16\): call the model at the sequence length"):
         layer(x[:, :8], position_embeddings=(cos[:, :8], sin[:, :8]))
+    with pytest.raises(ValueError, match=r"is \(16, 8\) .*: the model's rotary head dim is not the spec's"):
+        layer(x, position_embeddings=(cos[..., :8], sin[..., :8]))  # it said: call the model at the tuned sequence length
     shifted = ours.rotary_emb(x, torch.stack([torch.arange(16), torch.arange(16) + 3]))
     with pytest.raises(ValueError, match="differ between the sequences of the batch"):
         layer(x, position_embeddings=shifted)
