@@ -101,6 +101,23 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
         layer.layer.set_constant("cos", table)
 
 
+def test_rotary_tables_set_from_numpy_compute_as_hf(llama_artifact):
+    """``set_constant`` takes the tables as NumPy arrays (it failed with AttributeError: no isnan):
+    the tuned layer with HF's tables set so computes as HF's decoder layer under its causal mask."""
+    reference, ours = models(llama_artifact)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(7))
+    cos, sin = reference.rotary_emb(x, torch.arange(16)[None])
+    layer = ours.layers[0].layer
+    layer.set_constant("cos", cos[0].numpy())
+    layer.set_constant("sin", sin[0].numpy())
+    causal = torch.triu(torch.full((16, 16), float("-inf")), 1)[None, None]
+    with torch.no_grad():
+        expected = reference.layers[0](x, attention_mask=causal, position_embeddings=(cos, sin))
+        y = layer(x)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    assert float((y - expected).abs().max()) < TOLERANCE * float(expected.abs().max())
+
+
 @pytest.mark.parametrize("changes, refusal", [
     (dict(rms_norm_eps=1e-2), r"rms_norm_eps=0.01 \(the tuned layer computes 1e-05\)"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu' \(the tuned layer computes 'silu'\)"),

@@ -576,7 +576,9 @@ class TunedLayer(torch.nn.Module):
         (RoPE's tables), taken as set: the next call does not look for NaN in it again, which on a
         GPU waits for the device.  ``value`` holding NaN is refused (NaN marks a constant not set);
         ``check_nan=False`` skips that wait, for callers whose tables are made finite
-        (``replace_llama_layers`` sets the model's rotary tables whenever they change)."""
+        (``replace_llama_layers`` sets the model's rotary tables whenever they change).  ``value``: a
+        tensor, or anything ``torch.as_tensor`` takes (a NumPy array)."""
+        value = torch.as_tensor(value)
         if name not in self.interface.constants or name in self.initial:
             raise ValueError(f"{name}: not a constant of the layer that the caller sets (constants without a value of "
                              f"their own: {[t for t in self.interface.constants if t not in self.initial]})")
