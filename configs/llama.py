@@ -25,8 +25,8 @@ EPS = 1e-5  # RMSNorm's epsilon (config.rms_norm_eps)
 def HF_CONFIG(sizes):
     """The HF ``LlamaConfig`` values this layer computes at ``sizes`` ({dim: size}): ``load_weights``
     and ``replace_llama_layers`` refuse a model configured otherwise (the head counts and head dim
-    included: 16 heads of 128 fill the weights of 32 heads of 64)."""
-    return {"rms_norm_eps": EPS, "hidden_act": "silu", "attention_dropout": 0.0, "attention_bias": False,
+    included: 16 heads of 128 fill the weights of 32 heads of 64; "swish" is HF's other name of SiLU)."""
+    return {"rms_norm_eps": EPS, "hidden_act": ["silu", "swish"], "attention_dropout": 0.0, "attention_bias": False,
             "mlp_bias": False, "num_attention_heads": sizes["H"], "num_key_value_heads": sizes["KV"],
             "head_dim": sizes["E"]}
 

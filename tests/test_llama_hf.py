@@ -24,8 +24,8 @@ def small_config(**changes):
                                               max_position_embeddings=64), **changes})
 
 
-def models(llama_artifact):
-    config = small_config()
+def models(llama_artifact, **changes):
+    config = small_config(**changes)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     return replaced_pair(transformers.LlamaModel(config), replace_llama_layers, llama_artifact, 2, 0.1)
@@ -39,6 +39,14 @@ def test_a_replaced_llama_model_trains_as_hf(llama_artifact, padded):
     if padded:
         mask[1, :5] = 0
     check_against_hf(reference, ours, ids, mask, TOLERANCE)
+
+
+def test_a_model_naming_silu_swish_is_replaced_and_trains_as_hf(llama_artifact):
+    """hidden_act="swish" is HF's SiLU under its other name (ACT2FN): such a model was refused as
+    configured otherwise than the spec."""
+    reference, ours = models(llama_artifact, hidden_act="swish")
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(8))
+    check_against_hf(reference, ours, ids, torch.ones(2, 16, dtype=torch.long), TOLERANCE)
 
 
 def test_a_replaced_model_gives_hfs_hidden_states_and_refuses_attention_weights(llama_artifact):
@@ -120,7 +128,7 @@ def test_rotary_tables_set_from_numpy_compute_as_hf(llama_artifact):
 
 @pytest.mark.parametrize("changes, refusal", [
     (dict(rms_norm_eps=1e-2), r"rms_norm_eps=0.01 \(the tuned layer computes 1e-05\)"),
-    (dict(hidden_act="gelu"), r"hidden_act='gelu' \(the tuned layer computes 'silu'\)"),
+    (dict(hidden_act="gelu"), r"hidden_act='gelu' \(the tuned layer computes \['silu', 'swish'\]\)"),
     (dict(attention_dropout=0.1), r"attention_dropout=0.1 \(the tuned layer computes 0.0\)"),
     (dict(attention_bias=True), r"attention_bias=True"),
     (dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32),  # the same weights' shapes
