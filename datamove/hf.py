@@ -86,8 +86,8 @@ class _LastMask:
         self.source, self.key, self.converted = None, None, None
 
     def __call__(self, attention_mask: torch.Tensor | None, batch: int, keys: int) -> torch.Tensor | None:
-        if attention_mask is None or torch.compiler.is_compiling():
-            return key_padding_mask(attention_mask, batch, keys)
+        if attention_mask is None or torch.compiler.is_compiling() or attention_mask.is_inference():
+            return key_padding_mask(attention_mask, batch, keys)  # (an inference tensor has no version counter)
         source = self.source() if self.source is not None else None
         key = (attention_mask._version, batch, keys)
         if source is not attention_mask or self.key != key:
@@ -296,14 +296,15 @@ class LlamaLayerReplacement(BertLayerReplacement):
         if missing:
             raise ValueError(f"datamove: the tuned layer has no constant(s) {', '.join(missing)} for HF's rotary tables "
                              "(position_embeddings): not a Llama spec's layer (configs/llama.py)")
-        self._tables: tuple | None = None  # the (cos, sin) tensors last copied in, and their versions
+        self._tables: tuple | None = None  # the (cos, sin) tensors last copied in, and their versions (None: unknown)
 
     def _copy_tables(self, position_embeddings) -> None:
         if position_embeddings is None:
             raise ValueError("datamove: a replaced Llama layer needs the model's position_embeddings (cos, sin)")
         cos, sin = position_embeddings
-        key = (cos, cos._version, sin, sin._version)
-        if self._tables is not None and all(a is b for a, b in zip(key[::2], self._tables[::2])) \
+        # under torch.inference_mode the tables have no version counter: copied in on every call
+        key = None if cos.is_inference() or sin.is_inference() else (cos, cos._version, sin, sin._version)
+        if key is not None and self._tables is not None and all(a is b for a, b in zip(key[::2], self._tables[::2])) \
                 and key[1::2] == self._tables[1::2]:
             return
         for name, table in (("cos", cos), ("sin", sin)):
