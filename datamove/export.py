@@ -363,10 +363,17 @@ def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
 
 def spec_values(layer: TunedLayer, kind: str, state: dict) -> dict[str, torch.Tensor]:
     """{parameter: its value over the spec's letters, in spec order (a view where it can)} read from
-    ``state``, a ``kind`` module's state dict (the inverse of ``state_dict_for``)."""
+    ``state``, a ``kind`` module's state dict (the inverse of ``state_dict_for``); a value of another
+    shape is refused naming its key and the fix."""
     sizes = _sizes(layer)
-    return {name: to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes)
-            for name, (key, pattern, index) in _table(layer, kind).items()}
+    values = {}
+    for name, (key, pattern, index) in _table(layer, kind).items():
+        try:
+            values[name] = to_spec(state[key], pattern, index, layer.graph.tensors[name].letters, sizes)
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}: the module is of other sizes than the tuned layer; run optimize-layer "
+                             "with --dims at the module's sizes") from None
+    return values
 
 
 def _is_dropout(setting: str) -> bool:

@@ -151,7 +151,10 @@ def test_rotary_tables_set_from_numpy_compute_as_hf(llama_artifact):
     (dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32),  # the same weights' shapes
      r"num_attention_heads=2 \(the tuned layer computes 4\); num_key_value_heads=1 \(the tuned layer computes 2\); "
      r"head_dim=32 \(the tuned layer computes 16\)"),
-], ids=["eps", "act", "dropout", "bias", "heads"])
+    (dict(intermediate_size=96),  # it said which shape, not which weight nor what to do
+     r"mlp.gate_proj.weight: weight of shape \(96, 64\) does not match 'f d' = \(128, 64\): the module is of other "
+     r"sizes than the tuned layer; run optimize-layer with --dims"),
+], ids=["eps", "act", "dropout", "bias", "heads", "sizes"])
 def test_a_model_configured_otherwise_than_the_spec_is_refused(llama_artifact, changes, refusal):
     """A model whose config asks for another RMSNorm epsilon, activation, attention dropout or biases
     than the spec computes (its HF_CONFIG) is refused whole: the layers would have run with the
