@@ -294,8 +294,12 @@ class LlamaLayerReplacement(BertLayerReplacement):
         super().__init__(layer, returns_tuple, hf_kind)
         missing = [t for t in ("cos", "sin") if t not in layer.interface.constants]
         if missing:
+            face = layer.interface
+            graded = [t for t in missing if t in face.activations + face.parameters]
+            why = (f"its spec gives {', '.join(graded)} a gradient: declare them as configs/llama.py does, "
+                   "Tensor(\"se\", requires_grad=False)" if graded else "not a Llama spec's layer (configs/llama.py)")
             raise ValueError(f"datamove: the tuned layer has no constant(s) {', '.join(missing)} for HF's rotary tables "
-                             "(position_embeddings): not a Llama spec's layer (configs/llama.py)")
+                             f"(position_embeddings): {why}")
         self._tables: tuple | None = None  # the (cos, sin) tensors last copied in, and their versions (None: unknown)
 
     def _copy_tables(self, position_embeddings) -> None:

@@ -191,6 +191,25 @@ def test_a_spec_without_hf_config_warns_that_the_models_config_goes_unchecked(tm
     assert float((y - expected).abs().max()) > 100 * TOLERANCE * float(expected.abs().max())  # what the warning is about
 
 
+def test_rotary_tables_declared_with_a_gradient_are_named_in_the_refusal(tmp_path, capsys):
+    """A Llama spec whose cos and sin lack requires_grad=False (data inputs then, holding the
+    sequence letter) has no tables the model can set: refused saying how to declare them (it said
+    'not a Llama spec's layer')."""
+    from datamove.cli import main
+
+    spec = tmp_path / "llama_graded.py"
+    spec.write_text(open("configs/llama.py").read().replace(', requires_grad=False)', ')'))
+    assert main([str(spec), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    model = transformers.LlamaModel(small_config())
+    with pytest.raises(ValueError, match=r"no constant\(s\) cos, sin .*: its spec gives cos, sin a gradient: declare them "
+                                         r"as configs/llama.py does, Tensor\(\"se\", requires_grad=False\)"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        replace_llama_layers(model, tmp_path / "out", dtype=torch.float32, allow_mismatch=True)
+    assert type(model.layers[0]).__name__ == "LlamaDecoderLayer"
+
+
 def test_biases_the_spec_does_not_read_are_refused_and_a_model_without_llama_layers_too(llama_artifact):
     """load_weights refuses a module's parameters its spec's WEIGHTS do not place (the biases of a
     layer configured with them; they were dropped without a word); a model with no
