@@ -5,6 +5,7 @@ on a layer written here from torch's operators, at odd sizes (an odd head dim, t
 key/value head), every gradient; against HF's own ``LlamaDecoderLayer`` (float64, its weights
 through the spec's ``WEIGHTS``) where transformers is installed; and ``optimize-layer --analyze``.
 """
+import re
 import warnings
 
 import numpy as np
@@ -206,3 +207,20 @@ def test_multi_head_attention_is_gqa_with_groups_of_one():
     (repeat,) = [t for t, info in graph.tensors.items() if info.value and t.startswith("repeat_")]
     assert graph.letter_dims[graph.tensors[repeat].letters[1]] == "H"
     assert np.array_equal(known_value(graph, repeat), np.eye(4))
+
+
+@pytest.mark.parametrize("heads", [dict(H=3, KV=2), dict(H=4, KV=8)], ids=["H=3,KV=2", "H=4,KV=8"])
+def test_query_heads_no_multiple_of_kv_heads_are_refused(tmp_path, capsys, heads):
+    """H not a multiple of KV: NumPy's np.repeat(k, H // KV, axis=1) then gives KV * (H // KV) heads
+    that do not broadcast against q's H; the front end read the count with its division exact and
+    made a layer whose last query heads attended to zero keys and values (H=3, KV=2), or summed
+    every K/V head into the first (H=4, KV=8), without a word: refused at the line, in one line."""
+    from datamove.cli import main
+
+    assert main([str(SPEC), "--dims", f"H={heads['H']},KV={heads['KV']}", "--analyze"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"llama.py:\d+: np.repeat\(x, n_rep, axis=1\): the repeated axis has KV\*floor\(H/KV\) = "
+                     rf"{heads['KV'] * (heads['H'] // heads['KV'])} elements, H = {heads['H']} at these dims; give dims "
+                     r"where it is H", err), err
+

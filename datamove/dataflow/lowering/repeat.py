@@ -33,6 +33,10 @@ class Repeats:
         letter = array.letters[axis]
         total = dim_symbol(m.letters.dim(letter)) * count
         dim = m.dim_of_size(node, total, "the repeated axis")
+        value, wanted = m.size_value(node, total), m.size_value(node, dim_symbol(dim))
+        if value != wanted:  # KV * (H // KV) taken for H: only where KV divides H (NumPy's shapes then disagree)
+            raise m.error(node, f"the repeated axis has {total} = {value} elements, {dim} = {wanted} at these dims",
+                          f"give dims where it is {dim} (H a multiple of KV for H // KV)")
         written = m.letters.fresh(dim, set(array.stored) - {letter})
         value_expr = f"where(i1 // {m.size_source(node, count)} == i0, 1.0, 0.0)"
         matrix = m.constant((letter, written), value_expr, f"repeat_{letter}{written}")
