@@ -195,6 +195,10 @@ REFUSED = {
             x1, x2 = np.split(x, 2, axis=-1)
             return x1 * x2
         ''', "np.split(x, 2, axis=-1)", "slice the axis into its parts"),
+    "slice of a shape": ('''
+        def layer(x: Tensor("bln")):
+            return x + np.triu(np.full(x.shape[-2:], -1e4), k=1)
+        ''', "x.shape[-2:]", "name each size"),  # it said "-2:: Slice expressions are not supported"
 }
 INTERNAL = re.compile(r"__\w+|\btmp\d|\w+_(plus|times|minus|div)_\w+|einsum_\w+|\bexpr\b")  # DaCe's temporaries
 

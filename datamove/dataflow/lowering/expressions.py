@@ -142,6 +142,9 @@ class Expressions:
             value = self.expr(node.value.value)
             letters = value.base.letters if isinstance(value, Part) else value.letters if isinstance(value, Const) \
                 else self.as_array(node.value.value, value).letters
+            if isinstance(node.slice, ast.Slice):
+                raise self.m.error(node, "a slice of a shape is not supported",
+                                   "name each size: (x.shape[-2], x.shape[-1]), or the dims, (T, T)")
             axis = self.static_int(node.slice)
             if not -len(letters) <= axis < len(letters):
                 raise self.m.error(node, f"axis {axis} is out of range for an array with {len(letters)} axes")
