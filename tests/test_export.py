@@ -892,6 +892,8 @@ def test_the_weight_functions_and_replace_refuse_what_they_cannot_read_in_one_li
     with pytest.raises(TypeError, match=r"x: dtype torch.float64, expected torch.float32 \(the layer's dtype: convert "
                                         r"the input, or the layer and its model with .to\(torch.float64\)\)"):
         layer(torch.randn(d["B"], d["L"], d["N"], dtype=torch.float64))
+    with pytest.raises(KeyError, match=r"spec_view\('wz'\): not a parameter or constant of the layer; it has "):
+        layer.spec_view("wz")  # it said: 'TunedLayer' object has no attribute 'wz'
     with pytest.raises(TypeError, match=r"x: dtype torch.int64, expected torch.float32$"):  # it said: convert the layer to int64
         layer(torch.ones(d["B"], d["L"], d["N"], dtype=torch.long))
 

@@ -371,7 +371,11 @@ class TunedLayer(torch.nn.Module):
     def spec_view(self, name: str, value: torch.Tensor | None = None) -> torch.Tensor:
         """Parameter or constant ``name`` (or ``value`` stored as it is, e.g. its ``.grad``) as a view
         over its spec letters in their order (``layer.wq`` itself is over the plan's layout)."""
-        return (getattr(self, name) if value is None else value).permute(self._spec_axes[name])
+        axes = self._spec_axes.get(name)
+        if axes is None:
+            raise KeyError(f"spec_view({name!r}): not a parameter or constant of the layer; it has "
+                           f"{', '.join(self._spec_axes)}")
+        return (getattr(self, name) if value is None else value).permute(axes)
 
     def _held(self) -> list[torch.Tensor]:
         """The parameters and constants as this layer holds them (the interface's order); one that
