@@ -48,6 +48,7 @@ import torch
 
 from datamove.dataflow.snapshot import load as load_graph
 from datamove.dataflow.snapshot import snapshot
+from datamove.dtypes import BF16, FP16
 from datamove.families import epilogue_launch
 from datamove.kernels.codegen import compile_operator
 from datamove.layouts.plan import GEMM_EPILOGUE, GENERATED, Plan
@@ -271,7 +272,10 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     tuned_dtype = plan.dtype.torch
     problems = []
     if dtype is not None and dtype != tuned_dtype:
-        problems.append(f"dtype {dtype} asked for, the plan was tuned for {tuned_dtype}")
+        tuned = {p.torch: p.short for p in (BF16, FP16)}  # what optimize-layer --dtype tunes
+        problems.append(f"dtype {dtype} asked for, the plan was tuned for {tuned_dtype} ("
+                        + (f"optimize-layer --dtype {tuned[dtype]} tunes one" if dtype in tuned else
+                           f"no plan is tuned in {dtype}: allow_mismatch=True runs this one in it") + ")")
     timed_on = manifest["device"]
     here = _current_device(device)
     if timed_on.get("measured") and timed_on["name"] != here:

@@ -578,8 +578,10 @@ def test_refuses_an_artifact_tuned_elsewhere(tmp_path):
                                                       "measured": True})
     with pytest.raises(ArtifactMismatch, match="tuned on NVIDIA H100 80GB HBM3, this is cpu.*allow_mismatch=True"):
         load(path)
-    with pytest.raises(ArtifactMismatch, match="dtype torch.float16 asked for"):
+    with pytest.raises(ArtifactMismatch, match=r"dtype torch.float16 asked for.*\(optimize-layer --dtype fp16 tunes one\)"):
         load_layer(path, device="cpu", dtype=torch.float16, allow_mismatch=False)
+    with pytest.raises(ArtifactMismatch, match=r"\(no plan is tuned in torch.float64: allow_mismatch=True runs this one"):
+        load_layer(path, device="cpu", dtype=torch.float64)  # it said only to re-tune, which makes no float64 plan
     assert load(path, allow_mismatch=True) is not None
     with pytest.raises(FileNotFoundError, match="not a datamove artifact"):
         load_layer(tmp_path, device="cpu")
