@@ -410,15 +410,13 @@ def refuse_function_transforms() -> None:
 def check(value, what: str, shape: tuple, dtype: torch.dtype, device: torch.device, order: str = "",
           dtype_hint: str = "") -> None:
     """Refuse a tensor of another shape, dtype or device, naming the expected ones (``dtype_hint``:
-    what to do about another floating dtype, appended, its ``{dtype}`` the tensor's: formatted only
-    then; token ids, say, are no input to convert the layer to)."""
+    what to do about another dtype, appended, its ``{dtype}`` the tensor's: formatted only then)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(value).__name__}")
     if tuple(value.shape) != tuple(shape):
         named = f" ({', '.join(order)})" if order else ""
         raise ValueError(f"{what}: shape {tuple(value.shape)}, expected {tuple(shape)}{named} at this call's sizes")
     if value.dtype != dtype:
-        hint = dtype_hint.format(dtype=value.dtype) if value.is_floating_point() else ""
-        raise TypeError(f"{what}: dtype {value.dtype}, expected {dtype}{hint}")
+        raise TypeError(f"{what}: dtype {value.dtype}, expected {dtype}{dtype_hint.format(dtype=value.dtype)}")
     if value.device.type != device.type or (device.index is not None and value.device.index not in (None, device.index)):
         raise ValueError(f"{what}: on device {value.device}, expected {device}")
