@@ -172,6 +172,10 @@ def _read_state(sdfg, state, records: dict[str, EinsumRecord], raws: list[_RawPr
             operands = [name if name in upstream else renamed if renamed in upstream else None
                         for name, renamed in zip(record.operands, record.renamed_operands)]
             leftover = [name for name in upstream if name not in operands]
+            if operands.count(None) > 1 and len(set(leftover)) > 1:  # their order unknown: never guessed
+                raise SpecError(f"np.einsum({record.subscripts!r}) reads {', '.join(leftover)}, which DaCe's "
+                                "simplification renamed past recognition, so which operand is which is not known: "
+                                "assign each operand to a variable of its own just before the contraction")
             operands = [name if name is not None else leftover.pop(0) for name in operands]
             raws.append(_RawPrimitive("einsum", record.subscripts, [(n, []) for n in operands], (node.data, [])))
         elif isinstance(node, nodes.AccessNode):
