@@ -256,6 +256,22 @@ def test_an_argument_the_layer_does_not_read_is_named_with_the_def_line(tmp_path
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if text.startswith("def layer"))
     assert f"{path}:{line}: {says}" in err, err
 
+
+@pytest.mark.parametrize("use", ["np.where(c > 0.0, x, -x)", "x + c * 0"])
+def test_an_argument_whose_gradient_is_zero_is_named_with_the_def_line(tmp_path, capsys, use):
+    """A weight read only in np.where's condition (a mask not declared a constant), or times 0, has a
+    gradient of 0 that autodiff does not derive: refused naming it (the export stopped at "the
+    training graph has no gradient tensor 'd_c'"); declared a constant, it runs."""
+    path, err = _run(tmp_path, capsys, f'''
+        def layer(x: Tensor("bln"), c: Tensor("n")):
+            return {use}
+        ''')
+    assert f"{path}:7: argument c has no gradient: layer reads it only where its gradient is 0" in err, err
+    assert "declare it Tensor('n', requires_grad=False), a constant" in err, err
+    path.write_text(path.read_text().replace('c: Tensor("n")', 'c: Tensor("n", requires_grad=False)'))
+    assert main([str(path), "--analyze"]) == 0, capsys.readouterr().err
+
+
 def test_missing_dims_listed(tmp_path, capsys):
     header = GOOD_HEADER.replace("B, L, N = dims(B=2, L=3, N=4)", "B, L, N = dims(B=None, L=None, N=4)")
     _, err = _run(tmp_path, capsys, SCALE_LAYER, header=header)

@@ -84,12 +84,28 @@ def _check_weights_read(spec: LayerSpec, graph: PrimitiveGraph) -> None:
               and a.name not in read]
     if unread:
         under = f" with {', '.join(f'{k}={v}' for k, v in spec.options.items())}" if spec.options else ""
-        code = spec.function.__code__
-        _, line = spec_line(code.co_filename, code.co_firstlineno) or (None, code.co_firstlineno)
-        raise SpecError(f"{spec.path}:{line}: {spec.name} does not use its "
+        raise SpecError(f"{_def_line(spec)}: {spec.name} does not use its "
                         f"argument{'s' if len(unread) > 1 else ''} {', '.join(unread)}{under}: remove "
                         f"{'them' if len(unread) > 1 else 'it'} from the signature, or use "
                         f"{'them' if len(unread) > 1 else 'it'} in the layer")
+
+
+def _check_gradients(spec: LayerSpec, training: TrainingGraph) -> None:
+    """Refuse an argument with a gradient whose gradient is 0 wherever the layer reads it (only in a
+    condition of np.where, or times 0): autodiff derives none, so the layer would have none to give."""
+    inputs = [t for t, info in training.graph.tensors.items() if info.role == "input"]
+    for name in (t for t in inputs if t not in training.input_grads):
+        letters = training.graph.tensors[name].letters
+        raise SpecError(f"{_def_line(spec)}: argument {name} has no gradient: {spec.name} reads it only where its "
+                        f"gradient is 0 (a condition of np.where, a product by 0); declare it "
+                        f"Tensor({letters!r}, requires_grad=False), a constant, or use it in the computation")
+
+
+def _def_line(spec: LayerSpec) -> str:
+    """``file:line`` of the layer function's ``def`` in the spec (not of its lowered copy)."""
+    code = spec.function.__code__
+    _, line = spec_line(code.co_filename, code.co_firstlineno) or (None, code.co_firstlineno)
+    return f"{spec.path}:{line}"
 
 
 def analyse_spec(path, dims: dict[str, int] | None = None, options: dict[str, str] | None = None) -> Analysis:
@@ -100,7 +116,9 @@ def analyse_loaded(spec: LayerSpec) -> Analysis:
     """A loaded spec (``loaded_spec``) analysed: forward graph, training graph, fused graph, their rows."""
     graph = spec_graph(spec)
     operators = group_operators(graph, "forward")
-    training = recompute_elementwise(build_training_graph(graph))
+    training = build_training_graph(graph)
+    _check_gradients(spec, training)
+    training = recompute_elementwise(training)
     fused = fuse(training)
     return Analysis(spec, graph, operators, analyse(graph, operators), training, analyse(training.graph, fused.unfused),
                     fused, analyse(fused.graph, fused.operators), attention_candidates(fused))
