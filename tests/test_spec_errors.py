@@ -190,6 +190,11 @@ REFUSED = {
         def layer(x: Tensor("bln")):
             return np.tril(x)
         ''', "np.tril(x)", "np.tril(np.ones((T, T)))"),
+    "output returned twice": ('''
+        def layer(x: Tensor("bln")):
+            y = np.tanh(x)
+            return y, y
+        ''', "return y, y", "return each output once"),  # DaCe's parse stopped at KeyError: 'y'
     "np.split unpacked": ('''
         def layer(x: Tensor("bln")):
             x1, x2 = np.split(x, 2, axis=-1)

@@ -304,6 +304,10 @@ def _return_names(path: Path, tree: ast.Module, function: types.FunctionType) ->
             items = value.elts if isinstance(value, ast.Tuple) else [value]
             arguments = set(inspect.signature(function).parameters)
             names = [item.id if isinstance(item, ast.Name) else f"out{n}" for n, item in enumerate(items)]
+            twice = next((name for name in names if names.count(name) > 1), None)
+            if twice is not None:  # DaCe's parse stopped at KeyError: 'y'
+                raise SpecError(f"{path}:{returns[0].lineno}: return {', '.join(map(ast.unparse, items))}: {twice} is returned twice; "
+                                "return each output once")
             return [f"{name}_out" if name in arguments else name for name in names]  # x = x + ...; return x
     raise SpecError(f"{path}: cannot find the source of {function.__name__}")
 
