@@ -190,6 +190,10 @@ REFUSED = {
         def layer(x: Tensor("bln")):
             return np.tril(x)
         ''', "np.tril(x)", "np.tril(np.ones((T, T)))"),
+    "einsum optimize=": ('''
+        def layer(x: Tensor("bln"), w: Tensor("mn")):
+            return np.einsum("bln,mn->blm", x, w, optimize=True)
+        ''', "optimize=", "drop optimize="),  # DaCe's parse stopped at ImportError: ... install the "opt_einsum" package
     "output returned twice": ('''
         def layer(x: Tensor("bln")):
             y = np.tanh(x)

@@ -106,6 +106,7 @@ UNSUPPORTED_CALLS = {
 UNSUPPORTED_KEYWORDS = {
     "out": "assign the result to a name instead of out=",
     "where": "drop where= (masks are multiplications by a mask tensor)",
+    "optimize": "drop optimize= (an einsum of three operands or more is contracted left to right, a GEMM a pair)",
 }
 
 
