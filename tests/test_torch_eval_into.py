@@ -46,3 +46,20 @@ def test_the_softmax_backwards_form_makes_no_temporary_of_the_buffers_size():
         result = _evaluate_into(parse("in0 * (in1 - in2)"), operands, {}, into)
     assert result.data_ptr() == into.data_ptr()
     assert max((e.cpu_memory_usage for e in profile.events()), default=0) < into.numel() * into.element_size()
+
+
+@pytest.mark.parametrize("text", ["in0 * (1 / sqrt(E) * (in1 / sqrt(E) < 30.0))", "in0 * (0.1 * (in1 > 0.0))"])
+def test_a_number_times_a_comparison_stays_in_float64(text):
+    """np.minimum's gradient after a scale (``in0 * (1 / sqrt(E) * (in1 / sqrt(E) < 30.0))``): torch
+    took the number times the bool tensor in float32, so a float64 layer's gradients were 1e-8 off;
+    the comparison is 0 / 1 in its operand's dtype, and the value NumPy's in float64, plainly or into a
+    buffer."""
+    from datamove.harness.torch_eval import _evaluate
+
+    expression = parse(text)
+    operands = [x * 20.0 for x in _operands([SHAPE, SHAPE], seed=3)]
+    expected = expression.evaluate([x.numpy() for x in operands], {"E": 3.0})
+    for result in (_evaluate(expression, operands, {"E": 3.0}),
+                   _evaluate_into(expression, operands, {"E": 3.0}, torch.empty(SHAPE, dtype=torch.float64))):
+        assert result.dtype == torch.float64
+        torch.testing.assert_close(result, torch.from_numpy(expected), rtol=1e-15, atol=0)

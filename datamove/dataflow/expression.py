@@ -175,10 +175,11 @@ class Expression:
     # --- evaluation and printing ------------------------------------------------------------
 
     def evaluate(self, inputs: Sequence, names: Mapping, functions: Mapping = FUNCTIONS,
-                 constant: Callable | None = None):
+                 constant: Callable | None = None, compared: Callable | None = None):
         """The value with ``in<k>`` = ``inputs[k]``, scalar names from ``names``, calls through
         ``functions`` (NumPy's by default; torch's: ``harness.torch_eval.FUNCTIONS``) and numbers
-        as written (or ``constant(number)``), with Python's operators, as ``eval`` of the text would."""
+        as written (or ``constant(number)``), with Python's operators, as ``eval`` of the text would;
+        a comparison's value passed through ``compared(value, left, right)`` where given."""
         def value(node: Expression):
             if isinstance(node, Input):
                 return inputs[node.index]
@@ -192,7 +193,9 @@ class Expression:
                 operand = value(node.operand)
                 return -operand if node.op == "-" else +operand
             if isinstance(node, (Binary, Compare)):
-                return _APPLY[node.op](value(node.left), value(node.right))
+                left, right = value(node.left), value(node.right)
+                result = _APPLY[node.op](left, right)
+                return compared(result, left, right) if compared is not None and isinstance(node, Compare) else result
             return functions[node.function](*(value(arg) for arg in node.args))
         return value(self)
 

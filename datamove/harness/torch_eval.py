@@ -56,10 +56,27 @@ def _extremum(both, clamp, scalar):
 
 def _where(condition, a, b):
     """``torch.where``; two numbers as float64 (torch would take them in its default float32: a float64
-    layer's ``where(c, 1, 0.1)`` off by 1e-9; the map's result is cast to the layer's dtype)."""
+    layer's ``where(c, 1, 0.1)`` off by 1e-9; the map's result is cast to the layer's dtype); a
+    condition of 0 / 1 (``_compared``) as bool."""
     if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
         a = torch.tensor(a, dtype=torch.float64, device=condition.device)
-    return torch.where(condition, a, b)
+    return torch.where(condition if condition.dtype == torch.bool else condition != 0, a, b)
+
+
+def _compared(value, left, right):
+    """A comparison's bool tensor as 0 / 1 in its tensor operand's float dtype, so that a number times
+    it stays in that dtype (torch takes a number times a bool tensor in its default float32: a float64
+    layer's ``in0 * (1 / sqrt(E) * (in1 / sqrt(E) < 30.0))``, np.minimum's gradient after a scale, was
+    1e-8 off)."""
+    operand = left if isinstance(left, torch.Tensor) else right
+    if isinstance(value, torch.Tensor) and isinstance(operand, torch.Tensor) and operand.is_floating_point():
+        return value.to(operand.dtype)
+    return value
+
+
+def _evaluate(expression, aligned: list, names: dict):
+    """``expression`` on torch tensors (``FUNCTIONS``, comparisons through ``_compared``)."""
+    return expression.evaluate(aligned, names, FUNCTIONS, compared=_compared)
 
 
 FUNCTIONS = {"exp": _scalar_or(torch.exp, math.exp), "log": _scalar_or(torch.log, math.log),
@@ -124,12 +141,12 @@ def _evaluate_into(expression, aligned: list, names: dict, into: torch.Tensor):
             inner = _evaluate_into(nested, aligned, names, into)
             if inner is None:
                 continue
-            value = other.evaluate(aligned, names, FUNCTIONS)
+            value = _evaluate(other, aligned, names)
             pair = (inner, value) if nested_left else (value, inner)
             if inner.data_ptr() == into.data_ptr() and _fits(into, *pair):
                 return op(*pair, out=into)
             return op(*pair)  # the outer operation widens or casts it: not in place
-        left, right = (side.evaluate(aligned, names, FUNCTIONS) for side in (expression.left, expression.right))
+        left, right = (_evaluate(side, aligned, names) for side in (expression.left, expression.right))
         if isinstance(left, torch.Tensor) and _fits(into, left, right):
             return op(left, right, out=into)
     if isinstance(expression, Call) and expression.function in _INTO_CALLS and len(expression.args) == 1:
@@ -137,7 +154,7 @@ def _evaluate_into(expression, aligned: list, names: dict, into: torch.Tensor):
         inner = _evaluate_into(argument, aligned, names, into) if _nestable(argument, aligned, into) else None
         if inner is not None:
             return call(inner, out=into) if inner.data_ptr() == into.data_ptr() and _fits(into, inner) else call(inner)
-        arg = argument.evaluate(aligned, names, FUNCTIONS)
+        arg = _evaluate(argument, aligned, names)
         if isinstance(arg, torch.Tensor) and _fits(into, arg):
             return call(arg, out=into)
     return None
@@ -178,7 +195,7 @@ def map_value(graph, prim, arrays: list, dtype, into: torch.Tensor | None = None
     aligned = [_aligned(array, operand.letters, out) for operand, array in zip(prim.inputs, arrays)]
     result = None if into is None else _evaluate_into(prim.expression, aligned, graph.scalars(), into)
     if result is None:
-        result = prim.expression.evaluate(aligned, graph.scalars(), FUNCTIONS)
+        result = _evaluate(prim.expression, aligned, graph.scalars())
     shape = [graph.dim_values[graph.letter_dims[l]] for l in out]
     device = arrays[0].device if arrays else "cpu"
     if not isinstance(result, torch.Tensor):
