@@ -280,6 +280,15 @@ def test_an_argument_whose_gradient_is_zero_is_named_with_the_def_line(tmp_path,
     path.write_text(path.read_text().replace('c: Tensor("n")', 'c: Tensor("n", requires_grad=False)'))
     assert main([str(path), "--analyze"]) == 0, capsys.readouterr().err
 
+def test_an_argument_without_letters_is_named(tmp_path, capsys):
+    """Tensor("") (a learned scalar, ReZero's alpha): DaCe's parse stopped at "'NoneType' object has
+    no attribute 'num_elements'"; now one line naming the argument and what to declare."""
+    _, err = _run(tmp_path, capsys, '''
+        def layer(x: Tensor("bln"), alpha: Tensor("")):
+            return x + alpha * np.tanh(x)
+        ''')
+    assert "argument alpha: Tensor('') names no axis; every argument has at least one letter" in err, err
+
 
 def test_missing_dims_listed(tmp_path, capsys):
     header = GOOD_HEADER.replace("B, L, N = dims(B=2, L=3, N=4)", "B, L, N = dims(B=None, L=None, N=4)")

@@ -331,6 +331,10 @@ def load_spec(path: str | Path, dim_overrides: dict[str, int] | None = None,
     arguments = []
     for param in inspect.signature(function).parameters.values():
         ann = param.annotation
+        if not ann.letters:  # DaCe's parse stopped at "'NoneType' object has no attribute 'num_elements'"
+            raise SpecError(f"{path}: argument {param.name}: {type(ann).__name__}({ann.letters!r}) names no axis; every "
+                            "argument has at least one letter (a learned scale: give it the feature letter, a vector "
+                            "as layer scale is)")
         unknown = sorted(set(ann.letters) - set(letter_dims))
         if unknown:
             raise SpecError(f"{path}: argument {param.name}: letters {', '.join(unknown)} are not in INDEX")
