@@ -118,6 +118,12 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     ids = torch.randint(0, 50, (2, 16))
     made = ours(input_ids=ids, use_cache=True).past_key_values  # the layers fill none: it stays empty
     assert made is None or made.get_seq_length() == 0
+    causal_lm = transformers.LlamaForCausalLM(small_config())
+    replace_llama_layers(causal_lm, llama_artifact, dtype=torch.float32, allow_mismatch=True)
+    for use_cache in (True, False):  # its second step: one token with a cache, or 17 without
+        with pytest.raises(ValueError, match=r"tuned for, 16 \(generation, model.generate, is not part of the tuned"):
+            causal_lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                               use_cache=use_cache)
     with pytest.raises(ValueError, match=r"set_constant\('cos'\): a tensor of shape \(8, 16\); cos is over s, e: \(16, 16\)"):
         layer.layer.set_constant("cos", torch.zeros(8, 16))
     table = cos[0].clone()
