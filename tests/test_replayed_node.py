@@ -56,8 +56,11 @@ def test_a_gradient_set_hands_out_fresh_aliases_in_the_held_order():
     gradients = _Gradients([dx, dw])
     order = SpecOrder(("w",), [(1, 0)])  # held over (e, d)
     for _ in range(2):  # the views are made once; every call's aliases are new tensors over the same memory
+        assert gradients.held.free()  # nothing outside holds the set: a backward may write it again
         got = gradients.aliases(order, 1)
         assert all(g is not s for g, s in zip(got, (dx, dw)))
         assert got[0].data_ptr() == dx.data_ptr() and got[1].data_ptr() == dw.data_ptr()
         torch.testing.assert_close(got[0], dx, rtol=0, atol=0)
         torch.testing.assert_close(got[1], dw.T, rtol=0, atol=0)
+        assert not gradients.held.free()  # held while the aliases live (as .grad, say)
+        del got

@@ -157,6 +157,7 @@ class _Gradients:
         (``order.held_grads``; ``activations``: how many come first), the views made once."""
         if self._in_held_order is None:
             self._in_held_order = order.held_grads(list(self.grads), activations)
+            self.held = _Held(self.grads)  # its baseline counts the views just made: the set's own
         return [g.detach() for g in self._in_held_order]
 
 
