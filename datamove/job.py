@@ -18,6 +18,7 @@ named device's figures and says so, and so does every figure of the report.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,10 @@ def _settings(spec: Path, module: dict, name: str, sizes: dict[str, int], keys: 
         raise SpecError(f"{spec}: {name} is {type(settings).__name__}; expected a dict of {keys} to the values the "
                         "layer computes (a list: values computing the same), or a function of the dims' sizes "
                         "returning one")
+    try:  # the manifest keeps them
+        json.dumps(settings)
+    except (TypeError, ValueError) as err:
+        raise SpecError(f"{spec}: {name}: {err}; give numbers, strings, booleans, None, lists and dicts of them") from None
     return settings
 
 
@@ -163,6 +168,16 @@ def _run(o: JobOptions, facts, pools) -> int:
         raise SpecError(f"{o.spec}: MODULE_CONFIG maps {sorted(module_config)}; expected WEIGHTS kinds "
                         f"({sorted(weights) or 'none'}) to dicts of the module's attribute paths (e.g. "
                         "'self_attn.num_heads') to the values the layer computes")
+    if not isinstance(torch_order, dict) or not all(isinstance(t, str) and isinstance(letters, str)
+                                                    for t, letters in torch_order.items()):
+        raise SpecError(f"{o.spec}: TORCH_ORDER = {torch_order!r}: expected a dict of data inputs and outputs to "
+                        "their letters in PyTorch's dim order, e.g. TORCH_ORDER = {\"x\": \"bsd\"}")
+    if not isinstance(weights, dict) or not all(
+            isinstance(kind, str) and isinstance(table, dict) and all(
+                isinstance(t, str) and isinstance(entry, (tuple, list)) and len(entry) == 3 for t, entry in table.items())
+            for kind, table in weights.items()):
+        raise SpecError(f"{o.spec}: WEIGHTS = {weights!r}: expected a dict of PyTorch module kinds to dicts of the "
+                        "layer's parameters to (state-dict key, its letters, stack index or None), as in configs/gpt2.py")
     try:  # before any tuning: the data inputs and TORCH_ORDER agree with the graph
         interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs)
     except ValueError as err:

@@ -289,6 +289,26 @@ def test_an_argument_without_letters_is_named(tmp_path, capsys):
         ''')
     assert "argument alpha: Tensor('') names no axis; every argument has at least one letter" in err, err
 
+@pytest.mark.parametrize("line, says", [
+    ('TORCH_ORDER = ["x"]', "TORCH_ORDER = ['x']: expected a dict of data inputs and outputs to their letters"),
+    ('TORCH_ORDER = {"x": 3}', "TORCH_ORDER = {'x': 3}: expected a dict"),
+    ('TORCH_ORDER = {"z": "bln"}', "torch order: no tensor 'z'; the data inputs and outputs are x, out0"),
+    ('WEIGHTS = {"hf": {"w": 3}}', "WEIGHTS = {'hf': {'w': 3}}: expected a dict of PyTorch module kinds to dicts"),
+    ('HF_CONFIG = {"eps": object()}', "HF_CONFIG: Object of type object is not JSON serializable"),
+])
+def test_a_torch_table_of_the_wrong_type_is_one_line(tmp_path, capsys, line, says):
+    """TORCH_ORDER, WEIGHTS or HF_CONFIG of the wrong type ended the job in a traceback
+    (AttributeError, TypeError) after the analysis; now one line naming the table, nothing written."""
+    path = tmp_path / "spec.py"
+    path.write_text(textwrap.dedent(GOOD_HEADER) + f"{line}\n" + textwrap.dedent('''
+        def layer(x: Tensor("bln"), w: Tensor("mn")):
+            return np.einsum("bln,mn->blm", x, w)
+        '''))
+    assert main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and says in err, err
+    assert not (tmp_path / "out").exists()
+
 
 def test_missing_dims_listed(tmp_path, capsys):
     header = GOOD_HEADER.replace("B, L, N = dims(B=2, L=3, N=4)", "B, L, N = dims(B=None, L=None, N=4)")

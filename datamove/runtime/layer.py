@@ -81,7 +81,8 @@ def tensor_interface(graph, torch_order: dict[str, str] | None = None,
     for t, letters in (torch_order or {}).items():
         if t not in order or sorted(letters) != sorted(tensors[t].letters):
             raise ValueError(f"torch order {t}={letters!r}: not a data input or output, or not an order of "
-                             f"its letters {tensors[t].letters!r}" if t in tensors else f"torch order: no tensor {t!r}")
+                             f"its letters {tensors[t].letters!r}" if t in tensors
+                             else f"torch order: no tensor {t!r}; the data inputs and outputs are {', '.join(order)}")
         order[t] = letters
     return TensorInterface(activations, parameters, constants, outputs, grad_outputs, input_grads, order)
 
