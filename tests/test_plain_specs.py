@@ -681,17 +681,19 @@ def test_an_output_named_like_an_earlier_value_is_the_last_value(tmp_path, act, 
         assert relative_error(result[training.input_grads[leaf]], grad.numpy()) < 1e-12, leaf
 
 
-def test_attention_at_sequence_length_one_exports_and_computes(tmp_path, capsys):
-    """T = 1 (s and t of size 1): the selection names the scores' layout with its letters of size 1
-    outermost ('stbh', the storage of 'bhst'), whose innermost letter is a batch letter; the GEMM's
-    plan now places those letters where cuBLAS takes the call (the job stopped at "a batch letter is
-    innermost in an operand ... a bug in datamove's selection").  The layer's output and gradients
-    are torch's in float64."""
+@pytest.mark.parametrize("name", ["mha_heads", "einsum_implicit"])
+def test_sequence_length_one_exports_and_computes(tmp_path, capsys, name):
+    """T = 1: the selection names layouts with their letters of size 1 outermost ('stbh', the storage
+    of 'bhst'; 'tbd', that of 'btd').  The scores' GEMM plan now places those letters where cuBLAS
+    takes the call (the job stopped at "a batch letter is innermost in an operand ... a bug in
+    datamove's selection"), and a GEMM adding a residual compares only the strides of dims of size > 1
+    (it stopped at "the residual x is stored (7, 7, 1), its output (7, 21, 1)").  The layer's output
+    and gradients are torch's in float64."""
     from datamove.cli import main
     from datamove.export import load_layer
 
-    out = tmp_path / "mha_t1"
-    assert main([str(SPECS / "mha_heads.py"), "--dims", "T=1", "--out", str(out)]) == 0, capsys.readouterr().err
+    out = tmp_path / name
+    assert main([str(SPECS / f"{name}.py"), "--dims", "T=1", "--out", str(out)]) == 0, capsys.readouterr().err
     capsys.readouterr()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -701,9 +703,10 @@ def test_attention_at_sequence_length_one_exports_and_computes(tmp_path, capsys)
     with torch.no_grad():
         for n in weights:
             getattr(layer, n).copy_(torch.randn(getattr(layer, n).shape, generator=gen, dtype=torch.float64))
-    x = torch.randn(2, 1, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    shape = tuple(layer.graph.size(letter) for letter in layer.interface.torch_order["x"])
+    x = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
     theirs = {n: layer.spec_view(n).detach().clone().requires_grad_() for n in weights}
-    y, expected = layer(x), mha_heads({"x": x, **theirs}, None)
+    y, expected = layer(x), CORPUS[name][1]({"x": x, **theirs}, None)
     torch.testing.assert_close(y, expected)
     dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
     mine = torch.autograd.grad(y, [x, *(getattr(layer, n) for n in weights)], dy)

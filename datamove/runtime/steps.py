@@ -205,11 +205,12 @@ class GemmLauncher(Launcher):
         return tensors[0] if len(tensors) == 1 else stacked_view(tensors)
 
     def _added(self, store: dict) -> torch.Tensor | None:
-        """The residual this step adds (config ``residual``), stored as its output (checked), or None."""
+        """The residual this step adds (config ``residual``), stored as its output (checked: the strides
+        of its dims of size > 1, a dim of size 1 has any, T = 1's 'btd' and 'tbd' one storage), or None."""
         if not self.residual:
             return None
         added, out = read(self.step, store, self.residual.tensor), store[self.out[0]]
-        if added.shape != out.shape or added.stride() != out.stride():
+        if added.shape != out.shape or any(a != o for a, o, n in zip(added.stride(), out.stride(), out.shape) if n > 1):
             raise RuntimeError(f"{self.step.name}: the residual {self.residual.tensor} is stored "
                                f"{tuple(added.stride())}, its output {tuple(out.stride())}")
         return added
