@@ -92,7 +92,7 @@ INDEX = {"b": B, "t": T, "d": D}
 
 def f(p: Tensor("btd"), q: Tensor("bt"), v: Tensor("bt")):
     x = q + %s
-    return x * v + q * q
+    return x * v + q * q + np.sum(p * p, axis=-1)
 '''
 
 
