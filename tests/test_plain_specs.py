@@ -440,6 +440,34 @@ def test_a_tensor_reduced_over_two_axes_exports_and_computes(tmp_path, capsys, n
         assert relative_error(result.detach().double().numpy(), reference.detach().numpy()) < tolerance
 
 
+def _float64_layer_against_torch(out, name: str, seed: int):
+    """The artifact ``out``'s layer of corpus spec ``name`` in float64 on the CPU, its weights drawn
+    N(0, 1) from ``seed``, on a random ``x``: its output and the gradients of ``x`` and of every
+    weight equal to torch's of ``CORPUS[name]``'s function; -> (x, the weights as torch leaves, output)."""
+    from datamove.export import load_layer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(out, device="cpu", dtype=torch.float64, allow_mismatch=True)
+    gen = torch.Generator().manual_seed(seed)
+    weights = list(layer.interface.parameters)
+    with torch.no_grad():
+        for n in weights:
+            getattr(layer, n).copy_(torch.randn(getattr(layer, n).shape, generator=gen, dtype=torch.float64))
+    shape = tuple(layer.graph.size(letter) for letter in layer.interface.torch_order["x"])
+    x = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    theirs = {n: layer.spec_view(n).detach().clone().requires_grad_() for n in weights}
+    y, expected = layer(x), CORPUS[name][1]({"x": x, **theirs}, None)
+    torch.testing.assert_close(y, expected)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    mine = torch.autograd.grad(y, [x, *(getattr(layer, n) for n in weights)], dy)
+    ref = torch.autograd.grad(expected, [x, *theirs.values()], dy)
+    torch.testing.assert_close(mine[0], ref[0])
+    for n, g, r in zip(weights, mine[1:], ref[1:]):
+        torch.testing.assert_close(layer.spec_view(n, g), r)
+    return x, theirs, y
+
+
 @pytest.mark.parametrize("name", ["einsum_chain", "einsum_summed_letter", "einsum_elementwise"])
 def test_einsums_that_are_no_gemm_export_a_layer(tmp_path, capsys, analyses, name):
     """Three operands, a letter one operand alone has summed, a product without a summed letter
@@ -447,31 +475,13 @@ def test_einsums_that_are_no_gemm_export_a_layer(tmp_path, capsys, analyses, nam
     in autodiff and at "operators without a candidate"), and the layer's output in float64 is
     NumPy's, its gradients torch.autograd's."""
     from datamove.cli import main
-    from datamove.export import load_layer
 
     out = tmp_path / name
     assert main([str(SPECS / f"{name}.py"), "--out", str(out)]) == 0
     capsys.readouterr()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        layer = load_layer(out, device="cpu", dtype=torch.float64, allow_mismatch=True)
-    gen = torch.Generator().manual_seed(4)
-    weights = [n for n in layer.interface.input_grads if n != "x"]
-    with torch.no_grad():
-        for n in weights:
-            getattr(layer, n).copy_(torch.randn(getattr(layer, n).shape, generator=gen, dtype=torch.float64))
-    x = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
-    theirs = {n: layer.spec_view(n).detach().clone().requires_grad_() for n in weights}
-    y = layer(x)
+    x, theirs, y = _float64_layer_against_torch(out, name, seed=4)
     numpy_values = {"x": x.detach().numpy(), **{n: w.detach().numpy() for n, w in theirs.items()}}
     assert relative_error(y.detach().numpy(), numpy_forward(analyses(name).spec, numpy_values)) < 1e-12
-    expected = CORPUS[name][1]({"x": x, **theirs}, None)
-    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
-    mine = torch.autograd.grad(y, [x, *(getattr(layer, n) for n in weights)], dy)
-    ref = torch.autograd.grad(expected, [x, *theirs.values()], dy)
-    torch.testing.assert_close(mine[0], ref[0])
-    for n, g, r in zip(weights, mine[1:], ref[1:]):
-        torch.testing.assert_close(layer.spec_view(n, g), r)
 
 
 @pytest.mark.parametrize("name", CORPUS)
@@ -690,27 +700,8 @@ def test_sequence_length_one_exports_and_computes(tmp_path, capsys, name):
     (it stopped at "the residual x is stored (7, 7, 1), its output (7, 21, 1)").  The layer's output
     and gradients are torch's in float64."""
     from datamove.cli import main
-    from datamove.export import load_layer
 
     out = tmp_path / name
     assert main([str(SPECS / f"{name}.py"), "--dims", "T=1", "--out", str(out)]) == 0, capsys.readouterr().err
     capsys.readouterr()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        layer = load_layer(out, device="cpu", dtype=torch.float64, allow_mismatch=True)
-    gen = torch.Generator().manual_seed(6)
-    weights = list(layer.interface.parameters)
-    with torch.no_grad():
-        for n in weights:
-            getattr(layer, n).copy_(torch.randn(getattr(layer, n).shape, generator=gen, dtype=torch.float64))
-    shape = tuple(layer.graph.size(letter) for letter in layer.interface.torch_order["x"])
-    x = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
-    theirs = {n: layer.spec_view(n).detach().clone().requires_grad_() for n in weights}
-    y, expected = layer(x), CORPUS[name][1]({"x": x, **theirs}, None)
-    torch.testing.assert_close(y, expected)
-    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
-    mine = torch.autograd.grad(y, [x, *(getattr(layer, n) for n in weights)], dy)
-    ref = torch.autograd.grad(expected, [x, *theirs.values()], dy)
-    torch.testing.assert_close(mine[0], ref[0])
-    for n, g, r in zip(weights, mine[1:], ref[1:]):
-        torch.testing.assert_close(layer.spec_view(n, g), r)
+    _float64_layer_against_torch(out, name, seed=6)
