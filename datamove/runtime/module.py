@@ -521,7 +521,8 @@ class TunedLayer(torch.nn.Module):
         """The call's shape ({call dim -> size}, ``call_shape``) and program: the last call's where the
         activations have its sizes and the mode is the same (``_last_call``; ~40 us of host per call
         otherwise, a GPT-2-small layer's fwd+bwd ~0.55 ms of kernels)."""
-        key = (self._drops(), self.backend, self.dtype, *(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in activations))
+        # the dtype, device and backend are not in the key: a move (``_moved_to``) forgets the last call
+        key = (self._drops(), *(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in activations))
         last = self._last_call
         if last is not None and last[0] == key:
             return last[1], last[2]
@@ -644,11 +645,12 @@ class TunedLayer(torch.nn.Module):
         return FSDPModule is not None and isinstance(self, FSDPModule)
 
     def forward(self, *inputs, key_padding_mask: torch.Tensor | None = None, **named_inputs):
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             refuse_function_transforms()
         face = self.interface
         activations = self._bound_inputs(inputs, named_inputs)
-        if torch.compiler.is_compiling():
+        if compiling:
             shape = call_shape(self.graph, face, self.call_dims, activations)
             self._program_made(self._drops(), shape_key(shape))
             program = self.program(self._drops(), shape)
@@ -662,7 +664,7 @@ class TunedLayer(torch.nn.Module):
             check(x, t, program.torch_shapes[t], self.dtype, self.device_, face.torch_order[t],
                   " (the layer's dtype: convert the input" + (", or the layer and its model with .to({dtype}))"
                                                               if convertible else ")"))
-        if torch.compiler.is_compiling() or self.device_.type == "meta":  # traced, or shapes only: the ops' fakes
+        if compiling or self.device_.type == "meta":  # traced, or shapes only: the ops' fakes
             seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)
             tensors = [self.spec_view(t) for t in face.parameters + face.constants]
             outputs = layer_forward(program.name, seed, [*activations, *tensors], key_padding_mask)[:len(face.outputs)]
