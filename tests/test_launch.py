@@ -65,6 +65,26 @@ def test_launch_keeps_one_direct_launch_per_kernel_grid_and_constexprs(monkeypat
     assert [entry[0] for entry in jit.log] == ["jit", "direct", "jit", "jit"]
 
 
+def test_launch_keeps_the_most_recently_used_grids_only(monkeypatch):
+    """A grid follows the sizes: a layer called at many sequence lengths made a ``DirectLaunch`` per
+    length, kept for the process.  At most ``LAUNCHES_KEPT`` are kept, the least recently used let go
+    (its next launch goes through the JIT again)."""
+    from collections import OrderedDict
+
+    import datamove.kernels.launch as launch_module
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    monkeypatch.setattr(launch_module, "_LAUNCHES", OrderedDict())
+    monkeypatch.setattr(launch_module, "LAUNCHES_KEPT", 2)
+    jit = Jit(["x", "BLOCK"])
+    x = torch.zeros(64)
+    for grid in (1, 2, 1, 3, 1, 2):  # 1 stays recent; 2 is let go when 3 comes
+        launch(jit, (grid,), [x], {"BLOCK": 16})
+    assert [entry[0] for entry in jit.log] == ["jit", "jit", "direct", "jit", "direct", "jit"]
+    assert len(launch_module._LAUNCHES) == 2
+
+
 def test_interpreted_kernels_always_go_through_the_jit():
     """Under the interpreter a launch returns no compiled kernel."""
     calls = []

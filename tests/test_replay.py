@@ -6,6 +6,7 @@ A replayed call must hand every kernel the arguments the checked path hands it: 
 integers and floats, and pointers that flow alike (each one the same input's, or the same tensor
 made earlier in the call).
 """
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -54,7 +55,7 @@ def logged(monkeypatch):
         made(self, LoggingJit(kernel, log), *args, **kwargs)
 
     monkeypatch.setattr(launch_module.DirectLaunch, "__init__", init)
-    monkeypatch.setattr(launch_module, "_LAUNCHES", {})
+    monkeypatch.setattr(launch_module, "_LAUNCHES", OrderedDict())
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
     return log
 

@@ -295,6 +295,136 @@ def test_the_job_refuses_alternatives_of_a_weight_dim():
     assert labels == ["B=3, L=23", "B=3, L=9"]
 
 
+def _untuned_calls(layer, lengths, batch: int = 2) -> list[torch.Tensor]:
+    """Forward and backward (evaluation mode) at ``batch`` x each of ``lengths``: each call's output and
+    input gradient, on inputs drawn from one seed per length."""
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for length in lengths:
+            gen = torch.Generator().manual_seed(length)
+            x = torch.randn(batch, length, layer.graph.size("i"), generator=gen, requires_grad=True)
+            y = layer(x)
+            y.backward(torch.randn(y.shape, generator=gen))
+            results += [y.detach(), x.grad]
+    return results
+
+
+def test_a_layer_called_at_many_lengths_keeps_a_bounded_number_of_programs(bert, monkeypatch):
+    """A collator padding each batch to its longest makes a shape per length: the layer keeps at
+    most ``PROGRAMS_KEPT`` programs (they were kept per shape for the process, in the layer and in
+    the custom ops' registry), the least recently used let go and freed; a shape whose program was
+    let go runs a new one with the same results, which equal HF's."""
+    import gc
+    import weakref
+
+    from datamove.export import load_weights
+    from datamove.runtime import module
+
+    monkeypatch.setattr(module, "PROGRAMS_KEPT", 3)
+    reference = hf_layer(BERT_DIMS)
+    layer = load(bert, "torch")
+    load_weights(layer, reference).eval()
+    first = _untuned_calls(layer, [7, 30, 23, 11, 5])
+    assert len(layer._programs) == 3
+    made = {length: weakref.ref(layer.program(False, {"B": 2, "L": length})) for length in (23, 11, 5)}
+    _untuned_calls(layer, [23])  # used: kept while 9 and 40 come in
+    _untuned_calls(layer, [9, 40])
+    gc.collect()
+    assert made[23]() is not None and made[11]() is None and made[5]() is None
+    assert len(module.PROGRAMS) == len([p for p in module.PROGRAMS.values() if p.graph.dim_values["B"] != 2]) + 3
+    again = _untuned_calls(layer, [7, 30, 23, 11, 5])
+    for ours, before in zip(again, first):
+        assert torch.equal(ours, before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compare_with_hf(layer, reference, 2, 7)
+
+
+def test_let_go_programs_free_their_kernels(bert, monkeypatch):
+    """With the plan's kernels, a program let go frees its compiled operators (each holds its graph and
+    its scratch buffers; the compile cache held them for the process)."""
+    import gc
+    import weakref
+
+    from datamove.kernels.codegen import compiled
+    from datamove.runtime import module
+
+    monkeypatch.setattr(module, "PROGRAMS_KEPT", 2)
+    layer = load(bert)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = layer.program(True, {"B": 2, "L": 7})
+    operators = [weakref.ref(s.compiled) for s in first.forward_steps + first.backward_steps if hasattr(s, "compiled")]
+    assert operators and all(op() is not None for op in operators)
+    held = len(compiled._compiled)
+    del first
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for length in (8, 9, 10):
+            layer.program(True, {"B": 2, "L": length})
+    gc.collect()
+    assert all(op() is None for op in operators)
+    assert len(compiled._compiled) <= held + (module.PROGRAMS_KEPT - 1) * len(operators)  # the 2 kept programs'
+
+
+def test_programs_named_by_the_custom_ops_are_kept(bert, monkeypatch):
+    """A meta-device call (and a compiled graph) runs its program through the custom ops, which find
+    it by name at its backward or a later call: it is kept whatever other shapes come after, in a copy
+    of the layer too."""
+    import copy
+
+    from datamove.runtime import module
+
+    monkeypatch.setattr(module, "PROGRAMS_KEPT", 1)
+    layer = copy.deepcopy(load(bert, "torch")).to("meta").train()
+    x = torch.randn(2, 9, layer.graph.size("i"), device="meta", requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = layer(x)
+        named = layer._last_call[2]
+        for length in (5, 6, 7):
+            layer(torch.randn(2, length, layer.graph.size("i"), device="meta"))
+        y.sum().backward()  # finds its program by name
+        assert module.PROGRAMS[named.name] is named and x.grad.shape == x.shape
+        twin = copy.deepcopy(layer)
+        kept = twin._programs.get(next(k for k, p in layer._programs._pinned.items() if p is named))
+        for length in (5, 6):
+            twin(torch.randn(2, length, layer.graph.size("i"), device="meta"))
+    assert module.PROGRAMS[kept.name] is kept and kept is not named
+
+
+def test_untuned_shapes_are_warned_about_up_to_a_number(bert, monkeypatch):
+    """One warning per shape without a plan of its own, saying how to train with many lengths, for the
+    first ``WARNED_SHAPES`` shapes only (a collator padding to each batch's longest warned once per length)."""
+    from datamove.runtime import module
+
+    monkeypatch.setattr(module, "WARNED_SHAPES", 2)
+    layer = load(bert, "torch").eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for length in (5, 6, 5, 7, 8):
+            layer(torch.randn(3, length, layer.graph.size("i")))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("datamove: B=3, L=5 has no plan of its own (tuned: B=3, L=23)")
+    assert "pad them to a multiple of 64 (HF's DataCollatorWithPadding(pad_to_multiple_of=64))" in messages[0]
+    assert "optimize-layer --dims 'L=128|256|512'" in messages[0]
+    assert messages[1].endswith("; further shapes without a plan of their own are not warned about")
+
+
+def test_calls_past_the_graphed_shapes_are_not_counted(bert):
+    """Once a layer keeps the CUDA graphs of ``GRAPHED_SHAPES`` shapes, calls at other shapes launch
+    plainly and are not counted (a count per shape was kept for every length seen)."""
+    from datamove.runtime.module import GRAPHED_SHAPES
+
+    layer = load(bert, "torch")
+    for length in range(1, GRAPHED_SHAPES + 1):
+        assert not layer._graphed_shape({"B": 2, "L": length}) and layer._graphed_shape({"B": 2, "L": length})
+    assert all(not layer._graphed_shape({"B": 2, "L": length}) for length in range(50, 60))
+    assert len(layer._calls) == GRAPHED_SHAPES
+
+
 def test_the_jobs_tuning_branch_tunes_each_shape_and_selects_on_its_records(tmp_path, monkeypatch, capsys):
     """The main job on a GPU, with what needs one (device facts, ceilings, the sweeps) replaced by
     recording stand-ins: each shape's layout spaces are built on its own graph and tuned, the timings are read back from the

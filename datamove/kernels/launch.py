@@ -10,7 +10,9 @@ cheap part of the specialisation key (pointer alignment, integer classes), so an
 would compile differently goes through the JIT again.  Under the interpreter, with a launch hook
 set (profilers), or with a Triton whose compiled kernels cannot be called this way, every launch
 goes through the JIT.  ``launch(kernel, grid, args, kwargs)`` keeps one ``DirectLaunch`` per
-kernel, grid and keyword arguments, for callers that launch a kernel as ``kernel[grid](...)`` would.
+kernel, grid and keyword arguments, for callers that launch a kernel as ``kernel[grid](...)`` would:
+the ``LAUNCHES_KEPT`` most recently used (a grid follows the sizes, and a layer called at many
+sequence lengths made new ones for the process's life).
 
 ``recording()`` collects the launches made inside it (each one's ``DirectLaunch``, compiled kernel,
 device and arguments), for a caller that repeats them later with new tensors through
@@ -25,6 +27,7 @@ plan's program runs its host side whole, on tensors of the meta device, without 
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
@@ -205,14 +208,19 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_LAUNCHES: dict[tuple, DirectLaunch] = {}
+LAUNCHES_KEPT = 1024  # ``launch``'s DirectLaunches kept, the least recently used let go
+_LAUNCHES: OrderedDict[tuple, DirectLaunch] = OrderedDict()
 
 
 def launch(kernel, grid: tuple, args: list, kwargs: dict) -> None:
-    """``kernel[grid](*args, **kwargs)`` through a ``DirectLaunch`` kept per (kernel, grid, kwargs):
-    the kwargs (constexprs and launch options) must be hashable values."""
+    """``kernel[grid](*args, **kwargs)`` through a ``DirectLaunch`` kept per (kernel, grid, kwargs)
+    (module doc): the kwargs (constexprs and launch options) must be hashable values."""
     key = (kernel, grid, *kwargs.items())
     direct = _LAUNCHES.get(key)
     if direct is None:
         direct = _LAUNCHES[key] = DirectLaunch(kernel, grid, kwargs)
+        if len(_LAUNCHES) > LAUNCHES_KEPT:
+            _LAUNCHES.popitem(last=False)
+    else:
+        _LAUNCHES.move_to_end(key)
     direct(args)

@@ -7,9 +7,9 @@ one autograd node per layer call, opaque to ``torch.compile`` (which traces the 
 ``fullgraph=True``: fake implementations give every output's shape and strides).  The module holds the parameters (each
 a contiguous tensor over its letters in the plan's layout, ``spec_view`` giving the spec's letter
 order, which the program reads; a stacked group such as Q/K/V's weights is one storage, so the
-stacked GEMM reads it without a copy) and the constants (buffers, alike), and keeps two
-programs per shape it is called at: training (the spec's dropout) and evaluation (dropout off),
-compiled on first use.  Shapes (``datamove.runtime.shapes``): a call at a tuned shape runs that shape's
+stacked GEMM reads it without a copy) and the constants (buffers, alike), and keeps the
+programs of the shapes it is called at, training (the spec's dropout) and evaluation (dropout off),
+made on first use, at most ``PROGRAMS_KEPT`` (``ProgramCache``: the least recently used let go).  Shapes (``datamove.runtime.shapes``): a call at a tuned shape runs that shape's
 plan, any other the nearest tuned plan fitted to its sizes (one warning per layer and shape).  On
 CUDA a call replays the layer's own CUDA graphs where it can (``datamove.runtime.graphs``: they read
 the parameters in place, or under FSDP2, which gathers them anew for every call, copies of them
@@ -19,9 +19,12 @@ another from its second: a dataloader padding each batch to its longest sequence
 shapes, each graphed one holding its own static buffers), other shapes launch plainly.
 """
 import functools
+import itertools
 import json
 import math
 import warnings
+import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -44,16 +47,69 @@ from datamove.runtime.torch_program import TorchProgram
 KERNELS, TORCH = "kernels", "torch"  # what runs a layer's plan: its kernels, or its computation in PyTorch operations
 
 
-PROGRAMS: dict[str, LayerProgram] = {}  # the custom ops find their program by name
+# the custom ops find their program by name, while anything holds it (its layers' ``ProgramCache``, an autograd node)
+PROGRAMS: "weakref.WeakValueDictionary[str, LayerProgram]" = weakref.WeakValueDictionary()
+_NAMES = itertools.count()  # program names are never reused: a CUDA graph or compiled graph names its program
 GRAPHED_SHAPES = 4  # shapes per layer instance whose CUDA graphs (and their static buffers) are kept
+PROGRAMS_KEPT = 64  # programs (a shape in one mode, dtype and device) a layer and its siblings keep: ``ProgramCache``
+WARNED_SHAPES = 8  # shapes without a plan of their own warned about per layer (and siblings); the last says so
 
 
 def register(program: LayerProgram) -> str:
-    """Name ``program`` for the custom ops (one name per program, kept for the process)."""
-    name = f"program{len(PROGRAMS)}"
+    """Name ``program`` for the custom ops (a name of its own, found while the program lives)."""
+    name = f"program{next(_NAMES)}"
     PROGRAMS[name] = program
     program.name = name
     return name
+
+
+class ProgramCache:
+    """A layer's programs (shared by its siblings) by (training, shape key, backend, dtype, device):
+    at most ``PROGRAMS_KEPT``, the least recently used let go first, so that a training run whose
+    batches come in many sequence lengths (a collator padding each batch to its longest) keeps a
+    bounded number (each holds its launchers, its graph and its kernels' scratch buffers; one was
+    kept per shape without bound).  A program let go is made again on its shape's next call (no
+    kernel compiles again: Triton keeps them).  Programs that something names later are *pinned*,
+    kept for the layer's life: those a ``torch.compile`` graph or a meta-device call runs through
+    the custom ops (found by name, ``PROGRAMS``) and those whose CUDA graphs a layer replays (at
+    most ``GRAPHED_SHAPES`` shapes per layer)."""
+
+    def __init__(self):
+        self._recent: OrderedDict[tuple, LayerProgram] = OrderedDict()  # least recently used first
+        self._pinned: dict[tuple, LayerProgram] = {}
+        self._pinned_names: set[str] = set()
+
+    def get(self, key: tuple) -> LayerProgram | None:
+        program = self._pinned.get(key)
+        if program is None:
+            program = self._recent.get(key)
+            if program is not None:
+                self._recent.move_to_end(key)
+        return program
+
+    def add(self, key: tuple, program: LayerProgram) -> None:
+        self._recent[key] = program
+        while len(self._recent) > PROGRAMS_KEPT:
+            self._recent.popitem(last=False)
+
+    def pin(self, program: LayerProgram) -> None:
+        """Keep ``program`` (one of the cache's) for the layer's life."""
+        if program.name in self._pinned_names:
+            return
+        key = next((k for k, p in self._recent.items() if p is program), None)
+        if key is not None:
+            self._pinned[key] = self._recent.pop(key)
+            self._pinned_names.add(program.name)
+
+    def renamed(self) -> None:
+        """After the programs were registered anew (unpickled): their pins follow their new names."""
+        self._pinned_names = {program.name for program in self._pinned.values()}
+
+    def values(self) -> list[LayerProgram]:
+        return [*self._pinned.values(), *self._recent.values()]
+
+    def __len__(self) -> int:
+        return len(self._pinned) + len(self._recent)
 
 
 def _unaliased(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -298,8 +354,8 @@ class TunedLayer(torch.nn.Module):
         self.plans = list(plans or [plan])
         self.call_dims = call_dims(graph, interface)
         self.tuned_shapes = [{d: p.dims[d] for d in self.call_dims} for p in self.plans]  # [{call dim -> size}]
-        self._programs: dict[tuple, LayerProgram] = {}  # (training, shape key, how it runs) -> program, shared by siblings
-        self._warned: set[tuple] = set()  # untuned shapes and dtypes warned about, shared by siblings
+        self._programs = ProgramCache()  # (training, shape key, how it runs) -> program, shared by siblings
+        self._warned: set[tuple] = set()  # untuned shapes (at most WARNED_SHAPES) and dtypes warned about, shared by siblings
         self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
         self._constants_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold what it must
@@ -421,9 +477,14 @@ class TunedLayer(torch.nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("_last_call", None)  # layers pickled before these attributes existed
         self.__dict__.setdefault("dropout_off", False)
+        if isinstance(self._programs, dict):  # a layer pickled before ``ProgramCache``
+            programs, self._programs = self._programs, ProgramCache()
+            for key, program in programs.items():
+                self._programs.add(key, program)
         for program in self._programs.values():
             if PROGRAMS.get(program.name) is not program:
                 register(program)
+        self._programs.renamed()
 
     def sibling(self) -> "TunedLayer":
         """Another layer of the same plan (its own parameters, graphs and hooks), sharing this one's
@@ -446,21 +507,37 @@ class TunedLayer(torch.nn.Module):
         evaluation mode, built on first use: the shape's own plan, else the nearest one fitted to it."""
         shape = shape or self.tuned_shapes[0]
         key = (training, shape_key(shape), self.backend, self.dtype, str(self.device_))
-        if key not in self._programs:
+        program = self._programs.get(key)
+        if program is None:
             tuned = self.dispatch(shape)
             graph = self.graph.with_dims({**self.graph.dim_values, **shape})
             plan = tuned if shape in self.tuned_shapes else fit_plan(tuned, graph, self.operators, self.dtype.itemsize)
-            if plan is not tuned and key[1] not in self._warned:
-                self._warned.add(key[1])
-                warnings.warn(f"datamove: {describe(shape)} has no plan of its own (tuned: "
-                              f"{'; '.join(map(describe, self.tuned_shapes))}): it runs the plan tuned at "
-                              f"{describe({d: tuned.dims[d] for d in shape})} at these sizes, compiled now and "
-                              f"kept; tune it with optimize-layer --dims", stacklevel=3)
+            if plan is not tuned:
+                self._warn_untuned(shape, tuned)
             kind = LayerProgram if self.backend == KERNELS else TorchProgram
-            self._programs[key] = kind(plan, graph if training else without_dropout(graph), self.operators,
-                                       self.interface, self.dtype, self.device_)
-            register(self._programs[key])
-        return self._programs[key]
+            program = kind(plan, graph if training else without_dropout(graph), self.operators, self.interface,
+                           self.dtype, self.device_)
+            register(program)
+            self._programs.add(key, program)
+        return program
+
+    def _warn_untuned(self, shape: dict, tuned: Plan) -> None:
+        """Warn once per shape without a plan of its own, for the first ``WARNED_SHAPES`` such shapes
+        (a collator padding each batch to its longest makes one per length)."""
+        warned = [k for k in self._warned if k and isinstance(k[0], tuple)]  # shape keys, not (dtype, dtype)
+        key = shape_key(shape)
+        if key in self._warned or len(warned) >= WARNED_SHAPES:
+            return
+        self._warned.add(key)
+        last = len(warned) + 1 == WARNED_SHAPES
+        warnings.warn(f"datamove: {describe(shape)} has no plan of its own (tuned: "
+                      f"{'; '.join(map(describe, self.tuned_shapes))}): it runs the plan tuned at "
+                      f"{describe({d: tuned.dims[d] for d in shape})} at these sizes, made now (the layer keeps "
+                      f"{PROGRAMS_KEPT}); for batches of many lengths, pad them to a multiple of 64 (HF's "
+                      "DataCollatorWithPadding(pad_to_multiple_of=64)) and tune the lengths you use with "
+                      f"optimize-layer --dims '{list(shape)[-1]}=128|256|512' (docs/runtime.md, Variable lengths)"
+                      + ("; further shapes without a plan of their own are not warned about" if last else ""),
+                      stacklevel=4)
 
     @torch.compiler.assume_constant_result
     def _program_made(self, training: bool, key: tuple) -> str:
@@ -603,8 +680,10 @@ class TunedLayer(torch.nn.Module):
         key = shape_key(shape)
         if key in self._graphed:
             return True
+        if len(self._graphed) >= GRAPHED_SHAPES:  # no more: calls are not counted (one count per shape, unbounded)
+            return False
         self._calls[key] = self._calls.get(key, 0) + 1
-        if len(self._graphed) >= GRAPHED_SHAPES or (shape not in self.tuned_shapes and self._calls[key] < 2):
+        if shape not in self.tuned_shapes and self._calls[key] < 2:
             return False
         self._graphed.add(key)
         return True
@@ -665,6 +744,7 @@ class TunedLayer(torch.nn.Module):
                   " (the layer's dtype: convert the input" + (", or the layer and its model with .to({dtype}))"
                                                               if convertible else ")"))
         if compiling or self.device_.type == "meta":  # traced, or shapes only: the ops' fakes
+            self._programs.pin(program)  # named by the custom ops (in a compiled graph, or until the backward)
             seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)
             tensors = [self.spec_view(t) for t in face.parameters + face.constants]
             outputs = layer_forward(program.name, seed, [*activations, *tensors], key_padding_mask)[:len(face.outputs)]
@@ -674,6 +754,7 @@ class TunedLayer(torch.nn.Module):
         if self.cuda_graphs and self.graphs.usable() and self._graphed_shape(shape):
             replayer = self.graphs.replayer(program, tensors, key_padding_mask, activations, copy_in=self._sharded())
             if replayer is not None:
+                self._programs.pin(program)  # its graphs name it: made again, it would capture them again
                 outputs = self.graphs(replayer, activations, held, tensors, self._order, key_padding_mask)
                 return outputs[0] if len(outputs) == 1 else tuple(outputs)
         seed = torch.randint(0, SEED_RANGE, (1,), device=self.device_)  # graph-safe: a new key per replay

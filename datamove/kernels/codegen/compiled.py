@@ -7,6 +7,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -270,13 +271,17 @@ class CompiledOperator:
 
 
 _TENSOR, _SEED, _VALUE = "tensor", "seed", "value"  # kinds of CompiledOperator._template's argument slots
-_compiled: dict[tuple, CompiledOperator] = {}
+# kept while something holds them (a layer's program): one per operator and graph, and a layer makes a
+# graph per call shape (they held their graph and scratch buffers for the process: datamove.runtime.module)
+_compiled: "weakref.WeakValueDictionary[tuple, CompiledOperator]" = weakref.WeakValueDictionary()
 
 
 def compile_operator(graph, op, config: Configuration) -> CompiledOperator:
-    """Generate, cache and import the kernel of ``op`` under ``config`` at ``graph``'s dims."""
+    """Generate, cache and import the kernel of ``op`` under ``config`` at ``graph``'s dims (the same
+    object while one is held; the kernel module itself is kept per source, ``load_module``)."""
     key = (id(graph), op.name, tuple(sorted(graph.dim_values.items())), config.key(),
            tuple(p.name for p in op.primitives))
-    if key not in _compiled:
-        _compiled[key] = CompiledOperator(graph, op, config)
-    return _compiled[key]
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = _compiled[key] = CompiledOperator(graph, op, config)
+    return compiled
