@@ -319,8 +319,14 @@ class LlamaLayerReplacement(BertLayerReplacement):
                                      "(position_ids per sequence): the tuned layer holds one table for all")
             table = table[0] if table.dim() == 3 else table
             if tuple(table.shape) != wanted:
-                fix = (f"call the model at the sequence length the layer was tuned for, {wanted[0]} (generation, "
-                       "model.generate, is not part of the tuned layer)" if table.shape[0] != wanted[0]
+                longer = table.shape[0] > wanted[0]
+                fix = (f"call the model at the sequence length the layer was tuned for, {wanted[0]}: "
+                       + (f"truncate to it, or tune the layer at your longest length (optimize-layer --dims T=...) and "
+                          "pad every batch to that" if longer else "pad every batch to it") +
+                       " with an attention_mask of the padding (the tokenizer or DataCollatorWithPadding with "
+                       f"padding='max_length', max_length={'that length' if longer else wanted[0]}; docs/runtime.md, "
+                       "Variable lengths; generation, model.generate, is not part of the tuned layer)"
+                       if table.shape[0] != wanted[0]
                        else "the model's rotary head dim is not the spec's: use a model of the spec's head_dim")
                 raise ValueError(f"datamove: position_embeddings' {name} is {tuple(table.shape)} (sequence, head "
                                  f"dim); the tuned layer's is {wanted}: {fix}")

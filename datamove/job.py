@@ -281,13 +281,14 @@ def shapes_of(fused, shapes: list[dict], interface) -> dict:
     is ``fused`` itself; ``interface``: the layer's (``layer.tensor_interface``).  Refuses
     alternatives of a dim that sizes the weights (``SpecError``)."""
     from datamove.dataflow.spec import SpecError
-    from datamove.runtime.shapes import call_dims, describe
+    from datamove.runtime.shapes import call_dims, describe, sized_by
 
     dims = call_dims(fused.graph, interface)
     fixed = sorted({d for shape in shapes for d, v in shape.items() if shapes[0].get(d) != v and d not in dims})
     if fixed:
+        held = "; ".join(f"{d} sizes {sized_by(fused.graph, interface, d)}" for d in fixed)
         raise SpecError(f"--dims: {', '.join(fixed)} take(s) several values, but only {', '.join(dims)} may (the sizes "
-                        f"a call chooses); the others size the weights: run optimize-layer once per value")
+                        f"a call chooses); {held}: run optimize-layer once per value (docs/runtime.md, Variable lengths)")
     result = {}
     for shape in shapes:
         each = fused if shape is shapes[0] else fused.with_dims({**fused.graph.dim_values, **shape})

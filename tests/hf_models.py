@@ -58,3 +58,20 @@ def check_against_hf(reference: torch.nn.Module, ours: torch.nn.Module, ids: tor
     for name, p in reference_params.items():
         assert p.grad is not None and grads[name] is not None, name
         assert float((grads[name] - p.grad).abs().max()) < tolerance * float(p.grad.abs().max()), name
+
+
+def check_padded_to_the_tuned_length(reference: torch.nn.Module, ours: torch.nn.Module, lengths: list[int], tuned: int,
+                                     vocab: int, tolerance: float) -> None:
+    """A batch of sequences of ``lengths`` padded on the right to the layer's ``tuned`` length with
+    an attention mask of the padding, as docs/runtime.md says a decoder trains on batches of other
+    lengths (``check_against_hf``: output and every gradient against ``reference`` given the same);
+    each sequence's outputs are also those of ``reference`` on the sequence alone, unpadded."""
+    ids = torch.randint(0, vocab, (len(lengths), tuned), generator=torch.Generator().manual_seed(len(lengths)))
+    mask = torch.zeros(len(lengths), tuned, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    check_against_hf(reference, ours, ids, mask, tolerance)
+    padded = ours(input_ids=ids, attention_mask=mask).last_hidden_state.detach()
+    for row, length in enumerate(lengths):
+        alone = reference(input_ids=ids[row:row + 1, :length]).last_hidden_state.detach()[0]
+        assert float((padded[row, :length] - alone).abs().max()) < tolerance * float(alone.abs().max()), row

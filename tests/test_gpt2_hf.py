@@ -10,7 +10,7 @@ import torch
 
 from datamove.hf import GPT2BlockReplacement, decay_parameter_names, replace_gpt2_blocks
 from conftest import GPT2_DIMS
-from hf_models import check_against_hf, replaced_pair
+from hf_models import check_against_hf, check_padded_to_the_tuned_length, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value
@@ -34,6 +34,24 @@ def test_a_replaced_gpt2_model_computes_as_hf(gpt2_artifact, padded):
     if padded:
         mask[1, :4] = 0
     check_against_hf(reference, ours, ids, mask, TOLERANCE)
+
+
+def test_batches_of_other_lengths_train_padded_to_the_tuned_length(gpt2_artifact):
+    """GPT-2's sequence length is the tuned one (its causal mask is a constant over it): a shorter or
+    longer batch is refused saying what to do (it said only which tensor fixes T); padded on the
+    right with its attention mask, as the refusal says, a batch of shorter sequences (and a smaller
+    last batch, B=1) computes as HF's model on each sequence alone."""
+    reference, ours = models(gpt2_artifact)
+    T = DIMS["T"]
+    with pytest.raises(ValueError, match=rf"T is the sequence length the layer was tuned at \(causal is a constant "
+                                         rf"over it\): pad every batch to T={T} with a key_padding_mask of the padding "
+                                         rf"\(a HF model: its attention_mask; the tokenizer or DataCollatorWithPadding "
+                                         rf"with padding='max_length', max_length={T}; docs/runtime.md, Variable lengths\)$"):
+        ours(input_ids=torch.randint(0, 50, (2, T - 4)))
+    with pytest.raises(ValueError, match=rf": truncate to T={T}, or tune the layer at your longest length"):
+        ours(input_ids=torch.randint(0, 50, (2, T + 3)))
+    check_padded_to_the_tuned_length(reference, ours, [T - 4, 1, T], T, 50, TOLERANCE)
+    check_padded_to_the_tuned_length(reference, ours, [T - 6], T, 50, TOLERANCE)
 
 
 def test_a_replaced_gpt2_models_checkpoint_is_hfs(gpt2_artifact, tmp_path):

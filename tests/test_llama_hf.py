@@ -12,7 +12,7 @@ import torch
 
 from datamove.hf import replace_llama_layers
 from datamove.runtime.module import TunedLayer
-from hf_models import check_against_hf, replaced_pair
+from hf_models import check_against_hf, check_padded_to_the_tuned_length, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7
@@ -121,7 +121,7 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     causal_lm = transformers.LlamaForCausalLM(small_config())
     replace_llama_layers(causal_lm, llama_artifact, dtype=torch.float32, allow_mismatch=True)
     for use_cache in (True, False):  # its second step: one token with a cache, or 17 without
-        with pytest.raises(ValueError, match=r"tuned for, 16 \(generation, model.generate, is not part of the tuned"):
+        with pytest.raises(ValueError, match=r"tuned for, 16: .*generation, model.generate, is not part of the tuned"):
             causal_lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
                                use_cache=use_cache)
     with pytest.raises(ValueError, match=r"set_constant\('cos'\): a tensor of shape \(8, 16\); cos is over s, e: \(16, 16\)"):
@@ -130,6 +130,22 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     table[3, 5] = float("nan")  # NaN marks a constant not set: never taken as a value
     with pytest.raises(ValueError, match=r"set_constant\('cos'\): the values hold NaN \(at \(3, 5\) over s, e\)"):
         layer.layer.set_constant("cos", table)
+
+
+def test_batches_of_other_lengths_train_padded_to_the_tuned_length(llama_artifact):
+    """The rotary tables fix the sequence length: a shorter or longer batch is refused saying what to
+    do (it said only to call the model at the tuned length); padded on the right with its attention
+    mask, as the refusal says, a batch of shorter sequences (and a smaller last batch, B=1) computes
+    as HF's model on each sequence alone."""
+    reference, ours = models(llama_artifact)
+    with pytest.raises(ValueError, match=r"tuned for, 16: pad every batch to it with an attention_mask of the padding "
+                                         r"\(the tokenizer or DataCollatorWithPadding with padding='max_length', "
+                                         r"max_length=16; docs/runtime.md, Variable lengths;"):
+        ours(input_ids=torch.randint(0, 50, (2, 11)))
+    with pytest.raises(ValueError, match=r"tuned for, 16: truncate to it, or tune the layer at your longest length"):
+        ours(input_ids=torch.randint(0, 50, (2, 19)))
+    check_padded_to_the_tuned_length(reference, ours, [11, 1, 16], 16, 50, TOLERANCE)
+    check_padded_to_the_tuned_length(reference, ours, [7], 16, 50, TOLERANCE)
 
 
 def test_rotary_tables_set_from_numpy_compute_as_hf(llama_artifact):

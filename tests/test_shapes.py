@@ -16,7 +16,7 @@ from datamove.runtime.layer import LayerProgram, tensor_interface
 from datamove.runtime.shapes import call_dims, check_plans, fit_plan, nearest
 from datamove.runtime.weights import from_spec
 from plans import selected_plan, spec_module, spec_order_plan
-from test_export import BERT_DIMS, FLOAT32_TOLERANCE, error, load, small_bert_config, small_bert_model, write
+from test_export import BERT_DIMS, FLOAT32_TOLERANCE, GPT2_DIMS, error, load, small_bert_config, small_bert_model, write
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
 SMALL = dict(B=2, N=64, H=2, P=32, U=128)  # the job's sizes (tests/test_job.py), L given per shape
@@ -285,6 +285,8 @@ def test_hf_decoder_mask_is_refused(bert):
 
 
 def test_the_job_refuses_alternatives_of_a_weight_dim():
+    """Alternatives of a dim the weights size, or (a decoder's sequence length) a constant, are
+    refused, naming what sizes it (GPT-2's T was said to size the weights)."""
     from datamove.job import shapes_of
 
     fused = stored_fused()["bert"].with_dims(BERT_DIMS)
@@ -293,6 +295,12 @@ def test_the_job_refuses_alternatives_of_a_weight_dim():
         shapes_of(fused, [{"N": 32}, {"N": 48}], interface)
     labels = list(shapes_of(fused, [{"L": 23}, {"L": 9}], interface))
     assert labels == ["B=3, L=23", "B=3, L=9"]
+    gpt2 = stored_fused()["gpt2"].with_dims(GPT2_DIMS)
+    with pytest.raises(SpecError) as refused:
+        shapes_of(gpt2, [{"T": 21}, {"T": 32}], tensor_interface(gpt2.graph, getattr(spec_module("gpt2"), "TORCH_ORDER", {})))
+    assert str(refused.value) == ("--dims: T take(s) several values, but only B may (the sizes a call chooses); T sizes "
+                                  "the constant causal: run optimize-layer once per value (docs/runtime.md, Variable "
+                                  "lengths)")
 
 
 def _untuned_calls(layer, lengths, batch: int = 2) -> list[torch.Tensor]:

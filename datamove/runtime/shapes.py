@@ -66,6 +66,12 @@ def _holder(graph, interface, dim: str) -> str:
                 if any(graph.letter_dims[letter] == dim for letter in graph.tensors[t].letters))
 
 
+def sized_by(graph, interface, dim: str) -> str:
+    """What fixes ``dim`` for a layer: ``the weight ln1_gain`` or ``the constant causal`` (``_holder``)."""
+    holder = _holder(graph, interface, dim)
+    return f"the {'weight' if holder in interface.parameters else 'constant'} {holder}"
+
+
 def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str, int]:
     """The shape {call dim -> size} of a call on ``activations`` (PyTorch order); refuses a tensor
     with another number of dims, a fixed dim of another size, a call dim below 1 or two
@@ -83,7 +89,7 @@ def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str
             fixed = ", ".join(f"{dim} by {_holder(graph, interface, dim)}" for dim in
                               dict.fromkeys(graph.letter_dims[letter] for letter in order) if dim not in dims)
             raise ValueError(f"{t}: shape {tuple(x.shape)}, {_expected(expected, order, dims)}; the other sizes are "
-                             f"fixed by the layer's tensors ({fixed})")
+                             f"fixed by the layer's tensors ({fixed})" + _padded_length(graph, interface, dims, order, x.shape))
         for letter, size in zip(order, x.shape):
             dim, size = graph.letter_dims[letter], operator.index(size)
             if dim not in dims:
@@ -93,6 +99,30 @@ def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str
             if shape.setdefault(dim, size) != size:
                 raise ValueError(f"{t}: {dim}={size} along {letter}, but {dim}={shape[dim]} elsewhere in the call")
     return shape
+
+
+def _padded_length(graph, interface, dims: tuple[str, ...], order: str, shape) -> str:
+    """What to do where ``shape`` (over ``order``) differs from the layer along a dim that only
+    constants size (a decoder's sequence length: GPT-2's causal mask, Llama's rotary tables), or ''
+    (a call of another number of dims, or a dim a parameter sizes: another model); ``dims``: the
+    call dims (any size)."""
+    if len(shape) != len(order):
+        return ""
+    weighted = {graph.letter_dims[letter] for t in interface.parameters for letter in graph.tensors[t].letters}
+    off = [(graph.letter_dims[letter], size) for letter, size in zip(order, shape)
+           if graph.letter_dims[letter] not in weighted | set(dims) and operator.index(size) != graph.size(letter)]
+    if not off:
+        return ""
+    dim, size = off[0]
+    tuned, holder = graph.dim_values[dim], _holder(graph, interface, dim)
+    pad = (f"with a key_padding_mask of the padding (a HF model: its attention_mask; the tokenizer or "
+           f"DataCollatorWithPadding with padding='max_length', max_length=")
+    if operator.index(size) < tuned:
+        return (f"; {dim} is the sequence length the layer was tuned at ({holder} is a constant over it): pad every "
+                f"batch to {dim}={tuned} {pad}{tuned}; docs/runtime.md, Variable lengths)")
+    return (f"; {dim} is the sequence length the layer was tuned at ({holder} is a constant over it): truncate to "
+            f"{dim}={tuned}, or tune the layer at your longest length (optimize-layer --dims {dim}=...) and pad every "
+            f"batch to it {pad}that length; docs/runtime.md, Variable lengths)")
 
 
 def _expected(expected: tuple, order: str, dims: tuple[str, ...]) -> str:
