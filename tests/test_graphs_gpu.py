@@ -448,3 +448,26 @@ def test_a_callers_cuda_graph_captures_forward_and_backward_with_parameter_gradi
     replay()
     for a, b in zip(captured, step(plain)):
         close(a, b)
+
+
+def test_a_deleted_layers_graphs_give_their_memory_back(path):
+    """Loading layers again and again in one process (a notebook, a sweep, evaluating checkpoints):
+    once a layer, its outputs and its gradients are gone, its graphs' memory pool and its programs'
+    buffers go back to PyTorch's allocator (the first graph captured was kept for the process, and
+    with it the pool every graph of the device shared)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    for _ in range(2):
+        graphed, _plain = pair(path)
+        run_steps(graphed, inputs(2))
+        run_steps(graphed, inputs(2))  # replayed
+        assert graphed.cuda_graph_bytes() > 0
+        del graphed, _plain
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() - before < 8 << 20

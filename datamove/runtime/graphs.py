@@ -78,11 +78,12 @@ from datamove.runtime.steps import Run
 MOVES_TO_STOP = 3  # calls in a row with the parameters moved after which the layer stops graphing
 REPLAYERS = 2  # static buffer sets per layer instance and kind of call: a second for a forward before the first's backward
 GRADIENT_SETS = 2  # gradient buffers per replayer (under FSDP2: per program): a second while the first is held
-_POOLS: dict[torch.device, torch.cuda.CUDAGraph] = {}  # device -> the first graph captured there, kept: its pool serves all
+# device -> the live graphs captured there, all in one memory pool (any of them names it); held weakly, so
+# the pool goes back to the allocator when the last layer using it is gone
+_POOLS: dict[torch.device, weakref.WeakSet] = {}
 _use_count = torch._C._storage_Use_Count  # references to a storage (a tensor or view holds one each)
 # storage address -> a live replayer's static output or gradient there: what other graphs may read in place
 _STATIC: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_SHARED: dict[str, "SharedStatics"] = {}  # program name -> what its layers' graphs read and write under FSDP2
 
 
 def _register_static(tensors: list[torch.Tensor]) -> None:
@@ -173,8 +174,8 @@ def _gradients_like(program: LayerProgram) -> list[torch.Tensor]:
 
 class SharedStatics:
     """What the graphs of every layer of one program read and write when the layers copy their
-    parameters in (FSDP2; the module doc), one per program (``shared_statics``), kept for the
-    process.
+    parameters in (FSDP2; the module doc), one per program (``shared_statics``), kept with
+    it.
 
     ``tensors``: the parameters then the constants, spec-order views laid out as the module stores
     them (the plan's layouts, a stacked group's members slices of one storage, which the stacked
@@ -212,10 +213,11 @@ class SharedStatics:
 
 
 def shared_statics(program: LayerProgram) -> SharedStatics:
-    """The ``SharedStatics`` of ``program`` (on its one device; siblings share programs), made on first use."""
-    found = _SHARED.get(program.name)
+    """The ``SharedStatics`` of ``program`` (on its one device; siblings share programs), made on
+    first use and kept on the program (freed with it)."""
+    found = program.shared_statics
     if found is None:
-        found = _SHARED[program.name] = SharedStatics(program)
+        found = program.shared_statics = SharedStatics(program)
     return found
 
 
@@ -226,7 +228,7 @@ def _capture(device: torch.device, run_once, record):
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
-    keeper = _POOLS.get(device)  # the pool lives while a graph using it does: the first one is kept
+    keeper = next(iter(_POOLS.setdefault(device, weakref.WeakSet())), None)  # a live graph of the pool, if any
     with torch.no_grad(), torch.cuda.stream(stream):
         run_once()
         graph.capture_begin(pool=keeper.pool() if keeper else None, capture_error_mode="thread_local")
@@ -235,7 +237,7 @@ def _capture(device: torch.device, run_once, record):
         finally:
             graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
-    _POOLS.setdefault(device, graph)
+    _POOLS[device].add(graph)
     return graph, results
 
 

@@ -165,6 +165,14 @@ class LayerProgram:
                                  if launcher.step.kind == ATTENTION_FORWARD and launcher.step.config.causal_constant]
         self.stacked = self.stacked_gradients()
         self._signatures: dict[str, tuple] = {}  # phase -> what its steps' recordings assume
+        self.shared_statics = None  # what its layers' graphs read and write under FSDP2 (``runtime.graphs.shared_statics``)
+
+    def __getstate__(self) -> dict:
+        """Pickled (a saved layer, ``copy.deepcopy``) without FSDP2's statics: device memory a copy makes anew."""
+        return {**self.__dict__, "shared_statics": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({"shared_statics": None, **state})  # programs pickled before it existed
 
     def _kept_tensors(self) -> list[str]:
         """What the backward steps read that neither they nor the caller provide: tensors the forward

@@ -47,7 +47,8 @@ from datamove.runtime.torch_program import TorchProgram
 KERNELS, TORCH = "kernels", "torch"  # what runs a layer's plan: its kernels, or its computation in PyTorch operations
 
 
-# the custom ops find their program by name, while anything holds it (its layers' ``ProgramCache``, an autograd node)
+# the custom ops find their program by name, while anything holds it (its layers' ``ProgramCache``; an autograd
+# context its forward's, until the backward ran): a program, its buffers and its FSDP2 statics go with the last holder
 PROGRAMS: "weakref.WeakValueDictionary[str, LayerProgram]" = weakref.WeakValueDictionary()
 _NAMES = itertools.count()  # program names are never reused: a CUDA graph or compiled graph names its program
 GRAPHED_SHAPES = 4  # shapes per layer instance whose CUDA graphs (and their static buffers) are kept
@@ -163,7 +164,7 @@ def _(program, seed, inputs, kept, grads, key_padding_mask):
 def _setup_context(ctx, inputs, output):
     program, seed, tensors, key_padding_mask = inputs
     prog = PROGRAMS[program]
-    ctx.program = program
+    ctx.program, ctx.program_object = program, prog  # the object: alive until the backward, whatever the layer does
     ctx.save_for_backward(seed, *tensors, *output[len(prog.interface.outputs):],
                           *([key_padding_mask] if key_padding_mask is not None else []))
     ctx.counts = (len(tensors), len(prog.kept), key_padding_mask is not None)
