@@ -356,7 +356,10 @@ class TunedLayer(torch.nn.Module):
         self.call_dims = call_dims(graph, interface)
         self.tuned_shapes = [{d: p.dims[d] for d in self.call_dims} for p in self.plans]  # [{call dim -> size}]
         self._programs = ProgramCache()  # (training, shape key, how it runs) -> program, shared by siblings
-        self._warned: set[tuple] = set()  # untuned shapes (at most WARNED_SHAPES) and dtypes warned about, shared by siblings
+        # warned about, shared by siblings: shapes without a plan of their own (shape keys, at most WARNED_SHAPES),
+        # and (dtype computed in, dtype tuned in) pairs
+        self._warned_shapes: set[tuple] = set()
+        self._warned_dtypes: set[tuple] = set()
         self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
         self._constants_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold what it must
@@ -400,8 +403,8 @@ class TunedLayer(torch.nn.Module):
         self._runs_in(dtype, device)
         self.graphs, self._calls, self._graphed, self._views, self._last_call = LayerGraphs(), {}, set(), {}, None
         tuned = self.plan.dtype.torch
-        if dtype != tuned and (dtype, tuned) not in self._warned:
-            self._warned.add((dtype, tuned))
+        if dtype != tuned and (dtype, tuned) not in self._warned_dtypes:
+            self._warned_dtypes.add((dtype, tuned))
             warnings.warn(f"datamove: the layer now computes in {dtype}; its plan was tuned in {tuned} "
                           f"(its kernels run untimed in {dtype}): tune it with optimize-layer --dtype", stacklevel=4)
 
@@ -478,6 +481,10 @@ class TunedLayer(torch.nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("_last_call", None)  # layers pickled before these attributes existed
         self.__dict__.setdefault("dropout_off", False)
+        if "_warned" in self.__dict__:  # one set of both kinds once
+            warned = self.__dict__.pop("_warned")
+            self._warned_shapes = {k for k in warned if k and isinstance(k[0], tuple)}
+            self._warned_dtypes = warned - self._warned_shapes
         if isinstance(self._programs, dict):  # a layer pickled before ``ProgramCache``
             programs, self._programs = self._programs, ProgramCache()
             for key, program in programs.items():
@@ -525,12 +532,11 @@ class TunedLayer(torch.nn.Module):
     def _warn_untuned(self, shape: dict, tuned: Plan) -> None:
         """Warn once per shape without a plan of its own, for the first ``WARNED_SHAPES`` such shapes
         (a collator padding each batch to its longest makes one per length)."""
-        warned = [k for k in self._warned if k and isinstance(k[0], tuple)]  # shape keys, not (dtype, dtype)
         key = shape_key(shape)
-        if key in self._warned or len(warned) >= WARNED_SHAPES:
+        if key in self._warned_shapes or len(self._warned_shapes) >= WARNED_SHAPES:
             return
-        self._warned.add(key)
-        last = len(warned) + 1 == WARNED_SHAPES
+        self._warned_shapes.add(key)
+        last = len(self._warned_shapes) == WARNED_SHAPES
         warnings.warn(f"datamove: {describe(shape)} has no plan of its own (tuned: "
                       f"{'; '.join(map(describe, self.tuned_shapes))}): it runs the plan tuned at "
                       f"{describe({d: tuned.dims[d] for d in shape})} at these sizes, made now (the layer keeps "
