@@ -17,10 +17,12 @@ call, and checked.
 layer applies the causal mask itself, and the model runs under ``CAUSAL_KEY_PADDING``, which hands
 the layers the (batch, keys) padding mask of the model's ``attention_mask``; the rotary tables the
 model passes every layer (``position_embeddings``: cos and sin, [1 or batch, sequence, head dim])
-are copied into the layer's ``cos`` and ``sin`` constants where they changed.  Training only: the
-layers fill no key-value cache (a model making one keeps it empty; its config is left as it is,
-so that a checkpoint saved from it generates with a cache when loaded into HF's model), and a call
-with cached tokens (generation) is refused.
+are set as the layer's ``cos`` and ``sin`` constants where they changed, in new memory
+(``TunedLayer.set_constant``): several forwards before one backward (DPO, contrastive losses) each
+keep their own, and under activation checkpointing a layer's recomputation sets its call's
+again.  Training only: the layers fill no key-value cache (a model making one keeps it empty; its
+config is left as it is, so that a checkpoint saved from it generates with a cache when loaded
+into HF's model), and a call with cached tokens (generation) is refused.
 
 ``replace_gpt2_blocks(model, out_dir)`` does the same for every ``GPT2Block`` of a HF ``GPT2Model`` /
 ``GPT2LMHeadModel`` with a tuned layer of a GPT-2 spec (``configs/gpt2.py``): its causal mask is
@@ -255,12 +257,12 @@ class BertLayerReplacement(torch.nn.Module):
             self._register_state_dict_hook(_hf_state)
             self._register_load_state_dict_pre_hook(_from_hf_state, with_module=True)
 
-    def _output(self, hidden_states: torch.Tensor, attention_mask, kwargs: dict):
+    def _output(self, hidden_states: torch.Tensor, attention_mask, kwargs: dict, extra: tuple = ()):
         """The layer on ``hidden_states`` as HF's model loop takes it (``_masked``): recorded where HF
         collects hidden states, a 1-tuple where ``returns_tuple``."""
         if kwargs.get("output_attentions"):  # an older transformers asks each layer
             raise ValueError(NO_ATTENTION_WEIGHTS)
-        output = self._masked(hidden_states, attention_mask)
+        output = self._masked(hidden_states, attention_mask, extra)
         _record_hidden_states(hidden_states, output)
         return (output,) if self.returns_tuple else output
 
@@ -269,13 +271,14 @@ class BertLayerReplacement(torch.nn.Module):
             mask = None  # excludes nothing, and a plan without the fused attention takes none (asking waits for the GPU)
         return self.layer(hidden_states, key_padding_mask=mask)
 
-    def _masked(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _masked(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, extra: tuple = ()) -> torch.Tensor:
         """The layer on ``hidden_states`` with HF's ``attention_mask`` as its key-padding mask, under
-        HF's activation checkpointing where it is on."""
+        HF's activation checkpointing where it is on; ``extra``: further arguments of ``_layer``, the
+        call's own, which a recomputation in the backward gets again (Llama's rotary tables)."""
         mask = _last_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return self._gradient_checkpointing_func(self._layer, hidden_states, mask)
-        return self._layer(hidden_states, mask)
+            return self._gradient_checkpointing_func(self._layer, hidden_states, mask, *extra)
+        return self._layer(hidden_states, mask, *extra)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *args, **kwargs):
         if args and args[0] is not None or kwargs.get("encoder_hidden_states") is not None:
@@ -302,10 +305,10 @@ class LlamaLayerReplacement(BertLayerReplacement):
                              f"(position_embeddings): {why}")
         self._tables: tuple | None = None  # the (cos, sin) tensors last copied in, and their versions (None: unknown)
 
-    def _copy_tables(self, position_embeddings) -> None:
-        if position_embeddings is None:
-            raise ValueError("datamove: a replaced Llama layer needs the model's position_embeddings (cos, sin)")
-        cos, sin = position_embeddings
+    def _copy_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """HF's rotary tables (cos, sin: [1 or batch, sequence, head dim]) set as the layer's constants
+        where they are not the tensors last set (``set_constant``: new memory, so that a forward
+        before, whose backward is still to run, keeps its own)."""
         # under torch.inference_mode the tables have no version counter: copied in on every call
         key = None if cos.is_inference() or sin.is_inference() else (cos, cos._version, sin, sin._version)
         if key is not None and self._tables is not None and all(a is b for a, b in zip(key[::2], self._tables[::2])) \
@@ -333,6 +336,13 @@ class LlamaLayerReplacement(BertLayerReplacement):
             self.layer.set_constant(name, table, check_nan=False)  # HF's tables: cos and sin of finite angles
         self._tables = key
 
+    def _layer(self, hidden_states: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """The layer with the call's rotary tables: under activation checkpointing its recomputation
+        sets them again where a later forward set others (its backward computed with those)."""
+        self._copy_tables(cos, sin)
+        return super()._layer(hidden_states, mask)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                 position_embeddings: tuple | None = None, **kwargs):
@@ -340,8 +350,9 @@ class LlamaLayerReplacement(BertLayerReplacement):
         if cache is not None and cache.get_seq_length() > 0:
             raise ValueError("datamove: the replaced Llama layers train; generation with a key-value cache is not "
                              "part of the tuned layer")
-        self._copy_tables(position_embeddings)
-        return self._output(hidden_states, attention_mask, kwargs)
+        if position_embeddings is None:
+            raise ValueError("datamove: a replaced Llama layer needs the model's position_embeddings (cos, sin)")
+        return self._output(hidden_states, attention_mask, kwargs, tuple(position_embeddings))
 
 
 class GPT2BlockReplacement(BertLayerReplacement):

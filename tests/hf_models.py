@@ -9,34 +9,40 @@ from datamove.hf import BertLayerReplacement
 from datamove.runtime.weights import from_spec
 
 
-def replaced_pair(reference: torch.nn.Module, replace, artifact, layers: int, std: float):
+def replaced_pair(reference: torch.nn.Module, replace, artifact, layers: int, std: float,
+                  dtype: torch.dtype = torch.float32):
     """(``reference`` with weights drawn N(0, ``std``), its copy with its ``layers`` layers replaced by
-    ``replace`` from ``artifact`` in float32); the cost model's plan, untuned here: its warnings kept
-    quiet."""
+    ``replace`` from ``artifact`` in ``dtype``, the reference's); the cost model's plan, untuned here:
+    its warnings kept quiet."""
     with torch.no_grad():
         for p in reference.parameters():
             p.normal_(0.0, std)
     ours = copy.deepcopy(reference)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert replace(ours, artifact, dtype=torch.float32, allow_mismatch=True) == layers
+        assert replace(ours, artifact, dtype=dtype, allow_mismatch=True) == layers
     return reference, ours
 
 
+def whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An FSDP2 gradient (a sharded DTensor) whole; any other as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def hf_named_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient under HF's names; a replaced layer's through its spec's ``WEIGHTS``
-    (members of one HF tensor, GPT-2's stacked Q/K/V, written into one)."""
+    """Every parameter's gradient under HF's names (whole, under FSDP2); a replaced layer's through
+    its spec's ``WEIGHTS`` (members of one HF tensor, GPT-2's stacked Q/K/V, written into one)."""
     grads = {}
     for name, module in model.named_modules():
         if isinstance(module, BertLayerReplacement):
             layer = module.layer
             sizes = {x: layer.graph.size(x) for x in layer.graph.letter_dims}
             for t, (key, pattern, index) in layer.weights_table[module.hf_kind].items():
-                grads[f"{name}.{key}"] = from_spec(layer.spec_view(t, getattr(layer, t).grad), pattern, index,
+                grads[f"{name}.{key}"] = from_spec(layer.spec_view(t, whole(getattr(layer, t).grad)), pattern, index,
                                                    layer.graph.tensors[t].letters, sizes, grads.get(f"{name}.{key}"))
     for name, p in model.named_parameters():
         if ".layer." not in name:  # the tuned layers' own, given above under HF's names
-            grads[name] = p.grad
+            grads[name] = whole(p.grad)
     return grads
 
 

@@ -475,3 +475,60 @@ def test_a_deleted_layers_graphs_give_their_memory_back(path):
         reserved.append(settled())
     assert reserved[0] - before < (2 * 32 + 4) << 20, (before, reserved)  # at most the two libraries' workspaces
     assert max(reserved[1:]) - reserved[0] < 4 << 20, reserved
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    from test_llama_gqa_gpu import DIMS, cost_model_artifact
+
+    return cost_model_artifact(tmp_path_factory.mktemp("llama"), DIMS)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "fsdp2"])
+def test_rotary_tables_set_between_two_forwards_before_one_backward(llama_path, tmp_path, sharded):
+    """Llama's rotary tables set anew before each of two forwards (``set_constant``, as
+    ``replace_llama_layers`` does on every model call: DPO, contrastive losses), then one backward:
+    each replay's backward computes with its own forward's tables.  (The graphs read the constants
+    in place, and the tables were copied into them: the first call's backward read the second
+    call's tables unsharded; under FSDP2 autograd's in-place check failed it.)  Float32 kernels
+    replaying their graphs against the layer in float64 (the torch backend), same weights, tables
+    and inputs: outputs, input gradients and every parameter's gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    from test_llama_gqa_gpu import DIMS, TF32_TOLERANCE
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graphed = load_layer(llama_path, device="cuda", dtype=torch.float32, allow_mismatch=True)
+        reference = load_layer(llama_path, device="cuda", dtype=torch.float64, allow_mismatch=True)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for name, p in graphed.named_parameters():
+            p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * (1.0 if p.dim() == 1 else p.shape[0] ** -0.5))
+    reference.load_state_dict(graphed.state_dict())
+    cos_shape = tuple(graphed.spec_view("cos").shape)
+    tables = [[torch.rand(cos_shape, device="cuda", generator=gen) * 2 - 1 for _ in range(2)] for _ in range(2)]
+    xs = torch.randn(3, DIMS["B"], DIMS["T"], DIMS["D"], device="cuda", generator=gen)
+    weights = torch.randn(2, *xs.shape[1:], device="cuda", generator=gen)
+
+    def run(layer):
+        def call(table, x):
+            layer.set_constant("cos", table[0])
+            layer.set_constant("sin", table[1])
+            x = x.to(layer.dtype, copy=True).requires_grad_()
+            return x, layer(x)
+
+        call(tables[1], xs[2])[1].sum().backward()  # warm: graphs of both directions captured
+        layer.zero_grad(set_to_none=True)
+        (a, ya), (b, yb) = call(tables[0], xs[0]), call(tables[1], xs[1])
+        ((ya.square() * weights[0]).sum() + (ya * yb * weights[1]).sum()).backward()
+        return [ya, yb, a.grad, b.grad] + [full(p.grad) for p in layer.parameters()]
+
+    with one_process_group(tmp_path) if sharded else contextlib.nullcontext():
+        if sharded:
+            fully_shard(graphed)
+        ours = run(graphed)
+        assert len(replayers_of(graphed)) == 2  # both forwards replayed, the second on a replayer of its own
+    for mine, want in zip(ours, run(reference)):
+        error = float((mine.double() - want).norm() / want.norm())
+        assert error < TF32_TOLERANCE, error

@@ -4,6 +4,7 @@ against the model untouched in float32: the output at every unpadded position an
 every parameter (the layers' through ``WEIGHTS``), without padding and with left padding (keys
 before the sequence excluded); the rotary tables reach the layers from the model; what the layer
 cannot do is refused in one line."""
+import contextlib
 import copy
 import warnings
 
@@ -12,10 +13,11 @@ import torch
 
 from datamove.hf import replace_llama_layers
 from datamove.runtime.module import TunedLayer
-from hf_models import check_against_hf, check_padded_to_the_tuned_length, replaced_pair
+from hf_models import check_against_hf, check_padded_to_the_tuned_length, hf_named_grads, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7
+FLOAT64_TOLERANCE = 1e-6  # float64 against HF's float64 model, whose RMSNorm computes in float32: measured ~1e-7
 
 
 def small_config(**changes):
@@ -39,6 +41,72 @@ def test_a_replaced_llama_model_trains_as_hf(llama_artifact, padded):
     if padded:
         mask[1, :5] = 0
     check_against_hf(reference, ours, ids, mask, TOLERANCE)
+
+
+@contextlib.contextmanager
+def one_process_group(tmp_path):
+    """A gloo process group of this process alone, for FSDP2 on the CPU."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def two_forwards_one_backward(model, ids: torch.Tensor, positions: torch.Tensor | None, weights: torch.Tensor):
+    """``model`` on ``ids[0]`` at positions 0..15, then on ``ids[1]`` at ``positions`` (None: 0..15
+    again), then one backward of a loss of both outputs (``weights``: [2, batch, 16, 64]): the outputs."""
+    mask = torch.ones_like(ids[0])
+    a = model(input_ids=ids[0], attention_mask=mask).last_hidden_state
+    b = model(input_ids=ids[1], attention_mask=mask, position_ids=positions).last_hidden_state
+    ((a.square() * weights[0]).sum() + (a * b * weights[1]).sum()).backward()
+    return a.detach(), b.detach()
+
+
+@pytest.mark.parametrize("second, how", [("other positions", "plain"), ("the same positions", "plain"),
+                                         ("other positions", "checkpointed"), ("other positions", "reentrant"),
+                                         ("other positions", "compiled"), ("other positions", "fsdp2")])
+def test_two_forwards_before_one_backward_train_as_hf(llama_artifact, tmp_path, second, how):
+    """DPO and contrastive losses run the model twice before one backward: each call's rotary tables
+    go into new memory (``set_constant``), so the first call's backward computes with its own (they
+    were copied into the layers' constants in place: autograd's in-place check failed the
+    backward, plainly, compiled and under FSDP2; under activation checkpointing the first call's
+    recomputation read the second call's tables, its gradients silently wrong).  The second call at
+    other positions (with gaps: a mere shift rotary attention would not tell apart) or the same
+    ones (new tables of equal values); against HF in float64, batch 3 (the plan's is 2): outputs
+    and every gradient."""
+    reference, ours = replaced_pair(transformers.LlamaModel(small_config(_attn_implementation="eager")).double(),
+                                    replace_llama_layers, llama_artifact, 2, 0.1, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 50, (2, 3, 16), generator=gen)
+    weights = torch.randn(2, 3, 16, 64, generator=gen, dtype=torch.float64)
+    positions = torch.arange(16)[None] * 3 + 1 if second == "other positions" else None
+    if how in ("checkpointed", "reentrant"):
+        ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"})
+    expected = two_forwards_one_backward(reference, ids, positions, weights)
+    run = ours
+    with contextlib.ExitStack() as stack:
+        if how == "compiled":
+            torch._dynamo.reset()
+            stack.callback(torch._dynamo.reset)  # what dynamo traced of this model stays out of later tests' compiles
+            run = torch.compile(ours, backend="eager")
+        if how == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            stack.enter_context(one_process_group(tmp_path))
+            for block in ours.layers:
+                fully_shard(block)
+            fully_shard(ours)
+        outputs = two_forwards_one_backward(run, ids, positions, weights)
+        grads = hf_named_grads(ours)
+    for y, want in zip(outputs, expected):
+        assert float((y - want).abs().max()) < FLOAT64_TOLERANCE * float(want.abs().max())
+    reference_params = dict(reference.named_parameters())
+    assert set(grads) == set(reference_params)
+    for name, p in reference_params.items():
+        assert float((grads[name] - p.grad).abs().max()) < FLOAT64_TOLERANCE * float(p.grad.abs().max()), name
 
 
 def test_a_model_naming_silu_swish_is_replaced_and_trains_as_hf(llama_artifact):

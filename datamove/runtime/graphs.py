@@ -13,7 +13,11 @@ What a replay reads and writes:
 - static inputs: the activations (each call's copied in, PyTorch order), the key-padding mask, the
   parameters and constants.  Unsharded (one GPU, DDP) a layer's graphs read the module's own
   parameters and constants in place (an optimizer step updates them in place; a parameter whose
-  storage moved, e.g. ``param.data = ...``, drops the layer's graphs, captured again).  Under
+  storage moved, e.g. ``param.data = ...``, drops the layer's graphs, captured again), except the
+  constants the caller sets (RoPE's tables: ``TunedLayer.set_constant`` puts each new value in new
+  memory, and HF's model gives new tables on every call): each replayer holds copies of those,
+  each forward replay copying its call's in, so that a backward reads its own forward's tables
+  while a later forward runs with others (two forwards before one backward).  Under
   FSDP2 (``copy_in``), which gathers the parameters into new memory for every forward and
   backward and frees them after, they read static copies shared by every layer of the program
   (``SharedStatics``): each forward replay first copies its call's parameters and constants in
@@ -263,16 +267,19 @@ class Replayer:
     copied in.  ``shared``: under FSDP2 the program's ``SharedStatics``, whose parameters and
     constants the graphs read (each call's copied in) and into whose gradient sets they write;
     else None.  ``others``: the parameters and constants the graphs read (spec order): the shared
-    ones, else the module's own in place.  ``grad_outputs``: static buffers for the outputs'
+    ones, else the module's own in place but at the indices ``caller_set`` (the constants the
+    caller sets: the module doc), whose copies the replayer holds, each call's copied in.
+    ``grad_outputs``: static buffers for the outputs'
     gradients a gradient set copies in; ``mask``: static bool (batch, keys) or None; ``seed``: the
     forward graph's dropout key (int64 [1]).  ``outputs``, ``kept``: what the forward graph
     writes; ``gradient_sets``: the backward graphs and the gradients each writes (``_GradientSet``)."""
 
     def __init__(self, program: LayerProgram, tensors: list[torch.Tensor], mask_shape: tuple | None,
-                 activations: tuple, reads: tuple, shared: SharedStatics | None):
+                 activations: tuple, reads: tuple, shared: SharedStatics | None, caller_set: tuple[int, ...]):
         self.program, face = program, program.interface
         device, dtype, graph = program.device, program.dtype, program.graph
         self.device, self.reads, self.shared = device, reads, shared
+        self.caller_set = caller_set if shared is None else ()  # shared: every parameter and constant copied in
         spec = lambda t: allocate(graph, t, program.layouts[t], dtype, device)  # noqa: E731
         self.statics = [None if ptr is not None else program.to_torch(t, spec(t).zero_())
                         for t, ptr in zip(face.activations, reads)]
@@ -281,7 +288,8 @@ class Replayer:
         # the module's own parameters and constants detached: a view autograd recorded would keep its parameter's
         # gradient accumulator alive with the stream of the call that made it (the legacy stream), on which autograd
         # then synchronised a caller's CUDA-graph capture of fwd+bwd, failing it
-        self.others = shared.tensors if shared is not None else [t.detach() for t in tensors]
+        self.others = shared.tensors if shared is not None else \
+            [t.detach().clone() if n in self.caller_set else t.detach() for n, t in enumerate(tensors)]
         self.seed = torch.zeros(1, dtype=torch.int64, device=device)  # the warm-up's key: draws nothing from the generator
         inputs = self._inputs(activations)
         self.forward_graph, (self.outputs, self.kept) = _capture(
@@ -311,6 +319,9 @@ class Replayer:
         where ``shared``): the outputs, aliases of the static ones."""
         if self.shared is not None:
             self.shared.copy_in(tensors)
+        if self.caller_set:
+            with torch.no_grad():
+                torch._foreach_copy_([self.others[n] for n in self.caller_set], [tensors[n] for n in self.caller_set])
         for static, x in zip(self.statics, activations):
             if static is not None:
                 static.copy_(x)
@@ -366,7 +377,7 @@ class Replayer:
         """Bytes of the static buffers this replayer holds (the graphs' pooled temporaries and the
         ``shared`` ones not counted)."""
         tensors = [*[t for t in self.statics if t is not None], *self.grad_outputs, *self.outputs, *self.kept, self.seed]
-        tensors += [] if self.mask is None else [self.mask]
+        tensors += ([] if self.mask is None else [self.mask]) + [self.others[n] for n in self.caller_set]
         if self.shared is None:
             tensors += [g for s in self.gradient_sets for g in s.gradients.grads]
         return _Held(tensors).nbytes()
@@ -427,25 +438,27 @@ class LayerGraphs:
         return not (torch.compiler.is_compiling() or self.failed or torch.cuda.is_current_stream_capturing())
 
     def replayer(self, program: LayerProgram, tensors: list[torch.Tensor], mask: torch.Tensor | None,
-                 activations: tuple, copy_in: bool) -> Replayer | None:
+                 activations: tuple, copy_in: bool, caller_set: tuple[int, ...]) -> Replayer | None:
         """A free replayer for this call (``copy_in``: its parameters and constants, ``tensors``, are
-        copied in), reading the activations in place where ``reads_in_place`` allows, chosen by
+        copied in; else those at the indices ``caller_set``, the constants the caller sets: the
+        module doc), reading the activations in place where ``reads_in_place`` allows, chosen by
         ``_choose`` among at most ``REPLAYERS``, or None: launch plainly."""
         if copy_in != self.copy_in:  # fully_shard applied after graphs were captured: they read other buffers
             self.replayers.clear()
             self.copy_in, self.pointers = copy_in, []
-        if not copy_in and self._stopped_by_moves(tensors):
+        if not copy_in and self._stopped_by_moves([t for n, t in enumerate(tensors) if n not in caller_set]):
             return None
         shared = shared_statics(program) if copy_in else None
         key = (program.name, None if mask is None else tuple(mask.shape))
         replayers = self.replayers.setdefault(key, [])
         return _choose(replayers, reads_in_place(program, program.interface.activations, activations), REPLAYERS,
                        Replayer.free,
-                       lambda reads: self._captured(replayers, program, tensors, key[1], activations, reads, shared))
+                       lambda reads: self._captured(replayers, program, tensors, key[1], activations, reads, shared,
+                                                    caller_set))
 
     def _stopped_by_moves(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether the layer stops graphing, its parameters and constants (``tensors``, read in
-        place) found in new memory ``MOVES_TO_STOP`` calls in a row; where they moved, the graphs
+        """Whether the layer stops graphing, its parameters and constants read in place (``tensors``)
+        found in new memory ``MOVES_TO_STOP`` calls in a row; where they moved, the graphs
         (which read the old storage) are dropped."""
         pointers = list(map(torch.Tensor.data_ptr, tensors))
         if pointers == self.pointers:
@@ -461,9 +474,10 @@ class LayerGraphs:
                       "capturing its CUDA graphs again each time", stacklevel=4)
         return True
 
-    def _captured(self, replayers: list, program, tensors, mask_shape, activations, reads, shared) -> Replayer | None:
+    def _captured(self, replayers: list, program, tensors, mask_shape, activations, reads, shared,
+                  caller_set) -> Replayer | None:
         try:
-            replayers.append(Replayer(program, tensors, mask_shape, activations, reads, shared))
+            replayers.append(Replayer(program, tensors, mask_shape, activations, reads, shared, caller_set))
         except Exception as exc:  # noqa: BLE001 - a capture that fails leaves the layer correct, launched plainly
             self.failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"datamove: capturing the layer's CUDA graph failed ({self.failed}); it launches its "

@@ -362,7 +362,7 @@ class TunedLayer(torch.nn.Module):
         self._warned_dtypes: set[tuple] = set()
         self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
-        self._constants_checked: dict[tuple, int] = {}  # (constant, storage) -> version found to hold what it must
+        self._constants_checked: dict[str, tuple] = {}  # constant -> (storage, version) found to hold what it must
         self._last_call: tuple | None = None  # ((mode, activations' shapes), shape, program) of the last call
         self.dropout_off = False  # train without the spec's dropout (a HF model configured without: replace_*)
         self._allocate_parameters()
@@ -596,6 +596,13 @@ class TunedLayer(torch.nn.Module):
         (asked on every masked call of a HF model: found once)."""
         return all(any(s.kind == ATTENTION_FORWARD for s in plan.steps) for plan in self.plans)
 
+    @functools.cached_property
+    def _caller_set(self) -> tuple[int, ...]:
+        """The indices, among the parameters and constants (``_held``'s order), of the constants the
+        caller sets (``set_constant``: new memory for each value), which the layer's CUDA graphs copy
+        in rather than read in place (``datamove.runtime.graphs``)."""
+        return tuple(n for n, t in enumerate(self._order.names) if t in self.interface.constants and t not in self.initial)
+
     def _drops(self) -> bool:
         """Whether this call runs the training program (the spec's dropout): in training mode, unless
         ``dropout_off`` (the evaluation program then trains: the same plan without dropout)."""
@@ -639,8 +646,8 @@ class TunedLayer(torch.nn.Module):
         unset = []
         for name in self.interface.constants:
             stored = self._buffers[name]
-            key = (name, stored.data_ptr())
-            if self._constants_checked.get(key) == stored._version:
+            key = (stored.data_ptr(), stored._version)
+            if self._constants_checked.get(name) == key:
                 continue
             value = self.spec_view(name)
             if name in program.causal_constants:  # (queries, keys): the spec adds it over those letters
@@ -653,7 +660,7 @@ class TunedLayer(torch.nn.Module):
             elif bool(value.isnan().any()):
                 unset.append(f"{name!r} (over {', '.join(self.graph.tensors[name].letters)}: {tuple(value.shape)})")
                 continue
-            self._constants_checked[key] = value._version
+            self._constants_checked[name] = key
         if unset:
             raise ValueError(f"constant(s) not set: {'; '.join(unset)}: the spec's structure gives them no value; set "
                              f"each before calling the layer, e.g. layer.set_constant({unset[0].split(' ')[0]}, values) "
@@ -661,12 +668,15 @@ class TunedLayer(torch.nn.Module):
 
     @torch.no_grad()
     def set_constant(self, name: str, value: torch.Tensor, *, check_nan: bool = True) -> None:
-        """Copy ``value`` (over ``name``'s spec letters) into a constant the graph gives no value
-        (RoPE's tables), taken as set: the next call does not look for NaN in it again, which on a
-        GPU waits for the device.  ``value`` holding NaN is refused (NaN marks a constant not set);
-        ``check_nan=False`` skips that wait, for callers whose tables are made finite
-        (``replace_llama_layers`` sets the model's rotary tables whenever they change).  ``value``: a
-        tensor, or anything ``torch.as_tensor`` takes (a NumPy array)."""
+        """Set a constant the graph gives no value (RoPE's tables) to ``value`` (over ``name``'s spec
+        letters), taken as set: the next call does not look for NaN in it again, which on a GPU waits
+        for the device.  The values go into new memory (the plan's layout), which becomes the
+        constant: a call before that saved the one it read for its backward, which then still
+        computes with it (two forwards before one backward, the second with other tables:
+        autograd's in-place check failed the backward).  ``value`` holding NaN is refused (NaN marks
+        a constant not set); ``check_nan=False`` skips that wait, for callers whose tables are made
+        finite (``replace_llama_layers`` sets the model's rotary tables whenever they change).
+        ``value``: a tensor, or anything ``torch.as_tensor`` takes (a NumPy array)."""
         value = torch.as_tensor(value)
         if name not in self.interface.constants or name in self.initial:
             raise ValueError(f"{name}: not a constant of the layer that the caller sets (constants without a value of "
@@ -678,9 +688,11 @@ class TunedLayer(torch.nn.Module):
         if check_nan and bool(value.isnan().any()):
             raise ValueError(f"set_constant({name!r}): the values hold NaN (at {tuple(value.isnan().nonzero()[0].tolist())} "
                              f"over {', '.join(self.graph.tensors[name].letters)}); a constant's values must be numbers")
-        target.copy_(value)
-        stored = self._buffers[name]
-        self._constants_checked[(name, stored.data_ptr())] = stored._version
+        with torch.inference_mode(False):  # a normal tensor, which later training calls can save
+            stored = torch.empty_like(self._buffers[name], memory_format=torch.contiguous_format)
+            stored.permute(self._spec_axes[name]).copy_(value)
+        self._buffers[name] = stored
+        self._constants_checked[name] = (stored.data_ptr(), stored._version)
 
     def _graphed_shape(self, shape: dict) -> bool:
         """Whether calls at ``shape`` replay CUDA graphs (the module doc's policy)."""
@@ -759,7 +771,8 @@ class TunedLayer(torch.nn.Module):
         held = self._held()
         tensors = self._spec_tensors(held)
         if self.cuda_graphs and self.graphs.usable() and self._graphed_shape(shape):
-            replayer = self.graphs.replayer(program, tensors, key_padding_mask, activations, copy_in=self._sharded())
+            replayer = self.graphs.replayer(program, tensors, key_padding_mask, activations, copy_in=self._sharded(),
+                                            caller_set=self._caller_set)
             if replayer is not None:
                 self._programs.pin(program)  # its graphs name it: made again, it would capture them again
                 outputs = self.graphs(replayer, activations, held, tensors, self._order, key_padding_mask)
