@@ -32,7 +32,7 @@ sequence length: a tuned shape's plan, or the nearest one at the call's sizes (`
 
 Weights: ``load_weights(layer, module)`` copies a PyTorch module's weights (a HF ``BertLayer``,
 an ``nn.TransformerEncoderLayer`` with ``batch_first=True``, any module type the spec's
-``WEIGHTS`` names) into the layer; ``state_dict_for(layer, kind)`` gives them back in that
+``WEIGHTS`` names; another is refused naming those) into the layer; ``state_dict_for(layer, kind)`` gives them back in that
 module's format; ``replace_bert_layers(model, out_dir)`` swaps every ``BertLayer`` of a HF model
 for a tuned layer carrying its weights.
 """
@@ -58,6 +58,7 @@ from datamove.runtime.module import TunedLayer
 from datamove.runtime.runnable import check_runnable
 from datamove.runtime.shapes import call_dims, check_plans, describe, file_stem
 from datamove.runtime.weights import from_spec, to_spec
+from datamove.runtime.weights import module_kind as kind_of
 
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
 REPORT = "report.json"  # datamove.report's, beside the artifact in optimize-layer's output
@@ -301,21 +302,29 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     return layer
 
 
+def _kinds(layer: TunedLayer) -> str:
+    """The module kinds the layer's spec gives weights for (its ``WEIGHTS``' keys), for messages."""
+    return ", ".join(sorted(getattr(layer, "weights_table", {}))) or "none"
+
+
 def _table(layer: TunedLayer, kind: str) -> dict:
     tables = getattr(layer, "weights_table", {})
     if kind not in tables:
-        raise KeyError(f"the spec gives no weights for {kind}; it names {sorted(tables) or 'none'} (its WEIGHTS)")
+        raise ValueError(f"the spec gives no weights for {kind!r}; its WEIGHTS name {_kinds(layer)}: ask for one of those")
     return tables[kind]
 
 
 def module_kind(layer: TunedLayer, module: torch.nn.Module) -> str:
     """The spec's name (a ``WEIGHTS`` key) of ``module``'s type: the key ending in its class name
-    and starting with its top-level package."""
+    and starting with its top-level package; a module of a kind the spec names none of is refused
+    (``TypeError``), naming those it does."""
     top, name = type(module).__module__.split(".")[0], type(module).__name__
     for kind in getattr(layer, "weights_table", {}):
         if kind.split(".")[0] == top and kind.split(".")[-1] == name:
             return kind
-    raise KeyError(f"the spec gives no weights for {top}...{name}; it names {sorted(getattr(layer, 'weights_table', {}))}")
+    raise TypeError(f"load_weights: a {kind_of(module)} is not a module the tuned layer takes weights from: its spec's "
+                    f"WEIGHTS name {_kinds(layer)}; give a module of one of those kinds, or add its kind to the spec's "
+                    "WEIGHTS and run optimize-layer again")
 
 
 def _check_layer(layer, caller: str) -> None:
@@ -332,6 +341,9 @@ def _sizes(layer: TunedLayer) -> dict[str, int]:
 def load_weights(layer: TunedLayer, module: torch.nn.Module) -> TunedLayer:
     """Copy ``module``'s weights into ``layer`` (kinds in the spec's ``WEIGHTS``)."""
     _check_layer(layer, "load_weights")
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"load_weights: the second argument is the module whose weights to copy (a torch.nn.Module of a "
+                        f"kind the spec's WEIGHTS name: {_kinds(layer)}), got {type(module).__name__}")
     kind = module_kind(layer, module)
     table, state = _table(layer, kind), module.state_dict()
     if any(t.is_meta for t in state.values()):

@@ -919,6 +919,17 @@ def test_the_weight_functions_and_replace_refuse_what_they_cannot_read_in_one_li
         load_weights(BertLayer(config), layer)
     with pytest.raises(ValueError, match="load_weights: the BertLayer's weights are on the meta device"):
         load_weights(layer, BertLayer(config).to("meta"))
+    kinds = "torch.nn.TransformerEncoderLayer, transformers.BertLayer"
+    with pytest.raises(TypeError, match=rf"^load_weights: a torch.Linear is not a module the tuned layer takes weights "
+                                        rf"from: its spec's WEIGHTS name {kinds}; give a module of one of those kinds, "
+                                        r"or add its kind to the spec's WEIGHTS and run optimize-layer again$"):
+        load_weights(layer, torch.nn.Linear(4, 4))  # it raised a bare KeyError
+    with pytest.raises(TypeError, match=rf"^load_weights: the second argument is the module whose weights to copy \(a "
+                                        rf"torch.nn.Module of a kind the spec's WEIGHTS name: {kinds}\), got OrderedDict$"):
+        load_weights(layer, BertLayer(config).state_dict())
+    with pytest.raises(ValueError, match=rf"^the spec gives no weights for 'torch.Linear'; its WEIGHTS name {kinds}: "
+                                         "ask for one of those$"):
+        state_dict_for(layer, "torch.Linear")
     with pytest.raises(TypeError, match="replacing the BertLayers of a model: expected a HF model .a torch.nn.Module., got NoneType"):
         replace_bert_layers(None, tmp_path / "bert")
     with pytest.raises(TypeError, match=r"x: dtype torch.float64, expected torch.float32 \(the layer's dtype: convert "
