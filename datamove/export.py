@@ -8,9 +8,13 @@ without re-tuning:
 - ``manifest.json``: spec name and hash, dims, dtype, the device the plan was timed on (name,
   compute capability; "cost model: <device>" where nothing was measured), library versions, and
   the layer's PyTorch interface (``inputs``: the data inputs it is called with, in order; the
-  spec's ``TORCH_ORDER``, ``WEIGHTS``), the spec options it was built with (``options``, ``--set``)
-  and the plan's identity (``plan_id``: a hash of the plan files and ``graph.json``; loading refuses
-  a folder whose files disagree with it, or with ``report.json``'s, as of different runs);
+  spec's ``TORCH_ORDER``, ``WEIGHTS``), the spec options it was built with (``options``, ``--set``),
+  what the layer computes that a model is checked against (``hf_config``, ``module_config``: the
+  spec's ``HF_CONFIG`` and ``MODULE_CONFIG``) with a hash of each (``config_hashes``: loading
+  refuses a manifest whose tables were edited, as the layer would then pass models it does not
+  compute as) and the plan's identity (``plan_id``: a hash of the plan files and ``graph.json``;
+  loading refuses a folder whose files disagree with it, or with ``report.json``'s, as of
+  different runs);
 - ``kernels/<step>.py``: the generated Triton source of every generated step, for reading;
 - with several tuned shapes (``optimize-layer --dims B=8,L=128|512``): the first shape's plan is
   ``plan.json``, every other one ``plans/<shape>.json`` (``B8-L512.json``, over ``graph.json`` at its
@@ -26,8 +30,9 @@ against this machine: an artifact whose times were measured on another GPU model
 device the caller asks for that differs, is refused, naming both, unless ``allow_mismatch=True``
 (the plan then runs as chosen, untuned for this device); a cost-model artifact loads anywhere
 with a warning that nothing was measured.  A missing or damaged file of the artifact is refused,
-naming it (``ArtifactError`` where it is not the JSON written, or a manifest whose dims, dtype or
-shapes disagree with the plans).  The layer runs at any batch size and
+naming it (``ArtifactError`` where it is not the JSON written, a manifest whose dims, dtype or
+shapes disagree with the plans, whose shapes name a plan file that is not there, or whose
+``hf_config`` or ``module_config`` is not the one written).  The layer runs at any batch size and
 sequence length: a tuned shape's plan, or the nearest one at the call's sizes (``datamove.runtime.shapes``).
 
 Weights: ``load_weights(layer, module)`` copies a PyTorch module's weights (a HF ``BertLayer``,
@@ -63,6 +68,7 @@ from datamove.runtime.weights import module_kind as kind_of
 PLAN, GRAPH, MANIFEST, KERNELS, PLANS = "plan.json", "graph.json", "manifest.json", "kernels", "plans"
 REPORT = "report.json"  # datamove.report's, beside the artifact in optimize-layer's output
 MANIFEST_KEYS = ("dims", "dtype", "device", "torch_order", "weights")  # what loading and the benchmarks read
+HASHED = ("hf_config", "module_config")  # manifest tables written with a hash of each (``config_hashes``)
 REWRITE = "write the artifact again with optimize-layer SPEC --out DIR"
 
 
@@ -76,6 +82,11 @@ class ArtifactError(ValueError):
 
 def spec_hash(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def _config_hash(value) -> str:
+    """The hash of a manifest table (``HASHED``) as JSON gives it back (keys sorted)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _write(path: Path, text: str) -> None:
@@ -128,9 +139,12 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
                 "device": device, "versions": versions, "inputs": list(interface.activations),
                 "torch_order": torch_order,
                 "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()},
-                "shapes": shapes, "options": dict(options or {}), "hf_config": dict(hf_config or {}),
-                "module_config": dict(module_config or {}),
+                "shapes": shapes, "options": dict(options or {}),
+                # as read back: JSON's keys are strings, its arrays lists
+                "hf_config": json.loads(json.dumps(dict(hf_config or {}))),
+                "module_config": json.loads(json.dumps(dict(module_config or {}))),
                 "plan_id": plan_identity(out, [shape["plan"] for shape in shapes])}
+    manifest["config_hashes"] = {key: _config_hash(manifest[key]) for key in HASHED}
     _write(out / MANIFEST, json.dumps(manifest, indent=1))
     return out
 
@@ -191,6 +205,10 @@ def read_manifest(out_dir) -> dict:
               "weights": isinstance(weights, dict) and all(
                   isinstance(table, dict) and all(isinstance(v, list) and len(v) == 3 for v in table.values())
                   for table in weights.values())}
+    optional = {"hf_config": lambda v: isinstance(v, dict),  # absent in manifests written before they were
+                "module_config": lambda v: isinstance(v, dict) and all(isinstance(t, dict) for t in v.values()),
+                "config_hashes": lambda v: isinstance(v, dict) and all(isinstance(h, str) for h in v.values())}
+    shapes.update({key: fine(manifest[key]) for key, fine in optional.items() if key in manifest})
     damaged = [key for key, fine in shapes.items() if not fine]
     if damaged:
         raise ArtifactError(f"{path}: not a datamove manifest (its {', '.join(damaged)} not as optimize-layer writes "
@@ -218,17 +236,40 @@ def _check_identity(out: Path, manifest: dict, plan_files: list[str]) -> None:
                             f"the files come from different runs: {REWRITE}")
 
 
+def _check_named_plans(out: Path, entries: list[dict]) -> None:
+    """The manifest's ``shapes`` entries name plan files of the artifact, the first ``plan.json``, as
+    ``write_artifact`` writes them: one naming another file, or a file that is not there (the
+    manifest edited by hand, or the folder without it) is a damaged artifact (``ArtifactError``),
+    refused naming it."""
+    if entries[0]["plan"] != PLAN:
+        raise ArtifactError(f"{out / MANIFEST}: its first shapes entry names the plan {entries[0]['plan']!r}, not "
+                            f"{PLAN!r}: the manifest was edited: {REWRITE}")
+    for entry in entries[1:]:
+        named = Path(entry["plan"])
+        if named.is_absolute() or ".." in named.parts:
+            raise ArtifactError(f"{out / MANIFEST}: its shapes entry names the plan {entry['plan']!r}, outside the "
+                                f"artifact's folder: the manifest was edited: {REWRITE}")
+        if not (out / named).is_file():
+            raise ArtifactError(f"{out / MANIFEST}: its shapes entry names the plan {entry['plan']!r}, which is missing "
+                                f"({out / named}): the manifest was edited or the folder lost the file: {REWRITE}")
+
+
 def _check_manifest_fits(out: Path, manifest: dict, plans: list[Plan], entries: list[dict]) -> None:
-    """The manifest's ``dims`` and ``dtype`` are those of ``plan.json`` and each ``shapes`` entry's
-    ``dims`` those of its plan (``entries``, in the order of ``plans``): the layer is built from the
-    plans, so a manifest saying otherwise (edited by hand, say) is damaged, refused naming the
-    field (``ArtifactError``), not ignored."""
+    """The manifest's ``dims`` and ``dtype`` are those of ``plan.json``, each ``shapes`` entry's
+    ``dims`` those of its plan (``entries``, in the order of ``plans``) and its ``hf_config`` and
+    ``module_config`` those written with them (their ``config_hashes``; a manifest written before
+    it carried them is not checked so): the layer is built from the plans, and a model is checked
+    against those tables, so a manifest saying otherwise (edited by hand, say) is damaged, refused
+    naming the field (``ArtifactError``), not ignored."""
     plan = plans[0]
     wrong = []
     if manifest["dims"] != plan.dims:
         wrong.append(f"its dims ({describe(manifest['dims'])}) are not {PLAN}'s ({describe(plan.dims)})")
     if manifest["dtype"] != plan.dtype.name:
         wrong.append(f"its dtype ({manifest['dtype']!r}) is not {PLAN}'s ({plan.dtype.name!r})")
+    for key, written in manifest.get("config_hashes", {}).items():
+        if key in HASHED and (found := _config_hash(manifest.get(key, {}))) != written:
+            wrong.append(f"its {key} is not the one written with the plan (its hash {found}, written {written})")
     for entry, each in zip(entries, plans):
         dims = entry.get("dims")
         if dims is not None and (not isinstance(dims, dict) or dims != {d: each.dims.get(d) for d in dims}):
@@ -260,6 +301,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("plan"), str) for e in entries):
         raise ArtifactError(f"{out / MANIFEST}: not a datamove manifest (its shapes are not a list of "
                             f"{{dims, plan}}): {REWRITE}")
+    _check_named_plans(out, entries)
     plans = [plan] + [_parsed(out / entry["plan"], Plan.from_json) for entry in entries[1:]]
     _check_identity(out, manifest, [entry["plan"] for entry in entries])
     _check_manifest_fits(out, manifest, plans, entries)
@@ -297,8 +339,7 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
         raise ArtifactError(f"{out}: {err}: {REWRITE}") from None
     layer = TunedLayer(plan, graph, operators, interface, dtype or tuned_dtype, device, cuda_graphs, plans, backend)
     layer.weights_table = {kind: {t: tuple(v) for t, v in table.items()} for kind, table in manifest["weights"].items()}
-    layer.hf_config = manifest.get("hf_config") if isinstance(manifest.get("hf_config"), dict) else {}
-    layer.module_config = manifest.get("module_config") if isinstance(manifest.get("module_config"), dict) else {}
+    layer.hf_config, layer.module_config = manifest.get("hf_config", {}), manifest.get("module_config", {})
     return layer
 
 

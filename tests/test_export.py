@@ -654,7 +654,9 @@ def test_a_damaged_artifact_file_is_named_with_what_to_do(artifact, tmp_path, ca
         assert str(raised.value) == message
 
 
-@pytest.mark.parametrize("field, value", [("weights", []), ("device", "cpu"), ("weights", {"BertLayer": {"wq": "x"}})])
+@pytest.mark.parametrize("field, value", [("weights", []), ("device", "cpu"), ("weights", {"BertLayer": {"wq": "x"}}),
+                                          ("hf_config", [1]), ("module_config", {"torch.X": 3}),
+                                          ("config_hashes", {"hf_config": 3})])
 def test_a_manifest_field_of_another_shape_is_named(artifact, tmp_path, field, value):
     """A manifest whose fields are not as optimize-layer writes them (edited by hand, say) is refused
     naming the file and the field (it failed inside load_layer with an AttributeError)."""
@@ -670,10 +672,22 @@ def test_a_manifest_field_of_another_shape_is_named(artifact, tmp_path, field, v
     (lambda m: m["dims"].update(B=4), "its dims (B=4, H=2, L=23, N=32, P=16, U=70) are not plan.json's (B=3, H=2, "),
     (lambda m: m.update(dtype="float16"), "its dtype ('float16') is not plan.json's ('"),
     (lambda m: m["shapes"][0]["dims"].update(B=5), "its shapes entry of plan.json has dims {'B': 5, 'L': 23}"),
-], ids=["dims", "dtype", "shapes"])
+    (lambda m: m["shapes"].append({"dims": {"B": 4, "L": 23}, "plan": "plans/B4-L23.json"}),
+     "its shapes entry names the plan 'plans/B4-L23.json', which is missing ("),
+    (lambda m: m["shapes"].append({"dims": {"B": 4, "L": 23}, "plan": "../artifact/plan.json"}),
+     "its shapes entry names the plan '../artifact/plan.json', outside the artifact's folder"),
+    (lambda m: m["shapes"][0].update(plan="plans/B3-L23.json"),
+     "its first shapes entry names the plan 'plans/B3-L23.json', not 'plan.json'"),
+    (lambda m: m["hf_config"].update(layer_norm_eps=1e-6), "its hf_config is not the one written with the plan (its hash "),
+    (lambda m: m["module_config"].update({"torch.nn.TransformerEncoderLayer": {"norm_first": True}}),
+     "its module_config is not the one written with the plan (its hash "),
+], ids=["dims", "dtype", "shapes", "plan missing", "plan outside", "first plan renamed", "hf_config", "module_config"])
 def test_a_manifest_disagreeing_with_its_plan_is_refused_naming_the_field(artifact, tmp_path, edit, says):
     """The layer is built from plan.json and graph.json: a manifest whose dims, dtype or shapes say
-    otherwise (edited by hand) was ignored by load_layer (the benchmarks read those fields)."""
+    otherwise (edited by hand) was ignored by load_layer (the benchmarks read those fields); one
+    whose shapes name a plan file that is not there (or the first shape's not plan.json) failed
+    with a bare FileNotFoundError; one whose hf_config or module_config (what a model is checked
+    against) was edited passed models the layer does not compute as."""
     path = shutil.copytree(artifact, tmp_path / "artifact")
     manifest = json.loads((path / "manifest.json").read_text())
     edit(manifest)
@@ -683,6 +697,17 @@ def test_a_manifest_disagreeing_with_its_plan_is_refused_naming_the_field(artifa
     message = str(raised.value)
     assert message.startswith(f"{path / 'manifest.json'}: {says}") and "\n" not in message, message
     assert message.endswith("write the artifact again with optimize-layer SPEC --out DIR"), message
+
+
+def test_a_manifest_written_before_config_hashes_loads_its_configs_unchecked(artifact, tmp_path):
+    """A manifest without ``config_hashes`` (written before they were recorded) is not checked so:
+    its ``hf_config`` is the layer's as written."""
+    path = shutil.copytree(artifact, tmp_path / "artifact")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["config_hashes"]) == {"hf_config", "module_config"}
+    del manifest["config_hashes"]
+    (path / "manifest.json").write_text(json.dumps({**manifest, "hf_config": {"layer_norm_eps": 1e-6}}))
+    assert load(path).hf_config == {"layer_norm_eps": 1e-6}
 
 
 def test_load_layer_refuses_a_dtype_or_device_it_cannot_take(artifact):
