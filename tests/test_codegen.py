@@ -12,8 +12,12 @@ import math
 import pytest
 import torch
 
+from datamove.dataflow.expression import ARITY, FUNCTIONS
 from datamove.harness.accuracy import assert_closer
 from datamove.kernels.codegen import allocate, compile_operator, generate_source
+from datamove.kernels.codegen.compiled import load_module
+from datamove.kernels.codegen.expressions import triton_expression
+from datamove.kernels.codegen.source import PRELUDE, with_called_helpers
 from datamove.layouts.space import (Configuration, configurations, default_configuration, knob_choices, operator_letters,
                            tile_axes)
 from datamove.dataflow.dropout_mask import dropout_scale_mask
@@ -214,6 +218,39 @@ def test_source_is_readable_and_cached(tmp_path):
     first = compile_operator(graph, op, config)
     assert compile_operator(graph, op, config) is first
     assert first.path.read_text() == source
+
+
+_KERNEL = '''
+
+@triton.jit
+def function_kernel(in0_ptr, in1_ptr, in2_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    in0, in1, in2 = (tl.load(p + i, mask=i < n) for p in (in0_ptr, in1_ptr, in2_ptr))
+    tl.store(out_ptr + i, {expression}, mask=i < n)
+'''
+EXACT_NEAR_ZERO = {"log1p", "expm1"}  # relative to the value itself, not only absolutely (_tanh is not)
+
+
+@pytest.mark.parametrize("function", sorted(FUNCTIONS))
+def test_each_function_in_a_kernel_is_numpys(function):
+    """Every function of the map language (``dataflow.expression.FUNCTIONS``) through the generated code's
+    table (``kernels.codegen.expressions.FUNCTIONS``) and the jit helpers it calls, in float32: NumPy's
+    float64 value to 4 float32 ulp, on values of both signs down to 1e-8 (log, sqrt: of |x| + 0.1; log1p: above
+    -0.9); log1p and expm1 relative to the value itself there, where log(1 + x) and exp(x) - 1 lose every digit."""
+    gen = torch.Generator().manual_seed(sorted(FUNCTIONS).index(function))
+    magnitude = torch.cat([torch.logspace(-8, 0.5, 61, dtype=torch.float64), 3 * torch.rand(67, generator=gen, dtype=torch.float64)])
+    x = (magnitude * torch.where(torch.rand(128, generator=gen) < 0.5, -1.0, 1.0)).float()
+    x = {"log": x.abs() + 0.1, "sqrt": x.abs() + 0.1, "log1p": x.clamp(min=-0.9)}.get(function, x)
+    others = [torch.randn(128, generator=gen).float() for _ in range(2)]
+    text = {1: "{}(in0)", 2: "{}(in0, in1)", 3: "{}(in0 > 0, in1, in2)"}[ARITY[function]].format(function)
+    module, _ = load_module(with_called_helpers(PRELUDE + _KERNEL.format(
+        expression=triton_expression(text, ["in0", "in1", "in2"], {}))))
+    out = torch.empty(128)
+    module.function_kernel[(1,)](x, *others, out, 128, BLOCK=128)
+    args = [x.double().numpy(), *(o.double().numpy() for o in others)]
+    expected = FUNCTIONS[function](*([args[0] > 0, *args[1:]] if function == "where" else args[:ARITY[function]]))
+    atol = 0.0 if function in EXACT_NEAR_ZERO else 2 ** -22  # two ulp of 1: _tanh's 2 sigmoid(2x) - 1 near 0
+    torch.testing.assert_close(out.double(), torch.from_numpy(expected).double(), rtol=4 * 2 ** -24, atol=atol)
 
 
 # --- layout spaces and pruning ----------------------------------------------------------------

@@ -21,6 +21,7 @@ EXPRESSIONS = [
     "(in0 - (in1 + in2 * in3) / (N)) / in4", "0.5 * in0 * (1 + tanh(0.7978845608028654 * (in0 + 0.044715 * in0 ** 3)))",
     "in0 - in1 - in2", "in0 - (in1 - in2)", "in0 ** in1", "(-in0) ** 2", "-in0 ** 2", "in0 + in1 + in2 + in3",
     "where(in0 < 0, ((- 1000000000.0)), in1)", "1e-05 + in0", "in0 * -(sign(in1) / ((1.0 + abs(in1)) * (1.0 + abs(in1))))",
+    "log1p(in1)", "expm1(in0)", "where(in0 < -0.5, ((- 0.5)), where(in0 > 0.75, (0.75), in0))",
 ]
 SCALARS = {"P": 64.0, "N": 1024.0, "scale_drop": 1.25}
 
@@ -80,6 +81,8 @@ DIFFERENTIABLE = [
     "in1 ** in0", "where(in0 > 0, in0 * in1, exp(in1))", "in0 * (in1 > 0) * scale_drop", "maximum(in1, in0 * in1)",
     "0.5 * in0 * (1 + tanh(0.7978845608028654 * (in0 + 0.044715 * in0 * in0 * in0)))",
     "(in0 - (in1 + in0 * in1) / (N)) / in1",
+    "log1p(in0 * in0 * in1) + expm1(in0 * in1)", "sign(in0) * log1p(abs(in0)) * in1",
+    "where(in0 < -0.5, ((- 0.5)), where(in0 > 0.75, (0.75), in0)) * in1",
 ]
 
 
@@ -107,8 +110,26 @@ def test_derivatives_are_simplified_as_the_derivation_prints_them():
     assert parse("exp(-in0)").derivative(0).source() == "exp(-in0) * -1"
     assert parse("tanh(in0)").derivative(0).source() == "1 - tanh(in0) ** 2"
     assert parse("in0 ** 3").derivative(0).source() == "3 * in0 ** (3 - 1)"
-    with pytest.raises(ExpressionError, match="cannot differentiate 'sign"):
-        parse("sign(in0)").derivative(0)
+    assert parse("log1p(in0)").derivative(0).source() == "1 / (1 + in0)"
+    assert parse("expm1(2 * in0)").derivative(0).source() == "exp(2 * in0) * 2"
+    assert parse("sign(in0)").derivative(0) == Constant(0)  # torch's, at 0 too
+    assert parse("where(in0 < -0.5, -0.5, where(in0 > 0.75, 0.75, in0))").derivative(0).source() == \
+        "where(in0 < -0.5, 0, where(in0 > 0.75, 0, 1))"  # np.clip's: 1 on the bounds, as torch.clamp's
+
+
+def test_every_table_of_functions_holds_the_languages():
+    """``FUNCTIONS`` is the one list of the language's functions: torch's, Triton's and sympy's tables hold
+    exactly its names, and each one has a derivative (a function added without one, or missing in a
+    backend, fails here rather than in a layer's backward or kernel)."""
+    from datamove.dataflow.closed_forms import SYMPY_FUNCTIONS
+    from datamove.kernels.codegen.expressions import FUNCTIONS as TRITON_FUNCTIONS
+
+    assert set(TORCH_FUNCTIONS) == set(TRITON_FUNCTIONS) == set(SYMPY_FUNCTIONS) == set(ARITY) == set(FUNCTIONS)
+    for name, arity in ARITY.items():
+        args = (Compare(">", Input(0), Constant(0)), Input(1), Input(2)) if name == "where" else \
+            tuple(Input(k) for k in range(arity))
+        for k in range(arity):
+            Call(name, args).derivative(k)  # no ExpressionError
 
 
 # --- structure ----------------------------------------------------------------------------------

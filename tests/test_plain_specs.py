@@ -240,6 +240,14 @@ def parallel_block(t, m):
     attention = torch.einsum("bhse,hed->bsd", torch.einsum("bhst,bte->bhse", p, v), t["wo"])
     return x + attention + (_gelu_tanh(h @ t["wg"]) * (h @ t["wu"])) @ t["wd"] + t["bd"]
 
+def clip_log1p(t, m):
+    x = t["x"]
+    h = x @ t["w1"] + t["b1"]
+    signed_log = torch.sign(h) * torch.log1p(h.abs())
+    e = torch.expm1(h.clamp(max=1.0)) + torch.expm1(h.clamp(max=0.25))
+    return (h.clamp(-0.5, 0.75) + signed_log + 0.5 * e) @ t["w2"] + x.clamp(-1.0, 1.25)
+
+
 def qk_norm(t, m):
     x = t["x"]
     q = _rms(torch.einsum("bsd,dhe->bhse", x, t["wq"]), t["gq"], 1e-6)
@@ -290,6 +298,8 @@ CORPUS = {  # spec -> (contractions, normalizations, element-wise operators of t
     # q @ k.T of two results of one helper: k's array was read as q's and q's as k's (DaCe swaps a GEMM's operands
     # for a transposed output; the helper's returned arrays, renamed, matched neither recorded name)
     "qk_norm": ((6, 3, 7), qk_norm),
+    # the activation's maps one operator; x clipped (two np.where) and added to the output another
+    "clip_log1p": ((2, 0, 4), clip_log1p),
 }
 
 
@@ -705,3 +715,51 @@ def test_sequence_length_one_exports_and_computes(tmp_path, capsys, name):
     assert main([str(SPECS / f"{name}.py"), "--dims", "T=1", "--out", str(out)]) == 0, capsys.readouterr().err
     capsys.readouterr()
     _float64_layer_against_torch(out, name, seed=6)
+
+
+@pytest.fixture(scope="module")
+def clip_log1p_artifact(tmp_path_factory):
+    """The main job's artifact of ``clip_log1p`` at other odd dims (B=5, F=11), built once."""
+    from datamove.cli import main
+
+    out = tmp_path_factory.mktemp("clip_log1p") / "out"
+    assert main([str(SPECS / "clip_log1p.py"), "--dims", "B=5,F=11", "--out", str(out)]) == 0
+    return out
+
+
+# the kernels (through the Triton interpreter) compute in float32; the torch backend in float64
+@pytest.mark.parametrize("backend, dtype, tolerance", [("torch", torch.float64, 1e-13), ("kernels", torch.float32, 2e-5)])
+def test_clip_log1p_expm1_sign_export_and_compute(clip_log1p_artifact, capsys, backend, dtype, tolerance):
+    """np.clip (two bounds; the lower None; x.clip(max=...)), np.log1p, np.expm1 and np.sign (all refused
+    before: "np.log1p is not supported"): the layer's output and the gradients of x and every weight are
+    torch's (clamp, log1p, expm1, sign) in float64, through the generated kernels and the torch backend.
+    The activation's input lands on both sides of every bound; x holds elements on its own clip's bounds
+    (-1 and 1.25), where the gradient is 1, as torch.clamp's (errors relative to the reference's norm)."""
+    from datamove.export import load_layer
+
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = load_layer(clip_log1p_artifact, device="cpu", dtype=dtype, backend=backend, allow_mismatch=True)
+    gen = torch.Generator().manual_seed(17)
+    weights = list(layer.interface.parameters)
+    assert sorted(weights) == ["b1", "w1", "w2"]
+    with torch.no_grad():
+        for n in weights:
+            getattr(layer, n).copy_(torch.randn(getattr(layer, n).shape, generator=gen, dtype=torch.float64))
+    x64 = torch.randn(5, 5, 7, generator=gen, dtype=torch.float64)
+    x64.view(-1)[::9] = -1.0
+    x64.view(-1)[4::9] = 1.25
+    x64.requires_grad_()
+    x = x64.detach().to(dtype).requires_grad_()
+    theirs = {n: layer.spec_view(n).detach().double().requires_grad_() for n in weights}
+    h = (x64 @ theirs["w1"] + theirs["b1"]).detach()
+    for bound in (-0.5, 0.75, 1.0, 0.25):
+        assert (h < bound).sum() > 20 and (h > bound).sum() > 20, bound
+    y, expected = layer(x), clip_log1p({"x": x64, **theirs}, None)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    mine = torch.autograd.grad(y, [x, *(getattr(layer, n) for n in weights)], dy.to(dtype))
+    ref = torch.autograd.grad(expected, [x64, *theirs.values()], dy)
+    pairs = [(y, expected), (mine[0], ref[0])] + [(layer.spec_view(n, g), r) for n, g, r in zip(weights, mine[1:], ref[1:])]
+    for result, reference in pairs:
+        assert relative_error(result.detach().double().numpy(), reference.detach().numpy()) < tolerance

@@ -204,6 +204,22 @@ REFUSED = {
             x1, x2 = np.split(x, 2, axis=-1)
             return x1 * x2
         ''', "np.split(x, 2, axis=-1)", "slice the axis into its parts"),
+    "clip by an array": ('''
+        def layer(x: Tensor("bln"), c: Tensor("n")):
+            return np.clip(x, c, 1.0)
+        ''', "np.clip(x, c, 1.0)", "np.minimum(np.maximum(x, lo), hi)"),
+    "clip bounds swapped": ('''
+        def layer(x: Tensor("bln")):
+            return np.clip(x, 1.0, -1.0)
+        ''', "np.clip(x, 1.0, -1.0)", "swap the bounds"),
+    "clip without a bound": ('''
+        def layer(x: Tensor("bln")):
+            return x.clip(None, None)
+        ''', "x.clip(None, None)", "give a lower or an upper bound"),
+    "clip by a keyword it lacks": ('''
+        def layer(x: Tensor("bln")):
+            return np.clip(x, lower=-1.0)
+        ''', "np.clip(x, lower=-1.0)", "(or a_min= / min= / a_max= / max=), a bound None where there is none"),
     "slice of a shape": ('''
         def layer(x: Tensor("bln")):
             return x + np.triu(np.full(x.shape[-2:], -1e4), k=1)

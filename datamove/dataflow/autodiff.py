@@ -7,8 +7,8 @@ names:
   replaced by the output's (``"phi,ibj->phbj"`` gives dW ``"phbj,ibj->phi"`` and dX
   ``"phi,phbj->ibj"``);
 - map: the chain rule on the expression's tree (``dataflow.expression``'s ``derivative``: symbolic
-  derivative of +, -, *, /, **, exp, log, sqrt, tanh, abs, maximum/minimum (a mask, ReLU's
-  ``in0 > 0``), where);
+  derivative of +, -, *, /, **, exp, log, sqrt, tanh, log1p, expm1, abs, sign (0),
+  maximum/minimum (a mask, ReLU's ``in0 > 0``), where);
   an operand broadcast over letters of the output gets its gradient summed over them (bias
   gradients become reductions); a dropout is a multiplication by its mask tensor, so its backward
   multiplies by the same mask;

@@ -40,9 +40,10 @@ class ClosedForm:
     inverted: bool = False
 
 
-_SYMPY_FUNCTIONS = {"exp": sympy.exp, "log": sympy.log, "sqrt": sympy.sqrt, "tanh": sympy.tanh,
-                    "maximum": sympy.Max, "minimum": sympy.Min, "abs": sympy.Abs, "sign": sympy.sign,
-                    "where": sympy.Function("where")}
+SYMPY_FUNCTIONS = {"exp": sympy.exp, "log": sympy.log, "sqrt": sympy.sqrt, "tanh": sympy.tanh,
+                   "log1p": lambda x: sympy.log(1 + x), "expm1": lambda x: sympy.exp(x) - 1,
+                   "maximum": sympy.Max, "minimum": sympy.Min, "abs": sympy.Abs, "sign": sympy.sign,
+                   "where": sympy.Function("where")}
 
 
 def _sympy_number(value: int | float) -> sympy.Number:
@@ -93,7 +94,7 @@ def _compose(graph: PrimitiveGraph, prims: list[Primitive]) -> _Composed | None:
             reductions[prim.output.tensor] = (prim.expr, operands[0], prim)
             values[prim.output.tensor] = symbol
         elif prim.kind == "map":
-            values[prim.output.tensor] = prim.expression.evaluate(operands, dims, _SYMPY_FUNCTIONS, _sympy_number)
+            values[prim.output.tensor] = prim.expression.evaluate(operands, dims, SYMPY_FUNCTIONS, _sympy_number)
         else:
             return None
     return _Composed(values, reductions, leaves)

@@ -8,7 +8,8 @@ A map primitive's ``expr`` (``dataflow.graph.Primitive``) is a Python expression
 - numbers (``Constant``: ints and floats, kept as written so that printing gives the same text),
 - unary ``-`` / ``+`` (``Unary``), ``+ - * / **`` (``Binary``), one comparison ``< <= > >= == !=``
   (``Compare``),
-- calls of ``FUNCTIONS``: exp, log, sqrt, tanh, abs, sign, maximum, minimum, where (``Call``).
+- calls of ``FUNCTIONS``: exp, log, sqrt, tanh, log1p, expm1, abs, sign, maximum, minimum, where
+  (``Call``).
 
 Anything else (another function, a chained comparison, ``//``, ``and``, subscripts, ...) is refused
 by ``parse`` with an ``ExpressionError`` naming it.  ``parse`` caches by text, so a string is
@@ -35,10 +36,14 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-# The functions a map expression may call, as NumPy (float64 arrays); their names are the whole set.
-FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "maximum": np.maximum,
-             "minimum": np.minimum, "abs": np.abs, "where": np.where, "sign": np.sign}
-ARITY = {"exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "abs": 1, "sign": 1, "maximum": 2, "minimum": 2, "where": 3}
+# The functions a map expression may call, as NumPy (float64 arrays); their names are the whole set, and
+# each is NumPy's of that name.  The lowering's element-wise functions and the SDFG reader's are these
+# (``lowering.support``, ``sdfg_reader``); every backend's table holds exactly these names (torch:
+# ``harness.torch_eval.FUNCTIONS``, Triton: ``kernels.codegen.expressions``, sympy: ``closed_forms``).
+FUNCTIONS = {"exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "log1p": np.log1p, "expm1": np.expm1,
+             "maximum": np.maximum, "minimum": np.minimum, "abs": np.abs, "where": np.where, "sign": np.sign}
+ARITY = {"exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "log1p": 1, "expm1": 1, "abs": 1, "sign": 1, "maximum": 2,
+         "minimum": 2, "where": 3}
 FREE_FUNCTIONS = frozenset({"maximum", "minimum", "abs", "where"})  # selections: no flop (as the paper's ReLU)
 
 _BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
@@ -168,8 +173,8 @@ class Expression:
         """d(self)/d(in<k>), simplified (no ``+ 0``, ``* 1``, ``* 0``, double negation, ``a * (1 / b)``).
 
         maximum(a, b) sends the gradient to a where a > b and to b elsewhere (so ReLU, maximum(x, 0),
-        gives ``x > 0``, as torch.relu); minimum(a, b) to a where a < b.  Comparisons count as
-        constants; ``sign`` cannot be differentiated."""
+        gives ``x > 0``, as torch.relu); minimum(a, b) to a where a < b.  Comparisons and ``sign``
+        (0 but at 0, where torch takes 0 too) count as constants."""
         return _derivative(self, k)
 
     # --- evaluation and printing ------------------------------------------------------------
@@ -447,8 +452,14 @@ def _derivative(node: Expression, k: int) -> Expression:
         return _div(d(args[0]), product(Constant(2), node))
     if name == "tanh":
         return product(_sub(ONE, Binary("**", node, Constant(2))), d(args[0]))
+    if name == "log1p":
+        return _div(d(args[0]), add(ONE, args[0]))
+    if name == "expm1":
+        return product(Call("exp", (args[0],)), d(args[0]))
     if name == "abs":
         return product(Call("sign", (args[0],)), d(args[0]))
+    if name == "sign":
+        return ZERO
     if name in ("maximum", "minimum"):
         a, b = args
         first = Compare(">" if name == "maximum" else "<", a, b)

@@ -60,8 +60,9 @@ class Primitive:
     kind "map": ``expr`` is an element-wise Python expression over ``in0, in1, ...`` (the inputs),
     dim names (e.g. ``N``), ``scale_<mask>`` (the factor ``dataflow.dropout_mask.dropout_scale(p)``
     of a kept element of dropout tensor ``<mask>``, at the graph's current ``p``: see
-    ``PrimitiveGraph.scalars``) and the functions exp, log, sqrt, tanh, abs, sign, maximum,
-    minimum, where; ``expression`` is its tree (``dataflow.expression``), parsed once.
+    ``PrimitiveGraph.scalars``) and the functions of ``dataflow.expression.FUNCTIONS`` (exp, log,
+    sqrt, tanh, log1p, expm1, abs, sign, maximum, minimum, where); ``expression`` is its tree
+    (``dataflow.expression``), parsed once.
     kind "reduce": ``expr`` is "sum" or "max", over the input letters missing from the output.
     """
 

@@ -21,14 +21,16 @@ from dataclasses import dataclass, field, replace
 import dace
 from dace.sdfg import nodes
 
+from datamove.dataflow.expression import FUNCTIONS
 from datamove.dataflow.graph import Operand, Primitive, PrimitiveGraph, TensorInfo
 from datamove.dataflow.lowering.lowered_module import spec_line
 from datamove.dataflow.lowering.support import SUPPORTED
 from datamove.dataflow.sdfg import EinsumRecord
 from datamove.dataflow.spec import LayerSpec, SpecError
 
-_FUNCTIONS = {"exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh", "max": "maximum", "min": "minimum",
-              "abs": "abs"}
+# a tasklet's function -> the map expression's: NumPy's names (DaCe's tasklets call np.exp as exp), and DaCe's own
+# spellings of np.maximum, np.minimum and (NumPy 2) np.sign
+_FUNCTIONS = {**{name: name for name in FUNCTIONS}, "max": "maximum", "min": "minimum", "sign_numpy_2": "sign"}
 _REDUCTIONS = {"x + y": "sum", "max(x, y)": "max"}
 
 
@@ -55,8 +57,8 @@ class _ExpressionRewriter(ast.NodeTransformer):
         if isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS:
             node.func = ast.Name(_FUNCTIONS[node.func.id], ast.Load())
         elif isinstance(node.func, ast.Name):
-            raise SpecError(f"element-wise function {node.func.id}() is not supported; use exp, log, sqrt, tanh, "
-                            "maximum, minimum, abs or arithmetic")
+            raise SpecError(f"element-wise function {node.func.id}() is not supported; use {', '.join(FUNCTIONS)} "
+                            "or arithmetic")
         return node
 
 

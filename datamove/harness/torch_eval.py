@@ -81,6 +81,7 @@ def _evaluate(expression, aligned: list, names: dict):
 
 FUNCTIONS = {"exp": _scalar_or(torch.exp, math.exp), "log": _scalar_or(torch.log, math.log),
              "sqrt": _scalar_or(torch.sqrt, math.sqrt), "tanh": _scalar_or(torch.tanh, math.tanh),
+             "log1p": _scalar_or(torch.log1p, math.log1p), "expm1": _scalar_or(torch.expm1, math.expm1),
              "abs": _scalar_or(torch.abs, abs), "sign": _scalar_or(torch.sign, np.sign),
              "maximum": _extremum(torch.maximum, torch.clamp_min, max),
              "minimum": _extremum(torch.minimum, torch.clamp_max, min), "where": _where}

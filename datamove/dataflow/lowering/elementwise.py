@@ -2,7 +2,8 @@
 each operand indexed explicitly with ``None`` for the axes it lacks (``b[None, None, :]``) and, where
 its axes are permuted, relabelled through ``np.einsum("ts->st", x)``; arithmetic, unary functions,
 ``x ** n`` for a constant n (products, one division for negative n, ``np.sqrt`` for ``** 0.5`` /
-``** -0.5``) and ``np.where(a > b, c, d)`` (kept, explicitly broadcast: the reader makes it one map).
+``** -0.5``), ``np.where(a > b, c, d)`` (kept, explicitly broadcast: the reader makes it one map) and
+``np.clip`` with number bounds (two ``np.where``, so that the bounds take torch.clamp's gradient).
 Slices and constants of known value met here go to ``slices`` and ``masks``."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import ast
 from dataclasses import replace
 
 from datamove.dataflow.lowering.syntax import float32_of, make_call, np_attr
-from datamove.dataflow.lowering.values import Arr, Compare, Const, Num, Part
+from datamove.dataflow.lowering.values import Arr, Compare, Const, Num, Part, Static
 from datamove.dataflow.spec import SpecError
 
 
@@ -139,3 +140,42 @@ class Elementwise:
         def build(a, b, x, y):
             return make_call(np_attr("where"), ast.Compare(a, [op], [b]), x, y)
         return self.elementwise(node, build, values)
+
+    def clip(self, node: ast.Call, value, positional: list[ast.expr], lower: tuple[str, ...], upper: tuple[str, ...]):
+        """``np.clip(x, lo, hi)`` / ``x.clip(lo, hi)``: the bounds ``positional`` or by a keyword of ``lower`` /
+        ``upper`` (np.clip's a_min / min, a_max / max), either one None or absent, numbers known as the spec is
+        read; as ``np.where(x < lo, lo, np.where(x > hi, hi, x))`` with x computed once: NumPy's value, and a
+        gradient of 1 from lo to hi, both bounds included, 0 outside (torch.clamp's)."""
+        m = self.m
+        unknown = [k.arg for k in node.keywords if k.arg not in lower + upper]
+        if unknown or len(positional) > 2:
+            problem = f"clip's keyword {unknown[0]}= is not supported" if unknown else "clip takes two bounds"
+            raise m.error(node, problem, f"write np.clip(x, lo, hi) (or {'= / '.join(lower + upper)}=), a bound None "
+                          "where there is none")
+        bounds = []
+        for k, names in enumerate((lower, upper)):
+            given = positional[k:k + 1] + [kw.value for kw in node.keywords if kw.arg in names]
+            if len(given) > 1:
+                raise m.error(node, "np.clip's bound is given twice", "give each bound once")
+            bound = self.expr(given[0]) if given else None
+            if isinstance(bound, Static) and bound.value is None:
+                bound = None
+            if bound is not None and not (isinstance(bound, Num) and bound.value is not None):
+                raise m.error(node, f"np.clip's bound {ast.unparse(given[0])} is not a number known as the spec is read",
+                              "clip by numbers or module constants (LIMIT = 1 / 3), or write "
+                              "np.minimum(np.maximum(x, lo), hi) for bounds the layer computes")
+            bounds.append(bound)
+        lo, hi = bounds
+        if lo is None and hi is None:
+            raise m.error(node, "np.clip without a bound", "give a lower or an upper bound, or drop the np.clip")
+        if lo is not None and hi is not None and lo.value > hi.value:
+            raise m.error(node, f"np.clip's lower bound {lo.value:g} is above its upper bound {hi.value:g} (NumPy "
+                          "then gives the upper bound everywhere)", "swap the bounds")
+        if isinstance(value, Arr):
+            value = self.temp("clip", value)
+        result = value
+        for bound, op in ((hi, ast.Gt()), (lo, ast.Lt())):
+            if bound is not None:
+                result = self.elementwise(node, lambda a, b, x, y, op=op: make_call(
+                    np_attr("where"), ast.Compare(a, [op], [b]), x, y), [value, bound, bound, result])
+        return result

@@ -293,6 +293,8 @@ class Expressions:
             return self.arith(node, ast.Mult(), Num(float32_of(ast.Constant(-1)), -1.0), self.expr(node.args[0]))
         if short == "where":
             return self.where(node)
+        if short == "clip":
+            return self.clip(node, self.expr(node.args[0]), node.args[1:], ("a_min", "min"), ("a_max", "max"))
         raise m.error(node, f"{name} is not supported", "write it with " + SUPPORTED)
 
     def method(self, node: ast.Call, name: str, value, args=None):
@@ -323,6 +325,8 @@ class Expressions:
             if sorted(axes) != list(range(len(value.visible))):
                 raise m.error(node, f"axes {tuple(axes)} are not a permutation of the {len(value.visible)} axes")
             return replace(value, visible=tuple(value.visible[a] for a in axes))
+        if name == "clip":
+            return self.clip(node, value, args, ("min",), ("max",))
         if name == "swapaxes":
             a, b = (self.axis(node, self.static(x), len(value.visible)) for x in args[:2])
             visible = list(value.visible)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from datamove.dataflow.expression import parse
 
-_FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
-              "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh", "sign": "_sign"}
+# every function of ``dataflow.expression.FUNCTIONS``; the ``_`` ones are the module's jit helpers (``source.PRELUDE``,
+# ``source.CALLED_HELPERS``)
+FUNCTIONS = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "maximum": "tl.maximum",
+             "minimum": "tl.minimum", "abs": "tl.abs", "where": "tl.where", "tanh": "_tanh", "sign": "_sign",
+             "log1p": "_log1p", "expm1": "_expm1"}
 
 
 def triton_expression(expr: str, operands: list[str], dims) -> str:
     """``expr`` as Triton code: ``inK`` -> ``operands[K]``, a name of ``dims`` -> ``dim_<name>``,
     numbers as floats, small integer powers as products; another name or function is refused."""
-    return parse(expr).source(inputs=operands, names={name: f"dim_{name}" for name in dims}, functions=_FUNCTIONS,
+    return parse(expr).source(inputs=operands, names={name: f"dim_{name}" for name in dims}, functions=FUNCTIONS,
                               constant=float, expand_powers=True)
 
 

@@ -25,13 +25,17 @@ from datamove.kernels.philox import dropout_keep, dropout_keep_grouped, keep_bit
 def _tanh(x):
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 '''
-# jit helpers a module defines only where its expressions call them (the others' sources, and so
+# jit helpers a module defines (or imports) only where its expressions call them (the others' sources, and so
 # their Triton cache entries and tuning records, stay as they were)
 CALLED_HELPERS = {"_sign": '''
 
 @triton.jit
 def _sign(x):
     return tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+''', "_log1p": '''
+from datamove.kernels.interpreter import log1p as _log1p
+''', "_expm1": '''
+from datamove.kernels.interpreter import expm1 as _expm1
 '''}
 
 
