@@ -237,6 +237,21 @@ def test_refused_construct_names_line_and_hint(tmp_path, capsys, case):
     assert not INTERNAL.search(err), err
 
 
+def test_a_letter_of_size_1_does_not_broadcast(tmp_path, capsys):
+    """A letter whose dim is 1 meeting another letter on one axis (NumPy would broadcast it): refused in
+    one line saying why (the graph's axes are letters, sized by their dims, which a call or --dims may
+    change) and how to write it (that operand without the axis, indexed with None)."""
+    header = GOOD_HEADER.replace("dims(B=2, L=3, N=4)", "dims(B=2, L=3, N=4, O=1)").replace('"m": N}', '"m": N, "o": O}')
+    header = header.replace("B, L, N =", "B, L, N, O =")
+    path, err = _run(tmp_path, capsys, '''
+        def layer(x: Tensor("bln"), s: Tensor("bo")):
+            return x * s[:, :, None]
+        ''', header=header)
+    assert f"{path}:8: x * s[:, :, None]: cannot broadcast: axis -2 is l (L) in one operand and o (O = 1) in another; " \
+        "a letter of size 1 is an axis of its dim (O may take another size), it does not broadcast; declare s " \
+        'without it, Tensor("b"), and index it with None where it broadcasts: s[:, None, None]' in err, err
+
+
 def test_index_letter_over_an_expression_of_dims_is_named(tmp_path, capsys):
     """A letter over N // 2 (half-size RoPE tables) cannot be given with --dims: the refusal says to
     declare a dim of its own (it said "missing dims: floor(N/2) (give them with --dims ...)")."""

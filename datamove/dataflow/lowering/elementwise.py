@@ -32,10 +32,7 @@ class Elementwise:
                     found.append((array.letters[pos - offset], array))
             for letter, array in found[1:]:
                 if dims.dim(letter) != dims.dim(found[0][0]):
-                    raise self.m.error(node, f"cannot broadcast: axis {pos - rank} is {found[0][0]} "
-                                       f"({dims.dim(found[0][0])}) in one operand and {letter} ({dims.dim(letter)}) "
-                                       "in another", "check the operands' axes; align them with [:, None] or "
-                                       "transpose one")
+                    self.refuse_broadcast(node, pos - rank, [found[0], (letter, array)])
             letter = found[0][0] if found else None
             if letter is not None and letter in result:
                 raise self.m.error(node, f"the result would have two axes with letter {letter} (an outer product "
@@ -43,6 +40,24 @@ class Elementwise:
                                    "np.einsum('s,t->st', a, b)")
             result.append(letter)
         return tuple(result)
+
+    def refuse_broadcast(self, node: ast.AST, axis: int, found: list[tuple[str, Arr]]):
+        """Two letters of different dims on one axis (``found``: each with its operand): the ``SpecError``,
+        which says why where one of them has size 1 (NumPy would broadcast it; the graph's axes are letters,
+        each sized by its dim, which a call or ``--dims`` may set to another size)."""
+        dims, sizes = self.m.letters, self.m.spec.dim_values
+        named = [f"{x} ({dims.dim(x)}{' = 1' if sizes.get(dims.dim(x)) == 1 else ''})" for x, _ in found]
+        problem = f"cannot broadcast: axis {axis} is {named[0]} in one operand and {named[1]} in another"
+        single = [(x, array) for x, array in found if sizes.get(dims.dim(x)) == 1]
+        if not single:
+            raise self.m.error(node, problem, "check the operands' axes; align them with [:, None] or transpose one")
+        letter, array = single[0]
+        name = array.expr.id if isinstance(array.expr, ast.Name) else "the operand"
+        kept = "".join(x for x in array.stored if x not in (None, letter))
+        index = ", ".join("None" if x in (letter, None) else ":" for x in array.letters)
+        raise self.m.error(node, f"{problem}; a letter of size 1 is an axis of its dim ({dims.dim(letter)} may take "
+                           "another size), it does not broadcast", f"declare {name} without it, Tensor(\"{kept}\"), "
+                           f"and index it with None where it broadcasts: {name}[{index}]")
 
     def render(self, array: Arr) -> ast.expr:
         """``array``'s stored array indexed (``[:, None, :]``) and, if its axes are permuted, relabelled
