@@ -23,29 +23,32 @@ EPS = 1e-5  # RMSNorm's epsilon (config.rms_norm_eps)
 
 
 def HF_CONFIG(sizes):
-    """The HF ``LlamaConfig`` values this layer computes at ``sizes`` ({dim: size}): ``load_weights``
-    and ``replace_llama_layers`` refuse a model configured otherwise (the head counts and head dim
-    included: 16 heads of 128 fill the weights of 32 heads of 64; "swish" is HF's other name of SiLU)."""
+    """The HF ``LlamaConfig`` / ``MistralConfig`` values this layer computes at ``sizes`` ({dim:
+    size}): ``load_weights`` and ``replace_decoder_layers`` refuse a model configured otherwise (the
+    head counts and head dim included: 16 heads of 128 fill the weights of 32 heads of 64; "swish"
+    is HF's other name of SiLU; a key the config lacks, Mistral's biases, passes).  The attention is
+    causal over all T positions: Mistral's sliding window is taken where it covers them
+    (``{"at least": T}``: Mistral-7B-v0.1's 4096 at T <= 4096; later ones have none); the rotary
+    tables are the model's, whatever its ``rope_parameters`` (Llama-3's scaling included)."""
     return {"rms_norm_eps": EPS, "hidden_act": ["silu", "swish"], "attention_dropout": 0.0, "attention_bias": False,
             "mlp_bias": False, "num_attention_heads": sizes["H"], "num_key_value_heads": sizes["KV"],
-            "head_dim": sizes["E"]}
+            "head_dim": sizes["E"], "sliding_window": [None, {"at least": sizes["T"]}]}
 
 
 # Where each parameter lives in a HF ``LlamaDecoderLayer`` (``datamove.runtime.weights``): nn.Linear weights
-# are stored [out, in], the heads outer in the output dim.
-WEIGHTS = {
-    "transformers.LlamaDecoderLayer": {
-        "attn_norm": ("input_layernorm.weight", "d", None),
-        "wq": ("self_attn.q_proj.weight", "(h e) d", None),
-        "wk": ("self_attn.k_proj.weight", "(k e) d", None),
-        "wv": ("self_attn.v_proj.weight", "(k e) d", None),
-        "wo": ("self_attn.o_proj.weight", "d (h e)", None),
-        "mlp_norm": ("post_attention_layernorm.weight", "d", None),
-        "w_gate": ("mlp.gate_proj.weight", "f d", None),
-        "w_up": ("mlp.up_proj.weight", "f d", None),
-        "w_down": ("mlp.down_proj.weight", "d f", None),
-    },
+# are stored [out, in], the heads outer in the output dim.  A ``MistralDecoderLayer`` is the same layer.
+LLAMA_LAYER = {
+    "attn_norm": ("input_layernorm.weight", "d", None),
+    "wq": ("self_attn.q_proj.weight", "(h e) d", None),
+    "wk": ("self_attn.k_proj.weight", "(k e) d", None),
+    "wv": ("self_attn.v_proj.weight", "(k e) d", None),
+    "wo": ("self_attn.o_proj.weight", "d (h e)", None),
+    "mlp_norm": ("post_attention_layernorm.weight", "d", None),
+    "w_gate": ("mlp.gate_proj.weight", "f d", None),
+    "w_up": ("mlp.up_proj.weight", "f d", None),
+    "w_down": ("mlp.down_proj.weight", "d f", None),
 }
+WEIGHTS = {"transformers.LlamaDecoderLayer": LLAMA_LAYER, "transformers.MistralDecoderLayer": LLAMA_LAYER}
 
 
 def rms_norm(x, weight):

@@ -471,17 +471,39 @@ def check_config(config, computed: dict) -> bool:
     return dropout_off
 
 
+AT_LEAST = "at least"  # a HF_CONFIG value {"at least": n}: any number n or above (a sliding window covering T)
+
+
+def _accepts(theirs, value) -> bool:
+    """Whether a config's or module's value ``theirs`` computes as ``value`` of a spec's
+    ``HF_CONFIG`` / ``MODULE_CONFIG`` (a float: within rounding; ``{"at least": n}``: a number >= n)."""
+    if isinstance(value, dict):
+        return isinstance(theirs, (int, float)) and not isinstance(theirs, bool) and theirs >= value[AT_LEAST]
+    if isinstance(value, float) and isinstance(theirs, (int, float)):
+        return math.isclose(theirs, value, rel_tol=1e-9, abs_tol=0.0)
+    return theirs == value
+
+
+def _described(value) -> str:
+    """A ``HF_CONFIG`` value as the refusals name it: its repr; a list with an ``{"at least": n}``
+    in it as its members joined by "or" ("None or at least 16")."""
+    if isinstance(value, dict):
+        return f"{AT_LEAST} {value[AT_LEAST]!r}"
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return " or ".join(_described(v) for v in value)
+    return repr(value)
+
+
 def _differing(read, computed: dict) -> list[str]:
     """``key=value (the tuned layer computes ...)`` for each of ``computed``'s keys whose value
     ``read(key, default)`` gives otherwise (a list in ``computed``: values computing the same; a key
-    the module or config lacks reads as the default, the first of them)."""
-    differing = []
+    the module or config lacks passes: the model computes as the spec there)."""
+    differing, absent = [], object()
     for key, value in computed.items():
         accepted = value if isinstance(value, list) else [value]
-        theirs = read(key, accepted[0])
-        if not any(math.isclose(theirs, v, rel_tol=1e-9, abs_tol=0.0) if isinstance(v, float)
-                   and isinstance(theirs, (int, float)) else theirs == v for v in accepted):
-            computes = repr(value) if len(accepted) > 1 else repr(accepted[0])
+        theirs = read(key, absent)
+        if theirs is not absent and not any(_accepts(theirs, v) for v in accepted):
+            computes = _described(value) if len(accepted) > 1 else _described(accepted[0])
             differing.append(f"{key}={theirs!r} (the tuned layer computes {computes})")
     return differing
 

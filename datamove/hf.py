@@ -1,4 +1,5 @@
-"""Drop the tuned layer into Hugging Face BERT, GPT-2 and Llama models, as Liger-Kernel's ``apply_liger_kernel_to_*`` do.
+"""Drop the tuned layer into Hugging Face BERT, GPT-2 and Llama-family models (Llama, Mistral, Qwen2,
+Qwen2.5, Qwen3), as Liger-Kernel's ``apply_liger_kernel_to_*`` do.
 
 ``replace_bert_layers(model, out_dir)`` swaps every ``BertLayer`` of a HF model (``BertModel``,
 ``BertForMaskedLM``, ...) for a ``BertLayerReplacement`` around a tuned layer loaded from the
@@ -12,10 +13,15 @@ be one per key: each a host-device sync, after which the GPU idles while the hos
 next layers).  A 4-D mask (the user's, or from an older transformers) is converted once per model
 call, and checked.
 
-``replace_llama_layers(model, out_dir)`` does the same for every ``LlamaDecoderLayer`` of a HF
-``LlamaModel`` / ``LlamaForCausalLM`` with a tuned layer of a Llama spec (``configs/llama.py``): the
-layer applies the causal mask itself, and the model runs under ``CAUSAL_KEY_PADDING``, which hands
-the layers the (batch, keys) padding mask of the model's ``attention_mask``; the rotary tables the
+``replace_decoder_layers(model, out_dir)`` does the same for every decoder layer of a HF
+Llama-family model whose class the artifact's spec names in its ``WEIGHTS``: ``LlamaDecoderLayer``
+and ``MistralDecoderLayer`` (``configs/llama.py``), ``Qwen2DecoderLayer`` (``configs/qwen2.py``),
+``Qwen3DecoderLayer`` (``configs/qwen3.py``); one function for the family, as the layers share
+HF's call signature, and the artifact already says which classes it computes (a model of another
+family is refused, naming the spec to tune; ``replace_llama_layers`` is its first name).  The
+layer applies the causal mask itself (a sliding window is taken where it covers the sequence, the
+same mask then), and the model runs under ``CAUSAL_KEY_PADDING``, which hands the layers the
+(batch, keys) padding mask of the model's ``attention_mask``; the rotary tables the
 model passes every layer (``position_embeddings``: cos and sin, [1 or batch, sequence, head dim])
 are set as the layer's ``cos`` and ``sin`` constants where they changed, in new memory
 (``TunedLayer.set_constant``): several forwards before one backward (DPO, contrastive losses) each
@@ -100,7 +106,7 @@ class _LastMask:
 
 _last_mask = _LastMask()
 KEY_PADDING = "datamove_key_padding"  # the attention implementation of a model whose BERT layers are replaced
-CAUSAL_KEY_PADDING = "datamove_causal_key_padding"  # ... whose Llama layers are replaced
+CAUSAL_KEY_PADDING = "datamove_causal_key_padding"  # ... whose decoder layers (GPT-2's, Llama's) are replaced
 
 
 def _key_padding_masks(*, mask_function=None, attention_mask=None, **kwargs):
@@ -115,12 +121,35 @@ def _key_padding_masks(*, mask_function=None, attention_mask=None, **kwargs):
     return attention_mask
 
 
-def _causal_key_padding_masks(*, mask_function=None, attention_mask=None, **kwargs):
-    """HF's mask interface under ``CAUSAL_KEY_PADDING``: as ``_key_padding_masks``, for a model that
-    asks for a plain causal mask, which the replaced layers apply themselves; any other mask (a
-    bidirectional one, packed sequences, a sliding window) is refused."""
+def _sliding_window_overlay(mask_function) -> bool:
+    """Whether ``mask_function`` is HF's sliding-window causal mask function as it is
+    (``sliding_window_causal_mask_function``: ``and_masks`` of the window's overlay and the causal
+    mask), with nothing else combined (packed sequences, a model's own overlays)."""
     from transformers.masking_utils import causal_mask_function
 
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return False
+    cells = dict(zip(mask_function.__code__.co_freevars, (c.cell_contents for c in mask_function.__closure__ or ())))
+    parts = cells.get("mask_functions", ())
+    return len(parts) == 2 and parts[1] is causal_mask_function \
+        and getattr(parts[0], "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask"
+
+
+def _causal_key_padding_masks(*, mask_function=None, attention_mask=None, local_size=None, kv_length=None, **kwargs):
+    """HF's mask interface under ``CAUSAL_KEY_PADDING``: as ``_key_padding_masks``, for a model that
+    asks for a plain causal mask, which the replaced layers apply themselves, or for a sliding-window
+    causal one whose window (``local_size``) covers all ``kv_length`` keys (Mistral's 4096 at a
+    shorter sequence: the same mask); any other mask (a bidirectional one, packed sequences, a
+    sliding window shorter than the sequence) is refused."""
+    from transformers.masking_utils import causal_mask_function
+
+    if local_size is not None and kv_length is not None and _sliding_window_overlay(mask_function):
+        if local_size < kv_length:
+            raise ValueError(f"datamove: the model's sliding window ({local_size} positions) is shorter than the "
+                             f"sequence ({kv_length}), and the replaced decoder layers attend over every position "
+                             f"before (causal): tune the layer at a length of at most {local_size} (optimize-layer "
+                             "--dims T=...) and call the model at it, or use a model without a sliding window")
+        return attention_mask
     if mask_function is not causal_mask_function:
         combined = attention_mask is None and getattr(mask_function, "__qualname__", "").startswith("and_masks.")
         asked = ("a combined one, as HF does for packed sequences (position_ids restarting) and, under torch.compile, "
@@ -287,7 +316,8 @@ class BertLayerReplacement(torch.nn.Module):
 
 
 class LlamaLayerReplacement(BertLayerReplacement):
-    """A HF ``LlamaDecoderLayer``'s call signature around a tuned layer of a Llama spec:
+    """A HF ``LlamaDecoderLayer``'s call signature (Mistral's, Qwen2's and Qwen3's alike) around a
+    tuned layer of a Llama-family spec (``configs/llama.py``, ``qwen2.py``, ``qwen3.py``):
     ``forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
     position_embeddings=None, ...)`` -> hidden states [batch, sequence, feature]; ``attention_mask``:
     the (batch, keys) padding mask ``CAUSAL_KEY_PADDING`` hands the layers (or a 4-D mask that is one
@@ -300,7 +330,8 @@ class LlamaLayerReplacement(BertLayerReplacement):
             face = layer.interface
             graded = [t for t in missing if t in face.activations + face.parameters]
             why = (f"its spec gives {', '.join(graded)} a gradient: declare them as configs/llama.py does, "
-                   "Tensor(\"se\", requires_grad=False)" if graded else "not a Llama spec's layer (configs/llama.py)")
+                   "Tensor(\"se\", requires_grad=False)" if graded else
+                   "not a Llama-family spec's layer (configs/llama.py, qwen2.py, qwen3.py)")
             raise ValueError(f"datamove: the tuned layer has no constant(s) {', '.join(missing)} for HF's rotary tables "
                              f"(position_embeddings): {why}")
         self._tables: tuple | None = None  # the (cos, sin) tensors last copied in, and their versions (None: unknown)
@@ -348,10 +379,10 @@ class LlamaLayerReplacement(BertLayerReplacement):
                 position_embeddings: tuple | None = None, **kwargs):
         cache = cache if cache is not None else kwargs.get("past_key_values")
         if cache is not None and cache.get_seq_length() > 0:
-            raise ValueError("datamove: the replaced Llama layers train; generation with a key-value cache is not "
+            raise ValueError("datamove: the replaced decoder layers train; generation with a key-value cache is not "
                              "part of the tuned layer")
         if position_embeddings is None:
-            raise ValueError("datamove: a replaced Llama layer needs the model's position_embeddings (cos, sin)")
+            raise ValueError("datamove: a replaced decoder layer needs the model's position_embeddings (cos, sin)")
         return self._output(hidden_states, attention_mask, kwargs, tuple(position_embeddings))
 
 
@@ -380,11 +411,19 @@ class GPT2BlockReplacement(BertLayerReplacement):
         return self._output(given["hidden_states"], given.get("attention_mask"), given)
 
 
-def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwargs: dict) -> int:
-    """Replace every module of class ``kind`` in ``model`` by ``replacement`` around a tuned layer
-    carrying its weights (one compiled program for all: ``TunedLayer.sibling``)."""
+# The spec to tune for each HF layer class the replacements take (refusals name it)
+SPEC_OF = {"BertLayer": "configs/bert.py", "GPT2Block": "configs/gpt2.py", "LlamaDecoderLayer": "configs/llama.py",
+           "MistralDecoderLayer": "configs/llama.py", "Qwen2DecoderLayer": "configs/qwen2.py",
+           "Qwen3DecoderLayer": "configs/qwen3.py"}
+
+
+def _replace(model: torch.nn.Module, out_dir, kinds: tuple[str, ...], replacement, load_kwargs: dict) -> int:
+    """Replace every module whose class is one of ``kinds`` (class names) in ``model`` by
+    ``replacement`` around a tuned layer carrying its weights (one compiled program for all:
+    ``TunedLayer.sibling``); a model with none of them is refused, naming the spec of the layers it has."""
+    named = " or ".join(kinds)
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"datamove: replacing the {kind}s of a model: expected a HF model (a torch.nn.Module), got "
+        raise TypeError(f"datamove: replacing the {named}s of a model: expected a HF model (a torch.nn.Module), got "
                         f"{type(model).__name__}")
     first: TunedLayer | None = None
     replaced = 0
@@ -393,7 +432,8 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
     returns_tuple = not any(getattr(m, "_can_record_outputs", None) for m in model.modules())
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child).__name__ != kind:
+            kind = type(child).__name__
+            if kind not in kinds:
                 continue
             if first is None:
                 weight = next(child.parameters())
@@ -412,8 +452,11 @@ def _replace(model: torch.nn.Module, out_dir, kind: str, replacement, load_kwarg
             replaced += 1
     if not replaced:
         found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith(("Layer", "Block"))})
-        raise ValueError(f"datamove: no {kind} in the model to replace (its layers: {', '.join(found) or 'none'}); "
-                         f"the tuned layer stands in for HF's {kind} only")
+        specs = sorted({f"{SPEC_OF[f]} for a {f}" for f in found if f in SPEC_OF})
+        raise ValueError(f"datamove: no {named} in the model to replace (its layers: {', '.join(found) or 'none'}); "
+                         f"the tuned layer stands in for HF's {named} only"
+                         + (f": tune the spec of the model's family ({'; '.join(specs)}) with optimize-layer and "
+                            "replace with that artifact" if specs else ""))
     return replaced
 
 
@@ -436,7 +479,7 @@ def decay_parameter_names(model: torch.nn.Module) -> list[str]:
 def replace_bert_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
     """Replace every ``BertLayer`` in ``model`` in place (and route its attention mask to them as a
     key-padding mask, ``KEY_PADDING``); returns how many were replaced."""
-    replaced = _replace(model, out_dir, "BertLayer", BertLayerReplacement, load_kwargs)
+    replaced = _replace(model, out_dir, ("BertLayer",), BertLayerReplacement, load_kwargs)
     if replaced:
         _route_key_padding_masks(model)
     return replaced
@@ -446,17 +489,38 @@ def replace_gpt2_blocks(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
     """Replace every ``GPT2Block`` in ``model`` (a HF ``GPT2Model`` or ``GPT2LMHeadModel``) in place by
     a tuned layer of a GPT-2 spec (``configs/gpt2.py``) carrying its weights, and route the model's
     padding mask to them (``CAUSAL_KEY_PADDING``); returns how many were replaced."""
-    replaced = _replace(model, out_dir, "GPT2Block", GPT2BlockReplacement, load_kwargs)
+    replaced = _replace(model, out_dir, ("GPT2Block",), GPT2BlockReplacement, load_kwargs)
     if replaced:
         _route_key_padding_masks(model, CAUSAL_KEY_PADDING, _causal_key_padding_masks)
     return replaced
 
 
-def replace_llama_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
-    """Replace every ``LlamaDecoderLayer`` in ``model`` (a HF ``LlamaModel`` or ``LlamaForCausalLM``)
-    in place by a tuned layer of a Llama spec (``configs/llama.py``) carrying its weights, and route
-    the model's padding mask to them (``CAUSAL_KEY_PADDING``); returns how many were replaced."""
-    replaced = _replace(model, out_dir, "LlamaDecoderLayer", LlamaLayerReplacement, load_kwargs)
-    if replaced:
-        _route_key_padding_masks(model, CAUSAL_KEY_PADDING, _causal_key_padding_masks)
+def _decoder_kinds(out_dir) -> tuple[str, ...]:
+    """The HF decoder layer classes an artifact's spec gives weights for (its ``WEIGHTS``' kinds
+    ending in ``DecoderLayer``: ``LlamaDecoderLayer`` and ``MistralDecoderLayer`` for ``configs/llama.py``)."""
+    from datamove.export import read_manifest
+
+    named = [kind.split(".")[-1] for kind in read_manifest(out_dir)["weights"]]
+    kinds = tuple(kind for kind in named if kind.endswith("DecoderLayer"))
+    if not kinds:
+        raise ValueError(f"datamove: the tuned layer of {out_dir} stands in for no HF decoder layer (its spec's WEIGHTS "
+                         f"name {', '.join(named) or 'none'}): tune a Llama-family spec (configs/llama.py, "
+                         "configs/qwen2.py, configs/qwen3.py), or use replace_bert_layers / replace_gpt2_blocks for "
+                         "those layers")
+    return kinds
+
+
+def replace_decoder_layers(model: torch.nn.Module, out_dir, **load_kwargs) -> int:
+    """Replace every decoder layer of a HF Llama-family model (``LlamaModel`` / ``LlamaForCausalLM``,
+    Mistral's, Qwen2's and Qwen2.5's, Qwen3's) in place by the tuned layer of ``out_dir`` carrying
+    its weights: the layers of the classes its spec's ``WEIGHTS`` name (``configs/llama.py``:
+    ``LlamaDecoderLayer`` and ``MistralDecoderLayer``; ``configs/qwen2.py``: ``Qwen2DecoderLayer``;
+    ``configs/qwen3.py``: ``Qwen3DecoderLayer``); a model of another family is refused, naming the
+    spec of its layers.  Routes the model's padding mask to them (``CAUSAL_KEY_PADDING``); returns
+    how many were replaced."""
+    replaced = _replace(model, out_dir, _decoder_kinds(out_dir), LlamaLayerReplacement, load_kwargs)
+    _route_key_padding_masks(model, CAUSAL_KEY_PADDING, _causal_key_padding_masks)
     return replaced
+
+
+replace_llama_layers = replace_decoder_layers  # its first name, when it took Llama's layers only

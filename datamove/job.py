@@ -126,6 +126,7 @@ def _settings(spec: Path, module: dict, name: str, sizes: dict[str, int], keys: 
     """The spec's ``HF_CONFIG`` or ``MODULE_CONFIG`` (empty where it gives none): a dict keyed by
     ``keys``, or a function of the dims' ``sizes`` returning one (called after the ``--set`` options)."""
     from datamove.dataflow.spec import SpecError
+    from datamove.export import AT_LEAST
 
     settings = module.get(name, {})
     if callable(settings):
@@ -134,6 +135,14 @@ def _settings(spec: Path, module: dict, name: str, sizes: dict[str, int], keys: 
         raise SpecError(f"{spec}: {name} is {type(settings).__name__}; expected a dict of {keys} to the values the "
                         "layer computes (a list: values computing the same), or a function of the dims' sizes "
                         "returning one")
+    members = [member for value in settings.values() for member in (value if isinstance(value, list) else [value])]
+    bounds = [member for member in members if isinstance(member, dict)] if name == "HF_CONFIG" else []
+    wrong = next((bound for bound in bounds if list(bound) != [AT_LEAST] or isinstance(bound[AT_LEAST], bool)
+                  or not isinstance(bound[AT_LEAST], (int, float))), None)
+    if wrong is not None:
+        raise SpecError(f"{spec}: HF_CONFIG has the value {wrong!r}; a dict there is a lower bound, "
+                        f"{{{AT_LEAST!r}: number}} (any value that number or above), e.g. "
+                        f"\"sliding_window\": [None, {{{AT_LEAST!r}: sizes[\"T\"]}}]")
     try:  # the manifest keeps them
         json.dumps(settings)
     except (TypeError, ValueError) as err:

@@ -33,6 +33,26 @@ def llama_artifact(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def qwen2_artifact(tmp_path_factory):
+    """The main job's artifact of ``configs/qwen2.py`` at the spec's dims (the cost model's plan), built once."""
+    from datamove.cli import main
+
+    out = tmp_path_factory.mktemp("qwen2") / "out"
+    assert main(["configs/qwen2.py", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen3_artifact(tmp_path_factory):
+    """The main job's artifact of ``configs/qwen3.py`` at the spec's dims (the cost model's plan), built once."""
+    from datamove.cli import main
+
+    out = tmp_path_factory.mktemp("qwen3") / "out"
+    assert main(["configs/qwen3.py", "--out", str(out)]) == 0
+    return out
+
+
 GPT2_DIMS = dict(B=2, T=13, D=32, H=2, E=16, F=40)  # E: a power of two, the fused attention (padding)
 
 

@@ -316,7 +316,8 @@ def test_biases_the_spec_does_not_read_are_refused_and_a_model_without_llama_lay
     qwen = transformers.Qwen2Model(transformers.Qwen2Config(vocab_size=50, hidden_size=64, num_attention_heads=4,
                                                             num_key_value_heads=2, intermediate_size=128,
                                                             num_hidden_layers=1))
-    with pytest.raises(ValueError, match=r"no LlamaDecoderLayer in the model to replace \(its layers: .*Qwen2DecoderLayer"):
+    with pytest.raises(ValueError, match=r"no LlamaDecoderLayer or MistralDecoderLayer in the model to replace \(its "
+                                         r"layers: .*Qwen2DecoderLayer.*: tune the spec of the model's family \(configs/qwen2.py"):
         replace_llama_layers(qwen, llama_artifact, dtype=torch.float32, allow_mismatch=True)
 
 

@@ -326,6 +326,8 @@ def test_an_argument_without_letters_is_named(tmp_path, capsys):
     ('TORCH_ORDER = {"z": "bln"}', "torch order: no tensor 'z'; the data inputs and outputs are x, out0"),
     ('WEIGHTS = {"hf": {"w": 3}}', "WEIGHTS = {'hf': {'w': 3}}: expected a dict of PyTorch module kinds to dicts"),
     ('HF_CONFIG = {"eps": object()}', "HF_CONFIG: Object of type object is not JSON serializable"),
+    ('HF_CONFIG = {"sliding_window": [None, {"min": 8}]}',  # it was compared as a value: every model refused
+     "HF_CONFIG has the value {'min': 8}; a dict there is a lower bound, {'at least': number}"),
 ])
 def test_a_torch_table_of_the_wrong_type_is_one_line(tmp_path, capsys, line, says):
     """TORCH_ORDER, WEIGHTS or HF_CONFIG of the wrong type ended the job in a traceback

@@ -1,0 +1,96 @@
+"""Qwen2 / Qwen2.5 decoder layer, forward pass, written as HF's ``Qwen2DecoderLayer`` computes it,
+in plain NumPy: ``configs/llama.py``'s layer with biases on the Q, K and V projections (not on O
+nor the MLP's).
+
+Pre-RMSNorm (``h = x + attn(norm(x))``, ``y = h + mlp(norm(h))``), rotary position embeddings
+through ``rotate_half`` (applied after the biases), grouped-query attention (``np.repeat`` of K and
+V), causal attention (``np.triu``), SwiGLU MLP, no dropout.  Letters: b batch, s / t query / key
+position (T), d model dim (D), h query heads (H), k key/value heads (KV), e head dim (E), f MLP dim
+(F).  ``cos`` and ``sin`` ([T, E]) are the model's rotary tables, set by ``replace_decoder_layers``
+(``layer.set_constant``), as in ``configs/llama.py``.
+"""
+import numpy as np
+
+from datamove.dataflow.spec import Tensor, dims
+
+B, T, D, H, KV, E, F = dims(B=2, T=16, D=64, H=4, KV=2, E=16, F=128)
+INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "k": KV, "e": E, "f": F}
+EPS = 1e-6  # RMSNorm's epsilon (config.rms_norm_eps; Qwen2Config's default)
+
+
+def HF_CONFIG(sizes):
+    """The HF ``Qwen2Config`` values this layer computes at ``sizes`` ({dim: size}):
+    ``replace_decoder_layers`` and ``load_weights`` refuse a model configured otherwise.  The
+    attention is causal over all T positions: a sliding window (``use_sliding_window=True``) is
+    taken only where it covers them (``{"at least": T}``); the rotary tables are the model's,
+    whatever its ``rope_parameters``.  Qwen2Config has no ``head_dim`` (hidden_size // heads):
+    the weights' shapes check it."""
+    return {"rms_norm_eps": EPS, "hidden_act": ["silu", "swish"], "attention_dropout": 0.0,
+            "num_attention_heads": sizes["H"], "num_key_value_heads": sizes["KV"], "head_dim": sizes["E"],
+            "sliding_window": [None, {"at least": sizes["T"]}]}
+
+
+# Where each parameter lives in a HF ``Qwen2DecoderLayer`` (``datamove.runtime.weights``): nn.Linear weights
+# are stored [out, in], the heads outer in the output dim; the biases likewise.
+WEIGHTS = {
+    "transformers.Qwen2DecoderLayer": {
+        "attn_norm": ("input_layernorm.weight", "d", None),
+        "wq": ("self_attn.q_proj.weight", "(h e) d", None), "bq": ("self_attn.q_proj.bias", "(h e)", None),
+        "wk": ("self_attn.k_proj.weight", "(k e) d", None), "bk": ("self_attn.k_proj.bias", "(k e)", None),
+        "wv": ("self_attn.v_proj.weight", "(k e) d", None), "bv": ("self_attn.v_proj.bias", "(k e)", None),
+        "wo": ("self_attn.o_proj.weight", "d (h e)", None),
+        "mlp_norm": ("post_attention_layernorm.weight", "d", None),
+        "w_gate": ("mlp.gate_proj.weight", "f d", None),
+        "w_up": ("mlp.up_proj.weight", "f d", None),
+        "w_down": ("mlp.down_proj.weight", "d f", None),
+    },
+}
+
+
+def rms_norm(x, weight):
+    variance = np.mean(x ** 2, axis=-1, keepdims=True)
+    return weight * (x / np.sqrt(variance + EPS))
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return np.concatenate((-x2, x1), axis=-1)
+
+
+def apply_rotary(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x, n_rep):
+    return np.repeat(x, n_rep, axis=1)
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def qwen2_layer(x: Tensor("bsd"), attn_norm: Tensor("d"),
+                wq: Tensor("dhe"), bq: Tensor("he"), wk: Tensor("dke"), bk: Tensor("ke"),
+                wv: Tensor("dke"), bv: Tensor("ke"), wo: Tensor("hed"),
+                mlp_norm: Tensor("d"), w_gate: Tensor("df"), w_up: Tensor("df"), w_down: Tensor("fd"),
+                cos: Tensor("se", requires_grad=False), sin: Tensor("se", requires_grad=False)):
+    # self-attention
+    h = rms_norm(x, attn_norm)
+    q = apply_rotary(np.einsum("bsd,dhe->bhse", h, wq) + bq[:, None, :], cos, sin)
+    k = apply_rotary(np.einsum("bsd,dke->bkse", h, wk) + bk[:, None, :], cos, sin)
+    v = np.einsum("bsd,dke->bkse", h, wv) + bv[:, None, :]
+    k = repeat_kv(k, H // KV)
+    v = repeat_kv(v, H // KV)
+    scores = q @ k.transpose(0, 1, 3, 2) * E ** -0.5
+    causal = np.triu(np.full((T, T), -np.inf), k=1)
+    scores = scores + causal
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = probs / probs.sum(axis=-1, keepdims=True)
+    context = probs @ v
+    x = x + np.einsum("bhse,hed->bsd", context, wo)
+    # SwiGLU MLP
+    h = rms_norm(x, mlp_norm)
+    gate = h @ w_gate
+    y = x + (gate * sigmoid(gate) * (h @ w_up)) @ w_down
+    return y
