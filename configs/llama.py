@@ -1,5 +1,5 @@
 """Llama-3 style decoder layer, forward pass, written as its authors write it (HF's
-``LlamaDecoderLayer``), in plain NumPy.
+``LlamaDecoderLayer``; Mistral's ``MistralDecoderLayer`` is the same layer), in plain NumPy.
 
 Pre-RMSNorm (``h = x + attn(norm(x))``, ``y = h + mlp(norm(h))``), Q/K/V/O projections without
 biases, rotary position embeddings through ``rotate_half`` (slices and ``np.concatenate``),

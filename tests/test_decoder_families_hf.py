@@ -76,6 +76,21 @@ def test_in_float64_padded_to_the_tuned_length_and_checkpointed(request, family)
     check_padded_to_the_tuned_length(reference, ours, [11, 1, 16], 16, 50, FLOAT64_TOLERANCE)
 
 
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, rope_theta=10000.0),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8,
+         rope_theta=500000.0)], ids=["yarn", "llama3"])
+def test_scaled_rotary_tables_compute_as_hf(qwen3_artifact, rope):
+    """The rotary tables are the model's, whatever its rope_parameters: YaRN's (scaled by its
+    attention factor) and Llama-3's, float32, left-padded."""
+    reference, ours = replaced_pair(model_of("qwen3", rope_parameters=rope), replace_decoder_layers, qwen3_artifact, 2,
+                                    0.1)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :3] = 0
+    check_against_hf(reference, ours, ids, mask, TOLERANCE)
+
+
 def test_replace_llama_layers_is_replace_decoder_layers(llama_artifact):
     """Its first name takes the family too: a Mistral model's layers with configs/llama.py's artifact."""
     with warnings.catch_warnings():
@@ -130,9 +145,9 @@ def test_a_model_configured_otherwise_than_the_spec_is_refused(request, family, 
 
 
 def test_a_window_shorter_than_the_sequence_at_the_call_is_refused(llama_artifact):
-    """The window is checked against the sequence again at every call (an artifact tuned at several
-    lengths checks the first's at replacement): HF's sliding-window mask reaches the layers only
-    where it covers every key, which the layers' causal mask then is."""
+    """The window is checked against the sequence again at every call (a config changed after the
+    replacement): HF's sliding-window mask reaches the layers only where it covers every key, which
+    the layers' causal mask then is."""
     _, ours = replaced_pair(model_of("mistral", sliding_window=16), replace_decoder_layers, llama_artifact, 2, 0.1)
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(4))
     ours(input_ids=ids, attention_mask=torch.ones_like(ids))

@@ -675,7 +675,7 @@ class TunedLayer(torch.nn.Module):
         computes with it (two forwards before one backward, the second with other tables:
         autograd's in-place check failed the backward).  ``value`` holding NaN is refused (NaN marks
         a constant not set); ``check_nan=False`` skips that wait, for callers whose tables are made
-        finite (``replace_llama_layers`` sets the model's rotary tables whenever they change).
+        finite (``replace_decoder_layers`` sets the model's rotary tables whenever they change).
         ``value``: a tensor, or anything ``torch.as_tensor`` takes (a NumPy array)."""
         value = torch.as_tensor(value)
         if name not in self.interface.constants or name in self.initial:
