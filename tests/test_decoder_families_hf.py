@@ -214,3 +214,18 @@ def test_the_spec_computes_as_hfs_layer_and_analyses(family, tmp_path, capsys):
     assert main([spec, "--analyze", "--dims", ",".join(f"{k}={v}" for k, v in ODD.items())]) == 0
     text = capsys.readouterr().out
     assert "contraction" in text and "normalization" in text and "reduction" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="float32 through the Triton interpreter (CPU)")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_the_plans_kernels_compute_as_the_executor(request, family):
+    """The artifact's generated kernels (the biases' and the head norms' epilogues and maps among
+    them) through the Triton interpreter, float32, against the float64 executor: y, d_x and every
+    weight's gradient, with random rotary tables."""
+    from test_export import check_against_executor, load, randomize
+    from test_llama_gqa import set_constants
+
+    layer = load(artifact_of(request, family), backend="kernels", allow_mismatch=True)
+    randomize(layer, 1)
+    set_constants(layer)
+    check_against_executor(layer, {"x": None})
