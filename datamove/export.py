@@ -477,7 +477,7 @@ AT_LEAST = "at least"  # a HF_CONFIG value {"at least": n}: any number n or abov
 def _accepts(theirs, value) -> bool:
     """Whether a config's or module's value ``theirs`` computes as ``value`` of a spec's
     ``HF_CONFIG`` / ``MODULE_CONFIG`` (a float: within rounding; ``{"at least": n}``: a number >= n)."""
-    if isinstance(value, dict):
+    if isinstance(value, dict) and AT_LEAST in value:
         return isinstance(theirs, (int, float)) and not isinstance(theirs, bool) and theirs >= value[AT_LEAST]
     if isinstance(value, float) and isinstance(theirs, (int, float)):
         return math.isclose(theirs, value, rel_tol=1e-9, abs_tol=0.0)
@@ -487,9 +487,9 @@ def _accepts(theirs, value) -> bool:
 def _described(value) -> str:
     """A ``HF_CONFIG`` value as the refusals name it: its repr; a list with an ``{"at least": n}``
     in it as its members joined by "or" ("None or at least 16")."""
-    if isinstance(value, dict):
+    if isinstance(value, dict) and AT_LEAST in value:
         return f"{AT_LEAST} {value[AT_LEAST]!r}"
-    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+    if isinstance(value, list) and any(isinstance(v, dict) and AT_LEAST in v for v in value):
         return " or ".join(_described(v) for v in value)
     return repr(value)
 

@@ -74,7 +74,7 @@ def key_padding_mask(attention_mask: torch.Tensor | None, batch: int, keys: int)
             raise ValueError("attention_mask differs between queries: only key-padding masks run through the fused "
                              "attention, a decoder's causal mask being the layer's own (pass the [batch, keys] "
                              "padding mask; a model whose attention implementation was set after its layers were "
-                             f"replaced: set it back to {KEY_PADDING!r}, or {CAUSAL_KEY_PADDING!r} for GPT-2 and Llama)")
+                             f"replaced: set it back to {KEY_PADDING!r}, or {CAUSAL_KEY_PADDING!r} for the decoders)")
         row = rows[:, 0]
         excluded = ~row if row.dtype == torch.bool else row < 0
     else:
@@ -121,7 +121,7 @@ def _key_padding_masks(*, mask_function=None, attention_mask=None, **kwargs):
     return attention_mask
 
 
-def _sliding_window_overlay(mask_function) -> bool:
+def _is_plain_sliding_window(mask_function) -> bool:
     """Whether ``mask_function`` is HF's sliding-window causal mask function as it is
     (``sliding_window_causal_mask_function``: ``and_masks`` of the window's overlay and the causal
     mask), with nothing else combined (packed sequences, a model's own overlays)."""
@@ -143,7 +143,7 @@ def _causal_key_padding_masks(*, mask_function=None, attention_mask=None, local_
     sliding window shorter than the sequence) is refused."""
     from transformers.masking_utils import causal_mask_function
 
-    if local_size is not None and kv_length is not None and _sliding_window_overlay(mask_function):
+    if local_size is not None and kv_length is not None and _is_plain_sliding_window(mask_function):
         if local_size < kv_length:
             raise ValueError(f"datamove: the model's sliding window ({local_size} positions) is shorter than the "
                              f"sequence ({kv_length}), and the replaced decoder layers attend over every position "
