@@ -9,7 +9,8 @@ query groups, as HF's ``repeat_kv``), causal attention (a mask built with ``np.t
 d model dim (D), h query heads (H), k key/value heads (KV), e head dim (E), f MLP dim (F).
 
 ``cos`` and ``sin`` ([T, E], HF's ``position_embeddings`` for positions 0..T-1) are constants of
-the layer whose value comes from the model (``layer.set_constant("cos", table)``); the rotation of
+the layer whose value comes from the model (``layer.set_constant("cos", table)``), declared
+position tables (``POSITION_TABLES``: a call at T' <= T reads their first T' rows); the rotation of
 ``rotate_half``, the repetition of ``np.repeat`` and the causal mask are constants the front end
 makes with their values (``datamove.dataflow.numpy_lowering``).
 """
@@ -20,6 +21,9 @@ from datamove.dataflow.spec import Tensor, dims
 B, T, D, H, KV, E, F = dims(B=2, T=16, D=64, H=4, KV=2, E=16, F=128)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "k": KV, "e": E, "f": F}
 EPS = 1e-5  # RMSNorm's epsilon (config.rms_norm_eps)
+# cos and sin hold positions 0, 1, ... along s: a call at a shorter sequence reads their leading rows
+# (datamove.runtime.call_constants), so the layer runs any length up to T
+POSITION_TABLES = ("cos", "sin")
 
 
 def HF_CONFIG(sizes):

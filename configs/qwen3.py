@@ -18,6 +18,9 @@ B, T, D, H, KV, E, F = dims(B=2, T=16, D=64, H=4, KV=2, E=16, F=128)
 INDEX = {"b": B, "s": T, "t": T, "d": D, "h": H, "k": KV, "e": E, "f": F}
 EPS = 1e-6  # every RMSNorm's epsilon, the heads' too (config.rms_norm_eps; Qwen3Config's default)
 
+# cos and sin hold positions 0, 1, ... along s: a call at a shorter sequence reads their leading rows
+# (datamove.runtime.call_constants), so the layer runs any length up to T
+POSITION_TABLES = ("cos", "sin")
 
 def HF_CONFIG(sizes):
     """The HF ``Qwen3Config`` values this layer computes at ``sizes`` ({dim: size}):

@@ -8,7 +8,8 @@ without re-tuning:
 - ``manifest.json``: spec name and hash, dims, dtype, the device the plan was timed on (name,
   compute capability; "cost model: <device>" where nothing was measured), library versions, and
   the layer's PyTorch interface (``inputs``: the data inputs it is called with, in order; the
-  spec's ``TORCH_ORDER``, ``WEIGHTS``), the spec options it was built with (``options``, ``--set``),
+  spec's ``TORCH_ORDER``, ``WEIGHTS``, ``POSITION_TABLES`` as ``position_tables``), the spec
+  options it was built with (``options``, ``--set``),
   what the layer computes that a model is checked against (``hf_config``, ``module_config``: the
   spec's ``HF_CONFIG`` and ``MODULE_CONFIG``) with a hash of each (``config_hashes``: loading
   refuses a manifest whose tables were edited, as the layer would then pass models it does not
@@ -107,7 +108,8 @@ def plan_identity(out_dir, plan_files) -> str:
 def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spec_digest: str,
                    torch_order: dict, weights: dict, device: dict, versions: dict, other_plans: tuple = (),
                    inputs: tuple[str, ...] | None = None, options: dict | None = None,
-                   hf_config: dict | None = None, module_config: dict | None = None) -> Path:
+                   hf_config: dict | None = None, module_config: dict | None = None,
+                   positions: tuple[str, ...] = ()) -> Path:
     """Write the artifact into ``out_dir``; ``device``: {"name", "capability", "measured"};
     ``options``: the spec options it was built with (``--set``), recorded in the manifest, as are
     ``hf_config`` (the spec's ``HF_CONFIG``: the HF config values the layer computes, which
@@ -118,10 +120,12 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
     (checked: ``datamove.runtime.shapes.check_plans``; and, before anything is written, that each
     one's program runs forward and backward: ``datamove.runtime.runnable.check_runnable``, else
     ``PlanNotRunnable``); ``inputs``: the spec's ``INPUTS`` (None: ``dataflow.layer_inputs``' default
-    rule), written as the layer's data inputs (checked with ``torch_order`` against the graph)."""
+    rule), written as the layer's data inputs (checked with ``torch_order`` against the graph);
+    ``positions``: the spec's ``POSITION_TABLES`` (``runtime.call_constants``), written as
+    ``position_tables``."""
     out = Path(out_dir)
     plans = [plan, *other_plans]
-    interface = tensor_interface(graph, torch_order, inputs)
+    interface = tensor_interface(graph, torch_order, inputs, positions)
     check_plans(plans, graph, interface)
     check_runnable(plans, graph, operators, interface)
     dims = call_dims(graph, interface)
@@ -137,7 +141,7 @@ def write_artifact(out_dir, plan: Plan, graph, operators, *, spec_name: str, spe
     _write(out / GRAPH, json.dumps(snapshot(graph, operators), indent=1))
     manifest = {"spec": spec_name, "spec_hash": spec_digest, "dims": plan.dims, "dtype": plan.dtype.name,
                 "device": device, "versions": versions, "inputs": list(interface.activations),
-                "torch_order": torch_order,
+                "torch_order": torch_order, "position_tables": list(interface.positions),
                 "weights": {kind: {t: list(v) for t, v in table.items()} for kind, table in weights.items()},
                 "shapes": shapes, "options": dict(options or {}),
                 # as read back: JSON's keys are strings, its arrays lists
@@ -329,8 +333,9 @@ def load_layer(out_dir, *, device=None, dtype: torch.dtype | None = None, allow_
     if not timed_on.get("measured"):
         warnings.warn(f"{out}: the plan's times are predicted by the cost model ({timed_on['name']}); nothing was "
                       "measured: run optimize-layer on the GPU to tune it", stacklevel=2)
-    try:  # an artifact written before manifests named their inputs: the default rule
-        interface = tensor_interface(graph, manifest["torch_order"], manifest.get("inputs"))
+    try:  # an artifact written before manifests named their inputs (or position tables): the default rule (none)
+        interface = tensor_interface(graph, manifest["torch_order"], manifest.get("inputs"),
+                                     manifest.get("position_tables", ()))
     except (TypeError, ValueError) as err:
         raise ArtifactError(f"{out / MANIFEST}: its interface does not fit {GRAPH} ({err}): {REWRITE}") from None
     try:

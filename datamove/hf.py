@@ -286,6 +286,18 @@ class BertLayerReplacement(torch.nn.Module):
             self._register_state_dict_hook(_hf_state)
             self._register_load_state_dict_pre_hook(_from_hf_state, with_module=True)
 
+    def _saw(self, cache) -> bool:
+        """Whether this layer was called with the key-value ``cache`` before (kept as the last one, weakly).
+        The layers fill no cache, so generation's next token comes with the empty cache of its first
+        step: a call of another length than the tuned one runs now (a decoder's), and computed alone,
+        without the earlier tokens, that token would be wrong; such a call is refused.  A training
+        call gets a new cache from the model (or none)."""
+        last = self._last_cache() if self._last_cache is not None else None
+        self._last_cache = weakref.ref(cache)
+        return last is cache
+
+    _last_cache = None  # weakref of the last key-value cache a decoder's replacement was called with (``_saw``)
+
     def _output(self, hidden_states: torch.Tensor, attention_mask, kwargs: dict, extra: tuple = ()):
         """The layer on ``hidden_states`` as HF's model loop takes it (``_masked``): recorded where HF
         collects hidden states, a 1-tuple where ``returns_tuple``."""
@@ -378,7 +390,7 @@ class LlamaLayerReplacement(BertLayerReplacement):
                 position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                 position_embeddings: tuple | None = None, **kwargs):
         cache = cache if cache is not None else kwargs.get("past_key_values")
-        if cache is not None and cache.get_seq_length() > 0:
+        if cache is not None and (cache.get_seq_length() > 0 or self._saw(cache)):
             raise ValueError("datamove: the replaced decoder layers train; generation with a key-value cache is not "
                              "part of the tuned layer")
         if position_embeddings is None:
@@ -405,7 +417,8 @@ class GPT2BlockReplacement(BertLayerReplacement):
         if given.get("head_mask") is not None:
             raise ValueError("datamove: a head_mask is not part of the tuned layer")
         cache = next((given[n] for n in ("cache", "past_key_values", "layer_past") if given.get(n) is not None), None)
-        if cache is not None and (cache.get_seq_length() if hasattr(cache, "get_seq_length") else True):
+        holds = cache is not None and (cache.get_seq_length() if hasattr(cache, "get_seq_length") else True)
+        if cache is not None and (holds or self._saw(cache)):
             raise ValueError("datamove: the replaced GPT-2 blocks train; generation with a key-value cache is not "
                              "part of the tuned layer")
         return self._output(given["hidden_states"], given.get("attention_mask"), given)

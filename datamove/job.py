@@ -187,8 +187,9 @@ def _run(o: JobOptions, facts, pools) -> int:
             for kind, table in weights.items()):
         raise SpecError(f"{o.spec}: WEIGHTS = {weights!r}: expected a dict of PyTorch module kinds to dicts of the "
                         "layer's parameters to (state-dict key, its letters, stack index or None), as in configs/gpt2.py")
-    try:  # before any tuning: the data inputs and TORCH_ORDER agree with the graph
-        interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs)
+    positions = module.get("POSITION_TABLES", ())
+    try:  # before any tuning: the data inputs, TORCH_ORDER and POSITION_TABLES agree with the graph
+        interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs, positions)
     except ValueError as err:
         raise SpecError(f"{o.spec}: {err}") from None
     shaped = shapes_of(fused, o.dims, interface)
@@ -267,6 +268,7 @@ def _run(o: JobOptions, facts, pools) -> int:
                 folder, plans[0], fused.graph, fused.operators, spec_name=spec_name, spec_digest=spec_hash(o.spec),
                 torch_order=torch_order, weights=weights, hf_config=hf_config, module_config=module_config,
                 versions=versions(), other_plans=tuple(plans[1:]), inputs=interface.activations, options=o.options,
+                positions=interface.positions,
                 device={"name": device, "measured": measured,
                         "capability": list(facts.compute_capability) if measured else None})
             stages("report")

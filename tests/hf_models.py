@@ -66,14 +66,15 @@ def check_against_hf(reference: torch.nn.Module, ours: torch.nn.Module, ids: tor
         assert float((grads[name] - p.grad).abs().max()) < tolerance * float(p.grad.abs().max()), name
 
 
-def check_padded_to_the_tuned_length(reference: torch.nn.Module, ours: torch.nn.Module, lengths: list[int], tuned: int,
-                                     vocab: int, tolerance: float) -> None:
-    """A batch of sequences of ``lengths`` padded on the right to the layer's ``tuned`` length with
-    an attention mask of the padding, as docs/runtime.md says a decoder trains on batches of other
-    lengths (``check_against_hf``: output and every gradient against ``reference`` given the same);
-    each sequence's outputs are also those of ``reference`` on the sequence alone, unpadded."""
-    ids = torch.randint(0, vocab, (len(lengths), tuned), generator=torch.Generator().manual_seed(len(lengths)))
-    mask = torch.zeros(len(lengths), tuned, dtype=torch.long)
+def check_padded(reference: torch.nn.Module, ours: torch.nn.Module, lengths: list[int], padded_to: int, vocab: int,
+                 tolerance: float) -> None:
+    """A batch of sequences of ``lengths`` padded on the right to ``padded_to`` with an attention mask
+    of the padding, as a collator pads each batch to its longest sequence (``padded_to`` =
+    max(lengths)) or to a fixed length (``check_against_hf``: output and every gradient against
+    ``reference`` given the same); each sequence's outputs are also those of ``reference`` on the
+    sequence alone, unpadded."""
+    ids = torch.randint(0, vocab, (len(lengths), padded_to), generator=torch.Generator().manual_seed(len(lengths)))
+    mask = torch.zeros(len(lengths), padded_to, dtype=torch.long)
     for row, length in enumerate(lengths):
         mask[row, :length] = 1
     check_against_hf(reference, ours, ids, mask, tolerance)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from datamove.hf import replace_decoder_layers, replace_llama_layers
-from hf_models import check_against_hf, check_padded_to_the_tuned_length, replaced_pair
+from hf_models import check_against_hf, check_padded, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured up to 2e-6
@@ -73,7 +73,7 @@ def test_in_float64_padded_to_the_tuned_length_and_checkpointed(request, family)
     ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     state, expected = ours.state_dict(), reference.state_dict()
     assert sorted(state) == sorted(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
-    check_padded_to_the_tuned_length(reference, ours, [11, 1, 16], 16, 50, FLOAT64_TOLERANCE)
+    check_padded(reference, ours, [11, 1, 16], 16, 50, FLOAT64_TOLERANCE)
 
 
 @pytest.mark.parametrize("rope", [

@@ -10,7 +10,7 @@ import torch
 
 from datamove.hf import GPT2BlockReplacement, decay_parameter_names, replace_gpt2_blocks
 from conftest import GPT2_DIMS
-from hf_models import check_against_hf, check_padded_to_the_tuned_length, replaced_pair
+from hf_models import check_against_hf, check_padded, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value
@@ -36,22 +36,38 @@ def test_a_replaced_gpt2_model_computes_as_hf(gpt2_artifact, padded):
     check_against_hf(reference, ours, ids, mask, TOLERANCE)
 
 
-def test_batches_of_other_lengths_train_padded_to_the_tuned_length(gpt2_artifact):
-    """GPT-2's sequence length is the tuned one (its causal mask is a constant over it): a shorter or
-    longer batch is refused saying what to do (it said only which tensor fixes T); padded on the
-    right with its attention mask, as the refusal says, a batch of shorter sequences (and a smaller
-    last batch, B=1) computes as HF's model on each sequence alone."""
+def test_batches_of_any_length_compute_as_hf(gpt2_artifact):
+    """GPT-2's causal mask is known at any length (``datamove.runtime.call_constants``): batches
+    shorter (odd, 1) and longer than the tuned T=13, each padded on the right to its longest
+    sequence (a collator padding each batch to its longest), unpadded and left-padded, compute as
+    HF's model given the same, output and every gradient, and each sequence as HF's on it alone
+    (they were refused: pad every batch to T).  Padded to T, as the refusal said, still so."""
     reference, ours = models(gpt2_artifact)
     T = DIMS["T"]
-    with pytest.raises(ValueError, match=rf"T is the sequence length the layer was tuned at \(causal is a constant "
-                                         rf"over it\): pad every batch to T={T} with a key_padding_mask of the padding "
-                                         rf"\(a HF model: its attention_mask; the tokenizer or DataCollatorWithPadding "
-                                         rf"with padding='max_length', max_length={T}; docs/runtime.md, Variable lengths\)$"):
-        ours(input_ids=torch.randint(0, 50, (2, T - 4)))
-    with pytest.raises(ValueError, match=rf": truncate to T={T}, or tune the layer at your longest length"):
-        ours(input_ids=torch.randint(0, 50, (2, T + 3)))
-    check_padded_to_the_tuned_length(reference, ours, [T - 4, 1, T], T, 50, TOLERANCE)
-    check_padded_to_the_tuned_length(reference, ours, [T - 6], T, 50, TOLERANCE)
+    for lengths in ([T - 4, 1, T - 6], [1], [T + 6, T + 1], [5, 5]):
+        check_padded(reference, ours, lengths, max(lengths), 50, TOLERANCE)
+    check_padded(reference, ours, [T - 4, 1, T], T, 50, TOLERANCE)
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    check_against_hf(reference, ours, ids, mask, TOLERANCE)
+
+
+def test_generation_without_a_cache_is_hfs_and_with_one_refused(gpt2_artifact):
+    """Without a cache each step of ``generate`` runs the whole sequence again, a call of its length
+    (any, now): the tokens are HF's; with a cache, the second step (one token, the cache the blocks
+    left empty) would compute the token alone, wrongly (it ran once calls of any length did), and
+    is refused."""
+    config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=DIMS["D"], n_layer=2, n_head=DIMS["H"],
+                                     n_inner=DIMS["F"], attn_implementation="eager")
+    torch.manual_seed(0)
+    reference, ours = replaced_pair(transformers.GPT2LMHeadModel(config).eval(), replace_gpt2_blocks, gpt2_artifact,
+                                    2, 0.2)
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(6))
+    asked = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(**asked, use_cache=False), reference.generate(**asked, use_cache=False))
+    with pytest.raises(ValueError, match="generation with a key-value cache is not part of the tuned layer"):
+        ours.generate(**asked, use_cache=True)
 
 
 def test_a_replaced_gpt2_models_checkpoint_is_hfs(gpt2_artifact, tmp_path):

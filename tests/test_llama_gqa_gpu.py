@@ -32,10 +32,10 @@ def cost_model_artifact(out, dims: dict, dtype: str = "float32"):
     fused = fused_training(analysis)
     module = analysis.spec.function.__globals__
     torch_order, weights = module.get("TORCH_ORDER", {}), module.get("WEIGHTS", {})
-    interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs)
+    interface = tensor_interface(fused.graph, torch_order, analysis.spec.inputs, module.get("POSITION_TABLES", ()))
     plan = plan_layer(fused, "llama", dtype=dtype, figures=device_figures("H100"), boundary=boundary_layouts(torch_order))
     write_artifact(out, plan, fused.graph, fused.operators, spec_name="llama", spec_digest="test", torch_order=torch_order,
-                   weights=weights, versions={}, inputs=interface.activations,
+                   weights=weights, versions={}, inputs=interface.activations, positions=interface.positions,
                    device={"name": "cost model: H100", "measured": False})
     return out
 

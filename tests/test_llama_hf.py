@@ -13,7 +13,7 @@ import torch
 
 from datamove.hf import replace_llama_layers
 from datamove.runtime.module import TunedLayer
-from hf_models import check_against_hf, check_padded_to_the_tuned_length, hf_named_grads, replaced_pair
+from hf_models import check_against_hf, check_padded, hf_named_grads, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7
@@ -188,12 +188,15 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     assert made is None or made.get_seq_length() == 0
     causal_lm = transformers.LlamaForCausalLM(small_config())
     replace_llama_layers(causal_lm, llama_artifact, dtype=torch.float32, allow_mismatch=True)
-    for use_cache in (True, False):  # its second step: one token with a cache, or 17 without
-        with pytest.raises(ValueError, match=r"tuned for, 16: .*generation, model.generate, is not part of the tuned"):
+    # its second step: one token with the (empty) cache of the first (which ran: 16 tokens), or 17 without one
+    for use_cache, refusal in ((True, "generation with a key-value cache is not part of the tuned layer"),
+                               (False, r"tuned for, 16: .*generation, model.generate, is not part of the tuned")):
+        with pytest.raises(ValueError, match=refusal):
             causal_lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
                                use_cache=use_cache)
-    with pytest.raises(ValueError, match=r"set_constant\('cos'\): a tensor of shape \(8, 16\); cos is over s, e: \(16, 16\)"):
-        layer.layer.set_constant("cos", torch.zeros(8, 16))
+    with pytest.raises(ValueError, match=r"set_constant\('cos'\): a tensor of shape \(17, 16\); cos is over s, e: "
+                                         r"\(16, 16\) \(a position table: or fewer positions along s, the leading ones\)"):
+        layer.layer.set_constant("cos", torch.zeros(17, 16))
     table = cos[0].clone()
     table[3, 5] = float("nan")  # NaN marks a constant not set: never taken as a value
     with pytest.raises(ValueError, match=r"set_constant\('cos'\): the values hold NaN \(at \(3, 5\) over s, e\)"):
@@ -212,8 +215,8 @@ def test_batches_of_other_lengths_train_padded_to_the_tuned_length(llama_artifac
         ours(input_ids=torch.randint(0, 50, (2, 11)))
     with pytest.raises(ValueError, match=r"tuned for, 16: truncate to it, or tune the layer at your longest length"):
         ours(input_ids=torch.randint(0, 50, (2, 19)))
-    check_padded_to_the_tuned_length(reference, ours, [11, 1, 16], 16, 50, TOLERANCE)
-    check_padded_to_the_tuned_length(reference, ours, [7], 16, 50, TOLERANCE)
+    check_padded(reference, ours, [11, 1, 16], 16, 50, TOLERANCE)
+    check_padded(reference, ours, [7], 16, 50, TOLERANCE)
 
 
 def test_rotary_tables_set_from_numpy_compute_as_hf(llama_artifact):
@@ -283,12 +286,19 @@ def test_a_spec_without_hf_config_warns_that_the_models_config_goes_unchecked(tm
 
 def test_rotary_tables_declared_with_a_gradient_are_named_in_the_refusal(tmp_path, capsys):
     """A Llama spec whose cos and sin lack requires_grad=False (data inputs then, holding the
-    sequence letter) has no tables the model can set: refused saying how to declare them (it said
-    'not a Llama spec's layer')."""
+    sequence letter) has no tables the model can set: its POSITION_TABLES are refused by the job,
+    and without them the replacement is refused saying how to declare them (it said 'not a Llama
+    spec's layer')."""
     from datamove.cli import main
 
     spec = tmp_path / "llama_graded.py"
-    spec.write_text(open("configs/llama.py").read().replace(', requires_grad=False)', ')'))
+    graded = open("configs/llama.py").read().replace(', requires_grad=False)', ')')
+    spec.write_text(graded)
+    assert main([str(spec), "--out", str(tmp_path / "out")]) == 2  # its POSITION_TABLES name data inputs
+    assert capsys.readouterr().err.strip().endswith("POSITION_TABLES names 'cos': it has a gradient (declare it "
+                                                    "Tensor(..., requires_grad=False)); it names constants whose values "
+                                                    "the caller sets (the layer's: [])")
+    spec.write_text(graded.replace('POSITION_TABLES = ("cos", "sin")', ''))
     assert main([str(spec), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     model = transformers.LlamaModel(small_config())

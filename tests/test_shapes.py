@@ -147,10 +147,22 @@ def test_a_cublas_algorithm_holds_at_its_sizes_only():
     assert fit_plan(plan, fused.graph, fused.operators, 4).steps == plan.steps
 
 
-def test_call_dims_are_those_no_weight_carries():
-    for spec, expected in (("bert", ("B", "L")), ("gpt2", ("B",))):  # GPT-2's causal constant is [T, T]
+def test_call_dims_are_those_no_weight_carries_nor_a_constant_of_unknown_values():
+    """GPT-2's T: its causal mask [T, T] is known at any T (T was fixed by it); Llama's T: its rotary
+    tables, of values the caller sets, fix it unless the spec declares them position tables."""
+    for spec, expected in (("bert", ("B", "L")), ("gpt2", ("B", "T"))):
         graph = stored_fused()[spec].graph
         assert call_dims(graph, tensor_interface(graph, getattr(spec_module(spec), "TORCH_ORDER", {}))) == expected
+    from datamove.dataflow.analysis_cache import cached_analysis
+
+    graph = cached_analysis("configs/llama.py", {}, {}).fused.graph
+    assert call_dims(graph, tensor_interface(graph)) == ("B",)
+    assert call_dims(graph, tensor_interface(graph, positions=("cos", "sin"))) == ("B", "T")
+    for positions, refusal in ((("wq",), "POSITION_TABLES names 'wq': it has a gradient"),
+                               (("causal",), "POSITION_TABLES names 'causal': the graph gives it its value"),
+                               ("cos", r"POSITION_TABLES = 'cos': expected a tuple of constant names")):
+        with pytest.raises(ValueError, match=refusal):
+            tensor_interface(graph, positions=positions)
 
 
 def test_nearest_plan_rule():
@@ -285,8 +297,8 @@ def test_hf_decoder_mask_is_refused(bert):
 
 
 def test_the_job_refuses_alternatives_of_a_weight_dim():
-    """Alternatives of a dim the weights size, or (a decoder's sequence length) a constant, are
-    refused, naming what sizes it (GPT-2's T was said to size the weights)."""
+    """Alternatives of a dim the weights size, or a constant of values unknown at other sizes, are
+    refused, naming what sizes it (GPT-2's T was said to size the weights; it is now a call dim)."""
     from datamove.job import shapes_of
 
     fused = stored_fused()["bert"].with_dims(BERT_DIMS)
@@ -295,11 +307,15 @@ def test_the_job_refuses_alternatives_of_a_weight_dim():
         shapes_of(fused, [{"N": 32}, {"N": 48}], interface)
     labels = list(shapes_of(fused, [{"L": 23}, {"L": 9}], interface))
     assert labels == ["B=3, L=23", "B=3, L=9"]
-    gpt2 = stored_fused()["gpt2"].with_dims(GPT2_DIMS)
+    gpt2 = stored_fused()["gpt2"].with_dims(GPT2_DIMS)  # its causal mask is known at any T: it was refused
+    assert list(shapes_of(gpt2, [{"T": 21}, {"T": 32}], tensor_interface(gpt2.graph))) == ["B=2, T=21", "B=2, T=32"]
+    from datamove.dataflow.analysis_cache import cached_analysis
+
+    llama = cached_analysis("configs/llama.py", {}, {}).fused  # its rotary tables not declared position tables
     with pytest.raises(SpecError) as refused:
-        shapes_of(gpt2, [{"T": 21}, {"T": 32}], tensor_interface(gpt2.graph, getattr(spec_module("gpt2"), "TORCH_ORDER", {})))
+        shapes_of(llama, [{"T": 8}, {"T": 16}], tensor_interface(llama.graph))
     assert str(refused.value) == ("--dims: T take(s) several values, but only B may (the sizes a call chooses); T sizes "
-                                  "the constant causal: run optimize-layer once per value (docs/runtime.md, Variable "
+                                  "the constant cos: run optimize-layer once per value (docs/runtime.md, Variable "
                                   "lengths)")
 
 

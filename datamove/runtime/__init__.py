@@ -16,6 +16,8 @@ the ``Launcher`` base, the replay of recorded launches) lies below the families,
   on a machine without a GPU).
 - ``graphs``: ``LayerGraphs``, each layer instance's own CUDA graphs of its forward and backward.
 - ``shapes``: the dims a call may size, which tuned plan runs a call, and that plan fitted to it.
+- ``call_constants``: the constants over a call dim (a decoder's causal mask, its rotary tables as
+  position tables) read at a call's sizes.
 - ``module``: ``TunedLayer``, the ``torch.nn.Module``, and the custom ops ``datamove::layer_forward``
   and ``datamove::layer_backward`` that run a program under autograd and ``torch.compile``.
 - ``weights``: a PyTorch module's state dict <-> the layer's parameters, by the spec's ``WEIGHTS``.
@@ -23,6 +25,7 @@ the ``Launcher`` base, the replay of recorded launches) lies below the families,
   the meta device, no kernel launched: what ``datamove.export.write_artifact`` checks before writing.
 
 Import order inside: ``steps`` <- ``layer`` <- ``graphs`` <- ``module``; ``module`` also imports
-``shapes`` and ``torch_program``; ``runnable`` imports ``steps``, ``layer`` and ``shapes``;
-``weights`` imports nothing of ``datamove``.
+``shapes`` and ``torch_program``; ``layer``, ``torch_program`` and ``shapes`` import
+``call_constants``, which imports nothing of the runtime; ``runnable`` imports ``steps``, ``layer``
+and ``shapes``; ``weights`` imports nothing of ``datamove``.
 """

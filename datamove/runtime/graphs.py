@@ -181,8 +181,8 @@ class SharedStatics:
     parameters in (FSDP2; the module doc), one per program (``shared_statics``), kept with
     it.
 
-    ``tensors``: the parameters then the constants, spec-order views laid out as the module stores
-    them (the plan's layouts, a stacked group's members slices of one storage, which the stacked
+    ``tensors``: the parameters then the constants, spec-order views laid out and sized as the module
+    stores them (the plan's layouts, a constant over a call dim at the layer's sizes, a stacked group's members slices of one storage, which the stacked
     GEMM reads in place), zeros until a replay copies its layer's values in (``copy_in``).
     ``gradients``: at most ``GRADIENT_SETS`` gradient sets (``_Gradients``), into which each
     layer's backward graph copies its results, taking one nothing outside holds
@@ -197,7 +197,9 @@ class SharedStatics:
     def __init__(self, program: LayerProgram):
         face, store = program.interface, {}
         self.program = program
-        self.tensors = [program.buffers.allocate(store, t, program.layouts[t]).zero_()
+        at_call = program.at_call  # constants the program reads at the call's sizes: held at the layer's
+        self.tensors = [(at_call.held_tensor(t) if at_call is not None and t in at_call else
+                         program.buffers.allocate(store, t, program.layouts[t])).zero_()
                         for t in face.parameters + face.constants]
         self.gradients: list[_Gradients] = []
 

@@ -32,6 +32,7 @@ from datamove.kernels.launch import hooked
 from datamove.kernels.launcher import stored_alike
 from datamove.layouts.plan import ATTENTION_BACKWARD, ATTENTION_FORWARD, LAYOUT_CHANGE, Plan
 from datamove.layouts.space import generated_operators
+from datamove.runtime.call_constants import ConstantsAtCall
 from datamove.runtime.steps import Buffers, Run, build_launcher, copy_name, name_step, stack_groups
 
 SEED_RANGE = 2**31 - 1  # Philox keys drawn per call: int32 kernel arguments
@@ -45,7 +46,10 @@ class TensorInterface:
     ``torch_order``; ``parameters``: the other inputs with a gradient (weights), held by the
     module; ``constants``: inputs without one (module buffers);
     ``outputs``: the forward's results; ``grad_outputs`` / ``input_grads``: {tensor -> its gradient
-    tensor}; ``torch_order``: {activation or output -> letter order of its PyTorch shape}."""
+    tensor}; ``torch_order``: {activation or output -> letter order of its PyTorch shape};
+    ``positions``: the constants whose entries along a call dim are positions 0, 1, ... (the
+    spec's ``POSITION_TABLES``: RoPE's tables), which a call at a smaller size reads the leading
+    entries of (``datamove.runtime.call_constants``)."""
 
     activations: tuple[str, ...]
     parameters: tuple[str, ...]
@@ -54,14 +58,17 @@ class TensorInterface:
     grad_outputs: dict[str, str]
     input_grads: dict[str, str]
     torch_order: dict[str, str]
+    positions: tuple[str, ...] = ()
 
 
 def tensor_interface(graph, torch_order: dict[str, str] | None = None,
-                     data: tuple[str, ...] | list[str] | None = None) -> TensorInterface:
+                     data: tuple[str, ...] | list[str] | None = None,
+                     positions: tuple[str, ...] | list[str] = ()) -> TensorInterface:
     """The interface of a training graph: ``data`` (the spec's ``INPUTS``; default
     ``dataflow.layer_inputs.data_inputs``) are the activations, in that order, the other inputs
     with a gradient parameters; gradients are the graph's ``d_<tensor>`` tensors
-    (``dataflow.autodiff``'s naming)."""
+    (``dataflow.autodiff``'s naming); ``positions``: the spec's ``POSITION_TABLES``, each a constant
+    the graph gives no value, over a dim of the activations that no parameter carries (checked)."""
     tensors = graph.tensors
     outputs = tuple(t for t in graph.outputs if tensors[t].role == "output")
     inputs = [t for t, info in tensors.items() if info.role == "input"]
@@ -84,7 +91,27 @@ def tensor_interface(graph, torch_order: dict[str, str] | None = None,
                              f"its letters {tensors[t].letters!r}" if t in tensors
                              else f"torch order: no tensor {t!r}; the data inputs and outputs are {', '.join(order)}")
         order[t] = letters
-    return TensorInterface(activations, parameters, constants, outputs, grad_outputs, input_grads, order)
+    _check_positions(graph, positions, constants, parameters, activations)
+    return TensorInterface(activations, parameters, constants, outputs, grad_outputs, input_grads, order, tuple(positions))
+
+
+def _check_positions(graph, positions, constants, parameters, activations) -> None:
+    """Refuse ``positions`` (``POSITION_TABLES``) naming anything but a constant without a value of
+    its own over a dim of the activations that no parameter carries (``ValueError``, one line)."""
+    if isinstance(positions, str) or not all(isinstance(t, str) for t in positions):
+        raise ValueError(f"POSITION_TABLES = {positions!r}: expected a tuple of constant names, e.g. (\"cos\", \"sin\")")
+    dims = lambda names: {graph.letter_dims[x] for t in names for x in graph.tensors[t].letters}  # noqa: E731
+    free = dims(activations) - dims(parameters)
+    for t in positions:
+        if t not in constants or getattr(graph.tensors[t], "value", ""):
+            why = "not an argument of the layer" if t not in graph.tensors else (
+                "it has a gradient (declare it Tensor(..., requires_grad=False))" if t not in constants
+                else "the graph gives it its value")
+            raise ValueError(f"POSITION_TABLES names {t!r}: {why}; it names constants whose values the caller sets "
+                             f"(the layer's: {[c for c in constants if not getattr(graph.tensors[c], 'value', '')]})")
+        if not dims([t]) & free:
+            raise ValueError(f"POSITION_TABLES names {t!r}, over {', '.join(sorted(dims([t])))}: none is a sequence "
+                             "dim (a dim of the data inputs that no weight carries)")
 
 
 class SpecOrder:
@@ -127,10 +154,15 @@ def without_dropout(graph: PrimitiveGraph) -> PrimitiveGraph:
 
 
 class LayerProgram:
-    """A plan's launchers for one graph, dtype and device; see the module doc."""
+    """A plan's launchers for one graph, dtype and device; see the module doc.  ``held``: the sizes
+    {dim -> size} the layer holds its constants at, where a call's differ (a decoder at another
+    sequence length: ``datamove.runtime.call_constants``); None: ``graph``'s."""
 
-    def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device):
+    def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device,
+                 held: dict | None = None):
         self.plan, self.graph, self.interface, self.dtype, self.device = plan, graph, interface, dtype, torch.device(device)
+        at_call = ConstantsAtCall(graph, interface, held, plan.layouts, dtype, self.device, dense=True)
+        self.at_call = at_call if at_call else None  # constants read at the call's sizes; None at the held ones
         ops = generated_operators(graph, operators)
         self.buffers = Buffers(graph, stack_groups(plan.steps), dtype, self.device)
         reads_saved = any(s.kind == ATTENTION_BACKWARD and s.config.knobs.get("dropout_mask") == "saved"
@@ -172,7 +204,7 @@ class LayerProgram:
         return {**self.__dict__, "shared_statics": None}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"shared_statics": None, **state})  # programs pickled before it existed
+        self.__dict__.update({"shared_statics": None, "at_call": None, **state})  # programs pickled before they existed
 
     def _kept_tensors(self) -> list[str]:
         """What the backward steps read that neither they nor the caller provide: tensors the forward
@@ -324,12 +356,14 @@ class LayerProgram:
 
     def input_store(self, inputs: list[torch.Tensor]) -> dict:
         """A store of the layer's inputs: ``inputs`` are the activations (PyTorch order, checked),
-        parameters and constants, in the interface's order."""
+        parameters and constants (as the layer holds them: ``at_call`` reads them at the call's
+        sizes), in the interface's order."""
         face = self.interface
         names = face.activations + face.parameters + face.constants
         if len(inputs) != len(names):
             raise TypeError(f"expected {len(names)} tensors {names}, got {len(inputs)}")
-        return {t: self.to_spec(t, x, t) if t in face.activations else x for t, x in zip(names, inputs)}
+        store = {t: self.to_spec(t, x, t) if t in face.activations else x for t, x in zip(names, inputs)}
+        return store if self.at_call is None else self.at_call.take(store)
 
     def call_forward(self, inputs: list[torch.Tensor], run: Run) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The forward on ``inputs`` (``input_store``'s): (the outputs in PyTorch order, the

@@ -40,7 +40,8 @@ from datamove.layouts.plan import ATTENTION_FORWARD, Plan
 from datamove.runtime.graphs import LayerGraphs
 from datamove.runtime.layer import (SEED_RANGE, LayerProgram, SpecOrder, TensorInterface, check, held_tensors,
                                     refuse_function_transforms, refuse_second_derivative, without_dropout)
-from datamove.runtime.shapes import call_dims, call_shape, describe, fit_plan, nearest, shape_key
+from datamove.runtime.shapes import (call_dims, call_shape, describe, fit_plan, held_graph, nearest, position_limits,
+                                     shape_key)
 from datamove.runtime.steps import Run
 from datamove.runtime.torch_program import TorchProgram
 
@@ -323,14 +324,18 @@ class TunedLayer(torch.nn.Module):
     inputs (``interface.activations``: the spec's ``INPUTS``, e.g. ``layer(x, memory)``), in that
     order or by name (``layer(x=..., memory=...)``), each in its PyTorch order
     (``interface.torch_order``), the layer's dtype and device, any sizes of the call dims
-    (``datamove.runtime.shapes.call_dims``: BERT's batch and sequence), the other sizes those of the
-    weights; ``key_padding_mask``: optional bool (batch, keys), True = key excluded (the fused
+    (``datamove.runtime.shapes.call_dims``: BERT's batch and sequence, a decoder's too), the other
+    sizes those of the weights; ``key_padding_mask``: optional bool (batch, keys), True = key excluded (the fused
     attention applies it; a plan without one refuses it).  Returns the layer output(s) in PyTorch
     order; the backward gives every input that requires it and every parameter its gradient.
 
     ``plan``: the first tuned shape's plan (the parameters are stored in its layouts, which every
     plan shares); ``plans``: every tuned shape's plan, ``plan`` first (default: ``plan`` alone),
-    over ``graph`` at their dims.  On CUDA with ``cuda_graphs`` (the default) calls replay the
+    over ``graph`` at their dims.  ``layer.graph`` is ``graph`` at the sizes the layer holds its
+    constants at (``shapes.held_graph``: a constant over a call dim, a decoder's rotary tables,
+    sized for the largest tuned T); a call at other sizes reads them at its own
+    (``datamove.runtime.call_constants``), a position table no longer than it is held
+    (``call_limits``).  On CUDA with ``cuda_graphs`` (the default) calls replay the
     layer's own CUDA graphs (``datamove.runtime.graphs``); otherwise, and where a replay is not possible,
     they launch the kernels (through the custom ops where ``torch.compile`` traces).
 
@@ -347,14 +352,16 @@ class TunedLayer(torch.nn.Module):
     def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device,
                  cuda_graphs: bool = True, plans: list[Plan] | None = None, backend: str | None = None):
         super().__init__()
+        self.plans = list(plans or [plan])
+        self.call_dims = call_dims(graph, interface)
+        self.tuned_shapes = [{d: p.dims[d] for d in self.call_dims} for p in self.plans]  # [{call dim -> size}]
+        graph = held_graph(graph, interface, self.tuned_shapes)
         self.plan, self.graph, self.operators, self.interface = plan, graph, operators, interface
         self._asked = (backend, cuda_graphs)  # what the caller chose; a move to another device derives again
         self._runs_in(dtype, torch.device(device))
         self.initial = initial_values(graph, interface.parameters, interface.constants)
         self.graphs = LayerGraphs()
-        self.plans = list(plans or [plan])
-        self.call_dims = call_dims(graph, interface)
-        self.tuned_shapes = [{d: p.dims[d] for d in self.call_dims} for p in self.plans]  # [{call dim -> size}]
+        self.call_limits = position_limits(graph, interface, self.call_dims)  # {dim -> (size, tables)}: no longer
         self._programs = ProgramCache()  # (training, shape key, how it runs) -> program, shared by siblings
         # warned about, shared by siblings: shapes without a plan of their own (shape keys, at most WARNED_SHAPES),
         # and (dtype computed in, dtype tuned in) pairs
@@ -362,7 +369,9 @@ class TunedLayer(torch.nn.Module):
         self._warned_dtypes: set[tuple] = set()
         self._calls: dict[tuple, int] = {}  # shape key -> calls, this instance's (CUDA graphs policy)
         self._graphed: set[tuple] = set()  # shapes whose graphs this instance keeps
-        self._constants_checked: dict[str, tuple] = {}  # constant -> (storage, version) found to hold what it must
+        # (constant, None for the whole or the leading sizes of a position table read in part) -> (storage, version)
+        # found to hold what it must
+        self._constants_checked: dict[tuple, tuple] = {}
         self._last_call: tuple | None = None  # ((mode, activations' shapes), shape, program) of the last call
         self.dropout_off = False  # train without the spec's dropout (a HF model configured without: replace_*)
         self._allocate_parameters()
@@ -485,6 +494,7 @@ class TunedLayer(torch.nn.Module):
             warned = self.__dict__.pop("_warned")
             self._warned_shapes = {k for k in warned if k and isinstance(k[0], tuple)}
             self._warned_dtypes = warned - self._warned_shapes
+        self.__dict__.setdefault("call_limits", {})
         if isinstance(self._programs, dict):  # a layer pickled before ``ProgramCache``
             programs, self._programs = self._programs, ProgramCache()
             for key, program in programs.items():
@@ -524,7 +534,7 @@ class TunedLayer(torch.nn.Module):
                 self._warn_untuned(shape, tuned)
             kind = LayerProgram if self.backend == KERNELS else TorchProgram
             program = kind(plan, graph if training else without_dropout(graph), self.operators, self.interface,
-                           self.dtype, self.device_)
+                           self.dtype, self.device_, held=self.graph.dim_values)
             register(program)
             self._programs.add(key, program)
         return program
@@ -617,7 +627,7 @@ class TunedLayer(torch.nn.Module):
         last = self._last_call
         if last is not None and last[0] == key:
             return last[1], last[2]
-        shape = call_shape(self.graph, self.interface, self.call_dims, activations)
+        shape = call_shape(self.graph, self.interface, self.call_dims, activations, self.call_limits)
         program = self.program(self._drops(), shape)
         self._last_call = (key, shape, program)
         return shape, program
@@ -639,17 +649,26 @@ class TunedLayer(torch.nn.Module):
         additive ``causal``) holds that mask (``families.attention.check_causal_constant``); any other
         the graph gives a value (a causal mask, a concatenation's matrix) holds it (``_holds_its_value``).  Checked
         when a constant's storage or version changes (one device sync); not while compiling or
-        capturing."""
+        capturing.  A position table a call reads the leading entries of (``call_constants``) is
+        checked there alone, unless the whole was."""
         if torch.compiler.is_compiling() or self.device_.type == "meta" or (
                 self.device_.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        unset = []
+        unset, checked = [], self._constants_checked
+        parts = program.at_call.leading if program.at_call is not None else {}  # position tables read in part
         for name in self.interface.constants:
             stored = self._buffers[name]
-            key = (stored.data_ptr(), stored._version)
-            if self._constants_checked.get(name) == key:
+            found = (stored.data_ptr(), stored._version)
+            key = (name, None)
+            if checked.get(key) == found:
                 continue
             value = self.spec_view(name)
+            part = parts.get(name)
+            if part is not None:  # its leading entries alone are read, and checked
+                key = (name, part)
+                if checked.get(key) == found:
+                    continue
+                value = value[tuple(slice(0, n) for n in part)]
             if name in program.causal_constants:  # (queries, keys): the spec adds it over those letters
                 check_causal_constant(name, value)
             elif name in self.initial:
@@ -660,7 +679,7 @@ class TunedLayer(torch.nn.Module):
             elif bool(value.isnan().any()):
                 unset.append(f"{name!r} (over {', '.join(self.graph.tensors[name].letters)}: {tuple(value.shape)})")
                 continue
-            self._constants_checked[name] = key
+            checked[key] = found
         if unset:
             raise ValueError(f"constant(s) not set: {'; '.join(unset)}: the spec's structure gives them no value; set "
                              f"each before calling the layer, e.g. layer.set_constant({unset[0].split(' ')[0]}, values) "
@@ -673,26 +692,49 @@ class TunedLayer(torch.nn.Module):
         for the device.  The values go into new memory (the plan's layout), which becomes the
         constant: a call before that saved the one it read for its backward, which then still
         computes with it (two forwards before one backward, the second with other tables:
-        autograd's in-place check failed the backward).  ``value`` holding NaN is refused (NaN marks
-        a constant not set); ``check_nan=False`` skips that wait, for callers whose tables are made
-        finite (``replace_decoder_layers`` sets the model's rotary tables whenever they change).
-        ``value``: a tensor, or anything ``torch.as_tensor`` takes (a NumPy array)."""
+        autograd's in-place check failed the backward).  A position table (the spec's
+        ``POSITION_TABLES``) may be given fewer positions along its call dims: its leading entries
+        are set (positions 0..n-1, what a call at n reads: HF's tables for a shorter batch), the
+        others kept as they were.  ``value`` holding NaN is refused (NaN marks a constant not set);
+        ``check_nan=False`` skips that wait, for callers whose tables are made finite
+        (``replace_decoder_layers`` sets the model's rotary tables whenever they change).  ``value``:
+        a tensor, or anything ``torch.as_tensor`` takes (a NumPy array)."""
         value = torch.as_tensor(value)
         if name not in self.interface.constants or name in self.initial:
             raise ValueError(f"{name}: not a constant of the layer that the caller sets (constants without a value of "
                              f"their own: {[t for t in self.interface.constants if t not in self.initial]})")
-        target = self.spec_view(name)
+        target, letters = self.spec_view(name), self.graph.tensors[name].letters
+        part = None
         if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"set_constant({name!r}): a tensor of shape {tuple(value.shape)}; {name} is over "
-                             f"{', '.join(self.graph.tensors[name].letters)}: {tuple(target.shape)}")
+            part = self._leading_part(name, tuple(value.shape))
+            if part is None:
+                positions = [letter for letter in letters if self.graph.letter_dims[letter] in self.call_dims]
+                fewer = (f" (a position table: or fewer positions along {', '.join(positions)}, the leading ones)"
+                         if name in self.interface.positions else "")
+                raise ValueError(f"set_constant({name!r}): a tensor of shape {tuple(value.shape)}; {name} is over "
+                                 f"{', '.join(letters)}: {tuple(target.shape)}{fewer}")
+            target = target[tuple(slice(0, n) for n in part)]
         if check_nan and bool(value.isnan().any()):
             raise ValueError(f"set_constant({name!r}): the values hold NaN (at {tuple(value.isnan().nonzero()[0].tolist())} "
-                             f"over {', '.join(self.graph.tensors[name].letters)}); a constant's values must be numbers")
+                             f"over {', '.join(letters)}); a constant's values must be numbers")
+        old = self._buffers[name]
         with torch.inference_mode(False):  # a normal tensor, which later training calls can save
-            stored = torch.empty_like(self._buffers[name], memory_format=torch.contiguous_format)
-            stored.permute(self._spec_axes[name]).copy_(value)
+            stored = old.clone() if part is not None else torch.empty_like(old, memory_format=torch.contiguous_format)
+            view = stored.permute(self._spec_axes[name])
+            view[tuple(slice(0, n) for n in part or view.shape)].copy_(value)
         self._buffers[name] = stored
-        self._constants_checked[name] = (stored.data_ptr(), stored._version)
+        self._constants_checked[(name, part)] = (stored.data_ptr(), stored._version)
+
+    def _leading_part(self, name: str, shape: tuple) -> tuple | None:
+        """``shape`` where it is a leading part of position table ``name`` (fewer entries, at least one,
+        along call dims only: the positions 0..n-1 a call at n reads), else None."""
+        if name not in self.interface.positions or len(shape) != len(self.graph.tensors[name].letters):
+            return None
+        for letter, size in zip(self.graph.tensors[name].letters, shape):
+            held = self.graph.size(letter)
+            if size != held and (self.graph.letter_dims[letter] not in self.call_dims or not 1 <= size < held):
+                return None
+        return shape
 
     def _graphed_shape(self, shape: dict) -> bool:
         """Whether calls at ``shape`` replay CUDA graphs (the module doc's policy)."""
@@ -749,7 +791,7 @@ class TunedLayer(torch.nn.Module):
         face = self.interface
         activations = self._bound_inputs(inputs, named_inputs)
         if compiling:
-            shape = call_shape(self.graph, face, self.call_dims, activations)
+            shape = call_shape(self.graph, face, self.call_dims, activations, self.call_limits)
             self._program_made(self._drops(), shape_key(shape))
             program = self.program(self._drops(), shape)
         else:

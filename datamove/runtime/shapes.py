@@ -1,10 +1,14 @@
 """The shapes an exported layer runs at: which dims a call may size, which tuned plan runs it, and
 that plan fitted to the call's sizes.
 
-*Call dims* (``call_dims``): the dims of the activations' letters that no parameter or constant
-carries.  BERT: B and L (x is [B, L, N]; N, H, P, U are fixed by the weights); GPT-2: B only (its
-causal-mask constant is [T, T], so T is fixed by that buffer).  A call's *shape* is {call dim ->
-size} read off its activations (``call_shape``), every size >= 1.
+*Call dims* (``call_dims``): the dims of the activations' letters that no parameter carries, nor
+a constant whose values at other sizes are not known (``runtime.call_constants``: a causal mask or
+another constant of known value is known at any size, a position table declared in the spec's
+``POSITION_TABLES`` at any size up to the one the layer holds).  BERT: B and L (x is [B, L, N]; N,
+H, P, U are fixed by the weights); GPT-2: B and T (its causal mask [T, T] is known at any T);
+Llama: B and T (its causal mask, and its rotary tables ``cos`` / ``sin`` [T, E] as position tables:
+a call's T at most the layer's).  A call's *shape* is {call dim -> size} read off its activations
+(``call_shape``), every size >= 1.
 
 An artifact holds one plan per tuned shape.  A call at a tuned shape runs that plan as chosen; any
 other runs the *nearest* tuned plan (``nearest``): the one whose element count (the product of the
@@ -37,17 +41,47 @@ from datamove.kernels.contraction import row_major_strides
 from datamove.layouts.plan import ATTENTION_BACKWARD, GEMM, GEMM_EPILOGUE, GENERATED, Plan, Step
 from datamove.layouts.space import MAX_TILE, generated_operators, operator_letters, parts, tile_axes
 from datamove.layouts.step_config import AttentionConfig
+from datamove.runtime.call_constants import following_calls
 
 LOOP_CHUNKS = {True: (16, 64), False: (256, 1024, 4096)}  # mode "loop" chunks (reduction along rows?) as in knob_choices
 
 
 def call_dims(graph, interface) -> tuple[str, ...]:
     """The dims a call may size: those of the activations' letters (in their PyTorch order) that no
-    parameter or constant carries."""
-    fixed = {graph.letter_dims[letter] for t in interface.parameters + interface.constants
-             for letter in graph.tensors[t].letters}
+    parameter carries, nor a constant whose values at other sizes are not known (module doc)."""
+    fixed = {graph.letter_dims[letter] for t in _fixing(graph, interface) for letter in graph.tensors[t].letters}
     dims = (graph.letter_dims[letter] for t in interface.activations for letter in interface.torch_order[t])
     return tuple(dict.fromkeys(d for d in dims if d not in fixed))
+
+
+def _fixing(graph, interface) -> list[str]:
+    """The parameters, then the constants whose values at other sizes are not known: what fixes the
+    sizes of the dims it is over."""
+    following = following_calls(graph, interface)
+    return [*interface.parameters, *(t for t in interface.constants if t not in following)]
+
+
+def held_graph(graph, interface, tuned: list[dict]):
+    """``graph`` at the sizes a layer holds its constants at: each call dim a constant is over (a
+    decoder's T) at its largest size among the ``tuned`` shapes ({call dim -> size}: a position table
+    then holds the positions of every tuned length), every other dim as in ``graph``."""
+    spanned = {graph.letter_dims[letter] for t in interface.constants for letter in graph.tensors[t].letters}
+    largest = {d: max(shape[d] for shape in tuned) for d in tuned[0] if d in spanned}
+    if all(graph.dim_values[d] == size for d, size in largest.items()):
+        return graph
+    return graph.with_dims({**graph.dim_values, **largest})
+
+
+def position_limits(graph, interface, dims: tuple[str, ...]) -> dict[str, tuple[int, list[str]]]:
+    """{call dim -> (its size in ``graph``, the position tables over it)}: a call along it reads the
+    tables' leading entries, so it may be no longer (``call_shape``'s ``limits``); ``graph``: at the
+    sizes the layer holds its constants at."""
+    limits: dict[str, tuple[int, list[str]]] = {}
+    for t in interface.positions:
+        for dim in dict.fromkeys(graph.letter_dims[letter] for letter in graph.tensors[t].letters):
+            if dim in dims:
+                limits.setdefault(dim, (graph.dim_values[dim], []))[1].append(t)
+    return limits
 
 
 def shape_key(shape: dict) -> tuple:
@@ -61,23 +95,23 @@ def describe(shape: dict) -> str:
 
 
 def _holder(graph, interface, dim: str) -> str:
-    """The first parameter or constant over ``dim`` (what fixes its size): ``causal`` for GPT-2's T."""
-    return next(t for t in interface.parameters + interface.constants
+    """The first parameter or constant over ``dim`` that fixes its size (``_fixing``)."""
+    return next(t for t in _fixing(graph, interface)
                 if any(graph.letter_dims[letter] == dim for letter in graph.tensors[t].letters))
 
 
 def sized_by(graph, interface, dim: str) -> str:
-    """What fixes ``dim`` for a layer: ``the weight ln1_gain`` or ``the constant causal`` (``_holder``)."""
+    """What fixes ``dim`` for a layer: ``the weight ln1_gain`` or ``the constant alibi`` (``_holder``)."""
     holder = _holder(graph, interface, dim)
     return f"the {'weight' if holder in interface.parameters else 'constant'} {holder}"
 
 
-def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str, int]:
+def call_shape(graph, interface, dims: tuple[str, ...], activations, limits: dict | None = None) -> dict[str, int]:
     """The shape {call dim -> size} of a call on ``activations`` (PyTorch order); refuses a tensor
-    with another number of dims, a fixed dim of another size, a call dim below 1 or two
-    activations that disagree on a call dim, naming the expected shape.  Sizes are read with
-    ``operator.index``: under ``torch.compile`` a symbolic size becomes the call's own (a guard), as
-    a call's program is made for its sizes."""
+    with another number of dims, a fixed dim of another size, a call dim below 1 or above its
+    ``limits`` (``position_limits``), or two activations that disagree on a call dim, naming the
+    expected shape.  Sizes are read with ``operator.index``: under ``torch.compile`` a symbolic size
+    becomes the call's own (a guard), as a call's program is made for its sizes."""
     shape: dict[str, int] = {}
     for t, x in zip(interface.activations, activations):
         order = interface.torch_order[t]
@@ -98,14 +132,20 @@ def call_shape(graph, interface, dims: tuple[str, ...], activations) -> dict[str
                 raise ValueError(f"{t}: shape {tuple(x.shape)}, {_expected(expected, order, dims)}")
             if shape.setdefault(dim, size) != size:
                 raise ValueError(f"{t}: {dim}={size} along {letter}, but {dim}={shape[dim]} elsewhere in the call")
+            if limits and dim in limits and size > limits[dim][0]:
+                held, tables = limits[dim]
+                raise ValueError(f"{t}: {dim}={size}, longer than the {held} positions of the layer's position tables "
+                                 f"({', '.join(tables)}, for positions 0..{held - 1}): truncate to {dim}={held}, or tune "
+                                 f"the layer at your longest length (optimize-layer --dims {dim}=...), which runs every "
+                                 "shorter one (docs/runtime.md, Variable lengths)")
     return shape
 
 
 def _padded_length(graph, interface, dims: tuple[str, ...], order: str, shape) -> str:
     """What to do where ``shape`` (over ``order``) differs from the layer along a dim that only
-    constants size (a decoder's sequence length: GPT-2's causal mask, Llama's rotary tables), or ''
-    (a call of another number of dims, or a dim a parameter sizes: another model); ``dims``: the
-    call dims (any size)."""
+    constants of values unknown at other sizes fix (a decoder's sequence length under a constant
+    table not declared a position table), or '' (a call of another number of dims, or a dim a
+    parameter sizes: another model); ``dims``: the call dims (any size)."""
     if len(shape) != len(order):
         return ""
     weighted = {graph.letter_dims[letter] for t in interface.parameters for letter in graph.tensors[t].letters}
@@ -117,12 +157,13 @@ def _padded_length(graph, interface, dims: tuple[str, ...], order: str, shape) -
     tuned, holder = graph.dim_values[dim], _holder(graph, interface, dim)
     pad = (f"with a key_padding_mask of the padding (a HF model: its attention_mask; the tokenizer or "
            f"DataCollatorWithPadding with padding='max_length', max_length=")
+    fixed = (f"; {dim} is the sequence length the layer was tuned at ({holder} is a constant over it whose values at "
+             f"other lengths the layer cannot know; if its entries along {dim} are positions 0, 1, ..., name it in "
+             f"the spec's POSITION_TABLES and run optimize-layer again: any shorter {dim} then runs): ")
     if operator.index(size) < tuned:
-        return (f"; {dim} is the sequence length the layer was tuned at ({holder} is a constant over it): pad every "
-                f"batch to {dim}={tuned} {pad}{tuned}; docs/runtime.md, Variable lengths)")
-    return (f"; {dim} is the sequence length the layer was tuned at ({holder} is a constant over it): truncate to "
-            f"{dim}={tuned}, or tune the layer at your longest length (optimize-layer --dims {dim}=...) and pad every "
-            f"batch to it {pad}that length; docs/runtime.md, Variable lengths)")
+        return f"{fixed}pad every batch to {dim}={tuned} {pad}{tuned}; docs/runtime.md, Variable lengths)"
+    return (f"{fixed}truncate to {dim}={tuned}, or tune the layer at your longest length (optimize-layer --dims "
+            f"{dim}=...) and pad every batch to it {pad}that length; docs/runtime.md, Variable lengths)")
 
 
 def _expected(expected: tuple, order: str, dims: tuple[str, ...]) -> str:

@@ -27,6 +27,7 @@ from datamove.dataflow.dropout_mask import dropout_scale, keep_mask
 from datamove.dataflow.executor import dropout_offsets
 from datamove.harness.torch_eval import run_primitive
 from datamove.layouts.plan import ATTENTION_FORWARD, Plan
+from datamove.runtime.call_constants import ConstantsAtCall
 
 
 def _dead_after(primitives: list, needed: set) -> list[tuple[str, ...]]:
@@ -60,14 +61,18 @@ class TorchProgram:
     """A plan's computation for one graph, dtype and device, in PyTorch operations (module doc).
 
     ``kept``: what the forward returns besides the outputs for the backward (forward tensors it
-    reads, spec order, compute dtype; dropout masks as bool), named as ``LayerProgram.kept``."""
+    reads, spec order, compute dtype; dropout masks as bool), named as ``LayerProgram.kept``;
+    ``held``: as ``LayerProgram``'s (the constants read at the call's sizes: ``at_call``)."""
 
     stacked: list = []  # no stacked gradient buffers: each parameter gets its own gradient
     causal_constants: list = []  # a causal constant is read as the spec reads it, not replaced
+    at_call = None  # constants read at the call's sizes (set per program; programs pickled before it: none)
 
-    def __init__(self, plan: Plan, graph, operators, interface, dtype: torch.dtype, device):
+    def __init__(self, plan: Plan, graph, operators, interface, dtype: torch.dtype, device, held: dict | None = None):
         self.plan, self.graph, self.interface, self.dtype = plan, graph, interface, dtype
         self.device, self.compute = torch.device(device), compute_dtype(dtype)
+        at_call = ConstantsAtCall(graph, interface, held, plan.layouts, self.compute, self.device, dense=False)
+        self.at_call = at_call if at_call else None  # constants read at the call's sizes (``LayerProgram``'s)
         self.name = ""  # the custom ops' name for it: set by datamove.runtime.module.register
         self.forward_primitives = [p for op in operators if op.phase == "forward" for p in op.primitives]
         self.backward_primitives = [p for op in operators if op.phase != "forward" for p in op.primitives]
@@ -169,13 +174,15 @@ class TorchProgram:
         return (pool.pop(), True) if pool else (None, False)
 
     def _inputs(self, inputs: list[torch.Tensor]) -> dict:
-        """The activations (PyTorch order), parameters and constants as spec-order compute-dtype tensors."""
+        """The activations (PyTorch order), parameters and constants (as the layer holds them, read at
+        the call's sizes: ``at_call``) as spec-order compute-dtype tensors."""
         face = self.interface
         names = face.activations + face.parameters + face.constants
         if len(inputs) != len(names):
             raise TypeError(f"expected {len(names)} tensors {names}, got {len(inputs)}")
-        return {t: (x.permute(self._to_spec_axes[t]) if t in face.activations else x).to(self.compute)
-                for t, x in zip(names, inputs)}
+        env = {t: (x.permute(self._to_spec_axes[t]) if t in face.activations else x).to(self.compute)
+               for t, x in zip(names, inputs)}
+        return env if self.at_call is None else self.at_call.take(env)
 
     def _leaving(self, tensor: str, value: torch.Tensor) -> torch.Tensor:
         """A spec-order result as PyTorch receives it: ``tensor``'s torch order, the layer's dtype, contiguous."""
