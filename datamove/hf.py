@@ -364,16 +364,21 @@ class LlamaLayerReplacement(BertLayerReplacement):
                     raise ValueError("datamove: position_embeddings differ between the sequences of the batch "
                                      "(position_ids per sequence): the tuned layer holds one table for all")
             table = table[0] if table.dim() == 3 else table
-            if tuple(table.shape) != wanted:
+            shorter = name in self.layer.interface.positions and 1 <= table.shape[0] < wanted[0]  # its leading rows
+            if tuple(table.shape) != wanted and not (shorter and tuple(table.shape[1:]) == wanted[1:]):
                 longer = table.shape[0] > wanted[0]
-                fix = (f"call the model at the sequence length the layer was tuned for, {wanted[0]}: "
+                fix = ("the model's rotary head dim is not the spec's: use a model of the spec's head_dim"
+                       if tuple(table.shape[1:]) != wanted[1:] else
+                       f"the layer's tables hold positions 0..{wanted[0] - 1}: truncate every batch to {wanted[0]}, or "
+                       "tune the layer at your longest length (optimize-layer --dims T=...), which runs every shorter "
+                       "batch (docs/runtime.md, Variable lengths; generation, model.generate, is not part of the tuned "
+                       "layer)" if name in self.layer.interface.positions else
+                       f"call the model at the sequence length the layer was tuned for, {wanted[0]}: "
                        + (f"truncate to it, or tune the layer at your longest length (optimize-layer --dims T=...) and "
                           "pad every batch to that" if longer else "pad every batch to it") +
                        " with an attention_mask of the padding (the tokenizer or DataCollatorWithPadding with "
                        f"padding='max_length', max_length={'that length' if longer else wanted[0]}; docs/runtime.md, "
-                       "Variable lengths; generation, model.generate, is not part of the tuned layer)"
-                       if table.shape[0] != wanted[0]
-                       else "the model's rotary head dim is not the spec's: use a model of the spec's head_dim")
+                       "Variable lengths; generation, model.generate, is not part of the tuned layer)")
                 raise ValueError(f"datamove: position_embeddings' {name} is {tuple(table.shape)} (sequence, head "
                                  f"dim); the tuned layer's is {wanted}: {fix}")
             self.layer.set_constant(name, table, check_nan=False)  # HF's tables: cos and sin of finite angles

@@ -175,8 +175,10 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     cos, sin = ours.rotary_emb(x, torch.arange(16)[None])
     with pytest.raises(ValueError, match="needs the model's position_embeddings"):
         layer(x)
-    with pytest.raises(ValueError, match=r"the tuned layer's is \(16, 16\): call the model at the sequence length"):
-        layer(x[:, :8], position_embeddings=(cos[:, :8], sin[:, :8]))
+    longer = torch.randn(2, 20, 64)
+    with pytest.raises(ValueError, match=r"is \(20, 16\) .*the tuned layer's is \(16, 16\): the layer's tables hold "
+                                         r"positions 0..15: truncate every batch to 16"):
+        layer(longer, position_embeddings=ours.rotary_emb(longer, torch.arange(20)[None]))
     with pytest.raises(ValueError, match=r"is \(16, 8\) .*: the model's rotary head dim is not the spec's"):
         layer(x, position_embeddings=(cos[..., :8], sin[..., :8]))  # it said: call the model at the tuned sequence length
     shifted = ours.rotary_emb(x, torch.stack([torch.arange(16), torch.arange(16) + 3]))
@@ -190,7 +192,7 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
     replace_llama_layers(causal_lm, llama_artifact, dtype=torch.float32, allow_mismatch=True)
     # its second step: one token with the (empty) cache of the first (which ran: 16 tokens), or 17 without one
     for use_cache, refusal in ((True, "generation with a key-value cache is not part of the tuned layer"),
-                               (False, r"tuned for, 16: .*generation, model.generate, is not part of the tuned")):
+                               (False, r"hold positions 0..15: .*generation, model.generate, is not part of the tuned")):
         with pytest.raises(ValueError, match=refusal):
             causal_lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
                                use_cache=use_cache)
@@ -203,20 +205,40 @@ def test_what_the_layer_cannot_do_is_refused(llama_artifact):
         layer.layer.set_constant("cos", table)
 
 
-def test_batches_of_other_lengths_train_padded_to_the_tuned_length(llama_artifact):
-    """The rotary tables fix the sequence length: a shorter or longer batch is refused saying what to
-    do (it said only to call the model at the tuned length); padded on the right with its attention
-    mask, as the refusal says, a batch of shorter sequences (and a smaller last batch, B=1) computes
-    as HF's model on each sequence alone."""
+def test_batches_of_any_length_up_to_the_tuned_one_train_as_hf(llama_artifact):
+    """The rotary tables are position tables (``configs/llama.py``'s ``POSITION_TABLES``): a batch
+    shorter than the tuned T=16 (odd, 1), padded on the right to its longest sequence as a collator
+    pads it, unpadded or left-padded, computes as HF's model given the same, output and every
+    gradient, and each sequence as HF's on it alone; the layers read the leading rows of the tables
+    HF gives them (they were refused: pad every batch to 16).  A longer batch is refused: the
+    tables hold positions 0..15."""
     reference, ours = models(llama_artifact)
-    with pytest.raises(ValueError, match=r"tuned for, 16: pad every batch to it with an attention_mask of the padding "
-                                         r"\(the tokenizer or DataCollatorWithPadding with padding='max_length', "
-                                         r"max_length=16; docs/runtime.md, Variable lengths;"):
-        ours(input_ids=torch.randint(0, 50, (2, 11)))
-    with pytest.raises(ValueError, match=r"tuned for, 16: truncate to it, or tune the layer at your longest length"):
+    for lengths in ([11, 1, 7], [1], [9, 9], [13, 16]):
+        check_padded(reference, ours, lengths, max(lengths), 50, TOLERANCE)
+    check_padded(reference, ours, [7], 16, 50, TOLERANCE)  # padded to T, as the refusal said: still so
+    ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :4] = 0
+    check_against_hf(reference, ours, ids, mask, TOLERANCE)
+    with pytest.raises(ValueError, match=r"the layer's tables hold positions 0..15: truncate every batch to 16, or tune "
+                                         r"the layer at your longest length \(optimize-layer --dims T=...\), which runs "
+                                         r"every shorter batch"):
         ours(input_ids=torch.randint(0, 50, (2, 19)))
-    check_padded(reference, ours, [11, 1, 16], 16, 50, TOLERANCE)
-    check_padded(reference, ours, [7], 16, 50, TOLERANCE)
+
+
+def test_generation_without_a_cache_is_hfs_and_with_one_refused(llama_artifact):
+    """Without a cache each step of ``generate`` runs the whole sequence again, a call of its length:
+    the tokens are HF's (up to 16 in all); with a cache, the second step (one token, the cache the
+    layers left empty) would compute the token alone, wrongly, and is refused."""
+    config = small_config()
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    reference, ours = replaced_pair(transformers.LlamaForCausalLM(config), replace_llama_layers, llama_artifact, 2, 0.1)
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(6))
+    asked = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(ours.generate(**asked, use_cache=False), reference.generate(**asked, use_cache=False))
+    with pytest.raises(ValueError, match="generation with a key-value cache is not part of the tuned layer"):
+        ours.generate(**asked, use_cache=True)
 
 
 def test_rotary_tables_set_from_numpy_compute_as_hf(llama_artifact):
