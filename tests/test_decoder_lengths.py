@@ -70,10 +70,10 @@ def check_at_length(layer, length: int, seed: int, p: float | None = None, toler
                                                (spec_order_plan, "torch")],
                          ids=["selected-kernels", "selected-torch", "spec-order-torch"])
 def test_gpt2_runs_any_length_with_dropout(tmp_path, plan_for, backend):
-    """GPT-2 tuned at T=21 (the selected plan's fused attention applies the causal mask itself; the
-    spec-order plan, not written as its kernels cannot run, adds the constant as the spec does): at
-    T=8, 1 and 30, training mode (dropout), and back at T=21; its causal mask at each length is the
-    causal mask there."""
+    """GPT-2 tuned at T=21 (the selected plan's fused attention applies the causal mask itself, its
+    kernels never load the constant; the torch backend, and the spec-order plan, not written as its
+    kernels cannot run, add the constant as the spec does): at T=8, 1 and 30, training mode
+    (dropout), and back at T=21; its causal mask at each length is the causal mask there."""
     if plan_for is selected_plan:
         layer = load(write(tmp_path, "gpt2", GPT2_DIMS, plan_for), backend=backend)
     else:
@@ -86,6 +86,8 @@ def test_gpt2_runs_any_length_with_dropout(tmp_path, plan_for, backend):
     for n, length in enumerate((8, 1, 30, 21)):
         check_at_length(layer, length, seed=n)
     assert layer.program(True, {"B": 2, "T": 21}).at_call is None  # the tuned length reads the held mask as before
+    longer = layer.program(True, {"B": 2, "T": 30})  # no [30, 30] mask made where the fused attention applies its own
+    assert (longer.at_call is None) == (longer.causal_constants == ["causal"])
 
 
 @pytest.fixture(scope="module")

@@ -35,11 +35,12 @@ from datamove.kernels.launcher import stored_alike
 KNOWN, LEADING = "known", "leading"
 
 
-def following_calls(graph, interface) -> dict[str, str]:
+def following_calls(graph, interface, kinds: dict | None = None) -> dict[str, str]:
     """{constant -> ``KNOWN`` | ``LEADING``}: the constants whose values at a call's sizes are known
-    (module doc); the others fix the dims they are over."""
-    result = {t: KNOWN for t, kind in initial_values(graph, (), interface.constants).items()
-              if isinstance(kind, (CausalMask, KnownValue))}
+    (module doc); the others fix the dims they are over.  ``kinds``: the constants'
+    ``initial_values``, where the caller has them."""
+    kinds = initial_values(graph, (), interface.constants) if kinds is None else kinds
+    result = {t: KNOWN for t, kind in kinds.items() if isinstance(kind, (CausalMask, KnownValue))}
     result.update({t: LEADING for t in interface.positions})
     return result
 
@@ -48,23 +49,28 @@ class ConstantsAtCall:
     """The constants a program over ``graph`` (at a call's sizes) reads otherwise than the layer
     holds them (at ``held``: {dim -> size}; None: at ``graph``'s own sizes): ``known`` {name ->
     its value at the call's sizes, spec order, stored in ``layouts`` where ``dense``}, ``leading``
-    {name -> the sizes of its leading entries read, spec order}.  ``dense``: the program's steps read a
-    constant at its layout's strides (the kernels); else any strides (the torch backend)."""
+    {name -> the sizes of its leading entries read, spec order}; ``held``: ``graph`` at the sizes
+    the layer holds its constants at (what FSDP2's static copies hold).  ``dense``: the program's steps read a
+    constant at its layout's strides (the kernels); else any strides (the torch backend).
+    ``unread``: constants the program's steps never load (a causal mask the fused attention applies
+    itself): left as held, no value made (GPT-2's [T', T'] mask, one per program)."""
 
-    def __init__(self, graph, interface, held: dict | None, layouts: dict, dtype: torch.dtype, device, dense: bool):
+    def __init__(self, graph, interface, held: dict | None, layouts: dict, dtype: torch.dtype, device, dense: bool,
+                 unread: tuple[str, ...] | list[str] = ()):
         self.graph, self.layouts, self.dtype, self.device, self.dense = graph, layouts, dtype, device, dense
         self.known: dict[str, torch.Tensor] = {}
         self.leading: dict[str, tuple[int, ...]] = {}  # name -> the sizes read (spec order)
         self._index: dict[str, tuple[slice, ...]] = {}
         self._strides: dict[str, tuple] = {}
-        resized = {d for d, size in graph.dim_values.items() if (held or {}).get(d, size) != size}
+        spanned = {graph.letter_dims[x] for t in interface.constants for x in graph.tensors[t].letters}
+        resized = {d for d in spanned if (held or {}).get(d, graph.dim_values[d]) != graph.dim_values[d]}
         self.held = graph.with_dims({**graph.dim_values, **held}) if resized else graph
         if not resized:
             return
         kinds = initial_values(graph, (), interface.constants)
-        for t, how in following_calls(graph, interface).items():
+        for t, how in following_calls(graph, interface, kinds).items():
             letters = graph.tensors[t].letters
-            if not {graph.letter_dims[x] for x in letters} & resized:
+            if t in unread or not {graph.letter_dims[x] for x in letters} & resized:
                 continue
             if how == KNOWN:
                 value = torch.from_numpy(kinds[t].array(graph, t)).to(dtype)
@@ -77,9 +83,6 @@ class ConstantsAtCall:
     def __bool__(self) -> bool:
         return bool(self.known or self.leading)
 
-    def __contains__(self, t: str) -> bool:
-        return t in self.known or t in self.leading
-
     def _stored(self, t: str) -> torch.Tensor:
         return allocate(self.graph, t, self.layouts[t], self.dtype, self.device)
 
@@ -91,7 +94,3 @@ class ConstantsAtCall:
             view = store[t][index]
             store[t] = view if not self.dense or stored_alike(view, self._strides[t]) else self._stored(t).copy_(view)
         return store
-
-    def held_tensor(self, t: str) -> torch.Tensor:
-        """An uninitialised tensor of constant ``t`` as the layer holds it (its sizes, the plan's layout)."""
-        return allocate(self.held, t, self.layouts[t], self.dtype, self.device)

@@ -197,8 +197,9 @@ class SharedStatics:
     def __init__(self, program: LayerProgram):
         face, store = program.interface, {}
         self.program = program
-        at_call = program.at_call  # constants the program reads at the call's sizes: held at the layer's
-        self.tensors = [(at_call.held_tensor(t) if at_call is not None and t in at_call else
+        held = program.held_graph  # the constants at the layer's sizes (a decoder's at another length: its T)
+        self.tensors = [(allocate(held, t, program.layouts[t], program.dtype, program.device)
+                         if held is not program.graph and t in face.constants else
                          program.buffers.allocate(store, t, program.layouts[t])).zero_()
                         for t in face.parameters + face.constants]
         self.gradients: list[_Gradients] = []

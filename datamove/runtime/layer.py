@@ -161,8 +161,6 @@ class LayerProgram:
     def __init__(self, plan: Plan, graph, operators, interface: TensorInterface, dtype: torch.dtype, device,
                  held: dict | None = None):
         self.plan, self.graph, self.interface, self.dtype, self.device = plan, graph, interface, dtype, torch.device(device)
-        at_call = ConstantsAtCall(graph, interface, held, plan.layouts, dtype, self.device, dense=True)
-        self.at_call = at_call if at_call else None  # constants read at the call's sizes; None at the held ones
         ops = generated_operators(graph, operators)
         self.buffers = Buffers(graph, stack_groups(plan.steps), dtype, self.device)
         reads_saved = any(s.kind == ATTENTION_BACKWARD and s.config.knobs.get("dropout_mask") == "saved"
@@ -195,6 +193,10 @@ class LayerProgram:
         # ``families.attention.check_causal_constant``)
         self.causal_constants = [launcher.step.config.causal_constant for launcher in self.forward_steps
                                  if launcher.step.kind == ATTENTION_FORWARD and launcher.step.config.causal_constant]
+        at_call = ConstantsAtCall(graph, interface, held, plan.layouts, dtype, self.device, dense=True,
+                                  unread=self.causal_constants)
+        self.at_call = at_call if at_call else None  # constants read at the call's sizes; None at the held ones
+        self.held_graph = at_call.held  # ``graph`` at the sizes the layer holds the constants at
         self.stacked = self.stacked_gradients()
         self._signatures: dict[str, tuple] = {}  # phase -> what its steps' recordings assume
         self.shared_statics = None  # what its layers' graphs read and write under FSDP2 (``runtime.graphs.shared_statics``)
@@ -205,6 +207,7 @@ class LayerProgram:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update({"shared_statics": None, "at_call": None, **state})  # programs pickled before they existed
+        self.__dict__.setdefault("held_graph", self.graph)
 
     def _kept_tensors(self) -> list[str]:
         """What the backward steps read that neither they nor the caller provide: tensors the forward
