@@ -65,8 +65,9 @@ def test_a_replaced_model_trains_as_hf(request, family, padded):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_in_float64_padded_to_the_tuned_length_and_checkpointed(request, family):
-    """float64 (no window), batches of shorter sequences padded on the right to the tuned length, each
-    sequence as HF's model computes it alone; under HF's activation checkpointing; the replaced
+    """float64 (no window), batches of shorter sequences padded on the right to the tuned length or
+    to their longest (a length of its own: the rotary tables' leading rows), each sequence as HF's
+    model computes it alone; under HF's activation checkpointing; the replaced
     model's state dict is HF's (its keys, its values)."""
     reference, ours = replaced_pair(model_of(family, sliding_window=None).double(), replace_decoder_layers,
                                     artifact_of(request, family), 2, 0.1, dtype=torch.float64)
@@ -74,6 +75,7 @@ def test_in_float64_padded_to_the_tuned_length_and_checkpointed(request, family)
     state, expected = ours.state_dict(), reference.state_dict()
     assert sorted(state) == sorted(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
     check_padded(reference, ours, [11, 1, 16], 16, 50, FLOAT64_TOLERANCE)
+    check_padded(reference, ours, [11, 4], 11, 50, FLOAT64_TOLERANCE)  # padded to its longest, shorter than T
 
 
 @pytest.mark.parametrize("rope", [
