@@ -228,24 +228,15 @@ def shared_statics(program: LayerProgram) -> SharedStatics:
     return found
 
 
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # device -> the side stream every capture there runs on
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream captures on ``device`` run on, as ``torch.cuda.graph``'s: cuBLAS (PyTorch's
-    and ``kernels.blas``') keeps a 32 MiB workspace per stream for the process, and a new stream per
-    capture cycled through PyTorch's pool of 32, up to 1 GiB of workspaces for a model's layers."""
-    stream = _CAPTURE_STREAMS.get(device)
-    if stream is None:
-        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
-
 def _capture(device: torch.device, run_once, record):
-    """A CUDA graph of ``record()`` (whose results it returns with the graph), captured on the side
-    stream (``capture_stream``) after ``run_once()`` ran there (cuBLAS workspaces, kernel loading:
-    nothing lazy inside the capture)."""
-    stream = capture_stream(device)
+    """A CUDA graph of ``record()`` (whose results it returns with the graph), captured on a side
+    stream after ``run_once()`` ran there (cuBLAS workspaces, kernel loading: nothing lazy inside
+    the capture).  A new stream per capture: a tree capturing every graph on one stream (as
+    ``torch.cuda.graph`` does) failed the graph tests on an H200, replays differing from plain
+    launches (2026-11-29; the one change on that path, not run again).  Its cost: a cuBLASLt
+    workspace (``kernels.blas.WORKSPACE_BYTES``) per stream of PyTorch's pool of 32 that captures
+    ran on, kept for the process."""
+    stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     graph = torch.cuda.CUDAGraph()
     keeper = next(iter(_POOLS.setdefault(device, weakref.WeakSet())), None)  # a live graph of the pool, if any
