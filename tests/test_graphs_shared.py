@@ -70,3 +70,24 @@ def test_gradient_sets_are_laid_out_as_the_backward_writes_and_handed_out_while_
     assert len(held) == GRADIENT_SETS and shared.free_gradients() is None
     del held[0]
     assert shared.free_gradients() is first
+
+
+def test_a_programs_statics_go_with_it_without_a_cycle_collection(bert):
+    """The statics live on their program (``shared_statics``), device memory under FSDP2: a deleted
+    layer's program and its statics are freed once nothing holds them, at once (the statics held
+    their program back: a reference cycle, kept until Python's cyclic collector ran, disabled here)."""
+    import gc
+    import weakref
+
+    layer = load(bert)
+    program = layer.program(True)
+    shared = shared_statics(program)
+    assert shared.free_gradients() is not None  # made from its program's backward
+    freed = weakref.ref(program), weakref.ref(shared)
+    gc.collect()
+    gc.disable()
+    try:
+        del layer, program, shared
+        assert [ref() for ref in freed] == [None, None]
+    finally:
+        gc.enable()

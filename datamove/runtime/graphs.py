@@ -60,8 +60,8 @@ allocated for the layer's life; ``LayerGraphs.held_bytes`` counts them.  Graphs 
 one device share one memory pool for their temporaries (replays never overlap: one stream order).
 Under FSDP2 a layer's graphs hold no static parameters or gradient sets of their own: per program
 (siblings share theirs: ``TunedLayer.sibling``), one layer's parameters and constants and at most
-``GRADIENT_SETS`` sets of one layer's gradients (activations' and parameters'), kept for the
-process and not counted by ``held_bytes`` (BERT-large bf16, B=8 L=512: 25 MB of parameters, 34 MB
+``GRADIENT_SETS`` sets of one layer's gradients (activations' and parameters'), kept with the
+program (freed with it) and not counted by ``held_bytes`` (BERT-large bf16, B=8 L=512: 25 MB of parameters, 34 MB
 a set; were the sets each layer's, 24 layers would hold 1.6 GB of them).  Their device cost: the
 parameters copied in before each forward and backward replay, the gradients copied into a set at
 the end of each backward graph, there about 170 MB read and written per layer fwd+bwd (an
@@ -196,7 +196,9 @@ class SharedStatics:
 
     def __init__(self, program: LayerProgram):
         face, store = program.interface, {}
-        self.program = program
+        # weakly: the program holds its statics (``shared_statics``), and a strong reference back made a cycle,
+        # which kept a deleted layer's program and these device buffers until Python's cyclic collector ran
+        self._program = weakref.ref(program)
         held = program.held_graph  # the constants at the layer's sizes (a decoder's at another length: its T)
         self.tensors = [(allocate(held, t, program.layouts[t], program.dtype, program.device)
                          if held is not program.graph and t in face.constants else
@@ -214,7 +216,7 @@ class SharedStatics:
         ``GRADIENT_SETS`` exist, else None."""
         found = next((g for g in self.gradients if g.held.free()), None)
         if found is None and len(self.gradients) < GRADIENT_SETS:
-            found = _Gradients(_gradients_like(self.program))
+            found = _Gradients(_gradients_like(self._program()))  # alive: its caller reached these statics through it
             self.gradients.append(found)
         return found
 
