@@ -763,3 +763,34 @@ def test_clip_log1p_expm1_sign_export_and_compute(clip_log1p_artifact, capsys, b
     pairs = [(y, expected), (mine[0], ref[0])] + [(layer.spec_view(n, g), r) for n, g, r in zip(weights, mine[1:], ref[1:])]
     for result, reference in pairs:
         assert relative_error(result.detach().double().numpy(), reference.detach().numpy()) < tolerance
+
+
+CLIPPED_BY_KEYWORD = '''
+import numpy as np
+from datamove.dataflow.spec import Tensor, dims
+B, T, D = dims(B=3, T=5, D=7)
+INDEX = {"b": B, "s": T, "d": D, "c": D}
+
+
+def layer(x: Tensor("bsd"), w: Tensor("dc")):
+    return np.clip(a=x @ w, a_min=-0.5, a_max=0.75)
+'''
+
+
+def test_np_clip_takes_its_array_by_keyword(tmp_path):
+    """``np.clip(a=x, a_min=lo, a_max=hi)``, NumPy's keyword for the array (the lowering read
+    ``node.args[0]`` and stopped in an IndexError): output and gradients are torch.clamp's."""
+    path = tmp_path / "clipped.py"
+    path.write_text(CLIPPED_BY_KEYWORD)
+    analysis = analyse_spec(path)
+    graph, training = analysis.graph, analysis.training
+    (out,) = graph.outputs
+    values = random_inputs(graph, training, np.random.default_rng(7))
+    result = execute(training.graph, values, SEED)
+    x, w = (torch.tensor(values[n], requires_grad=True) for n in ("x", "w"))
+    y = (x @ w).clamp(-0.5, 0.75)
+    assert 0 < int((y.abs() < 0.5).sum()) < y.numel()  # both sides of the bounds
+    assert relative_error(result[out], y.detach().numpy()) < 1e-12
+    y.backward(torch.tensor(values[training.seeds[out]]))
+    for leaf, grad in (("x", x.grad), ("w", w.grad)):
+        assert relative_error(result[training.input_grads[leaf]], grad.numpy()) < 1e-12, leaf

@@ -216,6 +216,14 @@ REFUSED = {
         def layer(x: Tensor("bln")):
             return x.clip(None, None)
         ''', "x.clip(None, None)", "give a lower or an upper bound"),
+    "clip without its array": ('''
+        def layer(x: Tensor("bln")):
+            return x * np.clip(a_min=0.0, a_max=1.0)
+        ''', "np.clip(a_min=0.0, a_max=1.0)", "np.clip without the array to clip; write np.clip(x, lo, hi)"),
+    "clip given its array twice": ('''
+        def layer(x: Tensor("bln")):
+            return np.clip(x, a=x, a_max=1.0)
+        ''', "np.clip(x, a=x, a_max=1.0)", "np.clip given its array twice"),
     "clip by a keyword it lacks": ('''
         def layer(x: Tensor("bln")):
             return np.clip(x, lower=-1.0)

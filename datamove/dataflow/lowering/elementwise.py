@@ -156,13 +156,15 @@ class Elementwise:
             return make_call(np_attr("where"), ast.Compare(a, [op], [b]), x, y)
         return self.elementwise(node, build, values)
 
-    def clip(self, node: ast.Call, value, positional: list[ast.expr], lower: tuple[str, ...], upper: tuple[str, ...]):
+    def clip(self, node: ast.Call, value, positional: list[ast.expr], lower: tuple[str, ...], upper: tuple[str, ...],
+             taken: tuple[str, ...] = ()):
         """``np.clip(x, lo, hi)`` / ``x.clip(lo, hi)``: the bounds ``positional`` or by a keyword of ``lower`` /
         ``upper`` (np.clip's a_min / min, a_max / max), either one None or absent, numbers known as the spec is
         read; as ``np.where(x < lo, lo, np.where(x > hi, hi, x))`` with x computed once: NumPy's value, and a
-        gradient of 1 from lo to hi, both bounds included, 0 outside (torch.clamp's)."""
+        gradient of 1 from lo to hi, both bounds included, 0 outside (torch.clamp's).  ``taken``: keywords the
+        caller read (np.clip's ``a``, the array)."""
         m = self.m
-        unknown = [k.arg for k in node.keywords if k.arg not in lower + upper]
+        unknown = [k.arg for k in node.keywords if k.arg not in lower + upper + taken]
         if unknown or len(positional) > 2:
             problem = f"clip's keyword {unknown[0]}= is not supported" if unknown else "clip takes two bounds"
             raise m.error(node, problem, f"write np.clip(x, lo, hi) (or {'= / '.join(lower + upper)}=), a bound None "

@@ -294,7 +294,11 @@ class Expressions:
         if short == "where":
             return self.where(node)
         if short == "clip":
-            return self.clip(node, self.expr(node.args[0]), node.args[1:], ("a_min", "min"), ("a_max", "max"))
+            array = node.args[:1] + [k.value for k in node.keywords if k.arg == "a"]  # np.clip(x, ...) or np.clip(a=x, ...)
+            if len(array) != 1:
+                raise m.error(node, "np.clip " + ("without the array to clip" if not array else "given its array twice"),
+                              "write np.clip(x, lo, hi), a bound None where there is none")
+            return self.clip(node, self.expr(array[0]), node.args[1:], ("a_min", "min"), ("a_max", "max"), ("a",))
         raise m.error(node, f"{name} is not supported", "write it with " + SUPPORTED)
 
     def method(self, node: ast.Call, name: str, value, args=None):
