@@ -925,6 +925,23 @@ def test_load_weights_refuses_a_torch_encoder_layer_set_otherwise(tmp_path, refu
         load_weights(layer, torch.nn.TransformerEncoderLayer(**{**base, **refused}))
 
 
+def test_a_config_value_that_is_a_dict_is_compared_as_a_value():
+    """A config table's dict value (a manifest's written before the job refused dicts in HF_CONFIG
+    but {"at least": n}, or a MODULE_CONFIG's) is compared as a value, beside a lower bound (1109234:
+    the check read its "at least" and stopped in a KeyError)."""
+    from types import SimpleNamespace
+
+    from datamove.export import check_config
+
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    computed = {"rope_scaling": scaling, "sliding_window": [None, {"at least": 16}]}
+    assert check_config(SimpleNamespace(rope_scaling=dict(scaling), sliding_window=16), computed) is False
+    with pytest.raises(ValueError, match=r"rope_scaling=\{'rope_type': 'linear', 'factor': 4.0\} \(the tuned layer "
+                                         r"computes \{'rope_type': 'linear', 'factor': 2.0\}\); sliding_window=8 \(the "
+                                         r"tuned layer computes None or at least 16\)"):
+        check_config(SimpleNamespace(rope_scaling={**scaling, "factor": 4.0}, sliding_window=8), computed)
+
+
 def test_the_weight_functions_and_replace_refuse_what_they_cannot_read_in_one_line(tmp_path):
     """Arguments swapped or not a tuned layer, a module whose weights are not made yet (meta), no
     model at all: one line each (they failed inside torch or datamove); an input of another dtype
