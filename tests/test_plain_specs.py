@@ -245,7 +245,7 @@ def clip_log1p(t, m):
     h = x @ t["w1"] + t["b1"]
     signed_log = torch.sign(h) * torch.log1p(h.abs())
     e = torch.expm1(h.clamp(max=1.0)) + torch.expm1(h.clamp(max=0.25))
-    return (h.clamp(-0.5, 0.75) + signed_log + 0.5 * e) @ t["w2"] + x.clamp(-1.0, 1.25)
+    return (h.clamp(-0.5, 0.75) + signed_log + 0.5 * e) @ t["w2"] + x.clamp(-1.0, 1.25) * 1.5
 
 
 def qk_norm(t, m):

@@ -8,11 +8,16 @@ Slices and constants of known value met here go to ``slices`` and ``masks``."""
 from __future__ import annotations
 
 import ast
+import operator
 from dataclasses import replace
 
 from datamove.dataflow.lowering.syntax import float32_of, make_call, np_attr
 from datamove.dataflow.lowering.values import Arr, Compare, Const, Num, Part, Static
 from datamove.dataflow.spec import SpecError
+
+# np.where's comparisons between two known numbers
+_COMPARED = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+             ast.Eq: operator.eq, ast.NotEq: operator.ne}
 
 
 class Elementwise:
@@ -151,6 +156,12 @@ class Elementwise:
                                "write np.where(a > b, x, y) with the comparison inside")
         values = [*cond.operands, self.expr(node.args[1]), self.expr(node.args[2])]
         op = cond.node.ops[0]
+        if all(isinstance(v, Num) for v in values):  # numbers only (np.clip(2.0, 0.0, 1.0)): no map to build
+            if any(v.value is None for v in values):
+                raise self.m.error(node, "np.where of numbers whose values are not known as the spec is read",
+                                   "apply it to an array, or write the number it gives")
+            a, b, x, y = values
+            return x if _COMPARED[type(op)](a.value, b.value) else y
 
         def build(a, b, x, y):
             return make_call(np_attr("where"), ast.Compare(a, [op], [b]), x, y)
@@ -188,6 +199,12 @@ class Elementwise:
         if lo is not None and hi is not None and lo.value > hi.value:
             raise m.error(node, f"np.clip's lower bound {lo.value:g} is above its upper bound {hi.value:g} (NumPy "
                           "then gives the upper bound everywhere)", "swap the bounds")
+        if isinstance(value, Num):  # a number clipped (np.clip(2.0, 0.0, 1.0)): no map to build
+            if value.value is None:
+                raise m.error(node, "np.clip of a number whose value is not known as the spec is read",
+                              "clip an array, or write the number it gives")
+            clipped = min(max(value.value, lo.value if lo else value.value), hi.value if hi else value.value)
+            return Num(float32_of(ast.Constant(clipped)), clipped)
         if isinstance(value, Arr):
             value = self.temp("clip", value)
         result = value
