@@ -82,3 +82,38 @@ def check_padded(reference: torch.nn.Module, ours: torch.nn.Module, lengths: lis
     for row, length in enumerate(lengths):
         alone = reference(input_ids=ids[row:row + 1, :length]).last_hidden_state.detach()[0]
         assert float((padded[row, :length] - alone).abs().max()) < tolerance * float(alone.abs().max()), row
+
+
+def check_decoder_layer_against_executor(hf: torch.nn.Module, table: dict, analysis, x: torch.Tensor,
+                                         position_embeddings: tuple, rng, tolerance: float = 1e-6) -> None:
+    """HF's decoder layer ``hf`` (float64, eager attention) against the float64 executor on the spec's
+    training graph (``analysis``: ``analyse_spec``'s), with ``hf``'s weights carried through the
+    spec's ``WEIGHTS`` ``table`` (every parameter of ``hf`` named): the output, the input's gradient
+    and every weight's, for a random upstream gradient from ``rng``.  ``x``: [B, T, D] float64
+    requiring grad; ``position_embeddings``: HF's rotary (cos, sin) [1, T, E]."""
+    from datamove.dataflow.executor import execute
+    from datamove.runtime.weights import to_spec
+    from test_executor import relative_error
+
+    graph, training = analysis.graph, analysis.training
+    cos, sin = (t.double() for t in position_embeddings)
+    steps = x.shape[1]
+    causal = torch.full((steps, steps), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    out = hf(x, attention_mask=causal, position_embeddings=(cos, sin))
+    out = out[0] if isinstance(out, tuple) else out
+    assert {key for key, _, _ in table.values()} == {name for name, _ in hf.named_parameters()}
+    sizes = {letter: graph.size(letter) for letter in graph.letter_dims}
+    state = hf.state_dict()
+    values = {name: to_spec(state[key], pattern, index, graph.tensors[name].letters, sizes).numpy()
+              for name, (key, pattern, index) in table.items()}
+    values.update(x=x.detach().numpy(), cos=cos[0].numpy(), sin=sin[0].numpy())
+    d_y = rng.standard_normal(tuple(out.shape))
+    values[training.seeds["y"]] = d_y
+    result = execute(training.graph, values)
+    assert relative_error(result["y"], out.detach().numpy()) < tolerance
+    out.backward(torch.tensor(d_y))
+    assert relative_error(result[training.input_grads["x"]], x.grad.numpy()) < tolerance
+    grads = dict(hf.named_parameters())
+    for name, (key, pattern, index) in table.items():
+        expected = to_spec(grads[key].grad, pattern, index, graph.tensors[name].letters, sizes).numpy()
+        assert relative_error(result[training.input_grads[name]], expected) < tolerance, name

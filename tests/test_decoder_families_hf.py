@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from datamove.hf import replace_decoder_layers, replace_llama_layers
-from hf_models import check_against_hf, check_padded, replaced_pair
+from hf_models import check_against_hf, check_decoder_layer_against_executor, check_padded, replaced_pair
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured up to 2e-6
@@ -168,15 +168,11 @@ def test_the_spec_computes_as_hfs_layer_and_analyses(family, tmp_path, capsys):
     (eager, float64, weights drawn N(0, 0.3) through the spec's WEIGHTS) at odd sizes: the output,
     the input's gradient and every parameter's, to HF's float32 RMSNorm; and ``--analyze``."""
     from datamove.cli import main
-    from datamove.dataflow.executor import execute
     from datamove.dataflow.pipeline import analyse_spec
     from datamove.dataflow.spec import load_spec
-    from datamove.runtime.weights import to_spec
-    from test_executor import relative_error
 
     spec = f"configs/{family}.py"
     analysis = analyse_spec(spec, ODD)
-    graph, training = analysis.graph, analysis.training
     model_class, config_class, own, _ = FAMILIES[family]
     config = getattr(transformers, config_class)(**{**own, **dict(
         hidden_size=ODD["D"], intermediate_size=ODD["F"], num_attention_heads=ODD["H"], num_key_value_heads=ODD["KV"],
@@ -190,28 +186,9 @@ def test_the_spec_computes_as_hfs_layer_and_analyses(family, tmp_path, capsys):
             p.normal_(0.0, 0.3)
     rng = np.random.default_rng(13)
     x = torch.tensor(rng.standard_normal((ODD["B"], ODD["T"], ODD["D"])), requires_grad=True)
-    cos, sin = getattr(transformers, model_class)(config).rotary_emb(x, torch.arange(ODD["T"])[None])
-    causal = torch.full((ODD["T"], ODD["T"]), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-    out = hf(x, attention_mask=causal, position_embeddings=(cos.double(), sin.double()))
-    out = out[0] if isinstance(out, tuple) else out
-
     table = load_spec(spec).function.__globals__["WEIGHTS"][f"transformers.{type(hf).__name__}"]
-    assert {key for key, _, _ in table.values()} == {name for name, _ in hf.named_parameters()}
-    sizes = {letter: graph.size(letter) for letter in graph.letter_dims}
-    state = hf.state_dict()
-    values = {name: to_spec(state[key], pattern, index, graph.tensors[name].letters, sizes).numpy()
-              for name, (key, pattern, index) in table.items()}
-    values.update(x=x.detach().numpy(), cos=cos[0].double().numpy(), sin=sin[0].double().numpy())
-    d_y = rng.standard_normal(tuple(out.shape))
-    values[training.seeds["y"]] = d_y
-    result = execute(training.graph, values)
-    assert relative_error(result["y"], out.detach().numpy()) < 1e-6
-    out.backward(torch.tensor(d_y))
-    assert relative_error(result[training.input_grads["x"]], x.grad.numpy()) < 1e-6
-    grads = dict(hf.named_parameters())
-    for name, (key, pattern, index) in table.items():
-        expected = to_spec(grads[key].grad, pattern, index, graph.tensors[name].letters, sizes).numpy()
-        assert relative_error(result[training.input_grads[name]], expected) < 1e-6, name
+    tables = getattr(transformers, model_class)(config).rotary_emb(x, torch.arange(ODD["T"])[None])
+    check_decoder_layer_against_executor(hf, table, analysis, x, tables, rng)
 
     assert main([spec, "--analyze", "--dims", ",".join(f"{k}={v}" for k, v in ODD.items())]) == 0
     text = capsys.readouterr().out

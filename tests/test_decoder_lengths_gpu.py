@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from test_decoder_lengths import check_at_length
-from test_graphs_gpu import close, full, one_process_group, replayers_of
+from process_group import one_process_group
+from test_graphs_gpu import close, full, replayers_of
 from test_llama_gqa_gpu import DIMS, TF32_TOLERANCE, cost_model_artifact
 
 pytestmark = pytest.mark.gpu
@@ -71,7 +72,7 @@ def test_llama_graphs_at_a_shorter_length_match_plain_launches_with_tables_set_i
 def test_fsdp2_siblings_at_a_shorter_length_train_as_unwrapped(llama, tmp_path):
     from torch.distributed.fsdp import fully_shard
 
-    with one_process_group(tmp_path):
+    with one_process_group(tmp_path, "nccl"):
         sharded, plain = layers(llama, 2), layers(llama, 2, cuda_graphs=False)
         model, twin = torch.nn.Sequential(*sharded), torch.nn.Sequential(*plain)
         for layer in sharded:

@@ -13,6 +13,7 @@ import torch
 
 from datamove.export import load_layer
 from plans import selected_plan
+from process_group import one_process_group
 from test_export_gpu import SMALL, artifact
 
 pytestmark = pytest.mark.gpu
@@ -297,18 +298,6 @@ def test_hf_model_with_gradient_checkpointing(path):
         close(ckpt_grads[name], grad)
 
 
-@contextlib.contextmanager
-def one_process_group(tmp_path):
-    """A NCCL process group of this process alone, for FSDP2."""
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def siblings(path, count: int, cuda_graphs: bool = True) -> list:
     """``count`` layers of one plan, each with its own weights, sharing their programs
     (``TunedLayer.sibling``): under FSDP2, one static copy of the parameters and one pool of
@@ -351,7 +340,7 @@ def test_fsdp2_over_the_kernels_trains_as_the_unwrapped_layers(path, tmp_path, c
 
     from datamove.runtime.graphs import GRADIENT_SETS
 
-    with one_process_group(tmp_path):
+    with one_process_group(tmp_path, "nccl"):
         layers = [layer.eval() for layer in siblings(path, 3, cuda_graphs)]
         plain, sharded = torch.nn.Sequential(*plain_twins(path, layers)), torch.nn.Sequential(*layers)
         for layer in sharded:
@@ -402,7 +391,7 @@ def test_fsdp2_siblings_sharing_static_parameters_each_compute_with_their_own(pa
     a step that captures and one that replays."""
     from torch.distributed.fsdp import fully_shard
 
-    with one_process_group(tmp_path):
+    with one_process_group(tmp_path, "nccl"):
         layers = [layer.eval() for layer in siblings(path, 2)]
         with torch.no_grad():
             for p in layers[1].parameters():
@@ -522,7 +511,7 @@ def test_rotary_tables_set_between_two_forwards_before_one_backward(llama_path, 
         ((ya.square() * weights[0]).sum() + (ya * yb * weights[1]).sum()).backward()
         return [ya, yb, a.grad, b.grad] + [full(p.grad) for p in layer.parameters()]
 
-    with one_process_group(tmp_path) if sharded else contextlib.nullcontext():
+    with one_process_group(tmp_path, "nccl") if sharded else contextlib.nullcontext():
         if sharded:
             fully_shard(graphed)
         ours = run(graphed)

@@ -14,6 +14,7 @@ import torch
 from datamove.hf import replace_llama_layers
 from datamove.runtime.module import TunedLayer
 from hf_models import check_against_hf, check_padded, hf_named_grads, replaced_pair
+from process_group import one_process_group
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 2e-5  # float32 against float32, relative to the largest value: measured ~2e-7
@@ -41,18 +42,6 @@ def test_a_replaced_llama_model_trains_as_hf(llama_artifact, padded):
     if padded:
         mask[1, :5] = 0
     check_against_hf(reference, ours, ids, mask, TOLERANCE)
-
-
-@contextlib.contextmanager
-def one_process_group(tmp_path):
-    """A gloo process group of this process alone, for FSDP2 on the CPU."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def two_forwards_one_backward(model, ids: torch.Tensor, positions: torch.Tensor | None, weights: torch.Tensor):
@@ -95,7 +84,7 @@ def test_two_forwards_before_one_backward_train_as_hf(llama_artifact, tmp_path, 
         if how == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
-            stack.enter_context(one_process_group(tmp_path))
+            stack.enter_context(one_process_group(tmp_path, "gloo"))
             for block in ours.layers:
                 fully_shard(block)
             fully_shard(ours)

@@ -17,6 +17,7 @@ from datamove.dataflow.executor import execute, known_value, tensor_shape
 from datamove.dataflow.initial_values import CausalMask, KnownValue, initial_values
 from datamove.dataflow.pipeline import analyse_spec
 from datamove.dataflow.spec import load_spec
+from hf_models import check_decoder_layer_against_executor
 from test_executor import relative_error
 
 warnings.filterwarnings("ignore", module="dace")
@@ -101,10 +102,7 @@ def test_llama_against_hf_decoder_layer():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from datamove.runtime.weights import to_spec
-
     analysis = analyse_spec(SPEC, EVEN)
-    graph, training = analysis.graph, analysis.training
     config = transformers.LlamaConfig(hidden_size=EVEN["D"], intermediate_size=EVEN["F"],
                                       num_attention_heads=EVEN["H"], num_key_value_heads=EVEN["KV"],
                                       head_dim=EVEN["E"], rms_norm_eps=1e-5, hidden_act="silu")
@@ -116,28 +114,9 @@ def test_llama_against_hf_decoder_layer():
             p.normal_(0.0, 0.3)
     rng = np.random.default_rng(11)
     x = torch.tensor(rng.standard_normal((EVEN["B"], EVEN["T"], EVEN["D"])), requires_grad=True)
-    positions = torch.arange(EVEN["T"])[None].expand(EVEN["B"], -1)
-    cos, sin = LlamaRotaryEmbedding(config)(x, positions)
-    mask = torch.full((EVEN["T"], EVEN["T"]), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-    out = hf(x, attention_mask=mask, position_embeddings=(cos.double(), sin.double()))
-    out = out[0] if isinstance(out, tuple) else out
-
     table = load_spec(SPEC).function.__globals__["WEIGHTS"]["transformers.LlamaDecoderLayer"]
-    sizes = {letter: graph.size(letter) for letter in graph.letter_dims}
-    state = hf.state_dict()
-    values = {name: to_spec(state[key], pattern, index, graph.tensors[name].letters, sizes).numpy()
-              for name, (key, pattern, index) in table.items()}
-    values.update(x=x.detach().numpy(), cos=cos[0].double().numpy(), sin=sin[0].double().numpy())
-    d_y = rng.standard_normal(tuple(out.shape))
-    values[training.seeds["y"]] = d_y
-    result = execute(training.graph, values)
-    assert relative_error(result["y"], out.detach().numpy()) < 1e-6
-    out.backward(torch.tensor(d_y))
-    assert relative_error(result[training.input_grads["x"]], x.grad.numpy()) < 1e-6
-    grads = dict(hf.named_parameters())
-    for name, (key, pattern, index) in table.items():
-        expected = to_spec(grads[key].grad, pattern, index, graph.tensors[name].letters, sizes).numpy()
-        assert relative_error(result[training.input_grads[name]], expected) < 1e-6, name
+    tables = LlamaRotaryEmbedding(config)(x, torch.arange(EVEN["T"])[None])
+    check_decoder_layer_against_executor(hf, table, analysis, x, tables, rng)
 
 
 def test_analyze_command_on_llama(tmp_path, capsys):
