@@ -298,6 +298,14 @@ class BertLayerReplacement(torch.nn.Module):
 
     _last_cache = None  # weakref of the last key-value cache a decoder's replacement was called with (``_saw``)
 
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save`` of the whole model) without the last cache's weak reference, which
+        pickle cannot take (a model called with ``use_cache``, its default, could not be saved whole);
+        the copy starts without one, as a new replacement does."""
+        state = super().__getstate__()
+        state.pop("_last_cache", None)
+        return state
+
     def _output(self, hidden_states: torch.Tensor, attention_mask, kwargs: dict, extra: tuple = ()):
         """The layer on ``hidden_states`` as HF's model loop takes it (``_masked``): recorded where HF
         collects hidden states, a 1-tuple where ``returns_tuple``."""

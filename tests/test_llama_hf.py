@@ -98,6 +98,23 @@ def test_two_forwards_before_one_backward_train_as_hf(llama_artifact, tmp_path, 
         assert float((grads[name] - p.grad).abs().max()) < FLOAT64_TOLERANCE * float(p.grad.abs().max()), name
 
 
+def test_a_replaced_model_called_with_its_cache_is_saved_whole_and_trains_as_hf(llama_artifact, tmp_path):
+    """``torch.save`` of the whole replaced model (a training checkpoint) after a call in which HF made
+    its key-value cache (``use_cache``, the models' default) failed with "cannot pickle
+    'weakref.ReferenceType' object": each replacement kept that cache weakly (to refuse generation's
+    second step).  Loaded, it computes as HF's model in float64, a batch padded to its longest
+    sequence, shorter than the tuned 16 (output, every gradient); generation is still refused."""
+    reference, ours = replaced_pair(transformers.LlamaForCausalLM(small_config(_attn_implementation="eager")).double(),
+                                    replace_llama_layers, llama_artifact, 2, 0.1, dtype=torch.float64)
+    ids = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(12))
+    ours(input_ids=ids, attention_mask=torch.ones_like(ids))
+    torch.save(ours, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    check_padded(reference.model, loaded.model, [11, 4, 7], 11, 50, FLOAT64_TOLERANCE)
+    with pytest.raises(ValueError, match="generation with a key-value cache is not part of the tuned layer"):
+        loaded.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+
+
 def test_a_model_naming_silu_swish_is_replaced_and_trains_as_hf(llama_artifact):
     """hidden_act="swish" is HF's SiLU under its other name (ACT2FN): such a model was refused as
     configured otherwise than the spec."""
