@@ -207,3 +207,30 @@ def test_fsdp2s_static_copies_hold_the_constants_at_the_layers_length(llama):
     statics.copy_in(layer._spec_tensors(layer._held()))
     assert torch.equal(dict(zip(layer.interface.constants, statics.tensors[-len(layer.interface.constants):]))["cos"],
                        layer.spec_view("cos"))
+
+
+def test_layers_that_ran_their_kernels_are_saved_whole_and_compute_right(llama):
+    """``torch.save`` of a layer that had run its kernels (so of any model trained with them: a
+    GPU's default) failed with "PicklingError: Can't pickle <function ..._kernel>": its programs'
+    launchers hold the generated kernels, functions of modules made in the process.  A layer now
+    pickles without the programs (and CUDA graphs) it made: a loaded layer and its sibling, still
+    sharing one program cache, make their own on their first calls, at T=13 and 6 against the
+    float64 executor (output and every gradient); ``copy.deepcopy`` alike."""
+    import copy
+    import io
+
+    layer = load(llama, backend="kernels", allow_mismatch=True)
+    twin = layer.sibling()
+    for n, each in enumerate((layer, twin)):
+        randomize(each, 5 + n)
+        set_constants(each, 5 + n)
+        check_at_length(each, 6, seed=n)
+    assert len(layer._programs) == 1  # the siblings' one program at B=2, T=6
+    saved = io.BytesIO()
+    torch.save([layer, twin], saved)
+    saved.seek(0)
+    loaded, loaded_twin = torch.load(saved, weights_only=False)
+    assert loaded._programs is loaded_twin._programs and len(loaded._programs) == 0
+    for each in (loaded, loaded_twin, copy.deepcopy(twin)):
+        for n, length in enumerate((13, 6)):
+            check_at_length(each, length, seed=n)

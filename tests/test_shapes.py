@@ -394,8 +394,9 @@ def test_let_go_programs_free_their_kernels(bert, monkeypatch):
 
 def test_programs_named_by_the_custom_ops_are_kept(bert, monkeypatch):
     """A meta-device call (and a compiled graph) runs its program through the custom ops, which find
-    it by name at its backward or a later call: it is kept whatever other shapes come after, in a copy
-    of the layer too."""
+    it by name at its backward or a later call: it is kept whatever other shapes come after.  A copy
+    of the layer keeps none of its programs (``TunedLayer.__getstate__``): it makes and keeps its own,
+    under names of its own."""
     import copy
 
     from datamove.runtime import module
@@ -412,10 +413,13 @@ def test_programs_named_by_the_custom_ops_are_kept(bert, monkeypatch):
         y.sum().backward()  # finds its program by name
         assert module.PROGRAMS[named.name] is named and x.grad.shape == x.shape
         twin = copy.deepcopy(layer)
-        kept = twin._programs.get(next(k for k, p in layer._programs._pinned.items() if p is named))
+        assert len(twin._programs) == 0
+        y = twin(torch.randn(2, 9, layer.graph.size("i"), device="meta", requires_grad=True))
         for length in (5, 6):
             twin(torch.randn(2, length, layer.graph.size("i"), device="meta"))
-    assert module.PROGRAMS[kept.name] is kept and kept is not named
+        y.sum().backward()
+    kept = twin._programs.get(next(k for k, p in layer._programs._pinned.items() if p is named))
+    assert module.PROGRAMS[kept.name] is kept and kept is not named and module.PROGRAMS[named.name] is named
 
 
 def test_untuned_shapes_are_warned_about_up_to_a_number(bert, monkeypatch):

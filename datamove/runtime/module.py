@@ -103,8 +103,14 @@ class ProgramCache:
             self._pinned[key] = self._recent.pop(key)
             self._pinned_names.add(program.name)
 
+    def __getstate__(self) -> dict:
+        """Pickled empty (``TunedLayer.__getstate__``): one empty cache, which the copies of the
+        siblings sharing this one share."""
+        return {"_recent": OrderedDict(), "_pinned": {}, "_pinned_names": set()}
+
     def renamed(self) -> None:
-        """After the programs were registered anew (unpickled): their pins follow their new names."""
+        """After the programs of a layer pickled with them (before they were left out) were registered
+        anew: their pins follow their new names."""
         self._pinned_names = {program.name for program in self._pinned.values()}
 
     def values(self) -> list[LayerProgram]:
@@ -482,11 +488,23 @@ class TunedLayer(torch.nn.Module):
     def set_extra_state(self, state) -> None:
         """Nothing to set: ``_stored_as_planned`` put the loaded tensors in this layer's layouts."""
 
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save`` of the layer or its model, ``copy.deepcopy``) without what it made for
+        this process: its programs (``ProgramCache.__getstate__``; the kernels' launchers hold the
+        generated kernels, functions of modules made here, which pickle cannot take: a layer that had
+        run its kernels could not be saved whole) and its CUDA graphs with their per-shape counts
+        (device memory and captures of this layer's own).  The copy makes its own on its first calls,
+        as a loaded layer does (no kernel compiles again: Triton keeps them)."""
+        state = super().__getstate__()
+        state.update(_last_call=None, graphs=LayerGraphs(), _calls={}, _graphed=set())
+        return state
+
     def __setstate__(self, state) -> None:
-        """Unpickling (``torch.load`` of a saved layer or model, ``copy.deepcopy``): the layer's programs
-        registered under names of this process (the custom ops find a program by name, and the
-        pickled names were another process's: ``torch.compile`` of a loaded layer ran whatever program
-        held that name here, another layer's training program, say, or failed with a KeyError)."""
+        """Unpickling (``torch.load`` of a saved layer or model, ``copy.deepcopy``).  A layer pickled with
+        its programs (before ``__getstate__`` left them out): they are registered under names of this
+        process (the custom ops find a program by name, and the pickled names were another process's:
+        ``torch.compile`` of a loaded layer ran whatever program held that name here, another layer's
+        training program, say, or failed with a KeyError)."""
         super().__setstate__(state)
         self.__dict__.setdefault("_last_call", None)  # layers pickled before these attributes existed
         self.__dict__.setdefault("dropout_off", False)
