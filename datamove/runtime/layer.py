@@ -201,10 +201,6 @@ class LayerProgram:
         self._signatures: dict[str, tuple] = {}  # phase -> what its steps' recordings assume
         self.shared_statics = None  # what its layers' graphs read and write under FSDP2 (``runtime.graphs.shared_statics``)
 
-    def __getstate__(self) -> dict:
-        """Pickled (a saved layer, ``copy.deepcopy``) without FSDP2's statics: device memory a copy makes anew."""
-        return {**self.__dict__, "shared_statics": None}
-
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update({"shared_statics": None, "at_call": None, **state})  # programs pickled before they existed
         self.__dict__.setdefault("held_graph", self.graph)
